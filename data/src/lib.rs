@@ -1,0 +1,1 @@
+//! GovReport data pipeline for llora (issue #4): readers, tokenizer path, synthetic set, loaders.

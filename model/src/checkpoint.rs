@@ -1,0 +1,296 @@
+//! HF checkpoints in (single or sharded safetensors, memory-mapped) and PEFT adapters in/out.
+//!
+//! Burn's safetensors store reads one file and ignores `model.safetensors.index.json`, so the
+//! shards and the index are read here with the `safetensors` crate. Every error names the file
+//! and the tensor, and the expected and found shape or dtype.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail, ensure};
+use burn::tensor::{Device, Tensor, TensorData};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, TensorView};
+
+use crate::config::LlamaConfig;
+use crate::llama::{LlamaForCausalLM, WeightSource};
+use crate::lora::{LoraAdapter, LoraSpec};
+
+/// One memory-mapped safetensors file with its parsed header.
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    meta: Metadata,
+}
+
+impl Shard {
+    fn open(path: &Path) -> anyhow::Result<Self> {
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: the file is opened read-only and llora never writes a checkpoint it is
+        // reading; a concurrent external writer would be a user error the header check catches
+        // only partly, as with any mmap-based reader (PyTorch's included).
+        let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+        let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+        Ok(Self { path: path.to_path_buf(), mmap, header_len, meta })
+    }
+
+    /// The named tensor converted to f32, checked against `expected` shape.
+    fn read_f32(&self, name: &str, expected: &[usize]) -> anyhow::Result<TensorData> {
+        let info = self
+            .meta
+            .info(name)
+            .with_context(|| format!("tensor {name} is missing from {}", self.path.display()))?;
+        ensure!(
+            info.shape == expected,
+            "tensor {name} in {}: expected shape {expected:?}, found {:?}",
+            self.path.display(),
+            info.shape
+        );
+        let (start, end) = info.data_offsets;
+        let bytes = &self.mmap[8 + self.header_len + start..8 + self.header_len + end];
+        let values: Vec<f32> = match info.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => bail!(
+                "tensor {name} in {}: dtype {other:?} is not supported (expected F32, BF16 or F16)",
+                self.path.display()
+            ),
+        };
+        Ok(TensorData::new(values, expected.to_vec()))
+    }
+}
+
+/// An HF checkpoint directory: `config.json` plus `model.safetensors` or sharded
+/// `model-XXXXX-of-YYYYY.safetensors` with `model.safetensors.index.json`.
+pub struct HfCheckpoint {
+    /// The directory.
+    pub dir: PathBuf,
+    /// The architecture from `config.json` (with `fused_qkv` detected from the tensors).
+    pub config: LlamaConfig,
+    shards: Vec<Shard>,
+    /// Tensor name → index into `shards`.
+    index: HashMap<String, usize>,
+}
+
+impl HfCheckpoint {
+    /// Opens and indexes a checkpoint directory without reading any tensor data.
+    pub fn open(dir: &Path) -> anyhow::Result<Self> {
+        ensure!(dir.is_dir(), "model directory {} does not exist", dir.display());
+        let mut config = LlamaConfig::from_hf_dir(dir)?;
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("cannot read {}", index_path.display()))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", index_path.display()))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .with_context(|| format!("{}: no \"weight_map\" object", index_path.display()))?;
+            let mut by_file: BTreeMap<String, usize> = BTreeMap::new();
+            for (tensor, file) in map {
+                let file = file
+                    .as_str()
+                    .with_context(|| format!("{}: weight_map[{tensor:?}] is not a file name", index_path.display()))?;
+                let next = by_file.len();
+                let shard_idx = *by_file.entry(file.to_string()).or_insert(next);
+                if shard_idx == shards.len() {
+                    let path = dir.join(file);
+                    ensure!(
+                        path.is_file(),
+                        "shard {file} (holding tensor {tensor}) is listed in {} but missing from {}",
+                        index_path.display(),
+                        dir.display()
+                    );
+                    shards.push(Shard::open(&path)?);
+                }
+                ensure!(
+                    shards[shard_idx].meta.info(tensor).is_some(),
+                    "{} maps tensor {tensor} to {file}, which does not contain it",
+                    index_path.display()
+                );
+                index.insert(tensor.clone(), shard_idx);
+            }
+        } else if single.is_file() {
+            let shard = Shard::open(&single)?;
+            for name in shard.meta.tensors().into_keys() {
+                index.insert(name, 0);
+            }
+            shards.push(shard);
+        } else {
+            bail!(
+                "{} has neither model.safetensors nor model.safetensors.index.json",
+                dir.display()
+            );
+        }
+        if index.contains_key("model.layers.0.self_attn.qkv_proj.weight") {
+            config.fused_qkv = true;
+        }
+        Ok(Self { dir: dir.to_path_buf(), config, shards, index })
+    }
+
+    /// Reads one tensor as f32 in the expected shape.
+    pub fn read(&self, name: &str, expected: &[usize]) -> anyhow::Result<TensorData> {
+        let shard = self.index.get(name).with_context(|| {
+            format!("tensor {name} is missing from the checkpoint in {}", self.dir.display())
+        })?;
+        self.shards[*shard].read_f32(name, expected)
+    }
+
+    /// Builds the model from this checkpoint with fresh adapters from `lora`.
+    pub fn load_model(&self, lora: Option<&LoraSpec>, trainable: bool, device: &Device) -> anyhow::Result<LlamaForCausalLM> {
+        let mut source = WeightSource::new(device, |name: &str, shape: &[usize]| self.read(name, shape));
+        LlamaForCausalLM::build(&self.config, lora, trainable, device, &mut source)
+            .with_context(|| format!("loading the model from {}", self.dir.display()))
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a crash never leaves a
+/// half-written file where a good one was.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id()
+    ));
+    let mut f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).with_context(|| format!("cannot write {}", tmp.display()))?;
+    drop(f);
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+}
+
+/// f32 tensors as a safetensors file in memory (names sorted, as safetensors requires).
+pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::Result<Vec<u8>> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    Ok(safetensors::serialize(views, None)?)
+}
+
+/// f32 values of a tensor, for writing.
+pub fn tensor_f32<const D: usize>(t: &Tensor<D>) -> (Vec<usize>, Vec<f32>) {
+    let data = t.to_data().convert::<f32>();
+    (data.shape().to_vec(), data.to_vec::<f32>().expect("converted to f32"))
+}
+
+/// Saves the model's adapters in PEFT format: `adapter_config.json` and
+/// `adapter_model.safetensors` with PEFT's names
+/// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` `[r, in]`, `lora_B` `[out, r]`).
+pub fn save_peft_adapter(model: &LlamaForCausalLM, spec: &LoraSpec, dir: &Path, base_model: &str) -> anyhow::Result<()> {
+    let mut tensors = Vec::new();
+    for (name, adapter) in model.adapters() {
+        let (sa, va) = tensor_f32(&adapter.a.val());
+        let (sb, vb) = tensor_f32(&adapter.b.val());
+        tensors.push((format!("{name}.lora_A.weight"), sa, va));
+        tensors.push((format!("{name}.lora_B.weight"), sb, vb));
+    }
+    ensure!(!tensors.is_empty(), "the model has no adapters to save");
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": spec.targets,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "use_rslora": false,
+        "use_dora": false,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    });
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    write_atomic(&dir.join("adapter_model.safetensors"), &safetensors_bytes(&tensors)?)?;
+    write_atomic(&dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
+}
+
+/// Reads a PEFT `adapter_config.json` as a [`LoraSpec`].
+pub fn read_peft_config(dir: &Path) -> anyhow::Result<LoraSpec> {
+    let path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let field = |k: &str| v.get(k).with_context(|| format!("{}: missing key {k:?}", path.display()));
+    let peft_type = field("peft_type")?.as_str().unwrap_or_default();
+    ensure!(peft_type == "LORA", "{}: peft_type {peft_type:?} is not supported (LORA only)", path.display());
+    for unsupported in ["use_dora", "use_rslora"] {
+        ensure!(
+            !v.get(unsupported).and_then(|x| x.as_bool()).unwrap_or(false),
+            "{}: {unsupported} = true is not supported",
+            path.display()
+        );
+    }
+    let targets = match field("target_modules")? {
+        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+        serde_json::Value::String(s) => vec![s.clone()],
+        other => bail!("{}: target_modules {other} is not a list", path.display()),
+    };
+    Ok(LoraSpec {
+        rank: field("r")?.as_u64().with_context(|| format!("{}: r is not an integer", path.display()))? as usize,
+        alpha: field("lora_alpha")?.as_f64().with_context(|| format!("{}: lora_alpha is not a number", path.display()))?,
+        dropout: v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0),
+        targets,
+    })
+}
+
+/// Loads a PEFT adapter directory onto `model`, replacing its adapters (or adding them).
+///
+/// Accepts PEFT's on-disk names with or without the adapter name (`lora_A.weight` or
+/// `lora_A.default.weight`). Every targeted module must have both tensors in the right shape;
+/// a tensor that matches no module is an error too, since it means the base and adapter differ.
+pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Device) -> anyhow::Result<LoraSpec> {
+    let spec = read_peft_config(dir)?;
+    let path = dir.join("adapter_model.safetensors");
+    let shard = Shard::open(&path)?;
+    let mut names: HashMap<String, String> = shard
+        .meta
+        .tensors()
+        .into_keys()
+        .map(|n| (n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."), n))
+        .collect();
+    let mut loaded = 0;
+    for (module, layer) in model.named_linears_mut() {
+        let short = module.rsplit('.').next().unwrap_or_default();
+        if !spec.targets(short) {
+            continue;
+        }
+        let peft = format!("base_model.model.{module}");
+        let [out, inp] = layer.dims();
+        let mut take = |which: &str, shape: [usize; 2]| -> anyhow::Result<Tensor<2>> {
+            let key = format!("{peft}.{which}.weight");
+            let stored = names
+                .remove(&key)
+                .with_context(|| format!("tensor {key} is missing from {}", path.display()))?;
+            let data = shard.read_f32(&stored, &shape)?;
+            Ok(Tensor::from_data(data, device))
+        };
+        let a = take("lora_A", [spec.rank, inp])?;
+        let b = take("lora_B", [out, spec.rank])?;
+        layer.lora = Some(LoraAdapter::from_tensors(a, b, &spec));
+        loaded += 1;
+    }
+    if let Some(extra) = names.keys().next() {
+        bail!("{}: tensor {extra} matches no module of the base model (wrong base, or a target llora does not know)", path.display());
+    }
+    ensure!(loaded > 0, "{}: no module of the model matches target_modules {:?}", path.display(), spec.targets);
+    Ok(spec)
+}

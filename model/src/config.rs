@@ -1,0 +1,320 @@
+//! `LlamaConfig`: the architecture, as HF `config.json` states it, plus llora's presets.
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+/// Architecture hyperparameters of a Llama-family causal LM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// Vocabulary size V (rows of the embedding and of the LM head).
+    pub vocab_size: usize,
+    /// Residual width d.
+    pub hidden_size: usize,
+    /// SwiGLU inner width I.
+    pub intermediate_size: usize,
+    /// Decoder layers L.
+    pub num_hidden_layers: usize,
+    /// Query heads H.
+    pub num_attention_heads: usize,
+    /// Key/value heads KV (H / KV query heads share one; KV = H is plain multi-head attention).
+    pub num_key_value_heads: usize,
+    /// Per-head width hd (d / H unless the checkpoint says otherwise).
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base θ.
+    pub rope_theta: f64,
+    /// Longest position the RoPE tables cover.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Whether the checkpoint stores q/k/v as one `qkv_proj` (rows q, then k, then v).
+    pub fused_qkv: bool,
+}
+
+/// The subset of an HF `config.json` llora reads, in both the 4.x and 5.x spellings.
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f64,
+    /// transformers 4.x: top level, absent meaning 10000.
+    rope_theta: Option<f64>,
+    /// transformers 4.x: `{"type"/"rope_type": ..., "factor": ...}` or null.
+    rope_scaling: Option<serde_json::Value>,
+    /// transformers 5.x: `{"rope_type": "default", "rope_theta": ...}`.
+    rope_parameters: Option<serde_json::Value>,
+    #[serde(default = "default_max_pos")]
+    max_position_embeddings: usize,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    hidden_act: Option<String>,
+    /// llora's marker for fused-QKV checkpoints (the MLPerf reference's conversion).
+    #[serde(default)]
+    fused_qkv: bool,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_max_pos() -> usize {
+    4096
+}
+
+/// RoPE variants that keep the plain `theta^(-2j/hd)` frequencies.
+const PLAIN_ROPE: &[&str] = &["default", "linear_none"];
+
+fn rope_type(v: &serde_json::Value) -> Option<String> {
+    v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).map(str::to_string)
+}
+
+impl LlamaConfig {
+    /// Parses an HF `config.json` (transformers 4.x or 5.x).
+    ///
+    /// Rope scaling (linear, dynamic, yarn, llama3) changes the frequencies; llora does not
+    /// implement it yet, so a checkpoint that asks for it is rejected rather than mis-run.
+    pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
+        let hf: HfConfig = serde_json::from_str(text).context("not a Llama config.json")?;
+        if let Some(t) = &hf.model_type
+            && t != "llama"
+        {
+            bail!("model_type {t:?} is not supported: llora runs Llama-architecture models (model_type \"llama\")");
+        }
+        if hf.attention_bias || hf.mlp_bias {
+            bail!("attention_bias/mlp_bias = true is not supported: Llama 2 has no biases");
+        }
+        if let Some(act) = &hf.hidden_act
+            && act != "silu"
+        {
+            bail!("hidden_act {act:?} is not supported: Llama uses \"silu\"");
+        }
+        let mut theta = hf.rope_theta;
+        for (key, v) in [("rope_scaling", &hf.rope_scaling), ("rope_parameters", &hf.rope_parameters)] {
+            let Some(v) = v.as_ref().filter(|v| !v.is_null()) else { continue };
+            let kind = rope_type(v).unwrap_or_else(|| "default".into());
+            if !PLAIN_ROPE.contains(&kind.as_str()) {
+                bail!("{key}.rope_type = {kind:?} is not supported (only \"default\" RoPE is implemented)");
+            }
+            if let Some(t) = v.get("rope_theta").and_then(|t| t.as_f64()) {
+                theta = Some(t);
+            }
+        }
+        let heads = hf.num_attention_heads;
+        let kv = hf.num_key_value_heads.unwrap_or(heads);
+        let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / heads.max(1));
+        let config = Self {
+            vocab_size: hf.vocab_size,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_hidden_layers: hf.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim,
+            rms_norm_eps: hf.rms_norm_eps,
+            rope_theta: theta.unwrap_or(10000.0),
+            max_position_embeddings: hf.max_position_embeddings,
+            tie_word_embeddings: hf.tie_word_embeddings,
+            fused_qkv: hf.fused_qkv,
+        };
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Reads `DIR/config.json`.
+    pub fn from_hf_dir(dir: &Path) -> anyhow::Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        Self::from_hf_json(&text).with_context(|| format!("in {}", path.display()))
+    }
+
+    /// The HF `config.json` text (transformers 4.x keys, which 5.x also reads).
+    pub fn to_hf_json(&self) -> String {
+        let v = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+            "torch_dtype": "float32",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        });
+        serde_json::to_string_pretty(&v).expect("json")
+    }
+
+    /// Shape consistency checks, with the offending field named.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let c = self;
+        for (name, v) in [
+            ("vocab_size", c.vocab_size),
+            ("hidden_size", c.hidden_size),
+            ("intermediate_size", c.intermediate_size),
+            ("num_hidden_layers", c.num_hidden_layers),
+            ("num_attention_heads", c.num_attention_heads),
+            ("num_key_value_heads", c.num_key_value_heads),
+            ("head_dim", c.head_dim),
+        ] {
+            if v == 0 {
+                bail!("{name} must be > 0");
+            }
+        }
+        if c.num_attention_heads % c.num_key_value_heads != 0 {
+            bail!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                c.num_attention_heads,
+                c.num_key_value_heads
+            );
+        }
+        if c.head_dim % 2 != 0 {
+            bail!("head_dim ({}) must be even for RoPE", c.head_dim);
+        }
+        Ok(())
+    }
+
+    /// Query heads per key/value head.
+    pub fn group_size(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// Parameters of the base model (embeddings, layers, norm, head).
+    pub fn num_parameters(&self) -> usize {
+        let (d, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let layer = d * (q + 2 * kv) + q * d + 3 * d * i + 2 * d;
+        let head = if self.tie_word_embeddings { 0 } else { v * d };
+        v * d + self.num_hidden_layers * layer + d + head
+    }
+
+    fn build(v: usize, d: usize, i: usize, l: usize, h: usize, kv: usize, max_pos: usize) -> Self {
+        Self {
+            vocab_size: v,
+            hidden_size: d,
+            intermediate_size: i,
+            num_hidden_layers: l,
+            num_attention_heads: h,
+            num_key_value_heads: kv,
+            head_dim: d / h,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            max_position_embeddings: max_pos,
+            tie_word_embeddings: false,
+            fused_qkv: false,
+        }
+    }
+
+    /// Llama 2 70B with MLPerf's 8192 positions: 80 layers, d 8192, 64 heads, 8 KV heads.
+    pub fn llama2_70b() -> Self {
+        Self::build(32000, 8192, 28672, 80, 64, 8, 8192)
+    }
+
+    /// Llama 2 7B: 32 layers, d 4096, 32 heads (no GQA).
+    pub fn llama2_7b() -> Self {
+        Self::build(32000, 4096, 11008, 32, 32, 32, 4096)
+    }
+
+    /// The peer benchmark's `tiny`: vocab 32000, d 256, 4 layers, 8 heads, I 688.
+    pub fn tiny() -> Self {
+        Self::build(32000, 256, 688, 4, 8, 8, 4096)
+    }
+
+    /// `tiny` with grouped-query attention (2 layers, 8 heads, 2 KV heads).
+    pub fn tiny_gqa() -> Self {
+        Self::build(32000, 256, 688, 2, 8, 2, 4096)
+    }
+
+    /// The peer benchmark's `small`: d 1024, 8 layers, 16 heads, 4 KV heads, I 2816.
+    pub fn small() -> Self {
+        Self::build(32000, 1024, 2816, 8, 16, 4, 4096)
+    }
+
+    /// One Llama 2 70B decoder layer (real shapes) with its embedding and head.
+    pub fn llama2_70b_1layer() -> Self {
+        Self { num_hidden_layers: 1, ..Self::llama2_70b() }
+    }
+
+    /// Looks a preset up by the name configs use.
+    pub fn preset(name: &str) -> anyhow::Result<Self> {
+        Ok(match name {
+            "tiny" => Self::tiny(),
+            "tiny-gqa" => Self::tiny_gqa(),
+            "small" => Self::small(),
+            "llama2-7b" => Self::llama2_7b(),
+            "llama2-70b" => Self::llama2_70b(),
+            "llama2-70b-1layer" => Self::llama2_70b_1layer(),
+            _ => bail!("unknown model preset {name:?}: expected one of {}", PRESETS.join(", ")),
+        })
+    }
+}
+
+/// Names [`LlamaConfig::preset`] accepts.
+pub const PRESETS: &[&str] = &["tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama2-70b-1layer"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_transformers_4_and_5_spellings() {
+        let v4 = r#"{"model_type":"llama","vocab_size":32000,"hidden_size":8192,"intermediate_size":28672,
+            "num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,"rms_norm_eps":1e-5,
+            "max_position_embeddings":8192,"rope_scaling":null}"#;
+        let c = LlamaConfig::from_hf_json(v4).unwrap();
+        assert_eq!(c, LlamaConfig::llama2_70b());
+        let v5 = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+            "num_attention_heads":2,"rope_parameters":{"rope_type":"default","rope_theta":500000.0}}"#;
+        let c = LlamaConfig::from_hf_json(v5).unwrap();
+        assert_eq!((c.rope_theta, c.num_key_value_heads, c.head_dim), (500000.0, 2, 4));
+    }
+
+    #[test]
+    fn rejects_rope_scaling() {
+        let j = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+            "num_attention_heads":2,"rope_scaling":{"rope_type":"llama3","factor":8.0}}"#;
+        let e = LlamaConfig::from_hf_json(j).unwrap_err().to_string();
+        assert!(e.contains("rope_scaling") && e.contains("llama3"), "{e}");
+    }
+
+    #[test]
+    fn rejects_bad_gqa() {
+        let j = r#"{"vocab_size":10,"hidden_size":12,"intermediate_size":16,"num_hidden_layers":1,
+            "num_attention_heads":3,"num_key_value_heads":2}"#;
+        assert!(LlamaConfig::from_hf_json(j).unwrap_err().to_string().contains("multiple"));
+    }
+
+    #[test]
+    fn llama2_70b_parameter_count() {
+        // Meta's Llama 2 70B has 68,976,648,192 parameters (HF model card / num_parameters()).
+        assert_eq!(LlamaConfig::llama2_70b().num_parameters(), 68_976_648_192);
+    }
+
+    #[test]
+    fn json_round_trip() {
+        let c = LlamaConfig::tiny_gqa();
+        assert_eq!(LlamaConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+    }
+}

@@ -1,0 +1,148 @@
+//! Choosing the compute device: one binary runs on a CPU, a CUDA GPU or the pure-Rust backend.
+//!
+//! Burn 0.22 dispatches backends at run time from the [`Device`]; this module turns the
+//! config's `run.device` string into one and sets the thread count the backend uses.
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::Device;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Where tensors live: `cpu` and `cuda:N` run on LibTorch, `flex` on burn-flex (pure Rust).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// LibTorch on the CPU (the default, and what tests use).
+    Cpu,
+    /// LibTorch on CUDA device N (the PyPI torch wheel is the CUDA build).
+    Cuda(usize),
+    /// burn-flex, Burn's pure-Rust CPU backend (needs the `flex` cargo feature).
+    Flex,
+}
+
+/// What [`DeviceSpec::from_str`] accepts, for error messages.
+pub const DEVICE_CHOICES: &str = "\"cpu\", \"cuda:N\" (N = 0, 1, ...) or \"flex\"";
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "flex" => Ok(Self::Flex),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Self::Cuda(n)),
+                _ => Err(format!("unknown device {s:?}: expected {DEVICE_CHOICES}")),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::Flex => f.write_str("flex"),
+        }
+    }
+}
+
+impl Serialize for DeviceSpec {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl DeviceSpec {
+    /// The backend that executes on this device, for start-up logs.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            Self::Cpu | Self::Cuda(_) => "LibTorch (tch 0.22, torch 2.9.0)",
+            Self::Flex => "burn-flex (pure Rust)",
+        }
+    }
+
+    /// Creates the Burn device (without autodiff) and sets the intra-op thread count.
+    ///
+    /// `threads == 0` keeps the backend's default (one per core). Fails when the device is not
+    /// available: no CUDA on this machine, or `flex` without the cargo feature.
+    pub fn init(&self, threads: usize) -> anyhow::Result<Device> {
+        match self {
+            Self::Cpu => {
+                set_torch_threads(threads);
+                Ok(Device::libtorch())
+            }
+            Self::Cuda(n) => {
+                let count = tch::Cuda::device_count();
+                if (*n as i64) >= count {
+                    anyhow::bail!(
+                        "run.device = \"cuda:{n}\" but LibTorch sees {count} CUDA device(s) on this machine; \
+                         use run.device = \"cpu\" or a device index below {count}"
+                    );
+                }
+                set_torch_threads(threads);
+                Ok(Device::libtorch_cuda(*n))
+            }
+            Self::Flex => flex_device(threads),
+        }
+    }
+
+    /// The number of intra-op threads the backend will use after [`DeviceSpec::init`].
+    pub fn effective_threads(&self, threads: usize) -> usize {
+        match self {
+            Self::Cpu | Self::Cuda(_) => tch::get_num_threads().max(1) as usize,
+            Self::Flex if threads > 0 => threads,
+            Self::Flex => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+fn set_torch_threads(threads: usize) {
+    if threads > 0 {
+        tch::set_num_threads(threads as i32);
+        // Inter-op parallelism only helps graph executors; one thread keeps runs reproducible.
+        tch::set_num_interop_threads(1);
+    }
+}
+
+#[cfg(feature = "flex")]
+fn flex_device(_threads: usize) -> anyhow::Result<Device> {
+    Ok(Device::flex())
+}
+
+#[cfg(not(feature = "flex"))]
+fn flex_device(_threads: usize) -> anyhow::Result<Device> {
+    anyhow::bail!(
+        "run.device = \"flex\" needs llora built with the `flex` cargo feature \
+         (cargo build --release --features flex)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints_every_form() {
+        for (s, d) in [("cpu", DeviceSpec::Cpu), ("flex", DeviceSpec::Flex), ("cuda:3", DeviceSpec::Cuda(3))] {
+            assert_eq!(s.parse::<DeviceSpec>().unwrap(), d);
+            assert_eq!(d.to_string(), s);
+        }
+    }
+
+    #[test]
+    fn rejects_unknown_devices_with_the_choices() {
+        for bad in ["gpu", "cuda", "cuda:x", "cuda:-1", "CPU", ""] {
+            let err = bad.parse::<DeviceSpec>().unwrap_err();
+            assert!(err.contains(DEVICE_CHOICES), "{err}");
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! Llama-architecture causal LM with LoRA adapters for llora.
+#![allow(deprecated)] // burn-tch is deprecated upstream but is the backend llora is built on.
+pub mod device;
+pub mod attention;
+pub mod checkpoint;
+pub mod config;
+pub mod llama;
+pub mod lora;
+pub mod loss;
+
+pub use config::LlamaConfig;
+pub use llama::LlamaForCausalLM;
+pub use lora::{LoraAdapter, LoraLinear, LoraSpec};

@@ -1,0 +1,402 @@
+//! The Llama causal LM, block by block in the order data flows through it.
+//!
+//! embedding → L × [x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x))] → RMSNorm → LM head.
+//! Every linear layer is a [`LoraLinear`]: frozen base weight plus an optional adapter.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::silu;
+use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
+
+use crate::attention::causal_attention;
+use crate::config::LlamaConfig;
+use crate::lora::{LoraAdapter, LoraLinear, LoraSpec};
+
+/// Root-mean-square layer norm `w · x / √(mean(x²) + ε)` (no mean subtraction, no bias).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    /// Per-channel gain `[d]`.
+    pub weight: Param<Tensor<1>>,
+    /// ε inside the square root.
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// Normalises over the last dimension.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, d]`
+    /// - output: `[batch, seq, d]`
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        // Activations are f32 everywhere today; bf16 activations (issue #6) must upcast here,
+        // as HF does, because mean(x²) in bf16 loses the small channels.
+        let inv_rms = x.clone().square().mean_dim(2).add_scalar(self.eps).sqrt().recip();
+        x * inv_rms * self.weight.val().unsqueeze::<3>()
+    }
+}
+
+/// RoPE angle tables in HF's `rotate_half` layout: `cos`/`sin` of `pos·θ^(-2j/hd)`,
+/// duplicated to the full head width as `cat(f, f)`.
+///
+/// # Shapes
+/// - output: (cos, sin), each `[1, 1, seq, head_dim]`
+pub fn rope_tables(seq: usize, head_dim: usize, theta: f64, device: &Device) -> (Tensor<4>, Tensor<4>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(seq * head_dim);
+    let mut sin = Vec::with_capacity(seq * head_dim);
+    // Computed in f64 then rounded: HF computes inv_freq in f32 and the angle in f32; the
+    // difference is below f32 resolution for the positions and bases Llama uses.
+    let inv_freq: Vec<f32> =
+        (0..half).map(|j| (1.0 / theta.powf((2 * j) as f64 / head_dim as f64)) as f32).collect();
+    for pos in 0..seq {
+        for _ in 0..2 {
+            for f in &inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+    }
+    let shape = [1, 1, seq, head_dim];
+    (
+        Tensor::from_data(TensorData::new(cos, shape), device),
+        Tensor::from_data(TensorData::new(sin, shape), device),
+    )
+}
+
+/// `x·cos + rotate_half(x)·sin`, with `rotate_half(x) = cat(-x[hd/2:], x[:hd/2])`.
+///
+/// # Shapes
+/// - x: `[batch, heads, seq, head_dim]`
+/// - cos, sin: `[1, 1, seq, head_dim]`
+/// - output: `[batch, heads, seq, head_dim]`
+pub fn apply_rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
+    let hd = x.dims()[3];
+    let first = x.clone().narrow(3, 0, hd / 2);
+    let second = x.clone().narrow(3, hd / 2, hd / 2);
+    let rotated = Tensor::cat(vec![second.neg(), first], 3);
+    x * cos + rotated * sin
+}
+
+/// Grouped-query self-attention with RoPE and a causal mask.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// Query projection `[H·hd, d]` (separate-projection checkpoints).
+    pub q_proj: Option<LoraLinear>,
+    /// Key projection `[KV·hd, d]`.
+    pub k_proj: Option<LoraLinear>,
+    /// Value projection `[KV·hd, d]`.
+    pub v_proj: Option<LoraLinear>,
+    /// Fused projection `[(H + 2·KV)·hd, d]`, rows q then k then v (MLPerf's checkpoint).
+    pub qkv_proj: Option<LoraLinear>,
+    /// Output projection `[d, H·hd]`.
+    pub o_proj: LoraLinear,
+    /// Query heads H.
+    #[module(skip)]
+    pub n_heads: usize,
+    /// Key/value heads KV.
+    #[module(skip)]
+    pub n_kv_heads: usize,
+    /// Head width hd.
+    #[module(skip)]
+    pub head_dim: usize,
+}
+
+impl Attention {
+    /// # Shapes
+    /// - x: `[batch, seq, d]`
+    /// - cos, sin: `[1, 1, seq, head_dim]`
+    /// - output: `[batch, seq, d]`
+    pub fn forward(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> Tensor<3> {
+        let [b, s, _] = x.dims();
+        let (h, kv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let (q, k, v) = match (&self.qkv_proj, &self.q_proj, &self.k_proj, &self.v_proj) {
+            (Some(qkv), ..) => {
+                let fused = qkv.forward(x, train);
+                (fused.clone().narrow(2, 0, h * hd), fused.clone().narrow(2, h * hd, kv * hd), fused.narrow(2, (h + kv) * hd, kv * hd))
+            }
+            (None, Some(q), Some(k), Some(v)) => (q.forward(x.clone(), train), k.forward(x.clone(), train), v.forward(x, train)),
+            _ => unreachable!("the loader builds either qkv_proj or all of q/k/v_proj"),
+        };
+        let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
+        let q = apply_rope(heads(q, h), cos.clone(), sin.clone());
+        let k = apply_rope(heads(k, kv), cos, sin);
+        let v = heads(v, kv);
+        let out = causal_attention(q, k, v);
+        let out = out.swap_dims(1, 2).reshape([b, s, h * hd]);
+        self.o_proj.forward(out, train)
+    }
+}
+
+/// SwiGLU feed-forward: `down(silu(gate(x)) · up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// `[I, d]`.
+    pub gate_proj: LoraLinear,
+    /// `[I, d]`.
+    pub up_proj: LoraLinear,
+    /// `[d, I]`.
+    pub down_proj: LoraLinear,
+}
+
+impl Mlp {
+    /// # Shapes
+    /// - x: `[batch, seq, d]`
+    /// - output: `[batch, seq, d]`
+    pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
+        let gate = silu(self.gate_proj.forward(x.clone(), train));
+        let up = self.up_proj.forward(x, train);
+        self.down_proj.forward(gate * up, train)
+    }
+}
+
+/// One pre-norm decoder block.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm,
+    /// Self-attention.
+    pub self_attn: Attention,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm,
+    /// Feed-forward.
+    pub mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// # Shapes
+    /// - x: `[batch, seq, d]`
+    /// - output: `[batch, seq, d]`
+    pub fn forward(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> Tensor<3> {
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, train);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), train)
+    }
+}
+
+/// Llama causal language model with (optional) LoRA adapters.
+#[derive(Module, Debug)]
+pub struct LlamaForCausalLM {
+    /// Token embedding `[V, d]`.
+    pub embed_tokens: Param<Tensor<2>>,
+    /// Decoder blocks.
+    pub layers: Vec<DecoderLayer>,
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// LM head `[V, d]` (untied).
+    pub lm_head: Param<Tensor<2>>,
+    /// Architecture.
+    #[module(skip)]
+    pub config: LlamaConfig,
+}
+
+impl LlamaForCausalLM {
+    /// Final hidden states (after the last norm).
+    ///
+    /// # Shapes
+    /// - input_ids: `[batch, seq]`
+    /// - output: `[batch, seq, d]`
+    pub fn hidden(&self, input_ids: Tensor<2, Int>, train: bool) -> Tensor<3> {
+        let [_, s] = input_ids.dims();
+        let device = input_ids.device();
+        let c = &self.config;
+        let (cos, sin) = rope_tables(s, c.head_dim, c.rope_theta, &device);
+        let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), input_ids);
+        for layer in &self.layers {
+            x = layer.forward(x, cos.clone(), sin.clone(), train);
+        }
+        self.norm.forward(x)
+    }
+
+    /// Logits over the vocabulary.
+    ///
+    /// # Shapes
+    /// - input_ids: `[batch, seq]`
+    /// - output: `[batch, seq, V]`
+    pub fn forward(&self, input_ids: Tensor<2, Int>, train: bool) -> Tensor<3> {
+        crate::lora::linear_t(self.hidden(input_ids, train), self.lm_head.val())
+    }
+
+    /// A randomly initialised model (HF's init: N(0, 0.02²) weights, unit norms).
+    ///
+    /// Used for presets without a checkpoint and for benchmarks; `trainable` unfreezes the
+    /// base (full fine-tuning).
+    pub fn random(config: &LlamaConfig, lora: Option<&LoraSpec>, trainable: bool, device: &Device) -> Self {
+        let mut weights = WeightSource::new(device, |name: &str, shape: &[usize]| {
+            Ok(if name.ends_with("norm.weight") {
+                TensorData::new(vec![1.0f32; shape[0]], shape.to_vec())
+            } else {
+                Tensor::<2>::random([shape[0], shape[1]], Distribution::Normal(0.0, 0.02), device).into_data()
+            })
+        });
+        Self::build(config, lora, trainable, device, &mut weights).expect("random init cannot fail")
+    }
+
+    /// Builds the model from a weight source (a checkpoint or an initialiser), attaching fresh
+    /// adapters to the modules `lora` targets.
+    pub fn build(
+        config: &LlamaConfig,
+        lora: Option<&LoraSpec>,
+        trainable: bool,
+        device: &Device,
+        weights: &mut WeightSource<'_>,
+    ) -> anyhow::Result<Self> {
+        let c = config;
+        let (d, i, v, hd) = (c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim);
+        let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let linear = |weights: &mut WeightSource<'_>, name: &str, short: &str, out: usize, inp: usize| -> anyhow::Result<LoraLinear> {
+            let w = weights.get2(&format!("{name}.weight"), [out, inp])?;
+            let mut layer = LoraLinear::new(w, trainable);
+            if let Some(spec) = lora.filter(|s| s.targets(short)) {
+                layer = layer.with_adapter(LoraAdapter::new(inp, out, spec, device));
+            }
+            Ok(layer)
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let (q_proj, k_proj, v_proj, qkv_proj) = if c.fused_qkv {
+                (None, None, None, Some(linear(weights, &format!("{p}.self_attn.qkv_proj"), "qkv_proj", qd + 2 * kvd, d)?))
+            } else {
+                (
+                    Some(linear(weights, &format!("{p}.self_attn.q_proj"), "q_proj", qd, d)?),
+                    Some(linear(weights, &format!("{p}.self_attn.k_proj"), "k_proj", kvd, d)?),
+                    Some(linear(weights, &format!("{p}.self_attn.v_proj"), "v_proj", kvd, d)?),
+                    None,
+                )
+            };
+            let self_attn = Attention {
+                q_proj,
+                k_proj,
+                v_proj,
+                qkv_proj,
+                o_proj: linear(weights, &format!("{p}.self_attn.o_proj"), "o_proj", d, qd)?,
+                n_heads: c.num_attention_heads,
+                n_kv_heads: c.num_key_value_heads,
+                head_dim: hd,
+            };
+            let mlp = Mlp {
+                gate_proj: linear(weights, &format!("{p}.mlp.gate_proj"), "gate_proj", i, d)?,
+                up_proj: linear(weights, &format!("{p}.mlp.up_proj"), "up_proj", i, d)?,
+                down_proj: linear(weights, &format!("{p}.mlp.down_proj"), "down_proj", d, i)?,
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: norm(weights, &format!("{p}.input_layernorm.weight"), d, c.rms_norm_eps, trainable)?,
+                self_attn,
+                post_attention_layernorm: norm(weights, &format!("{p}.post_attention_layernorm.weight"), d, c.rms_norm_eps, trainable)?,
+                mlp,
+            });
+        }
+        let embed = weights.get2("model.embed_tokens.weight", [v, d])?;
+        let lm_head = if c.tie_word_embeddings { embed.clone() } else { weights.get2("lm_head.weight", [v, d])? };
+        Ok(Self {
+            embed_tokens: Param::from_tensor(embed).set_require_grad(trainable),
+            layers,
+            norm: norm(weights, "model.norm.weight", d, c.rms_norm_eps, trainable)?,
+            lm_head: Param::from_tensor(lm_head).set_require_grad(trainable),
+            config: c.clone(),
+        })
+    }
+
+    /// Every adapter with its PEFT module path, in forward order
+    /// (`base_model.model.model.layers.0.self_attn.q_proj`, ...).
+    pub fn adapters(&self) -> Vec<(String, &LoraAdapter)> {
+        let mut out = Vec::new();
+        for (name, layer) in self.named_linears() {
+            if let Some(a) = &layer.lora {
+                out.push((format!("base_model.model.{name}"), a));
+            }
+        }
+        out
+    }
+
+    /// Mutable access to every adapter, in the order of [`LlamaForCausalLM::adapters`].
+    pub fn adapters_mut(&mut self) -> Vec<(String, &mut LoraAdapter)> {
+        let mut out = Vec::new();
+        for (name, layer) in self.named_linears_mut() {
+            if let Some(a) = layer.lora.as_mut() {
+                out.push((format!("base_model.model.{name}"), a));
+            }
+        }
+        out
+    }
+
+    /// Every linear layer with its HF module path (`model.layers.0.self_attn.q_proj`).
+    pub fn named_linears(&self) -> Vec<(String, &LoraLinear)> {
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let a = &layer.self_attn;
+            let p = format!("model.layers.{l}");
+            for (n, m) in [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("qkv_proj", &a.qkv_proj)] {
+                if let Some(m) = m {
+                    out.push((format!("{p}.self_attn.{n}"), m));
+                }
+            }
+            out.push((format!("{p}.self_attn.o_proj"), &a.o_proj));
+            let m = &layer.mlp;
+            out.push((format!("{p}.mlp.gate_proj"), &m.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &m.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &m.down_proj));
+        }
+        out
+    }
+
+    /// Mutable variant of [`LlamaForCausalLM::named_linears`], same order.
+    pub fn named_linears_mut(&mut self) -> Vec<(String, &mut LoraLinear)> {
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let a = &mut layer.self_attn;
+            let p = format!("model.layers.{l}");
+            for (n, m) in [("q_proj", &mut a.q_proj), ("k_proj", &mut a.k_proj), ("v_proj", &mut a.v_proj), ("qkv_proj", &mut a.qkv_proj)] {
+                if let Some(m) = m.as_mut() {
+                    out.push((format!("{p}.self_attn.{n}"), m));
+                }
+            }
+            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
+            let m = &mut layer.mlp;
+            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+        }
+        out
+    }
+
+    /// Trainable adapter parameters (A and B of every adapter).
+    pub fn num_lora_parameters(&self) -> usize {
+        self.adapters().iter().map(|(_, a)| a.a.shape().num_elements() + a.b.shape().num_elements()).sum()
+    }
+}
+
+fn norm(weights: &mut WeightSource<'_>, name: &str, d: usize, eps: f64, trainable: bool) -> anyhow::Result<RmsNorm> {
+    let w = weights.get::<1>(name, [d])?;
+    Ok(RmsNorm { weight: Param::from_tensor(w).set_require_grad(trainable), eps })
+}
+
+/// Where [`LlamaForCausalLM::build`] gets each base tensor: a checkpoint or an initialiser.
+///
+/// The closure receives the HF tensor name and the shape the architecture expects and returns
+/// the data in that shape (a checkpoint reader checks it and names the tensor when it differs).
+pub struct WeightSource<'a> {
+    fetch: Box<dyn FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a>,
+    device: Device,
+}
+
+impl<'a> WeightSource<'a> {
+    /// Wraps `fetch(name, expected_shape)`; tensors are created on `device`.
+    pub fn new(device: &Device, fetch: impl FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a) -> Self {
+        Self { fetch: Box::new(fetch), device: device.clone() }
+    }
+
+    fn get<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> anyhow::Result<Tensor<D>> {
+        let data = (self.fetch)(name, &shape)?;
+        anyhow::ensure!(
+            data.shape().as_slice() == shape.as_slice(),
+            "tensor {name}: expected shape {shape:?}, found {:?}",
+            data.shape().as_slice()
+        );
+        Ok(Tensor::from_data(data, &self.device))
+    }
+
+    fn get2(&mut self, name: &str, shape: [usize; 2]) -> anyhow::Result<Tensor<2>> {
+        self.get(name, shape)
+    }
+}

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Install what llora needs to build and run, idempotently:
+#   - a project venv (.venv, git-ignored) with torch==2.9.0 from PyPI: its bundled libtorch is
+#     what tch 0.22 / burn-tch 0.22.1 link against (they require exactly 2.9.0);
+#   - .venv/libtorch, a stable link to that libtorch, which .cargo/config.toml points LIBTORCH
+#     at, so plain `cargo build/test/run` work in a new shell with nothing exported;
+#   - with --parity: transformers, peft and safetensors, for the HF/PEFT parity tests.
+# Running it again reuses what is already right and only repairs what is not.
+#
+# Usage: scripts/setup.sh [--parity] [--quiet]
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$ROOT/.venv"
+TORCH_VERSION=2.9.0
+# Versions the parity fixtures were made and checked with (shared/bench/README.md).
+PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy)
+WANT_PARITY=0
+QUIET=0
+for arg in "$@"; do
+  case "$arg" in
+    --parity) WANT_PARITY=1 ;;
+    --quiet) QUIET=1 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+say() { [[ $QUIET == 1 ]] || echo "setup: $*" >&2; }
+die() { echo "setup.sh: error: $*" >&2; exit 1; }
+
+# --- Rust toolchain -------------------------------------------------------------------------
+command -v cargo >/dev/null 2>&1 || die "cargo not found: install a Rust toolchain (>= 1.95) with rustup first"
+
+# --- Python + venv --------------------------------------------------------------------------
+PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null 2>&1 || die "python3 not found: install Python >= 3.10 with venv and pip (Debian: apt-get install python3 python3-venv python3-pip)"
+"$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
+  || die "$("$PYTHON" --version 2>&1) is too old: torch $TORCH_VERSION needs Python >= 3.10"
+
+venv_ok() { [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; }
+if ! venv_ok; then
+  say "creating venv $VENV"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV" 2>/dev/null \
+    || die "'$PYTHON -m venv' failed: install the venv module (Debian: apt-get install python3-venv)"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -m pip --version >/dev/null 2>&1 \
+  || "$VPY" -m ensurepip --upgrade >/dev/null 2>&1 \
+  || die "pip is missing in $VENV and ensurepip failed (Debian: apt-get install python3-pip)"
+
+pip_install() {
+  # pip's own error already names the package; add what to check, since the usual cause here
+  # is an unreachable registry.
+  if ! "$VPY" -m pip install --disable-pip-version-check --quiet "$@"; then
+    die "pip could not install: $* (is the PyPI registry reachable from this machine? check proxy/network settings and retry)"
+  fi
+}
+
+torch_version() { "$VPY" -c 'from importlib.metadata import version; print(version("torch").split("+")[0])' 2>/dev/null || true; }
+have=$(torch_version)
+if [[ "$have" != "$TORCH_VERSION" ]]; then
+  if [[ -n "$have" ]]; then say "torch $have found, replacing it with $TORCH_VERSION"; fi
+  say "installing torch==$TORCH_VERSION into $VENV (the CUDA wheel, ~3.5 GB; it also runs on CPU)"
+  pip_install "torch==$TORCH_VERSION"
+  have=$(torch_version)
+  [[ "$have" == "$TORCH_VERSION" ]] || die "torch $TORCH_VERSION did not import after install (got '${have:-nothing}')"
+else
+  say "torch $TORCH_VERSION present in $VENV"
+fi
+
+if [[ $WANT_PARITY == 1 ]]; then
+  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy' >/dev/null 2>&1; then
+    say "installing parity-test packages: ${PARITY_PKGS[*]}"
+    pip_install "${PARITY_PKGS[@]}"
+  else
+    say "parity-test packages present"
+  fi
+fi
+
+# --- The libtorch link that .cargo/config.toml names ----------------------------------------
+# find_spec locates torch without importing it (importing is slow and warns without numpy).
+TORCH_DIR=$("$VPY" -c 'import os, importlib.util as u; print(os.path.dirname(u.find_spec("torch").origin))')
+[[ -f "$TORCH_DIR/lib/libtorch_cpu.so" ]] || die "no libtorch_cpu.so under $TORCH_DIR/lib: the torch install looks broken; delete $VENV and rerun"
+ln -sfn "$TORCH_DIR" "$VENV/libtorch"
+
+# --- Repair torch-sys build dirs a failed or foreign build left behind ----------------------
+# torch-sys caches its build script's result. A build attempted before the venv existed may
+# have started a libtorch download (an `out/libtorch` dir that later builds trust even when
+# half-empty), or recorded a libtorch directory that is gone. Either way, clean it so the next
+# build links against .venv/libtorch.
+for target in "$ROOT/target" ${CARGO_TARGET_DIR:+"$CARGO_TARGET_DIR"}; do
+  [[ -d "$target" ]] || continue
+  for build in "$target"/*/build/torch-sys-*; do
+    [[ -d "$build" ]] || continue
+    stale=0
+    [[ -e "$build/out/libtorch" ]] && stale=1
+    if [[ -f "$build/output" ]]; then
+      lib=$(sed -n 's/^cargo:libtorch_lib=//p' "$build/output")
+      [[ -n "$lib" && ! -f "$lib/libtorch_cpu.so" ]] && stale=1
+    fi
+    if [[ $stale == 1 ]]; then
+      say "removing stale torch-sys build state $build"
+      rm -rf "$build"
+      profile_dir=$(dirname "$(dirname "$build")")
+      rm -rf "$profile_dir"/.fingerprint/torch-sys-*
+    fi
+  done
+done
+
+say "ready: cargo build / test / run work in any shell from $ROOT"

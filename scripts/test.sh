@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs what is missing (scripts/setup.sh), then
+# builds and runs every test of the workspace. Extra arguments go to `cargo test`.
+#
+# Tests run in the release profile: the tiny-model training tests are ~10x slower unoptimised,
+# and the demo uses the same profile, so one build of the dependencies serves both.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+# CI starts from a fresh clone each time: keep compiled dependencies in a cache outside it.
+if [[ "${CI:-}" == "true" && -z "${CARGO_TARGET_DIR:-}" ]]; then
+  export CARGO_TARGET_DIR="$HOME/.cache/llora/target"
+fi
+
+./scripts/setup.sh --parity
+cargo test --release --workspace "$@"

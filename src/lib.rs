@@ -1,0 +1,1 @@
+//! llora end-to-end test package.

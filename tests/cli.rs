@@ -1,0 +1,77 @@
+//! The command line as a user meets it: config errors, overrides, unfinished subcommands.
+
+mod common;
+use common::{llora, text};
+
+#[test]
+fn help_runs_without_any_environment() {
+    // llora_in clears the environment: this passes only if the rpath finds LibTorch.
+    let out = llora(&["--help"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    for cmd in ["train", "eval", "data", "mlperf", "config"] {
+        assert!(stdout.contains(cmd), "help lacks {cmd}: {stdout}");
+    }
+}
+
+#[test]
+fn config_show_prints_overrides() {
+    let out = llora(&["config", "show", "configs/llama2-70b-mlperf.toml", "--set", "optim.lr=5e-4", "--set", "run.device=cuda:3"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let shown: toml::Table = toml::from_str(&stdout).expect("config show prints TOML");
+    assert_eq!(shown["optim"]["lr"].as_float(), Some(5e-4));
+    assert_eq!(shown["run"]["device"].as_str(), Some("cuda:3"));
+}
+
+#[test]
+fn mlperf_config_has_the_benchmark_values() {
+    // Values typed in from shared/docs/mlperf-llama2-70b-lora.md, not from our own defaults.
+    let out = llora(&["config", "show", "configs/llama2-70b-mlperf.toml"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let c: toml::Table = toml::from_str(&stdout).unwrap();
+    let f = |s: &str, k: &str| c[s][k].as_float().unwrap();
+    let i = |s: &str, k: &str| c[s][k].as_integer().unwrap();
+    assert_eq!((i("lora", "rank"), f("lora", "alpha"), f("lora", "dropout")), (16, 32.0, 0.1));
+    assert_eq!((f("optim", "lr"), f("optim", "weight_decay"), f("optim", "clip_grad_norm"), f("optim", "eps")), (4e-4, 1e-4, 0.3, 1e-8));
+    assert_eq!((i("schedule", "max_steps"), i("schedule", "warmup_steps")), (1024, 0));
+    assert_eq!((i("train", "global_batch_size"), i("train", "micro_batch_size")), (8, 1));
+    assert_eq!((i("eval", "every_samples"), f("eval", "target_loss")), (384, 0.925));
+    assert_eq!(i("data", "max_seq_len"), 8192);
+    assert_eq!(c["model"]["preset"].as_str(), Some("llama2-70b"));
+}
+
+fn fails_naming(args: &[&str], needles: &[&str]) {
+    let out = llora(args);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{args:?} should fail");
+    for n in needles {
+        assert!(stderr.contains(n), "{args:?}: stderr lacks {n:?}:\n{stderr}");
+    }
+}
+
+#[test]
+fn bad_configs_fail_naming_the_key() {
+    fails_naming(&["config", "show", "--set", "optim.learnig_rate=1"], &["`optim.learnig_rate`", "lr"]);
+    fails_naming(&["config", "show", "--set", "lora.rank=sixteen"], &["`lora.rank`", "sixteen"]);
+    fails_naming(&["config", "show", "--set", "lora.dropout=1.5"], &["`lora.dropout` = 1.5", "[0, 1)"]);
+    fails_naming(&["config", "show", "--set", "run.device=tpu:0"], &["`run.device`", "cuda:N"]);
+    fails_naming(&["config", "show", "no/such.toml"], &["no/such.toml", "cannot read"]);
+    fails_naming(&["train", "--set", "lora.targets=q_proj,qkv_proj"], &["`lora.targets`", "exclude"]);
+}
+
+#[test]
+fn bad_config_file_names_the_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "[model]\npreset = \"tiny\"\n[train]\nglobal_batch_size = 0\n").unwrap();
+    fails_naming(&["config", "show", path.to_str().unwrap()], &["bad.toml", "`train.global_batch_size` = 0"]);
+}
+
+#[test]
+fn unfinished_subcommands_say_so_and_fail() {
+    for cmd in ["eval", "data", "mlperf", "export", "bench"] {
+        fails_naming(&[cmd], &["not implemented yet"]);
+    }
+}

@@ -1,0 +1,67 @@
+//! Helpers shared by the end-to-end tests: the `llora` binary, run as a user would.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Path of the `llora` binary of this build profile, built (once per test binary) if stale.
+///
+/// The binary lives in the `llora-trainer` package, so Cargo does not build it for this
+/// package's tests on its own; building through `$CARGO` keeps it in step with the sources.
+pub fn llora_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test executable path");
+        let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+        let release = profile_dir.file_name().is_some_and(|n| n == "release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(root()).args(["build", "--quiet", "--bin", "llora"]);
+        // Cargo sets CARGO_MANIFEST_DIR & co. for tests; some build scripts (ring, under
+        // torch-sys) rerun when they change, which would rebuild LibTorch's whole dependent
+        // tree. Give the nested build the environment a user's shell has.
+        for (key, _) in std::env::vars_os() {
+            let key = key.to_string_lossy().into_owned();
+            let keep = ["CARGO_HOME", "CARGO_TARGET_DIR"].contains(&key.as_str());
+            if (key.starts_with("CARGO_") && !keep) || key == "OUT_DIR" || key == "LD_LIBRARY_PATH" {
+                cmd.env_remove(&key);
+            }
+        }
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "cargo build --bin llora failed");
+        let bin = profile_dir.join("llora");
+        assert!(bin.is_file(), "{} was not built", bin.display());
+        bin
+    })
+}
+
+/// Runs `llora ARGS` in `dir` with a clean environment (no LD_LIBRARY_PATH, no LIBTORCH).
+pub fn llora_in(dir: &Path, args: &[&str]) -> Output {
+    Command::new(llora_bin())
+        .args(args)
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("HOME", std::env::var("HOME").unwrap_or_default())
+        .output()
+        .expect("run llora")
+}
+
+/// Runs `llora ARGS` from the repository root.
+pub fn llora(args: &[&str]) -> Output {
+    llora_in(&root(), args)
+}
+
+/// stdout and stderr as text, for assertion messages.
+pub fn text(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}

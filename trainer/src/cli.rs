@@ -1,0 +1,84 @@
+//! The `llora` command line: one subcommand per job, configs with `--set` overrides.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::Override;
+
+/// llora: LoRA fine-tuning for Llama-architecture models (Burn + LibTorch), MLPerf-style.
+#[derive(Debug, Parser)]
+#[command(name = "llora", version, propagate_version = true)]
+pub struct Cli {
+    /// Log line format on stderr; `RUST_LOG` sets the level (default `info`).
+    #[arg(long, value_enum, default_value_t = LogFormat::Pretty, global = true)]
+    pub log_format: LogFormat,
+    /// The job to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How tracing events are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Pretty,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// `llora` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Fine-tune with LoRA until the eval loss reaches the target (or max_steps).
+    Train(TrainArgs),
+    /// Evaluation loss of a model (+ adapter) on a dataset.
+    Eval(PendingArgs),
+    /// Data tools: synthesise, prepare, inspect.
+    Data(PendingArgs),
+    /// MLPerf tools: repeated seeded runs and scoring.
+    Mlperf(PendingArgs),
+    /// Export base + adapters merged as an HF checkpoint.
+    Export(PendingArgs),
+    /// Time LoRA training steps on random tokens.
+    Bench(PendingArgs),
+    /// Inspect configurations.
+    Config {
+        /// What to do with the config.
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+/// A config file plus overrides, shared by every subcommand that takes a config.
+#[derive(Debug, Clone, Args)]
+pub struct ConfigArgs {
+    /// TOML config file; the embedded `configs/tiny-cpu.toml` when omitted.
+    pub config: Option<PathBuf>,
+    /// Override one config key, e.g. `--set optim.lr=1e-4` (repeatable, applied in order).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<Override>,
+}
+
+/// `llora train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The run's configuration.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// `llora config ...`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the fully resolved config (defaults, file and overrides) as TOML.
+    Show(ConfigArgs),
+}
+
+/// Arguments of a subcommand whose implementation has not landed yet.
+#[derive(Debug, Args)]
+pub struct PendingArgs {
+    /// Accepted so that the command can say it is unfinished instead of a parse error.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    pub rest: Vec<String>,
+}

@@ -1,0 +1,688 @@
+//! The one configuration tree: TOML schema, `--set` override target and validation, in one place.
+//!
+//! A run is described by a TOML file (see `configs/`) whose every section and key is a field
+//! below; unknown keys are errors, absent keys take the documented default. `--set a.b=v`
+//! overrides are applied to the parsed TOML before it is typed, so they go through exactly the
+//! same checks as the file. [`Config::validate`] then checks ranges and cross-field rules once,
+//! at start-up, and reports every problem with the key, the value and what is allowed.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use llora_model::device::DeviceSpec;
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// The embedded default config (`configs/tiny-cpu.toml`): tiny Llama, synthetic data, CPU.
+pub const TINY_CPU_TOML: &str = include_str!("../../configs/tiny-cpu.toml");
+/// The name the embedded default is reported under.
+pub const TINY_CPU_NAME: &str = "tiny-cpu.toml (embedded)";
+
+/// A complete llora run configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Base model: where its weights come from.
+    pub model: ModelConfig,
+    /// Low-rank adapters.
+    pub lora: LoraConfig,
+    /// Training and evaluation data.
+    pub data: DataConfig,
+    /// AdamW on the trainable parameters.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Batch geometry.
+    pub train: TrainConfig,
+    /// Evaluation cadence, metric and stopping target.
+    pub eval: EvalConfig,
+    /// Numerical precision.
+    pub precision: PrecisionConfig,
+    /// Device, threads, seed, output directory.
+    pub run: RunConfig,
+    /// MLPerf submission metadata for the `:::MLLOG` result log.
+    pub mlperf: MlperfConfig,
+    /// Progress and metrics output.
+    pub logging: LoggingConfig,
+}
+
+/// `[model]`: the base model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// HF checkpoint directory (`config.json` + safetensors); relative to the config file.
+    pub path: Option<PathBuf>,
+    /// Architecture preset, used when `path` is not set (random init) and to check a checkpoint.
+    pub preset: Option<String>,
+    /// Which parameters train: `"lora"` (adapters only) or `"all"` (full fine-tuning).
+    pub trainable: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self { path: None, preset: None, trainable: "lora".into() }
+    }
+}
+
+/// Architecture presets `model.preset` accepts.
+pub const MODEL_PRESETS: &[&str] = &["tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b"];
+
+/// `[lora]`: adapters `y = x·Wᵀ + (alpha/rank)·B(A(dropout(x)))`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraConfig {
+    /// Adapter rank r.
+    pub rank: usize,
+    /// Scaling numerator: the update is multiplied by alpha / rank.
+    pub alpha: f64,
+    /// Dropout probability on the adapter input.
+    pub dropout: f64,
+    /// Module names that get adapters (a list, or one comma-separated string on the CLI).
+    #[serde(deserialize_with = "string_or_list")]
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.1,
+            targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
+        }
+    }
+}
+
+/// Module names `lora.targets` accepts (`qkv_proj` on fused-QKV checkpoints).
+pub const LORA_TARGETS: &[&str] =
+    &["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// `[data]`: the datasets and their loaders.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Training set: MLPerf-schema parquet or Arrow file; relative to the config file.
+    pub train: Option<PathBuf>,
+    /// Evaluation set, same formats.
+    pub eval: Option<PathBuf>,
+    /// Longest sequence in tokens; longer rows are bad rows.
+    pub max_seq_len: usize,
+    /// Prefetch threads for training batches (0 = load on the training thread).
+    pub train_workers: usize,
+    /// Prefetch threads for evaluation batches.
+    pub eval_workers: usize,
+    /// What a bad row does: `"error"` stops with file/row/reason, `"skip"` counts and warns.
+    pub on_bad_row: String,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            train: None,
+            eval: None,
+            max_seq_len: 8192,
+            train_workers: 2,
+            eval_workers: 1,
+            on_bad_row: "error".into(),
+        }
+    }
+}
+
+/// `[optim]`: AdamW with PyTorch's conventions (decoupled weight decay).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Adam betas (beta1, beta2).
+    pub betas: [f64; 2],
+    /// Adam epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0 disables clipping).
+    pub clip_grad_norm: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self { lr: 4e-4, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 1e-4, clip_grad_norm: 0.3 }
+    }
+}
+
+/// `[schedule]`: linear warm-up, then cosine decay to 0 at `max_steps`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleConfig {
+    /// Optimizer steps at most; the cosine reaches 0 here.
+    pub max_steps: usize,
+    /// Linear warm-up steps from 0 to `optim.lr`.
+    pub warmup_steps: usize,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self { max_steps: 1024, warmup_steps: 0 }
+    }
+}
+
+/// `[train]`: batch geometry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Sequences per optimizer step, over all data-parallel ranks.
+    pub global_batch_size: usize,
+    /// Sequences per forward/backward on one rank; the rest is gradient accumulation.
+    pub micro_batch_size: usize,
+    /// Data-parallel ranks (one device each).
+    pub data_parallel: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self { global_batch_size: 8, micro_batch_size: 1, data_parallel: 1 }
+    }
+}
+
+impl TrainConfig {
+    /// Micro-steps per optimizer step on each rank.
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.global_batch_size / (self.micro_batch_size * self.data_parallel).max(1)
+    }
+}
+
+/// `[eval]`: when to evaluate, how to average, when to stop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Evaluate every this many training samples (rounded up to a multiple of the global batch).
+    pub every_samples: usize,
+    /// Stop with success at the first evaluation whose loss is at or below this.
+    pub target_loss: f64,
+    /// Evaluations skipped at the start; absent means MLPerf's floor(0.125·GBS + 2).
+    pub skip_first: Option<usize>,
+    /// `"per_sample"` (mean of each sample's mean token loss, the reference's HF Trainer at
+    /// eval batch 1) or `"per_token"` (all target tokens weighted equally).
+    pub averaging: String,
+    /// Sequences per evaluation forward pass.
+    pub batch_size: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self {
+            every_samples: 384,
+            target_loss: 0.925,
+            skip_first: None,
+            averaging: "per_sample".into(),
+            batch_size: 1,
+        }
+    }
+}
+
+/// `[precision]`: dtypes of compute and storage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrecisionConfig {
+    /// Matmul precision: `"fp32"`, `"bf16"` or `"fp8"`.
+    pub compute: String,
+}
+
+impl Default for PrecisionConfig {
+    fn default() -> Self {
+        Self { compute: "fp32".into() }
+    }
+}
+
+/// `[run]`: where and how this process runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// `"cpu"`, `"cuda:N"` or `"flex"`.
+    pub device: DeviceSpec,
+    /// Intra-op threads (0 = one per core).
+    pub threads: usize,
+    /// Seed for initialisation, dropout and data order.
+    pub seed: u64,
+    /// Output directory (logs, checkpoints, adapters); relative to the working directory.
+    pub dir: PathBuf,
+    /// Save a resumable checkpoint every this many optimizer steps (0 = only at the end).
+    pub checkpoint_every: usize,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            device: DeviceSpec::Cpu,
+            threads: 0,
+            seed: 0,
+            dir: PathBuf::from("runs/default"),
+            checkpoint_every: 0,
+        }
+    }
+}
+
+/// `[mlperf]`: submission metadata written to the result log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MlperfConfig {
+    /// `submission_org`.
+    pub org: String,
+    /// `submission_platform`.
+    pub platform: String,
+    /// `submission_division`: `"closed"` or `"open"`.
+    pub division: String,
+}
+
+impl Default for MlperfConfig {
+    fn default() -> Self {
+        Self { org: "llora".into(), platform: "cpu".into(), division: "closed".into() }
+    }
+}
+
+/// `[logging]`: what the run prints and records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    /// Print a progress line every this many optimizer steps when not on a TTY.
+    pub every_steps: usize,
+    /// Progress bar: `"auto"` (on a TTY), `"always"` or `"never"`.
+    pub progress: String,
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self { every_steps: 10, progress: "auto".into() }
+    }
+}
+
+/// A config that failed to load or validate; `Display` lists every problem.
+#[derive(Debug, thiserror::Error)]
+pub struct ConfigError {
+    /// Where the config came from (a path, or the embedded default's name).
+    pub source_name: String,
+    /// One line per problem, each naming the key.
+    pub problems: Vec<String>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.problems.len();
+        write!(f, "invalid config {} ({n} problem{}):", self.source_name, if n == 1 { "" } else { "s" })?;
+        for p in &self.problems {
+            write!(f, "\n  - {p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigError {
+    fn one(source_name: &str, problem: String) -> Self {
+        Self { source_name: source_name.into(), problems: vec![problem] }
+    }
+}
+
+/// One `--set section.key=value` override, parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    /// Dotted key path, e.g. `optim.lr`.
+    pub key: String,
+    /// The value: a TOML value (`1e-4`, `true`, `[1, 2]`, `"x"`) or else a bare string.
+    pub value: toml::Value,
+}
+
+impl std::str::FromStr for Override {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (key, raw) = s
+            .split_once('=')
+            .ok_or_else(|| format!("--set {s:?}: expected section.key=value"))?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(|part| part.trim().is_empty()) {
+            return Err(format!("--set {s:?}: the key must be dotted names like optim.lr"));
+        }
+        // A bare word such as `cuda:0` or `runs/x` is not TOML; taking it as a string saves
+        // users from quoting inside shell quotes.
+        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+        Ok(Self { key: key.to_string(), value })
+    }
+}
+
+impl Config {
+    /// Loads `path` (or the embedded `tiny-cpu.toml` when `None`), applies `overrides`, validates.
+    ///
+    /// Relative `model.path`, `data.train` and `data.eval` in a file are taken relative to that
+    /// file's directory, so a config can be run from anywhere; `--set` paths are relative to the
+    /// working directory, like any command-line path.
+    pub fn load(path: Option<&Path>, overrides: &[Override]) -> Result<Self, ConfigError> {
+        let (name, text, base_dir) = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| {
+                    ConfigError::one(&p.display().to_string(), format!("cannot read config file: {e}"))
+                })?;
+                let dir = p.parent().map(Path::to_path_buf).unwrap_or_default();
+                (p.display().to_string(), text, Some(dir))
+            }
+            None => (TINY_CPU_NAME.to_string(), TINY_CPU_TOML.to_string(), None),
+        };
+        let mut config = Self::from_toml_str(&name, &text, overrides)?;
+        if let Some(dir) = base_dir {
+            config.resolve_file_relative_paths(&dir, overrides);
+        }
+        config.validate().map_err(|problems| ConfigError { source_name: name, problems })?;
+        Ok(config)
+    }
+
+    /// Parses TOML text and applies overrides, without validation or path resolution.
+    pub fn from_toml_str(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text)
+            .map_err(|e| ConfigError::one(name, format!("TOML syntax: {}", e.to_string().trim_end())))?;
+        for o in overrides {
+            apply_override(&mut table, o).map_err(|e| ConfigError::one(name, e))?;
+        }
+        serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+            let key = e.path().to_string();
+            // toml appends "in `section`" on a new line; the key already says where.
+            let inner = e.into_inner().to_string().lines().next().unwrap_or_default().to_string();
+            let key = full_key(&key, &inner);
+            let from_set = overrides.iter().any(|o| o.key == key || o.key.starts_with(&format!("{key}.")));
+            let origin = if from_set { " (from --set)" } else { "" };
+            ConfigError::one(name, format!("config key `{key}`{origin}: {}", inner.trim_end()))
+        })
+    }
+
+    fn resolve_file_relative_paths(&mut self, dir: &Path, overrides: &[Override]) {
+        let overridden = |k: &str| overrides.iter().any(|o| o.key == k);
+        let fix = |p: &mut Option<PathBuf>, key: &str| {
+            if let Some(path) = p.as_mut()
+                && path.is_relative()
+                && !overridden(key)
+            {
+                *path = dir.join(&*path);
+            }
+        };
+        fix(&mut self.model.path, "model.path");
+        fix(&mut self.data.train, "data.train");
+        fix(&mut self.data.eval, "data.eval");
+    }
+
+    /// The resolved config as TOML, as `llora config show` prints it.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a Config always serialises")
+    }
+
+    /// Evaluations skipped before the first one that counts (MLPerf: floor(0.125·GBS + 2)).
+    pub fn eval_skip_first(&self) -> usize {
+        self.eval
+            .skip_first
+            .unwrap_or_else(|| (0.125 * self.train.global_batch_size as f64 + 2.0).floor() as usize)
+    }
+
+    /// Training samples between evaluations: `eval.every_samples` rounded up to whole steps.
+    pub fn eval_interval_samples(&self) -> usize {
+        let gbs = self.train.global_batch_size.max(1);
+        self.eval.every_samples.div_ceil(gbs) * gbs
+    }
+
+    /// Range and cross-field checks; every problem names its key, value and what is allowed.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut p = Vec::new();
+        let mut check = |ok: bool, key: &str, value: &dyn fmt::Debug, allowed: &str| {
+            if !ok {
+                p.push(format!("config key `{key}` = {value:?}: {allowed}"));
+            }
+        };
+        let one_of = |v: &str, set: &[&str]| set.contains(&v);
+        let list = |set: &[&str]| set.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
+
+        let m = &self.model;
+        check(
+            m.path.is_some() || m.preset.is_some(),
+            "model.path",
+            &m.path,
+            "set model.path (an HF checkpoint directory) or model.preset (random initialisation)",
+        );
+        if let Some(preset) = &m.preset {
+            check(one_of(preset, MODEL_PRESETS), "model.preset", preset, &format!("must be one of {}", list(MODEL_PRESETS)));
+        }
+        check(one_of(&m.trainable, &["lora", "all"]), "model.trainable", &m.trainable, "must be \"lora\" or \"all\"");
+
+        let l = &self.lora;
+        check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
+        check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
+        check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
+        check(!l.targets.is_empty(), "lora.targets", &l.targets, &format!("must name at least one of {}", list(LORA_TARGETS)));
+        for t in &l.targets {
+            check(one_of(t, LORA_TARGETS), "lora.targets", t, &format!("each must be one of {}", list(LORA_TARGETS)));
+        }
+        let mut sorted = l.targets.clone();
+        sorted.sort();
+        sorted.dedup();
+        check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
+        let fused = l.targets.iter().any(|t| t == "qkv_proj");
+        let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
+        check(!(fused && separate), "lora.targets", &l.targets, "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other");
+
+        let d = &self.data;
+        check(d.max_seq_len >= 2, "data.max_seq_len", &d.max_seq_len, "must be at least 2 (one input and one target token)");
+        check(d.train_workers <= 64, "data.train_workers", &d.train_workers, "must be in 0..=64");
+        check(d.eval_workers <= 64, "data.eval_workers", &d.eval_workers, "must be in 0..=64");
+        check(one_of(&d.on_bad_row, &["error", "skip"]), "data.on_bad_row", &d.on_bad_row, "must be \"error\" or \"skip\"");
+
+        let o = &self.optim;
+        check(o.lr.is_finite() && o.lr > 0.0, "optim.lr", &o.lr, "must be a finite number > 0");
+        for (i, b) in o.betas.iter().enumerate() {
+            check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
+        }
+        check(o.eps.is_finite() && o.eps > 0.0, "optim.eps", &o.eps, "must be a finite number > 0");
+        check(o.weight_decay.is_finite() && o.weight_decay >= 0.0, "optim.weight_decay", &o.weight_decay, "must be a finite number >= 0");
+        check(o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0, "optim.clip_grad_norm", &o.clip_grad_norm, "must be >= 0 (0 disables clipping)");
+
+        let s = &self.schedule;
+        check(s.max_steps >= 1, "schedule.max_steps", &s.max_steps, "must be at least 1");
+        check(s.warmup_steps < s.max_steps.max(1), "schedule.warmup_steps", &s.warmup_steps, &format!("must be below schedule.max_steps ({})", s.max_steps));
+
+        let t = &self.train;
+        check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
+        check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
+        check(t.data_parallel >= 1, "train.data_parallel", &t.data_parallel, "must be at least 1");
+        let per_step = t.micro_batch_size * t.data_parallel;
+        check(
+            per_step == 0 || t.global_batch_size % per_step == 0,
+            "train.global_batch_size",
+            &t.global_batch_size,
+            &format!(
+                "must be a multiple of train.micro_batch_size × train.data_parallel = {} × {} = {per_step}",
+                t.micro_batch_size, t.data_parallel
+            ),
+        );
+
+        let e = &self.eval;
+        check(e.every_samples >= 1, "eval.every_samples", &e.every_samples, "must be at least 1");
+        check(e.target_loss.is_finite() && e.target_loss > 0.0, "eval.target_loss", &e.target_loss, "must be a finite number > 0");
+        check(one_of(&e.averaging, &["per_sample", "per_token"]), "eval.averaging", &e.averaging, "must be \"per_sample\" or \"per_token\"");
+        check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
+
+        let pr = &self.precision;
+        check(one_of(&pr.compute, &["fp32", "bf16", "fp8"]), "precision.compute", &pr.compute, "must be \"fp32\", \"bf16\" or \"fp8\"");
+
+        let r = &self.run;
+        check(r.threads <= 1024, "run.threads", &r.threads, "must be in 0..=1024 (0 = one per core)");
+        check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
+
+        let ml = &self.mlperf;
+        check(one_of(&ml.division, &["closed", "open"]), "mlperf.division", &ml.division, "must be \"closed\" or \"open\"");
+        check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
+        check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
+
+        let lg = &self.logging;
+        check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
+        check(one_of(&lg.progress, &["auto", "always", "never"]), "logging.progress", &lg.progress, "must be \"auto\", \"always\" or \"never\"");
+
+        if p.is_empty() { Ok(()) } else { Err(p) }
+    }
+}
+
+/// serde reports an unknown field at its parent's path; name the field itself.
+fn full_key(path: &str, message: &str) -> String {
+    let parent = if path == "." { "" } else { path };
+    match message.strip_prefix("unknown field `").and_then(|m| m.split_once('`')) {
+        // serde_path_to_error already ends the path with the unknown key in some versions.
+        Some((field, _)) if parent == field || parent.ends_with(&format!(".{field}")) => parent.to_string(),
+        Some((field, _)) if parent.is_empty() => field.to_string(),
+        Some((field, _)) => format!("{parent}.{field}"),
+        None => parent.to_string(),
+    }
+}
+
+fn apply_override(table: &mut toml::Table, o: &Override) -> Result<(), String> {
+    let parts: Vec<&str> = o.key.split('.').map(str::trim).collect();
+    let (last, parents) = parts.split_last().expect("Override keys are never empty");
+    let mut cur = table;
+    for (i, part) in parents.iter().enumerate() {
+        let entry = cur.entry(part.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+        cur = entry.as_table_mut().ok_or_else(|| {
+            format!("--set {}: `{}` is a value, not a section", o.key, parts[..=i].join("."))
+        })?;
+    }
+    cur.insert(last.to_string(), o.value.clone());
+    Ok(())
+}
+
+fn string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    match OneOrMany::deserialize(d).map_err(|_| {
+        serde::de::Error::custom("expected a list of module names or one comma-separated string")
+    })? {
+        OneOrMany::One(s) => Ok(s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect()),
+        OneOrMany::Many(v) => Ok(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ov(s: &str) -> Override {
+        s.parse().unwrap()
+    }
+
+    fn load_str(text: &str, overrides: &[Override]) -> Result<Config, ConfigError> {
+        let c = Config::from_toml_str("test.toml", text, overrides)?;
+        c.validate().map_err(|problems| ConfigError { source_name: "test.toml".into(), problems })?;
+        Ok(c)
+    }
+
+    #[test]
+    fn embedded_default_is_valid() {
+        let c = Config::load(None, &[]).unwrap();
+        assert_eq!(c.run.device, DeviceSpec::Cpu);
+    }
+
+    #[test]
+    fn defaults_are_the_mlperf_reference_hyperparameters() {
+        // Values from shared/docs/mlperf-llama2-70b-lora.md, typed in independently.
+        let c = Config::default();
+        assert_eq!((c.lora.rank, c.lora.alpha, c.lora.dropout), (16, 32.0, 0.1));
+        assert_eq!((c.optim.lr, c.optim.betas, c.optim.eps), (4e-4, [0.9, 0.999], 1e-8));
+        assert_eq!((c.optim.weight_decay, c.optim.clip_grad_norm), (1e-4, 0.3));
+        assert_eq!((c.schedule.max_steps, c.schedule.warmup_steps), (1024, 0));
+        assert_eq!((c.train.global_batch_size, c.train.micro_batch_size), (8, 1));
+        assert_eq!((c.eval.every_samples, c.eval.target_loss), (384, 0.925));
+    }
+
+    #[test]
+    fn mlperf_eval_cadence() {
+        let mut c = Config::default();
+        // GBS 8: skip floor(1 + 2) = 3 evaluations, so the first is at 4 × 384 = 1536 samples.
+        assert_eq!(c.eval_skip_first(), 3);
+        assert_eq!(c.eval_interval_samples(), 384);
+        c.train.global_batch_size = 7;
+        // 384 is not a multiple of 7: round up to 385; skip floor(0.875 + 2) = 2.
+        assert_eq!(c.eval_interval_samples(), 385);
+        assert_eq!(c.eval_skip_first(), 2);
+        c.train.global_batch_size = 32;
+        assert_eq!(c.eval_skip_first(), 6);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = load_str("[optim]\nlr = 1e-3\nlearning_rate = 2\n", &[]).unwrap_err().to_string();
+        assert!(err.contains("`optim.learning_rate`"), "{err}");
+        assert!(err.contains("expected one of"), "{err}");
+        let err = load_str("[optimizer]\nlr = 1\n", &[]).unwrap_err().to_string();
+        assert!(err.contains("`optimizer`"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_key_and_value() {
+        let err = load_str("[model]\npreset = \"tiny\"\n[lora]\nrank = \"sixteen\"\n", &[]).unwrap_err().to_string();
+        assert!(err.contains("`lora.rank`") && err.contains("sixteen"), "{err}");
+    }
+
+    #[test]
+    fn out_of_range_lists_every_problem() {
+        let err = load_str("[model]\npreset = \"tiny\"\n[lora]\ndropout = 1.5\n[optim]\nlr = -1.0\n", &[])
+            .unwrap_err();
+        assert_eq!(err.problems.len(), 2, "{err}");
+        let s = err.to_string();
+        assert!(s.contains("`lora.dropout` = 1.5: must be in [0, 1)"), "{s}");
+        assert!(s.contains("`optim.lr` = -1.0"), "{s}");
+    }
+
+    #[test]
+    fn overrides_apply_and_are_typed() {
+        let c = load_str(
+            "[model]\npreset = \"tiny\"\n",
+            &[ov("optim.lr=1e-3"), ov("run.device=cuda:1"), ov("lora.targets=q_proj,v_proj"), ov("eval.skip_first=0")],
+        )
+        .unwrap();
+        assert_eq!(c.optim.lr, 1e-3);
+        assert_eq!(c.run.device, DeviceSpec::Cuda(1));
+        assert_eq!(c.lora.targets, ["q_proj", "v_proj"]);
+        assert_eq!(c.eval.skip_first, Some(0));
+        let err = load_str("[model]\npreset = \"tiny\"\n", &[ov("optim.lr=fast")]).unwrap_err().to_string();
+        assert!(err.contains("`optim.lr` (from --set)") && err.contains("fast"), "{err}");
+        let err = load_str("[model]\npreset = \"tiny\"\n", &[ov("optim.lr.x=1")]).unwrap_err().to_string();
+        // `optim.lr` is absent from the file, so the override makes it a section: a type error.
+        assert!(err.contains("`optim.lr` (from --set)") && err.contains("expected f64"), "{err}");
+        let err = load_str("[optim]\nlr = 1.0\n", &[ov("optim.lr.x=1")]).unwrap_err().to_string();
+        assert!(err.contains("`optim.lr` is a value"), "{err}");
+        let err = load_str("", &[ov("run.device=tpu")]).unwrap_err().to_string();
+        assert!(err.contains("`run.device`") && err.contains("tpu"), "{err}");
+    }
+
+    #[test]
+    fn batch_geometry_must_divide() {
+        let err = load_str("[model]\npreset = \"tiny\"\n[train]\nglobal_batch_size = 6\nmicro_batch_size = 4\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`train.global_batch_size` = 6"), "{err}");
+        let c = Config { train: TrainConfig { global_batch_size: 8, micro_batch_size: 2, data_parallel: 2 }, ..Default::default() };
+        assert_eq!(c.train.gradient_accumulation_steps(), 2);
+    }
+
+    #[test]
+    fn override_syntax_errors() {
+        assert!("optim.lr".parse::<Override>().is_err());
+        assert!("=3".parse::<Override>().is_err());
+        assert!("optim..lr=3".parse::<Override>().is_err());
+        assert_eq!(ov("run.dir=runs/x").value, toml::Value::String("runs/x".into()));
+        assert_eq!(ov("run.dir=\"a b\"").value, toml::Value::String("a b".into()));
+    }
+
+    #[test]
+    fn show_round_trips() {
+        let c = Config::load(None, &[ov("optim.lr=0.01")]).unwrap();
+        let again = Config::from_toml_str("shown", &c.to_toml(), &[]).unwrap();
+        assert_eq!(c, again);
+    }
+}

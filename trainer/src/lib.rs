@@ -1,0 +1,4 @@
+//! llora's recipe: configuration, command line and (as the issues land) the training loop.
+pub mod cli;
+pub mod config;
+pub mod train;

@@ -1,0 +1,55 @@
+//! The `llora` binary: parses the command line, sets up logging, runs one job.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat};
+use llora_trainer::config::{Config, TINY_CPU_NAME};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the whole context chain on one line: what failed, then why.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Pretty => builder.with_target(false).init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Train(args) => {
+            let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
+            let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
+            llora_trainer::train::run(&config, &name)
+        }
+        Command::Config { command: ConfigCommand::Show(args) } => {
+            let config = Config::load(args.config.as_deref(), &args.overrides)?;
+            print!("{}", config.to_toml());
+            Ok(())
+        }
+        Command::Eval(_) => pending("eval", "issue #3 (model: HF checkpoints, evaluation loss)"),
+        Command::Data(_) => pending("data", "issue #4 (GovReport data pipeline)"),
+        Command::Mlperf(_) => pending("mlperf", "issue #5 (MLPerf training loop and scoring)"),
+        Command::Export(_) => pending("export", "issue #3 (merged HF export)"),
+        Command::Bench(_) => pending("bench", "issue #7 (performance benchmark)"),
+    }
+}
+
+/// Unfinished subcommands say so and fail, rather than pretend to work.
+fn pending(name: &str, tracked: &str) -> anyhow::Result<()> {
+    anyhow::bail!("`llora {name}` is not implemented yet; it is tracked in {tracked}")
+}
