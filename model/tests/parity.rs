@@ -1,0 +1,218 @@
+#![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
+//! Numerical parity with HF transformers + PEFT.
+//!
+//! Fixtures come from `shared/bench/peer_lora_bench.py --check` (HF `LlamaForCausalLM` + PEFT
+//! LoRA, random init, fixed seeds), run here with the project venv's Python so that what we
+//! compare against is computed by the reference libraries, not by llora.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use llora_model::checkpoint::{HfCheckpoint, load_peft_adapter};
+use llora_model::loss::causal_lm_loss;
+use safetensors::SafeTensors;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The project venv's Python (scripts/setup.sh --parity installs transformers and peft).
+fn python() -> PathBuf {
+    let py = repo_root().join(".venv/bin/python");
+    assert!(py.is_file(), "{} missing: run ./scripts/setup.sh --parity", py.display());
+    py
+}
+
+/// Generates (once per build dir) a fixture with the peer script and returns its directory.
+fn fixture(name: &str, args: &[&str]) -> PathBuf {
+    let script = repo_root().join("../shared/bench/peer_lora_bench.py");
+    assert!(script.is_file(), "{} missing: the parity tests need shared/ beside the repository", script.display());
+    // Tests run in parallel and share fixtures: generate each one once.
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("parity").join(name);
+    let done = dir.join("expected.json");
+    if !done.is_file() {
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(python())
+            .arg(&script)
+            .args(["--check", "--check-dir"])
+            .arg(&dir)
+            .args(args)
+            .output()
+            .expect("run peer_lora_bench.py");
+        assert!(
+            out.status.success(),
+            "fixture generation failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    dir
+}
+
+struct Fixture {
+    expected: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    json: serde_json::Value,
+    input_ids: (Vec<usize>, Vec<i64>),
+    labels: (Vec<usize>, Vec<i64>),
+}
+
+fn read_all(path: &Path) -> HashMap<String, (Vec<usize>, Vec<u8>, safetensors::Dtype)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors().into_iter().map(|(n, v)| (n, (v.shape().to_vec(), v.data().to_vec(), v.dtype()))).collect()
+}
+
+fn load_fixture(dir: &Path) -> Fixture {
+    let f32s = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
+    let i64s = |b: &[u8]| b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
+    let expected = read_all(&dir.join("expected.safetensors"))
+        .into_iter()
+        .filter(|(_, (_, _, dt))| *dt == safetensors::Dtype::F32)
+        .map(|(n, (s, b, _))| (n, (s, f32s(&b))))
+        .collect();
+    let batch = read_all(&dir.join("batch.safetensors"));
+    let json = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    Fixture {
+        expected,
+        json,
+        input_ids: (batch["input_ids"].0.clone(), i64s(&batch["input_ids"].1)),
+        labels: (batch["labels"].0.clone(), i64s(&batch["labels"].1)),
+    }
+}
+
+/// max |a − b| / max |b|: the error relative to the reference tensor's scale.
+fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(ours.len(), reference.len());
+    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    ours.iter().zip(reference).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+}
+
+/// Loss, logits (via logsumexp and target logit), final hidden state and every LoRA gradient
+/// of step 1 against HF + PEFT, in f32 with dropout off.
+fn check_parity(dir: &Path) {
+    let fx = load_fixture(dir);
+    let device = Device::libtorch().autodiff();
+    let ckpt = HfCheckpoint::open(dir).unwrap();
+    let mut model = ckpt.load_model(None, false, &device).unwrap();
+    let spec = load_peft_adapter(&mut model, dir, &device).unwrap();
+    assert_eq!(spec.dropout, 0.0, "parity fixtures must be made with --lora-dropout 0");
+
+    let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
+    let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
+
+    let hidden = model.hidden(ids, true);
+    let final_norm = &fx.expected["step1.hidden.final_norm"];
+    let err = rel_err(&values(hidden.clone()), &final_norm.1);
+    eprintln!("{}: final hidden relative error {err:e}", dir.display());
+    assert!(err <= 1e-4, "final hidden state differs: {err:e}");
+
+    let logits = llora_model::lora::linear_t(hidden, model.lm_head.val());
+    // Logits are compared through what the loss uses: logsumexp over the vocabulary and the
+    // target logit, at every (b, t) position (the fixture's layout).
+    let v = logits.dims()[2];
+    let lse = values(logits.clone().exp().sum_dim(2).log().reshape([b, s]));
+    let err = rel_err(&lse, &fx.expected["step1.logsumexp"].1);
+    assert!(err <= 1e-4, "logsumexp differs: {err:e}");
+    let next: Vec<i64> = (0..b * s).map(|i| if i % s + 1 < s { fx.labels.1[i + 1] } else { -100 }).collect();
+    let index = Tensor::<2, Int>::from_data(TensorData::new(next.iter().map(|&l| l.clamp(0, v as i64 - 1)).collect::<Vec<_>>(), [b, s]), &device);
+    let target = values(logits.clone().gather(2, index.unsqueeze_dim::<3>(2)).reshape([b, s]));
+    let target: Vec<f32> = target.iter().zip(&next).map(|(x, &l)| if l == -100 { 0.0 } else { *x }).collect();
+    let err = rel_err(&target, &fx.expected["step1.target_logit"].1);
+    assert!(err <= 1e-4, "target logits differ: {err:e}");
+
+    let sums = causal_lm_loss(logits, labels);
+    let tokens = sums.tokens.clone().sum().into_scalar::<f32>();
+    assert_eq!(tokens as u64, fx.json["n_target_tokens"].as_u64().unwrap());
+    let loss = sums.loss_sum.sum().div_scalar(tokens);
+    let ours = values(loss.clone())[0];
+    let reference = fx.json["losses"][0].as_f64().unwrap() as f32;
+    eprintln!("{}: loss {ours} vs HF+PEFT {reference} (relative {:e})", dir.display(), ((ours - reference) / reference).abs());
+    assert!(((ours - reference) / reference).abs() <= 1e-5, "loss {ours} vs HF+PEFT {reference}");
+
+    let grads = loss.backward();
+    let mut checked = 0;
+    let mut worst = 0f32;
+    for (name, adapter) in model.adapters() {
+        for (which, param) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
+            let key = format!("step1.grad.{name}.{which}.weight");
+            let reference = &fx.expected.get(&key).unwrap_or_else(|| panic!("fixture lacks {key}")).1;
+            let ours = values(param.val().grad(&grads).unwrap_or_else(|| panic!("no gradient for {key}")));
+            let err = rel_err(&ours, reference);
+            worst = worst.max(err);
+            assert!(err <= 1e-4, "{key}: relative error {err:e}");
+            checked += 1;
+        }
+    }
+    eprintln!("{}: worst LoRA gradient relative error {worst:e}", dir.display());
+    assert_eq!(checked, 2 * 4 * model.config.num_hidden_layers);
+}
+
+#[test]
+fn multi_head_matches_hf_peft() {
+    let dir = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    check_parity(&dir);
+}
+
+#[test]
+fn grouped_query_matches_hf_peft() {
+    let dir = fixture("tiny-gqa-s96-b2", &["--preset", "tiny-gqa", "--seq-len", "96", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    check_parity(&dir);
+}
+
+/// An adapter written by llora, loaded by PEFT onto the same base, gives the same logits; and
+/// llora reads its own file back to the same values.
+#[test]
+fn llora_adapter_loads_in_peft_with_equal_logits() {
+    let base = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let device = Device::libtorch();
+    device.seed(3);
+    let spec = llora_model::LoraSpec { dropout: 0.0, ..Default::default() };
+    let ckpt = HfCheckpoint::open(&base).unwrap();
+    let mut model = ckpt.load_model(Some(&spec), false, &device).unwrap();
+    // B starts at zero (PEFT's init), which would make any adapter look right: randomise it.
+    for (_, adapter) in model.adapters_mut() {
+        let shape = adapter.b.shape();
+        adapter.b = burn::module::Param::from_tensor(Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 0.05), &device));
+    }
+    let out_dir = tempfile::tempdir().unwrap();
+    let adapter_dir = out_dir.path().join("adapter");
+    llora_model::checkpoint::save_peft_adapter(&model, &spec, &adapter_dir, base.to_str().unwrap()).unwrap();
+
+    let fx = load_fixture(&base);
+    let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
+    let ours = values(model.forward(ids.clone(), false));
+
+    // The fixture directory also holds PEFT's own adapter, which transformers would load with
+    // the base; give PEFT a directory with the base model alone.
+    let base_only = out_dir.path().join("base");
+    std::fs::create_dir(&base_only).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(base.join(f), base_only.join(f)).unwrap();
+    }
+    let peft_out = out_dir.path().join("peft.safetensors");
+    let status = Command::new(python())
+        .arg(repo_root().join("scripts/peft_forward.py"))
+        .args([&base_only, &adapter_dir, &base.join("batch.safetensors"), &peft_out])
+        .status()
+        .unwrap();
+    assert!(status.success(), "peft_forward.py failed");
+    let peft = read_all(&peft_out);
+    let peft_logits: Vec<f32> = peft["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let err = rel_err(&ours, &peft_logits);
+    eprintln!("llora adapter in PEFT: logits relative error {err:e}");
+    assert!(err <= 1e-4, "logits through PEFT differ: {err:e}");
+
+    let mut reloaded = ckpt.load_model(None, false, &device).unwrap();
+    load_peft_adapter(&mut reloaded, &adapter_dir, &device).unwrap();
+    assert_eq!(values(reloaded.forward(ids, false)), ours, "reloaded adapter changes the logits");
+}
