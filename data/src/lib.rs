@@ -1,1 +1,52 @@
-//! GovReport data pipeline for llora (issue #4): readers, tokenizer path, synthetic set, loaders.
+//! GovReport data pipeline for llora: the MLPerf parquet schema, a synthetic GovReport-shaped
+//! corpus for CPU runs and tests, and a deterministic, shardable, resumable loader.
+//!
+//! A [`Sample`] is one sequence as MLPerf preprocessed it: `input_ids` and `labels` of equal
+//! length, labels `-100` where no loss is taken (the prompt).
+
+pub mod loader;
+pub mod parquet_io;
+pub mod synth;
+
+/// Label value that takes no loss.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// One training or evaluation sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sample {
+    /// Token ids, BOS first.
+    pub input_ids: Vec<u32>,
+    /// Same length; `-100` where no loss is taken, else equal to `input_ids` at that position.
+    pub labels: Vec<i64>,
+}
+
+impl Sample {
+    /// Number of positions that take a loss after HF's shift (label at t+1 for t < len-1).
+    pub fn target_tokens(&self) -> usize {
+        self.labels.iter().skip(1).filter(|&&l| l != IGNORE_INDEX).count()
+    }
+
+    /// Checks one row against the benchmark's rules; the error says what is wrong.
+    pub fn validate(&self, vocab: usize, max_seq_len: usize) -> Result<(), String> {
+        let n = self.input_ids.len();
+        if n != self.labels.len() {
+            return Err(format!("input_ids has {n} tokens but labels has {}", self.labels.len()));
+        }
+        if n < 2 {
+            return Err(format!("{n} tokens: a sample needs at least 2"));
+        }
+        if n > max_seq_len {
+            return Err(format!("{n} tokens is longer than max_seq_len {max_seq_len}"));
+        }
+        if let Some((i, id)) = self.input_ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+            return Err(format!("input_ids[{i}] = {id} is outside the vocabulary [0, {vocab})"));
+        }
+        if let Some((i, l)) = self.labels.iter().enumerate().find(|(_, l)| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab)) {
+            return Err(format!("labels[{i}] = {l} is neither -100 nor a token id in [0, {vocab})"));
+        }
+        if self.target_tokens() == 0 {
+            return Err("no target token (every label after the first is -100)".into());
+        }
+        Ok(())
+    }
+}
