@@ -257,9 +257,15 @@ impl LlamaConfig {
         Self { num_hidden_layers: 1, ..Self::llama2_70b() }
     }
 
+    /// The CPU demo's model: vocab 512 (the synthetic corpus), d 128, 4 layers, 4 heads, 2 KV heads.
+    pub fn demo() -> Self {
+        Self::build(512, 128, 344, 4, 4, 2, 1024)
+    }
+
     /// Looks a preset up by the name configs use.
     pub fn preset(name: &str) -> anyhow::Result<Self> {
         Ok(match name {
+            "demo" => Self::demo(),
             "tiny" => Self::tiny(),
             "tiny-gqa" => Self::tiny_gqa(),
             "small" => Self::small(),
@@ -272,7 +278,7 @@ impl LlamaConfig {
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
-pub const PRESETS: &[&str] = &["tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama2-70b-1layer"];
+pub const PRESETS: &[&str] = &["demo", "tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama2-70b-1layer"];
 
 #[cfg(test)]
 mod tests {

@@ -63,8 +63,8 @@ impl Default for ModelConfig {
     }
 }
 
-/// Architecture presets `model.preset` accepts.
-pub const MODEL_PRESETS: &[&str] = &["tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b"];
+/// Architecture presets `model.preset` accepts (the model crate's list).
+pub const MODEL_PRESETS: &[&str] = llora_model::config::PRESETS;
 
 /// `[lora]`: adapters `y = x·Wᵀ + (alpha/rank)·B(A(dropout(x)))`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -112,6 +112,32 @@ pub struct DataConfig {
     pub eval_workers: usize,
     /// What a bad row does: `"error"` stops with file/row/reason, `"skip"` counts and warns.
     pub on_bad_row: String,
+    /// Generate a synthetic GovReport-shaped corpus instead of reading `train`/`eval`.
+    pub synthetic: Option<SyntheticConfig>,
+}
+
+/// `[data.synthetic]`: the generated corpus (see `llora_data::synth`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SyntheticConfig {
+    /// Training samples.
+    pub train_samples: usize,
+    /// Evaluation samples (every evaluation covers all of them).
+    pub eval_samples: usize,
+    /// Topics the reports are written about.
+    pub topics: usize,
+    /// Tokens of each topic's fixed abstract in the summary.
+    pub summary_len: usize,
+    /// Report tokens copied into the summary.
+    pub copy_len: usize,
+    /// Seed of the corpus (independent of `run.seed`, so every run sees the same data).
+    pub seed: u64,
+}
+
+impl Default for SyntheticConfig {
+    fn default() -> Self {
+        Self { train_samples: 1024, eval_samples: 32, topics: 8, summary_len: 24, copy_len: 4, seed: 0 }
+    }
 }
 
 impl Default for DataConfig {
@@ -123,6 +149,7 @@ impl Default for DataConfig {
             train_workers: 2,
             eval_workers: 1,
             on_bad_row: "error".into(),
+            synthetic: None,
         }
     }
 }
@@ -471,6 +498,18 @@ impl Config {
         check(d.train_workers <= 64, "data.train_workers", &d.train_workers, "must be in 0..=64");
         check(d.eval_workers <= 64, "data.eval_workers", &d.eval_workers, "must be in 0..=64");
         check(one_of(&d.on_bad_row, &["error", "skip"]), "data.on_bad_row", &d.on_bad_row, "must be \"error\" or \"skip\"");
+        match &d.synthetic {
+            Some(syn) => {
+                check(d.train.is_none() && d.eval.is_none(), "data.synthetic", &"[data.synthetic]", "excludes data.train and data.eval: use one or the other");
+                check(syn.train_samples >= 1, "data.synthetic.train_samples", &syn.train_samples, "must be at least 1");
+                check(syn.eval_samples >= 1, "data.synthetic.eval_samples", &syn.eval_samples, "must be at least 1");
+                check(syn.topics >= 1, "data.synthetic.topics", &syn.topics, "must be at least 1");
+            }
+            None => {
+                check(d.train.is_some(), "data.train", &d.train, "set data.train (MLPerf-schema parquet) or a [data.synthetic] section");
+                check(d.eval.is_some(), "data.eval", &d.eval, "set data.eval (MLPerf-schema parquet) or a [data.synthetic] section");
+            }
+        }
 
         let o = &self.optim;
         check(o.lr.is_finite() && o.lr > 0.0, "optim.lr", &o.lr, "must be a finite number > 0");
@@ -576,7 +615,9 @@ mod tests {
     }
 
     fn load_str(text: &str, overrides: &[Override]) -> Result<Config, ConfigError> {
-        let c = Config::from_toml_str("test.toml", text, overrides)?;
+        // Every test config needs data; the synthetic corpus is the one that needs no file.
+        let text = format!("[data.synthetic]\n{text}");
+        let c = Config::from_toml_str("test.toml", &text, overrides)?;
         c.validate().map_err(|problems| ConfigError { source_name: "test.toml".into(), problems })?;
         Ok(c)
     }

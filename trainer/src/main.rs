@@ -34,7 +34,17 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Train(args) => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            llora_trainer::train::run(&config, &name)
+            let outcome = llora_trainer::train::run(&config, &name)?;
+            if outcome.status != "success" {
+                anyhow::bail!(
+                    "the run did not reach eval.target_loss = {} within schedule.max_steps = {} (run_stop status \"{}\"; result log {})",
+                    config.eval.target_loss,
+                    config.schedule.max_steps,
+                    outcome.status,
+                    outcome.result_log.display()
+                );
+            }
+            Ok(())
         }
         Command::Config { command: ConfigCommand::Show(args) } => {
             let config = Config::load(args.config.as_deref(), &args.overrides)?;
