@@ -8,6 +8,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use llora_trainer::config::{OptimConfig, ScheduleConfig};
 use llora_trainer::optim::{AdamW, lr_at};
 use llora_trainer::train::train_step;
@@ -255,4 +257,61 @@ fn training_steps_match_torch_adamw() {
         }
     }
     eprintln!("3 AdamW steps: worst LoRA weight relative error {worst:e}");
+}
+
+/// `llora eval` on HF's batch (written as MLPerf-schema parquet) prints HF + PEFT's loss.
+#[test]
+fn eval_command_reports_the_hf_peft_loss() {
+    let dir = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let fx = load_fixture(&dir);
+    let s = fx.input_ids.0[1];
+    let rows: Vec<llora_data::Sample> = fx
+        .input_ids
+        .1
+        .chunks(s)
+        .zip(fx.labels.1.chunks(s))
+        .map(|(ids, labels)| llora_data::Sample { input_ids: ids.iter().map(|&t| t as u32).collect(), labels: labels.to_vec() })
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("batch.parquet");
+    llora_data::parquet_io::write_parquet(&data, &rows).unwrap();
+    let out = common::llora(&["eval", "--model", dir.to_str().unwrap(), "--adapter", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--batch-size", "2"]);
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let reference = fx.json["losses"][0].as_f64().unwrap();
+    let ours = last["loss_per_token"].as_f64().unwrap();
+    assert!(((ours - reference) / reference).abs() <= 1e-5, "llora eval {ours} vs HF+PEFT {reference}");
+    assert_eq!(last["target_tokens"].as_u64(), fx.json["n_target_tokens"].as_u64());
+    assert_eq!(last["samples"], 2);
+    // Both samples have the same number of targets, so the two averages coincide here.
+    assert!((last["loss_per_sample"].as_f64().unwrap() - ours).abs() <= 1e-5);
+}
+
+/// A base written by llora's HF checkpoint writer (what full fine-tuning and the demo's
+/// pre-training save) loads in transformers and, with PEFT's adapter, gives HF's loss.
+#[test]
+fn saved_hf_checkpoint_loads_in_transformers() {
+    let dir = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let fx = load_fixture(&dir);
+    let device = Device::libtorch();
+    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(None, false, &device).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, adapter) = (tmp.path().join("base"), tmp.path().join("adapter"));
+    llora_model::checkpoint::save_hf_checkpoint(&mut model, &base).unwrap();
+    std::fs::create_dir(&adapter).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(dir.join(f), adapter.join(f)).unwrap();
+    }
+    let out = tmp.path().join("out.safetensors");
+    let status = Command::new(python())
+        .arg(repo_root().join("scripts/peft_forward.py"))
+        .args([&base, &adapter, &dir.join("batch.safetensors"), &out])
+        .status()
+        .unwrap();
+    assert!(status.success(), "peft_forward.py failed on llora's checkpoint");
+    let res = read_all(&out);
+    let loss = f32::from_le_bytes(res["loss"].1[..4].try_into().unwrap());
+    let reference = fx.json["losses"][0].as_f64().unwrap() as f32;
+    assert!(((loss - reference) / reference).abs() <= 1e-6, "transformers on llora's checkpoint: {loss} vs {reference}");
 }

@@ -15,7 +15,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorView};
 
 use crate::config::LlamaConfig;
-use crate::llama::{LlamaForCausalLM, WeightSource};
+use crate::llama::{LlamaForCausalLM, ParamMut, WeightSource};
 use crate::lora::{LoraAdapter, LoraSpec};
 
 /// One memory-mapped safetensors file with its parsed header.
@@ -186,6 +186,22 @@ pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::
 pub fn tensor_f32<const D: usize>(t: &Tensor<D>) -> (Vec<usize>, Vec<f32>) {
     let data = t.to_data().convert::<f32>();
     (data.shape().to_vec(), data.to_vec::<f32>().expect("converted to f32"))
+}
+
+/// Saves the base weights as an HF checkpoint (`config.json` + `model.safetensors`, f32), each
+/// file written atomically; transformers' `LlamaForCausalLM.from_pretrained` reads it.
+pub fn save_hf_checkpoint(model: &mut LlamaForCausalLM, dir: &Path) -> anyhow::Result<()> {
+    let mut tensors = Vec::new();
+    for (name, p) in model.params_mut(crate::llama::ParamKind::Base) {
+        let (shape, values) = match &p {
+            ParamMut::Vector(p) => tensor_f32(&p.val()),
+            ParamMut::Matrix(p) => tensor_f32(&p.val()),
+        };
+        tensors.push((name, shape, values));
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    write_atomic(&dir.join("model.safetensors"), &safetensors_bytes(&tensors)?)?;
+    write_atomic(&dir.join("config.json"), model.config.to_hf_json().as_bytes())
 }
 
 /// Saves the model's adapters in PEFT format: `adapter_config.json` and

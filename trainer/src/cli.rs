@@ -32,8 +32,8 @@ pub enum LogFormat {
 pub enum Command {
     /// Fine-tune with LoRA until the eval loss reaches the target (or max_steps).
     Train(TrainArgs),
-    /// Evaluation loss of a model (+ adapter) on a dataset.
-    Eval(PendingArgs),
+    /// Evaluation loss of a model (+ adapter) on a dataset, printed last as one JSON line.
+    Eval(EvalArgs),
     /// Data tools: synthesise, prepare, inspect.
     Data(PendingArgs),
     /// MLPerf tools: repeated seeded runs and scoring.
@@ -66,6 +66,35 @@ pub struct TrainArgs {
     /// The run's configuration.
     #[command(flatten)]
     pub config: ConfigArgs,
+}
+
+/// `llora eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// HF checkpoint directory (config.json + safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// MLPerf-schema parquet file (`input_ids`, `labels`).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Rows longer than this are bad rows.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: usize,
+    /// Sequences per forward pass.
+    #[arg(long, default_value_t = 1)]
+    pub batch_size: usize,
+    /// `cpu`, `cuda:N` or `flex`.
+    #[arg(long, default_value = "cpu")]
+    pub device: llora_model::device::DeviceSpec,
+    /// Intra-op threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Skip bad rows (counted) instead of failing on the first.
+    #[arg(long)]
+    pub skip_bad_rows: bool,
 }
 
 /// `llora config ...`.

@@ -55,11 +55,38 @@ pub struct ModelConfig {
     pub preset: Option<String>,
     /// Which parameters train: `"lora"` (adapters only) or `"all"` (full fine-tuning).
     pub trainable: String,
+    /// Pre-train a base into `path` first when it holds no checkpoint yet (CPU demo).
+    pub pretrain: Option<PretrainConfig>,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { path: None, preset: None, trainable: "lora".into() }
+        Self { path: None, preset: None, trainable: "lora".into(), pretrain: None }
+    }
+}
+
+/// `[model.pretrain]`: how to make the base checkpoint when `model.path` has none.
+///
+/// Full fine-tuning of the randomly initialised `model.preset` on a synthetic corpus like
+/// `[data.synthetic]` but drawn from `corpus_seed` (other topics and abstracts), until its eval
+/// loss reaches `target_loss` or `steps` run out; the result is saved to `model.path` as an HF
+/// checkpoint and reused by later runs. LoRA then has new topics to learn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PretrainConfig {
+    /// Optimizer steps at most.
+    pub steps: usize,
+    /// Peak learning rate (cosine to 0 over `steps`).
+    pub lr: f64,
+    /// Seed of the pre-training corpus.
+    pub corpus_seed: u64,
+    /// Stop once the pre-training eval loss is at or below this.
+    pub target_loss: f64,
+}
+
+impl Default for PretrainConfig {
+    fn default() -> Self {
+        Self { steps: 600, lr: 3e-3, corpus_seed: 1000, target_loss: 0.5 }
     }
 }
 
@@ -381,24 +408,20 @@ impl std::str::FromStr for Override {
 impl Config {
     /// Loads `path` (or the embedded `tiny-cpu.toml` when `None`), applies `overrides`, validates.
     ///
-    /// Relative `model.path`, `data.train` and `data.eval` in a file are taken relative to that
-    /// file's directory, so a config can be run from anywhere; `--set` paths are relative to the
-    /// working directory, like any command-line path.
+    /// Relative paths (`model.path`, `data.train`, `data.eval`, `run.dir`) are relative to the
+    /// working directory, whether they come from a file, the embedded default or `--set`: one
+    /// rule, the same as for any command-line path.
     pub fn load(path: Option<&Path>, overrides: &[Override]) -> Result<Self, ConfigError> {
-        let (name, text, base_dir) = match path {
+        let (name, text) = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|e| {
                     ConfigError::one(&p.display().to_string(), format!("cannot read config file: {e}"))
                 })?;
-                let dir = p.parent().map(Path::to_path_buf).unwrap_or_default();
-                (p.display().to_string(), text, Some(dir))
+                (p.display().to_string(), text)
             }
-            None => (TINY_CPU_NAME.to_string(), TINY_CPU_TOML.to_string(), None),
+            None => (TINY_CPU_NAME.to_string(), TINY_CPU_TOML.to_string()),
         };
-        let mut config = Self::from_toml_str(&name, &text, overrides)?;
-        if let Some(dir) = base_dir {
-            config.resolve_file_relative_paths(&dir, overrides);
-        }
+        let config = Self::from_toml_str(&name, &text, overrides)?;
         config.validate().map_err(|problems| ConfigError { source_name: name, problems })?;
         Ok(config)
     }
@@ -419,21 +442,6 @@ impl Config {
             let origin = if from_set { " (from --set)" } else { "" };
             ConfigError::one(name, format!("config key `{key}`{origin}: {}", inner.trim_end()))
         })
-    }
-
-    fn resolve_file_relative_paths(&mut self, dir: &Path, overrides: &[Override]) {
-        let overridden = |k: &str| overrides.iter().any(|o| o.key == k);
-        let fix = |p: &mut Option<PathBuf>, key: &str| {
-            if let Some(path) = p.as_mut()
-                && path.is_relative()
-                && !overridden(key)
-            {
-                *path = dir.join(&*path);
-            }
-        };
-        fix(&mut self.model.path, "model.path");
-        fix(&mut self.data.train, "data.train");
-        fix(&mut self.data.eval, "data.eval");
     }
 
     /// The resolved config as TOML, as `llora config show` prints it.
@@ -476,6 +484,12 @@ impl Config {
             check(one_of(preset, MODEL_PRESETS), "model.preset", preset, &format!("must be one of {}", list(MODEL_PRESETS)));
         }
         check(one_of(&m.trainable, &["lora", "all"]), "model.trainable", &m.trainable, "must be \"lora\" or \"all\"");
+        if let Some(pt) = &m.pretrain {
+            check(m.path.is_some() && m.preset.is_some(), "model.pretrain", &"[model.pretrain]", "needs model.path (where the base is saved) and model.preset (what to pre-train)");
+            check(self.data.synthetic.is_some(), "model.pretrain", &"[model.pretrain]", "needs a [data.synthetic] section (the pre-training corpus is synthetic)");
+            check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
+            check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");
+        }
 
         let l = &self.lora;
         check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");

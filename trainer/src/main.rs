@@ -51,7 +51,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             print!("{}", config.to_toml());
             Ok(())
         }
-        Command::Eval(_) => pending("eval", "issue #3 (model: HF checkpoints, evaluation loss)"),
+        Command::Eval(args) => llora_trainer::train::eval_command(&args),
         Command::Data(_) => pending("data", "issue #4 (GovReport data pipeline)"),
         Command::Mlperf(_) => pending("mlperf", "issue #5 (MLPerf training loop and scoring)"),
         Command::Export(_) => pending("export", "issue #3 (merged HF export)"),

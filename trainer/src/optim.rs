@@ -7,8 +7,8 @@
 
 use std::collections::HashMap;
 
-use burn::module::Param;
 use burn::tensor::Tensor;
+use llora_model::llama::ParamMut;
 
 use crate::config::{OptimConfig, ScheduleConfig};
 
@@ -28,13 +28,13 @@ pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f64 {
     if max_norm <= 0.0 { 1.0 } else { (max_norm / (total_norm + 1e-6)).min(1.0) }
 }
 
-/// First and second moments of one parameter.
+/// First and second moments of one parameter, flattened.
 #[derive(Debug, Clone)]
 pub struct Moments {
     /// β₁-averaged gradient.
-    pub m: Tensor<2>,
+    pub m: Tensor<1>,
     /// β₂-averaged squared gradient.
-    pub v: Tensor<2>,
+    pub v: Tensor<1>,
 }
 
 /// AdamW state over named parameters.
@@ -59,22 +59,22 @@ impl AdamW {
         self.step += 1;
     }
 
-    /// Updates one parameter with its (already clipped) gradient at learning rate `lr`.
+    /// Updates one parameter with its (already clipped, flattened) gradient at learning rate `lr`.
     ///
     /// The parameter keeps its id and stays trainable; the gradient and moments live on the
     /// plain (non-autodiff) backend.
-    pub fn update(&mut self, name: &str, param: &mut Param<Tensor<2>>, grad: Tensor<2>, lr: f64) {
+    pub fn update(&mut self, name: &str, param: &mut ParamMut<'_>, grad: Tensor<1>, lr: f64) {
         let c = &self.config;
         let [b1, b2] = c.betas;
         let t = self.step as i32;
-        let p = param.val().inner();
+        let p = param.flat().inner();
         let moments = self.state.entry(name.to_string()).or_insert_with(|| Moments { m: grad.zeros_like(), v: grad.zeros_like() });
         moments.m = moments.m.clone().mul_scalar(b1) + grad.clone().mul_scalar(1.0 - b1);
         moments.v = moments.v.clone().mul_scalar(b2) + grad.square().mul_scalar(1.0 - b2);
         let step_size = lr / (1.0 - b1.powi(t));
         let denom = moments.v.clone().sqrt().div_scalar((1.0 - b2.powi(t)).sqrt()).add_scalar(c.eps);
         let p = p.mul_scalar(1.0 - lr * c.weight_decay) - moments.m.clone().div(denom).mul_scalar(step_size);
-        *param = Param::initialized(param.id, Tensor::from_inner(p).require_grad());
+        param.set_flat(p);
     }
 }
 

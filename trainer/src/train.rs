@@ -15,13 +15,13 @@ use llora_data::loader::{Position, ShardedOrder};
 use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
 use llora_data::synth::{Synth, SynthConfig};
 use llora_data::{IGNORE_INDEX, Sample};
-use llora_model::checkpoint::{HfCheckpoint, save_peft_adapter};
+use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint, save_peft_adapter};
 use llora_model::loss::causal_lm_loss;
 use llora_model::{LlamaConfig, LlamaForCausalLM, LoraSpec};
 use serde_json::json;
 use tracing::info;
 
-use crate::config::Config;
+use crate::config::{Config, PretrainConfig};
 use crate::mllog::{MlLogger, now_ms};
 use crate::optim::{AdamW, clip_coefficient, lr_at};
 
@@ -159,19 +159,19 @@ pub fn train_step(
 ) -> anyhow::Result<(f64, f64)> {
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
-    let mut grads_acc: Vec<Option<Tensor<2>>> = Vec::new();
+    let mut grads_acc: Vec<Option<Tensor<1>>> = Vec::new();
     let mut loss_sum = 0f64;
     for (ids, labels) in micro_batches {
         let sums = causal_lm_loss(model.forward(ids, true), labels);
         let loss = sums.loss_sum.sum().div_scalar(norm);
         loss_sum += loss.clone().into_scalar::<f32>() as f64;
         let grads = loss.backward();
-        let params: Vec<_> = model.adapters().into_iter().flat_map(|(_, a)| [a.a.val(), a.b.val()]).collect();
+        let params = model.trainable_params_mut();
         if grads_acc.is_empty() {
             grads_acc = vec![None; params.len()];
         }
-        for (acc, p) in grads_acc.iter_mut().zip(&params) {
-            if let Some(g) = p.grad(&grads) {
+        for (acc, (_, p)) in grads_acc.iter_mut().zip(&params) {
+            if let Some(g) = p.grad_flat(&grads) {
                 *acc = Some(match acc.take() {
                     Some(a) => a + g,
                     None => g,
@@ -179,21 +179,75 @@ pub fn train_step(
             }
         }
     }
-    let grads: Vec<Tensor<2>> = grads_acc.into_iter().map(|g| g.expect("every adapter gets a gradient")).collect();
+    let grads: Vec<Tensor<1>> = grads_acc.into_iter().map(|g| g.expect("every trainable parameter gets a gradient")).collect();
     let total_norm = grads.iter().map(|g| g.clone().square().sum().into_scalar::<f32>() as f64).sum::<f64>().sqrt();
     if !loss_sum.is_finite() || !total_norm.is_finite() {
         bail!("loss {loss_sum} / gradient norm {total_norm} is not finite; run aborted");
     }
     let coef = clip_coefficient(total_norm, clip_grad_norm);
     optim.begin_step();
-    let mut grads = grads.into_iter();
-    for (name, adapter) in model.adapters_mut() {
-        for (which, param) in [("lora_A", &mut adapter.a), ("lora_B", &mut adapter.b)] {
-            let g = grads.next().expect("one gradient per parameter").mul_scalar(coef);
-            optim.update(&format!("{name}.{which}.weight"), param, g, lr);
-        }
+    for ((name, mut param), g) in model.trainable_params_mut().into_iter().zip(grads) {
+        optim.update(&name, &mut param, g.mul_scalar(coef), lr);
     }
     Ok((loss_sum, total_norm))
+}
+
+/// Makes the base checkpoint `model.path` by full fine-tuning `model.preset` on a synthetic
+/// corpus of other topics (see [`PretrainConfig`]), then moves it into place.
+fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> anyhow::Result<()> {
+    info!(path = %path.display(), steps = pt.steps, "no base checkpoint yet: pre-training one (full fine-tuning, synthetic corpus)");
+    let mut c = config.clone();
+    c.model.path = None;
+    c.model.pretrain = None;
+    c.model.trainable = "all".into();
+    c.optim.lr = pt.lr;
+    c.schedule = crate::config::ScheduleConfig { max_steps: pt.steps, warmup_steps: 0 };
+    c.eval.target_loss = pt.target_loss;
+    if let Some(syn) = c.data.synthetic.as_mut() {
+        syn.seed = pt.corpus_seed;
+    }
+    c.run.dir = path.with_extension("pretrain-run");
+    let outcome = run(&c, "model.pretrain")?;
+    anyhow::ensure!(
+        outcome.status == "success",
+        "pre-training stopped at eval loss {:?} above model.pretrain.target_loss = {} after {} steps; raise model.pretrain.steps",
+        outcome.eval_loss,
+        pt.target_loss,
+        pt.steps
+    );
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    // The checkpoint was written completely in the run directory; one rename publishes it.
+    std::fs::rename(c.run.dir.join("checkpoint"), path)
+        .with_context(|| format!("cannot move the pre-trained base to {}", path.display()))?;
+    info!(path = %path.display(), "pre-trained base saved");
+    Ok(())
+}
+
+/// `llora eval`: loads a checkpoint (and adapter), evaluates a parquet file, prints the
+/// result as the last line, one JSON object.
+pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
+    let device = args.device.init(args.threads)?;
+    let ckpt = HfCheckpoint::open(&args.model)?;
+    let mut model = ckpt.load_model(None, false, &device)?;
+    if let Some(adapter) = &args.adapter {
+        llora_model::checkpoint::load_peft_adapter(&mut model, adapter, &device)
+            .with_context(|| format!("loading the adapter {}", adapter.display()))?;
+    }
+    let opts = ReadOptions {
+        vocab: model.config.vocab_size,
+        max_seq_len: args.max_seq_len,
+        on_bad_row: if args.skip_bad_rows { OnBadRow::Skip } else { OnBadRow::Error },
+    };
+    let (samples, report) = read_parquet(&args.data, &opts)?;
+    anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
+    let (per_token, per_sample, tokens) = evaluate(&model, &samples, args.batch_size, &device);
+    println!(
+        "{}",
+        json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})
+    );
+    Ok(())
 }
 
 /// One `metrics.jsonl` record per logged step.
@@ -216,6 +270,11 @@ pub fn run(config: &Config, config_name: &str) -> anyhow::Result<Outcome> {
         "llora {} starting",
         env!("CARGO_PKG_VERSION")
     );
+    if let (Some(pt), Some(path)) = (&config.model.pretrain, &config.model.path)
+        && !path.join("config.json").is_file()
+    {
+        pretrain(config, pt, path)?;
+    }
     // Fail before any work when inputs are absent: a 70B run should not load 140 GB first.
     if let Some(p) = &config.model.path {
         anyhow::ensure!(p.is_dir(), "model.path = {}: no such directory (download the HF checkpoint there, or set model.path)", p.display());
@@ -260,9 +319,6 @@ pub fn run(config: &Config, config_name: &str) -> anyhow::Result<Outcome> {
         "fp32" => "fp32",
         other => bail!("precision.compute = {other:?} is not implemented yet (issue #6); use \"fp32\""),
     };
-    if config.model.trainable == "all" {
-        bail!("model.trainable = \"all\" (full fine-tuning) is not implemented yet (issue #5); use \"lora\"");
-    }
     // Reading the data happens after run_start (the rules forbid touching it before), but its
     // size is logged up front, so count what the config promises.
     for (k, v) in [
@@ -364,10 +420,17 @@ pub fn run(config: &Config, config_name: &str) -> anyhow::Result<Outcome> {
     }
     ml.end("run_stop", json!({"samples_count": samples, "status": status}));
     let ttt = (run_stop - run_start) as f64 / 1000.0;
-    let adapter_dir = run_dir.join("adapter");
-    let base_name = config.model.path.as_ref().map_or_else(|| config.model.preset.clone().unwrap_or_default(), |p| p.display().to_string());
-    save_peft_adapter(&model, &spec, &adapter_dir, &base_name)?;
-    info!(status, samples, time_to_train_s = format!("{ttt:.1}"), result_log = %result_log.display(), adapter = %adapter_dir.display(), "run finished");
+    let saved = if config.model.trainable == "all" {
+        let dir = run_dir.join("checkpoint");
+        save_hf_checkpoint(&mut model, &dir)?;
+        dir
+    } else {
+        let dir = run_dir.join("adapter");
+        let base_name = config.model.path.as_ref().map_or_else(|| config.model.preset.clone().unwrap_or_default(), |p| p.display().to_string());
+        save_peft_adapter(&model, &spec, &dir, &base_name)?;
+        dir
+    };
+    info!(status, samples, time_to_train_s = format!("{ttt:.1}"), result_log = %result_log.display(), saved = %saved.display(), "run finished");
     println!(
         "status: {status}  samples: {samples}  eval_loss: {}  time_to_train: {:.1} s ({:.2} min)",
         last_eval.map_or("n/a".into(), |l| format!("{l:.4}")),
