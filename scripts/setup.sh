@@ -103,8 +103,10 @@ for target in "$ROOT/target" ${CARGO_TARGET_DIR:+"$CARGO_TARGET_DIR"}; do
     if [[ $stale == 1 ]]; then
       say "removing stale torch-sys build state $build"
       rm -rf "$build"
+      # The build-script run's fingerprint shares the build dir's name; dropping it makes
+      # cargo rerun exactly this build script, and nothing else.
       profile_dir=$(dirname "$(dirname "$build")")
-      rm -rf "$profile_dir"/.fingerprint/torch-sys-*
+      rm -rf "${profile_dir:?}/.fingerprint/$(basename "$build")"
     fi
   done
 done
