@@ -45,13 +45,26 @@ pub fn llora_bin() -> &'static Path {
 }
 
 /// Runs `llora ARGS` in `dir` with a clean environment (no LD_LIBRARY_PATH, no LIBTORCH).
+///
+/// Tests run several llora processes at once on a 2-core machine. LibTorch's OpenMP threads
+/// spin at every barrier, and with more threads than cores a run of tiny ops slows down by
+/// orders of magnitude (seen: 2 steps not done after 6 minutes), so training commands get one
+/// intra-op thread and OpenMP is told to sleep rather than spin.
 pub fn llora_in(dir: &Path, args: &[&str]) -> Output {
+    let mut args: Vec<&str> = args.to_vec();
+    if args.first() == Some(&"train") {
+        args.extend(["--set", "run.threads=1"]);
+    }
+    if args.first() == Some(&"eval") {
+        args.extend(["--threads", "1"]);
+    }
     Command::new(llora_bin())
-        .args(args)
+        .args(&args)
         .current_dir(dir)
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
         .env("HOME", std::env::var("HOME").unwrap_or_default())
+        .env("OMP_WAIT_POLICY", "PASSIVE")
         .output()
         .expect("run llora")
 }
