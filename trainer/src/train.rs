@@ -285,6 +285,11 @@ pub fn run(config: &Config, config_name: &str) -> anyhow::Result<Outcome> {
         }
     }
 
+    let precision = match config.precision.compute.as_str() {
+        "fp32" => "fp32",
+        other => bail!("precision.compute = {other:?} is not implemented yet (issue #6); use \"fp32\""),
+    };
+
     let run_dir = &config.run.dir;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run.dir {}", run_dir.display()))?;
     let result_log = run_dir.join("result_0.txt");
@@ -315,12 +320,7 @@ pub fn run(config: &Config, config_name: &str) -> anyhow::Result<Outcome> {
     let n_lora = model.num_lora_parameters();
     info!(base_parameters = model.config.num_parameters(), lora_parameters = n_lora, "model ready");
     let mut optim = AdamW::new(config.optim.clone());
-    let precision = match config.precision.compute.as_str() {
-        "fp32" => "fp32",
-        other => bail!("precision.compute = {other:?} is not implemented yet (issue #6); use \"fp32\""),
-    };
-    // Reading the data happens after run_start (the rules forbid touching it before), but its
-    // size is logged up front, so count what the config promises.
+    // The dataset sizes are logged after run_start: the rules forbid touching the data before.
     for (k, v) in [
         ("global_batch_size", json!(gbs)),
         ("micro_batch_size", json!(mbs)),
