@@ -109,7 +109,10 @@ fn set_torch_threads(threads: usize) {
     if threads > 0 {
         tch::set_num_threads(threads as i32);
         // Inter-op parallelism only helps graph executors; one thread keeps runs reproducible.
-        tch::set_num_interop_threads(1);
+        // LibTorch accepts this once per process (a second call throws), and a run can init
+        // twice (the demo's pre-training, then the run itself).
+        static INTEROP: std::sync::Once = std::sync::Once::new();
+        INTEROP.call_once(|| tch::set_num_interop_threads(1));
     }
 }
 
