@@ -15,6 +15,20 @@ const EXACTLY_ONCE: &[&str] = &[
     "expert_parallelism", "micro_batch_size", "config_filename",
 ];
 
+/// The embedded tiny config without its pre-trained base (no `model.path`, no
+/// `[model.pretrain]`): a random `demo` model, so short tests neither pre-train nor depend on a
+/// base left in the working tree by an earlier run.
+fn random_base_config(dir: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(common::root().join("configs/tiny-cpu.toml")).unwrap();
+    let mut config: toml::Table = toml::from_str(&text).unwrap();
+    let model = config.get_mut("model").unwrap().as_table_mut().unwrap();
+    model.remove("path");
+    model.remove("pretrain");
+    let path = dir.join("random-base.toml");
+    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
+    path.display().to_string()
+}
+
 fn mllog(path: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -28,8 +42,9 @@ fn mllog(path: &std::path::Path) -> Vec<serde_json::Value> {
 fn reaching_the_target_logs_an_mlperf_run() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
+    let config = random_base_config(dir.path());
     let out = llora(&[
-        "train", "--set", &format!("run.dir=\"{}\"", run_dir.display()), "--set", "schedule.max_steps=8",
+        "train", &config, "--set", &format!("run.dir=\"{}\"", run_dir.display()), "--set", "schedule.max_steps=8",
         "--set", "eval.every_samples=16", "--set", "eval.target_loss=100.0", "--set", "data.synthetic.train_samples=64",
         "--set", "data.synthetic.eval_samples=4", "--set", "data.max_seq_len=128",
     ]);
@@ -72,8 +87,9 @@ fn reaching_the_target_logs_an_mlperf_run() {
 #[test]
 fn max_steps_without_the_target_is_an_aborted_run() {
     let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
     let out = llora(&[
-        "train", "--set", &format!("run.dir=\"{}\"", dir.path().display()), "--set", "schedule.max_steps=2",
+        "train", &config, "--set", &format!("run.dir=\"{}\"", dir.path().display()), "--set", "schedule.max_steps=2",
         "--set", "eval.every_samples=8", "--set", "eval.target_loss=0.001", "--set", "data.synthetic.train_samples=32",
         "--set", "data.synthetic.eval_samples=2", "--set", "data.max_seq_len=128",
     ]);
