@@ -71,7 +71,46 @@ fn bad_config_file_names_the_file_and_key() {
 
 #[test]
 fn unfinished_subcommands_say_so_and_fail() {
-    for cmd in ["data", "mlperf", "export", "bench"] {
+    for cmd in ["data", "export", "bench"] {
         fails_naming(&[cmd], &["not implemented yet"]);
     }
+}
+
+/// Published MLPerf Training scores (minutes) of the reference result folders, typed in from
+/// shared/docs/mlperf-llama2-70b-lora.md.
+#[test]
+fn mlperf_score_reproduces_the_published_scores() {
+    let root = common::root().join("../shared/mlperf/reference-results");
+    for (dir, published) in [
+        ("v5.1-AMD-MI355X_EPYC_9575F_pytorch", 10.18),
+        ("v5.1-NVIDIA-theia_ngpu8_ngc25.09_nemo", 5.97),
+        ("v5.0-NVIDIA-tyche_ngpu8_ngc25.04_nemo", 11.14),
+        ("v4.0-NVIDIA-h200_ngc24.04_nemo", 24.69),
+    ] {
+        let path = root.join(dir);
+        assert!(path.is_dir(), "{} missing: this test needs shared/ beside the repository", path.display());
+        let out = llora(&["mlperf", "score", path.to_str().unwrap()]);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{dir}: {stderr}");
+        let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let score = last["score_min"].as_f64().unwrap();
+        assert!((score - published).abs() < 0.005 + 1e-9, "{dir}: score {score:.4}, published {published}");
+        assert!(stdout.contains(&format!("score: {published:.2} min")), "{dir}: {stdout}");
+        assert_eq!(last["runs"], 10);
+        assert!(stdout.contains("dropped (fastest)") && stdout.contains("dropped (slowest)"), "{stdout}");
+    }
+}
+
+#[test]
+fn mlperf_score_rejects_two_failed_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = |key: &str, t: u64, status: &str| {
+        format!(":::MLLOG {{\"namespace\": \"\", \"time_ms\": {t}, \"event_type\": \"INTERVAL_END\", \"key\": \"{key}\", \"value\": null, \"metadata\": {{\"status\": \"{status}\", \"samples_count\": 8}}}}\n")
+    };
+    for (i, status) in ["success", "aborted", "success", "aborted"].iter().enumerate() {
+        let log = line("run_start", 0, "") + &line("run_stop", 60_000 * (i as u64 + 1), status);
+        std::fs::write(dir.path().join(format!("result_{i}.txt")), log).unwrap();
+    }
+    fails_naming(&["mlperf", "score", dir.path().to_str().unwrap()], &["2 runs did not converge", "result_1.txt (aborted)", "result_3.txt"]);
+    fails_naming(&["mlperf", "score", "/nonexistent-results"], &["/nonexistent-results"]);
 }

@@ -242,7 +242,7 @@ fn training_steps_match_torch_adamw() {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let lr = lr_at(0, optim_cfg.lr, &schedule);
-        let (loss, norm) = train_step(&mut model, &mut optim, vec![(ids, labels)], n_tokens, lr, optim_cfg.clip_grad_norm).unwrap();
+        let (loss, norm) = train_step(&mut model, &mut optim, &llora_trainer::collective::SingleProcess, vec![(ids, labels)], n_tokens, lr, optim_cfg.clip_grad_norm).unwrap();
         let ref_loss = fx.json["losses"][k - 1].as_f64().unwrap();
         let ref_norm = fx.json["grad_norm_total_preclip"][k - 1].as_f64().unwrap();
         assert!((loss - ref_loss).abs() <= 1e-4, "step {k}: loss {loss} vs {ref_loss}");

@@ -182,6 +182,18 @@ pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::
     Ok(safetensors::serialize(views, None)?)
 }
 
+/// Every tensor of a safetensors file as f32 (F32, BF16 or F16 on disk), by name.
+pub fn read_safetensors_f32(path: &Path) -> anyhow::Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+    let shard = Shard::open(path)?;
+    let mut out = BTreeMap::new();
+    for (name, info) in shard.meta.tensors() {
+        let data = shard.read_f32(&name, &info.shape)?;
+        let values = data.to_vec::<f32>().map_err(|e| anyhow::anyhow!("{}: tensor {name}: {e:?}", path.display()))?;
+        out.insert(name, (info.shape.clone(), values));
+    }
+    Ok(out)
+}
+
 /// f32 values of a tensor, for writing.
 pub fn tensor_f32<const D: usize>(t: &Tensor<D>) -> (Vec<usize>, Vec<f32>) {
     let data = t.to_data().convert::<f32>();

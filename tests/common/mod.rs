@@ -51,22 +51,26 @@ pub fn llora_bin() -> &'static Path {
 /// orders of magnitude (seen: 2 steps not done after 6 minutes), so training commands get one
 /// intra-op thread and OpenMP is told to sleep rather than spin.
 pub fn llora_in(dir: &Path, args: &[&str]) -> Output {
+    llora_command(dir, args).output().expect("run llora")
+}
+
+/// The `llora ARGS` command of [`llora_in`], not yet started (for tests that signal it).
+pub fn llora_command(dir: &Path, args: &[&str]) -> Command {
     let mut args: Vec<&str> = args.to_vec();
-    if args.first() == Some(&"train") {
+    if args.first() == Some(&"train") || args.starts_with(&["mlperf", "run"]) {
         args.extend(["--set", "run.threads=1"]);
     }
     if args.first() == Some(&"eval") {
         args.extend(["--threads", "1"]);
     }
-    Command::new(llora_bin())
-        .args(&args)
+    let mut cmd = Command::new(llora_bin());
+    cmd.args(&args)
         .current_dir(dir)
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
         .env("HOME", std::env::var("HOME").unwrap_or_default())
-        .env("OMP_WAIT_POLICY", "PASSIVE")
-        .output()
-        .expect("run llora")
+        .env("OMP_WAIT_POLICY", "PASSIVE");
+    cmd
 }
 
 /// Runs `llora ARGS` from the repository root.

@@ -37,7 +37,11 @@ pub enum Command {
     /// Data tools: synthesise, prepare, inspect.
     Data(PendingArgs),
     /// MLPerf tools: repeated seeded runs and scoring.
-    Mlperf(PendingArgs),
+    Mlperf {
+        /// What to do.
+        #[command(subcommand)]
+        command: MlperfCommand,
+    },
     /// Export base + adapters merged as an HF checkpoint.
     Export(PendingArgs),
     /// Time LoRA training steps on random tokens.
@@ -66,6 +70,10 @@ pub struct TrainArgs {
     /// The run's configuration.
     #[command(flatten)]
     pub config: ConfigArgs,
+    /// Continue the interrupted run in this run directory from its checkpoint (`resume/`),
+    /// with the config saved there (`--set` still applies; a config file may not be given).
+    #[arg(long, value_name = "RUN_DIR", conflicts_with = "config")]
+    pub resume: Option<PathBuf>,
 }
 
 /// `llora eval`.
@@ -95,6 +103,34 @@ pub struct EvalArgs {
     /// Skip bad rows (counted) instead of failing on the first.
     #[arg(long)]
     pub skip_bad_rows: bool,
+}
+
+/// `llora mlperf ...`.
+#[derive(Debug, Subcommand)]
+pub enum MlperfCommand {
+    /// Run the config N times with seeds `run.seed`, `run.seed + 1`, ...; logs go to
+    /// `OUT/result_<i>.txt` (run directories `OUT/run_<i>`), then the set is scored.
+    Run(MlperfRunArgs),
+    /// Score a results directory: olympic mean of run_stop − run_start over the
+    /// `result_<n>.txt` files (× `scaling.json`), with a per-run table; last line JSON.
+    Score {
+        /// Directory with `result_<n>.txt` (and optionally `scaling.json`).
+        dir: PathBuf,
+    },
+}
+
+/// `llora mlperf run`.
+#[derive(Debug, Args)]
+pub struct MlperfRunArgs {
+    /// The run's configuration.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Number of runs (MLPerf: 10).
+    #[arg(long, default_value_t = 10)]
+    pub runs: usize,
+    /// Results directory.
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 /// `llora config ...`.

@@ -229,11 +229,15 @@ pub struct TrainConfig {
     pub micro_batch_size: usize,
     /// Data-parallel ranks (one device each).
     pub data_parallel: usize,
+    /// Warm-up forward+backward passes on random tokens before `run_start` (kernel selection,
+    /// allocator growth, as NVIDIA's and AMD's submissions do); they touch neither the dataset
+    /// nor the adapters.
+    pub warmup_batches: usize,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        Self { global_batch_size: 8, micro_batch_size: 1, data_parallel: 1 }
+        Self { global_batch_size: 8, micro_batch_size: 1, data_parallel: 1, warmup_batches: 0 }
     }
 }
 
@@ -341,11 +345,14 @@ pub struct LoggingConfig {
     pub every_steps: usize,
     /// Progress bar: `"auto"` (on a TTY), `"always"` or `"never"`.
     pub progress: String,
+    /// Peak dense TFLOP/s of one device, for the MFU column of `metrics.jsonl` (0 = unknown:
+    /// MFU is not reported, achieved TFLOP/s still is).
+    pub peak_tflops: f64,
 }
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        Self { every_steps: 10, progress: "auto".into() }
+        Self { every_steps: 10, progress: "auto".into(), peak_tflops: 0.0 }
     }
 }
 
@@ -573,6 +580,7 @@ impl Config {
 
         let lg = &self.logging;
         check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
+        check(lg.peak_tflops >= 0.0 && lg.peak_tflops.is_finite(), "logging.peak_tflops", &lg.peak_tflops, "must be a finite number ≥ 0");
         check(one_of(&lg.progress, &["auto", "always", "never"]), "logging.progress", &lg.progress, "must be \"auto\", \"always\" or \"never\"");
 
         if p.is_empty() { Ok(()) } else { Err(p) }
@@ -721,7 +729,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`train.global_batch_size` = 6"), "{err}");
-        let c = Config { train: TrainConfig { global_batch_size: 8, micro_batch_size: 2, data_parallel: 2 }, ..Default::default() };
+        let c = Config { train: TrainConfig { global_batch_size: 8, micro_batch_size: 2, data_parallel: 2, ..Default::default() }, ..Default::default() };
         assert_eq!(c.train.gradient_accumulation_steps(), 2);
     }
 

@@ -1,6 +1,10 @@
 //! llora's recipe: configuration, command line and (as the issues land) the training loop.
 pub mod cli;
+pub mod collective;
 pub mod config;
 pub mod mllog;
+pub mod mlperf;
 pub mod optim;
+pub mod plot;
+pub mod resume;
 pub mod train;

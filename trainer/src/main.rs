@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat};
+use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat, MlperfCommand};
 use llora_trainer::config::{Config, TINY_CPU_NAME};
 use tracing_subscriber::EnvFilter;
 
@@ -22,7 +22,12 @@ fn main() -> ExitCode {
 
 fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Span close events carry busy/idle times; spans are debug-level, so only
+    // `RUST_LOG=...=debug` prints them.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE);
     match format {
         LogFormat::Pretty => builder.with_target(false).init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
@@ -32,9 +37,14 @@ fn init_tracing(format: LogFormat) {
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Train(args) => {
-            let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
-            let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let outcome = llora_trainer::train::run(&config, &name)?;
+            let (outcome, config) = match &args.resume {
+                Some(dir) => llora_trainer::train::resume(dir, &args.config.overrides)?,
+                None => {
+                    let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
+                    let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
+                    (llora_trainer::train::run(&config, &name)?, config)
+                }
+            };
             if outcome.status != "success" {
                 anyhow::bail!(
                     "the run did not reach eval.target_loss = {} within schedule.max_steps = {} (run_stop status \"{}\"; result log {})",
@@ -53,7 +63,20 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Eval(args) => llora_trainer::train::eval_command(&args),
         Command::Data(_) => pending("data", "issue #4 (GovReport data pipeline)"),
-        Command::Mlperf(_) => pending("mlperf", "issue #5 (MLPerf training loop and scoring)"),
+        Command::Mlperf { command: MlperfCommand::Score { dir } } => {
+            let score = llora_trainer::mlperf::score_dir(&dir)?;
+            print!("{}", score.table());
+            println!("{}", score.json());
+            Ok(())
+        }
+        Command::Mlperf { command: MlperfCommand::Run(args) } => {
+            let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
+            let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
+            let score = llora_trainer::mlperf::run_many(&config, &name, args.runs, &args.out)?;
+            print!("{}", score.table());
+            println!("{}", score.json());
+            Ok(())
+        }
         Command::Export(_) => pending("export", "issue #3 (merged HF export)"),
         Command::Bench(_) => pending("bench", "issue #7 (performance benchmark)"),
     }

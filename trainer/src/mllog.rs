@@ -35,6 +35,16 @@ impl MlLogger {
         Ok(Self { out: BufWriter::new(file), echo })
     }
 
+    /// Opens an existing log for appending (a resumed run).
+    pub fn append(path: &Path, echo: bool) -> anyhow::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("cannot open {} for appending", path.display()))?;
+        Ok(Self { out: BufWriter::new(file), echo })
+    }
+
     fn line(&mut self, event_type: &str, key: &str, value: Value, extra: Map<String, Value>, at: &Location<'_>) {
         let mut metadata = Map::new();
         metadata.insert("file".into(), json!(at.file()));

@@ -1,0 +1,177 @@
+//! Resumable checkpoints: everything a stopped run needs to continue exactly where it was.
+//!
+//! A checkpoint is the directory `<run.dir>/resume/`:
+//! - `state.json`: the [`Progress`] counters (step, samples, evaluations, data position, ...);
+//! - `config.toml`: the resolved config of the run;
+//! - `params.safetensors`: the trainable parameters, flattened, by name;
+//! - `optimizer.safetensors`: AdamW's moments (`<name>.exp_avg`, `<name>.exp_avg_sq`);
+//! - `adapter/`: the adapters in PEFT format (LoRA runs), for use without resuming.
+//!
+//! The dropout RNG needs no file: every step reseeds it from `(run.seed, step)`, so the step
+//! number is its whole state. A new checkpoint is written completely into `.resume.tmp/` and
+//! then swapped in by renames (`resume` → `.resume.old`, `.resume.tmp` → `resume`, delete the
+//! old one); a crash at any point leaves either the new or the previous checkpoint readable,
+//! and [`load`] falls back to `.resume.old` when `resume` is missing.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, ensure};
+use burn::tensor::{Device, Tensor, TensorData};
+use llora_data::loader::Position;
+use llora_model::checkpoint::{read_safetensors_f32, safetensors_bytes, save_peft_adapter, write_atomic};
+use llora_model::{LlamaForCausalLM, LoraSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::optim::{AdamW, Moments};
+
+/// Checkpoint format version written in `state.json`.
+const FORMAT: u32 = 1;
+
+/// The counters of a run in progress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Progress {
+    /// Optimizer steps done.
+    pub step: usize,
+    /// Training samples consumed.
+    pub samples: usize,
+    /// Evaluation points passed (skipped ones included).
+    pub evals_done: usize,
+    /// Input tokens consumed.
+    pub tokens_seen: usize,
+    /// Last evaluation loss.
+    pub last_eval: Option<f64>,
+    /// Where the training-data order continues.
+    pub position: Position,
+    /// Epoch milliseconds of `run_start` (time-to-train of a resumed run includes the gap).
+    pub run_start_ms: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StateFile {
+    format: u32,
+    progress: Progress,
+    optimizer_step: u64,
+}
+
+/// A checkpoint read back from disk.
+pub struct Checkpoint {
+    /// The directory it was read from.
+    pub dir: PathBuf,
+    /// The run's counters.
+    pub progress: Progress,
+    /// The resolved config text of the run.
+    pub config_toml: String,
+    optimizer_step: u64,
+    params: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    moments: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+/// The checkpoint directory of a run directory.
+pub fn checkpoint_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("resume")
+}
+
+/// Writes a checkpoint of the run into `<run_dir>/resume/`, replacing the previous one atomically.
+///
+/// `adapter` is the LoRA spec and base-model name for the PEFT copy (None for full fine-tuning).
+pub fn save(
+    run_dir: &Path,
+    config_toml: &str,
+    progress: &Progress,
+    model: &mut LlamaForCausalLM,
+    optim: &AdamW,
+    adapter: Option<(&LoraSpec, &str)>,
+) -> anyhow::Result<PathBuf> {
+    let tmp = run_dir.join(".resume.tmp");
+    let old = run_dir.join(".resume.old");
+    let dir = checkpoint_dir(run_dir);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove the unfinished {}", tmp.display()))?;
+    }
+    let mut params = Vec::new();
+    let mut moments = Vec::new();
+    for (name, p) in model.trainable_params_mut() {
+        let (shape, values) = llora_model::checkpoint::tensor_f32(&p.flat());
+        if let Some(m) = optim.state.get(&name) {
+            moments.push((format!("{name}.exp_avg"), shape.clone(), llora_model::checkpoint::tensor_f32(&m.m).1));
+            moments.push((format!("{name}.exp_avg_sq"), shape.clone(), llora_model::checkpoint::tensor_f32(&m.v).1));
+        }
+        params.push((name, shape, values));
+    }
+    write_atomic(&tmp.join("params.safetensors"), &safetensors_bytes(&params)?)?;
+    write_atomic(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&moments)?)?;
+    write_atomic(&tmp.join("config.toml"), config_toml.as_bytes())?;
+    if let Some((spec, base)) = adapter {
+        save_peft_adapter(model, spec, &tmp.join("adapter"), base)?;
+    }
+    let state = StateFile { format: FORMAT, progress: progress.clone(), optimizer_step: optim.step };
+    // state.json last: a directory with it is complete.
+    write_atomic(&tmp.join("state.json"), serde_json::to_string_pretty(&state)?.as_bytes())?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+    }
+    if dir.exists() {
+        std::fs::rename(&dir, &old).with_context(|| format!("cannot move {} aside", dir.display()))?;
+    }
+    std::fs::rename(&tmp, &dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+    }
+    Ok(dir)
+}
+
+/// Reads the checkpoint of the run directory `run_dir` (or of `run_dir` itself when it is a
+/// checkpoint directory).
+pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
+    let dir = [run_dir.to_path_buf(), checkpoint_dir(run_dir), run_dir.join(".resume.old")]
+        .into_iter()
+        .find(|d| d.join("state.json").is_file())
+        .with_context(|| format!("{}: no checkpoint (no resume/state.json); was run.checkpoint_every set, or the run interrupted?", run_dir.display()))?;
+    let state_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
+    let state: StateFile = serde_json::from_str(&text).with_context(|| format!("{}: not a llora checkpoint state", state_path.display()))?;
+    ensure!(state.format == FORMAT, "{}: checkpoint format {} (this llora reads {FORMAT})", state_path.display(), state.format);
+    let config_path = dir.join("config.toml");
+    Ok(Checkpoint {
+        progress: state.progress,
+        optimizer_step: state.optimizer_step,
+        config_toml: std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?,
+        params: read_safetensors_f32(&dir.join("params.safetensors"))?,
+        moments: read_safetensors_f32(&dir.join("optimizer.safetensors"))?,
+        dir,
+    })
+}
+
+impl Checkpoint {
+    /// Puts the saved parameters into `model` and the moments into `optim`.
+    ///
+    /// Every trainable parameter must be in the checkpoint with its size, and every saved
+    /// tensor must belong to a parameter: anything else means another model or adapter layout.
+    pub fn restore(&mut self, model: &mut LlamaForCausalLM, optim: &mut AdamW, device: &Device) -> anyhow::Result<()> {
+        let file = self.dir.join("params.safetensors");
+        let flat = |(shape, values): (Vec<usize>, Vec<f32>)| -> Tensor<1> {
+            let n = shape.iter().product::<usize>();
+            Tensor::from_data(TensorData::new(values, [n]), device)
+        };
+        for (name, mut p) in model.trainable_params_mut() {
+            let want = p.flat().shape().num_elements();
+            let saved = self.params.remove(&name).with_context(|| format!("{}: parameter {name} is missing", file.display()))?;
+            let got = saved.0.iter().product::<usize>();
+            ensure!(got == want, "{}: parameter {name} has {got} values, the model's has {want}", file.display());
+            p.set_flat(flat(saved));
+            let (m, v) = (self.moments.remove(&format!("{name}.exp_avg")), self.moments.remove(&format!("{name}.exp_avg_sq")));
+            if let (Some(m), Some(v)) = (m, v) {
+                optim.state.insert(name, Moments { m: flat(m), v: flat(v) });
+            }
+        }
+        if let Some(extra) = self.params.keys().next() {
+            anyhow::bail!("{}: parameter {extra} is not trainable in this model", file.display());
+        }
+        if let Some(extra) = self.moments.keys().next() {
+            anyhow::bail!("{}: moment {extra} belongs to no trainable parameter", self.dir.join("optimizer.safetensors").display());
+        }
+        optim.step = self.optimizer_step;
+        Ok(())
+    }
+}
