@@ -7,6 +7,7 @@
 pub mod loader;
 pub mod parquet_io;
 pub mod synth;
+pub mod text;
 
 /// Label value that takes no loss.
 pub const IGNORE_INDEX: i64 = -100;

@@ -1,7 +1,9 @@
-//! The MLPerf GovReport parquet schema: `input_ids` and `labels` as lists of int32 or int64,
-//! an optional `attention_mask`; read as a stream of record batches, validated row by row.
+//! The MLPerf GovReport schema: `input_ids` and `labels` as lists of int32 or int64, an
+//! optional `attention_mask`; read from parquet or Arrow IPC (file or stream format, as the HF
+//! `datasets` cache holds it) as a stream of record batches, validated row by row.
 
 use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -9,7 +11,7 @@ use anyhow::{Context, bail};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, ListArray, RecordBatch};
-use arrow_schema::{DataType, Field, Schema};
+use arrow_schema::{ArrowError, DataType, Field, Schema};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
@@ -51,10 +53,10 @@ pub struct ReadOptions {
 pub struct ReadReport {
     /// Rows in the file.
     pub rows: usize,
-    /// Rows dropped under `OnBadRow::Skip`, with the first few reasons.
+    /// Rows dropped under `OnBadRow::Skip`.
     pub skipped: usize,
-    /// `row N: reason` for up to 10 skipped rows.
-    pub examples: Vec<String>,
+    /// `row N: reason` for every skipped row.
+    pub problems: Vec<String>,
 }
 
 /// Writes samples in the MLPerf schema (`input_ids`, `labels`: list<int64>, as HF datasets
@@ -105,25 +107,52 @@ fn list_column<'a>(batch: &'a RecordBatch, name: &str, path: &Path) -> anyhow::R
     col.as_list_opt::<i32>().with_context(|| format!("{}: column {name:?} is {}, expected a list of int32 or int64", path.display(), col.data_type()))
 }
 
-/// Streams `path` record batch by record batch, calling `each` for every valid row.
+/// Calls `each(batch, index of its first row)` for every record batch of a parquet or Arrow
+/// IPC file (told apart by their magic bytes), so memory grows with one batch, not the file.
+pub fn for_each_batch(path: &Path, mut each: impl FnMut(&RecordBatch, usize) -> anyhow::Result<()>) -> anyhow::Result<usize> {
+    let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut magic = [0u8; 6];
+    let n = file.read(&mut magic).with_context(|| format!("cannot read {}", path.display()))?;
+    file.seek(SeekFrom::Start(0)).with_context(|| format!("cannot read {}", path.display()))?;
+    type Batches = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>>>;
+    let batches: Batches = if magic[..n].starts_with(b"PAR1") {
+        Box::new(
+            ParquetRecordBatchReaderBuilder::try_new(file)
+                .with_context(|| format!("{}: not a readable parquet file", path.display()))?
+                .with_batch_size(64)
+                .build()
+                .with_context(|| format!("{}: cannot read", path.display()))?,
+        )
+    } else if &magic[..n] == b"ARROW1" {
+        Box::new(arrow_ipc::reader::FileReader::try_new(file, None).with_context(|| format!("{}: not a readable Arrow IPC file", path.display()))?)
+    } else {
+        Box::new(
+            arrow_ipc::reader::StreamReader::try_new(file, None)
+                .with_context(|| format!("{}: neither parquet nor an Arrow IPC file or stream", path.display()))?,
+        )
+    };
+    let mut rows = 0;
+    for batch in batches {
+        let batch = batch.with_context(|| format!("{}: corrupt record batch after row {rows}", path.display()))?;
+        each(&batch, rows)?;
+        rows += batch.num_rows();
+    }
+    Ok(rows)
+}
+
+/// Streams `path` (parquet or Arrow IPC) record batch by record batch, calling `each` for
+/// every valid row.
 ///
 /// Memory grows with one record batch, not with the file. Every row is validated
 /// ([`Sample::validate`], plus `attention_mask` all ones when present); a bad row is an error
 /// naming the file, the row and the reason, unless `on_bad_row` is `Skip`.
 pub fn for_each_row(path: &Path, opts: &ReadOptions, mut each: impl FnMut(Sample)) -> anyhow::Result<ReadReport> {
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let reader = ParquetRecordBatchReaderBuilder::try_new(file)
-        .with_context(|| format!("{}: not a readable parquet file", path.display()))?
-        .with_batch_size(64)
-        .build()
-        .with_context(|| format!("{}: cannot read", path.display()))?;
     let mut report = ReadReport::default();
-    for batch in reader {
-        let batch = batch.with_context(|| format!("{}: corrupt record batch after row {}", path.display(), report.rows))?;
-        let ids = list_column(&batch, "input_ids", path)?;
-        let labels = list_column(&batch, "labels", path)?;
+    for_each_batch(path, |batch, _| {
+        let ids = list_column(batch, "input_ids", path)?;
+        let labels = list_column(batch, "labels", path)?;
         let mask = match batch.column_by_name("attention_mask") {
-            Some(_) => Some(list_column(&batch, "attention_mask", path)?),
+            Some(_) => Some(list_column(batch, "attention_mask", path)?),
             None => None,
         };
         for r in 0..batch.num_rows() {
@@ -154,15 +183,14 @@ pub fn for_each_row(path: &Path, opts: &ReadOptions, mut each: impl FnMut(Sample
                 (Err(reason), OnBadRow::Error) => bail!("{}: row {row}: {reason}", path.display()),
                 (Err(reason), OnBadRow::Skip) => {
                     report.skipped += 1;
-                    if report.examples.len() < 10 {
-                        report.examples.push(format!("row {row}: {reason}"));
-                    }
+                    report.problems.push(format!("row {row}: {reason}"));
                 }
             }
         }
-    }
+        Ok(())
+    })?;
     if report.skipped > 0 {
-        tracing::warn!(file = %path.display(), skipped = report.skipped, rows = report.rows, first = ?report.examples.first(), "skipped bad rows (data.on_bad_row = \"skip\")");
+        tracing::warn!(file = %path.display(), skipped = report.skipped, rows = report.rows, first = ?report.problems.first(), "skipped bad rows (data.on_bad_row = \"skip\")");
     }
     Ok(report)
 }

@@ -1,8 +1,11 @@
 //! A synthetic GovReport-shaped corpus: long "reports" and short "summaries" that are a
 //! learnable function of their report, in the MLPerf token layout, with no download.
 //!
-//! Token space (a tokenizer-free stand-in for Llama's): 0 pad, 1 BOS, 2 EOS, 3..=6 the prompt
-//! `### Summarize the following text:`, 7..=8 `### Summary:`, content tokens from 16.
+//! Token space, Llama-like: 0 `<unk>` (also padding), 1 `<s>`, 2 `</s>`, 3..=8 the template
+//! words `###`, `Summarize`, `the`, `following`, `text:`, `Summary:`; content tokens from 16,
+//! each a made-up word ([`word`]). [`tokenizer_vocab`] lists them all, so the same corpus
+//! exists as text (SCROLLS' `input`/`output`) and as MLPerf token ids, and a word-level
+//! tokenizer maps one onto the other exactly.
 //! Each report is written about one of `topics` topics: its tokens follow that topic's Zipf
 //! distribution over its own slice of the vocabulary. Its summary is the topic's fixed
 //! `summary_len`-token abstract followed by the report's first `copy_len` tokens, then EOS. A
@@ -21,11 +24,40 @@ pub const BOS: u32 = 1;
 /// End of sequence (the `</s>` after each summary).
 pub const EOS: u32 = 2;
 /// `### Summarize the following text:` as tokens.
-pub const PROMPT: [u32; 4] = [3, 4, 5, 6];
+pub const PROMPT: [u32; 5] = [3, 4, 5, 6, 7];
 /// `### Summary:` as tokens.
-pub const SUMMARY_MARK: [u32; 2] = [7, 8];
+pub const SUMMARY_MARK: [u32; 2] = [3, 8];
 /// First content token id.
 pub const FIRST_CONTENT: u32 = 16;
+/// The words of ids 0..=8; ids 9..16 are unused (`<unused_N>`).
+pub const SPECIAL_WORDS: [&str; 9] = ["<unk>", "<s>", "</s>", "###", "Summarize", "the", "following", "text:", "Summary:"];
+
+/// The made-up word of content token `id` (≥ [`FIRST_CONTENT`]): the id's base-16 digits as
+/// syllables, at least two, so every id has its own word and none is a template word.
+pub fn word(id: u32) -> String {
+    const SYL: [&str; 16] = ["ka", "lo", "mi", "ru", "se", "ta", "ne", "po", "fi", "da", "gu", "be", "zo", "wa", "hi", "ye"];
+    let mut k = id - FIRST_CONTENT;
+    let mut w = String::new();
+    for digit in 0.. {
+        if k == 0 && digit >= 2 {
+            break;
+        }
+        w += SYL[(k % 16) as usize];
+        k /= 16;
+    }
+    w
+}
+
+/// Every token of a `vocab`-sized synthetic vocabulary as (word, id), for a tokenizer.
+pub fn tokenizer_vocab(vocab: usize) -> Vec<(String, u32)> {
+    (0..vocab as u32)
+        .map(|id| match id {
+            i if (i as usize) < SPECIAL_WORDS.len() => (SPECIAL_WORDS[i as usize].to_string(), i),
+            i if i < FIRST_CONTENT => (format!("<unused_{i}>"), i),
+            i => (word(i), i),
+        })
+        .collect()
+}
 
 /// Shape of the synthetic corpus.
 #[derive(Debug, Clone, PartialEq)]
@@ -101,11 +133,16 @@ impl Synth {
 
     /// `n` samples of the stream `split` (e.g. 0 = train, 1 = eval): same topics, other reports.
     pub fn samples(&self, split: u64, n: usize) -> Vec<Sample> {
-        let mut rng = ChaCha8Rng::seed_from_u64(self.config.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(split + 1)));
-        (0..n).map(|_| self.sample(&mut rng)).collect()
+        self.documents(split, n).into_iter().map(|d| d.sample()).collect()
     }
 
-    fn sample(&self, rng: &mut ChaCha8Rng) -> Sample {
+    /// The same `n` samples as report/summary texts.
+    pub fn documents(&self, split: u64, n: usize) -> Vec<Document> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.config.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(split + 1)));
+        (0..n).map(|_| self.document(&mut rng)).collect()
+    }
+
+    fn document(&self, rng: &mut ChaCha8Rng) -> Document {
         let c = &self.config;
         let topic = &self.topics[rng.random_range(0..self.topics.len())];
         let overhead = 1 + PROMPT.len() + SUMMARY_MARK.len() + c.summary_len + c.copy_len + 1;
@@ -115,21 +152,40 @@ impl Synth {
         let (lo, hi) = (((max_report / 8).max(c.copy_len)) as f64, max_report as f64);
         let len = (lo * (hi / lo).powf(rng.random::<f64>())).round().clamp(lo, hi) as usize;
         let report: Vec<u32> = (0..len).map(|_| topic.words[topic.weights.sample(rng)]).collect();
+        let mut summary = topic.abstract_.clone();
+        summary.extend(&report[..c.copy_len]);
+        Document { report, summary }
+    }
+}
 
+/// One synthetic report and its summary, as content token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Document {
+    /// The report's tokens.
+    pub report: Vec<u32>,
+    /// The summary's tokens (without `</s>`).
+    pub summary: Vec<u32>,
+}
+
+impl Document {
+    /// The MLPerf sample: `<s>` prompt report `### Summary:` summary `</s>`, loss on the
+    /// summary and `</s>` only.
+    pub fn sample(&self) -> Sample {
         let mut ids = vec![BOS];
         ids.extend(PROMPT);
-        ids.extend(&report);
+        ids.extend(&self.report);
         ids.extend(SUMMARY_MARK);
         let prompt_len = ids.len();
-        ids.extend(&topic.abstract_);
-        ids.extend(&report[..c.copy_len]);
+        ids.extend(&self.summary);
         ids.push(EOS);
-        let labels = ids
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| if i < prompt_len { IGNORE_INDEX } else { t as i64 })
-            .collect();
+        let labels = ids.iter().enumerate().map(|(i, &t)| if i < prompt_len { IGNORE_INDEX } else { t as i64 }).collect();
         Sample { input_ids: ids, labels }
+    }
+
+    /// The texts SCROLLS stores: (`input`, `output`), words separated by spaces.
+    pub fn text(&self) -> (String, String) {
+        let join = |ids: &[u32]| ids.iter().map(|&t| word(t)).collect::<Vec<_>>().join(" ");
+        (join(&self.report), join(&self.summary))
     }
 }
 
@@ -143,7 +199,7 @@ mod tests {
         for sample in s.samples(0, 20) {
             let ids = &sample.input_ids;
             assert_eq!(ids[0], BOS);
-            assert_eq!(&ids[1..5], &PROMPT);
+            assert_eq!(&ids[1..6], &PROMPT);
             assert_eq!(*ids.last().unwrap(), EOS);
             // Summary = abstract + copy + EOS = 24 + 4 + 1 labelled tokens; the rest is -100.
             let labelled: Vec<usize> = (0..ids.len()).filter(|&i| sample.labels[i] != IGNORE_INDEX).collect();
@@ -151,9 +207,22 @@ mod tests {
             assert_eq!(labelled[0], ids.len() - 29);
             assert_eq!(&ids[labelled[0] - 2..labelled[0]], &SUMMARY_MARK);
             // The copied tokens are the report's first four.
-            assert_eq!(&ids[ids.len() - 5..ids.len() - 1], &ids[5..9]);
+            assert_eq!(&ids[ids.len() - 5..ids.len() - 1], &ids[6..10]);
             sample.validate(512, 512).unwrap();
         }
+    }
+
+    #[test]
+    fn words_are_unique_and_not_template_words() {
+        let vocab = tokenizer_vocab(32000);
+        let mut seen = std::collections::HashSet::new();
+        for (w, id) in &vocab {
+            assert!(seen.insert(w.clone()), "word {w} of id {id} repeats");
+            assert!(!w.contains(char::is_whitespace));
+        }
+        assert_eq!(word(16), "kaka");
+        assert_eq!(word(17), "loka");
+        assert_eq!(word(16 + 256), "kakalo");
     }
 
     #[test]

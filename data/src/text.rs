@@ -1,0 +1,180 @@
+//! The raw-text path: SCROLLS GovReport report/summary pairs, tokenised with an HF
+//! `tokenizer.json` into MLPerf samples.
+//!
+//! MLPerf's template: `### Summarize the following text:\n {input}\n ### Summary:\n {output}</s>`,
+//! `<s>` once at the start, labels -100 on `<s>` and the prompt (everything up to and including
+//! `### Summary:\n `), the summary and `</s>` labelled. Prompt and summary are tokenised
+//! separately so the prompt/label boundary is exact. Samples longer than `max_seq_len` are
+//! dropped and counted, as MLPerf's preprocessing drops them.
+
+use std::path::Path;
+
+use anyhow::{Context, bail, ensure};
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, RecordBatch};
+use arrow_schema::DataType;
+use tokenizers::Tokenizer;
+
+use crate::{IGNORE_INDEX, Sample};
+
+/// One SCROLLS row: the report (`input`) and its summary (`output`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TextPair {
+    /// The report.
+    pub input: String,
+    /// The summary.
+    pub output: String,
+}
+
+/// The prompt part of the template around a report.
+pub fn prompt_text(input: &str) -> String {
+    format!("### Summarize the following text:\n {input}\n ### Summary:\n ")
+}
+
+/// The labelled part of the template: the summary and the end-of-sequence token.
+pub fn target_text(output: &str) -> String {
+    format!("{output}</s>")
+}
+
+/// Reads report/summary pairs from `.jsonl` (one `{"input": .., "output": ..}` per line) or
+/// parquet / Arrow IPC with string columns `input` and `output` (other columns ignored).
+pub fn read_pairs(path: &Path) -> anyhow::Result<Vec<TextPair>> {
+    if path.extension().is_some_and(|e| e == "jsonl" || e == "json") {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        return text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| {
+                serde_json::from_str::<TextPair>(l)
+                    .with_context(|| format!("{}: line {}: expected {{\"input\": string, \"output\": string}}", path.display(), i + 1))
+            })
+            .collect();
+    }
+    let mut pairs = Vec::new();
+    crate::parquet_io::for_each_batch(path, |batch: &RecordBatch, first_row| {
+        let col = |name: &str| -> anyhow::Result<Vec<Option<String>>> {
+            let c = batch.column_by_name(name).with_context(|| format!("{}: no string column {name:?}", path.display()))?;
+            Ok(match c.data_type() {
+                DataType::Utf8 => c.as_string::<i32>().iter().map(|s| s.map(str::to_string)).collect(),
+                DataType::LargeUtf8 => c.as_string::<i64>().iter().map(|s| s.map(str::to_string)).collect(),
+                DataType::Utf8View => c.as_string_view().iter().map(|s| s.map(str::to_string)).collect(),
+                other => bail!("{}: column {name:?} is {other}, expected strings", path.display()),
+            })
+        };
+        for (r, (input, output)) in col("input")?.into_iter().zip(col("output")?).enumerate() {
+            match (input, output) {
+                (Some(input), Some(output)) => pairs.push(TextPair { input, output }),
+                _ => bail!("{}: row {}: null input or output", path.display(), first_row + r),
+            }
+        }
+        Ok(())
+    })?;
+    Ok(pairs)
+}
+
+/// Loads a `tokenizer.json`, naming the file on failure.
+pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
+    Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("{}: not a usable tokenizer.json: {e}", path.display()))
+}
+
+/// Token id of `token` in `tokenizer`, or an error naming it.
+fn token_id(tokenizer: &Tokenizer, token: &str) -> anyhow::Result<u32> {
+    tokenizer.token_to_id(token).with_context(|| format!("the tokenizer has no {token:?} token"))
+}
+
+/// What [`tokenize_pairs`] produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    /// Samples in input order, over-long ones removed.
+    pub samples: Vec<Sample>,
+    /// Indices (in the input) of the samples dropped for length.
+    pub dropped: Vec<usize>,
+}
+
+/// Tokenises pairs with the MLPerf template (in parallel, through the tokenizers crate's
+/// batch encoding), `<s>` first, prompt labels -100; drops samples over `max_seq_len`.
+pub fn tokenize_pairs(tokenizer: &Tokenizer, pairs: &[TextPair], max_seq_len: usize) -> anyhow::Result<Tokenized> {
+    let bos = token_id(tokenizer, "<s>")?;
+    token_id(tokenizer, "</s>")?;
+    let prompts: Vec<String> = pairs.iter().map(|p| prompt_text(&p.input)).collect();
+    let targets: Vec<String> = pairs.iter().map(|p| target_text(&p.output)).collect();
+    let enc = |texts: Vec<String>| tokenizer.encode_batch(texts, false).map_err(|e| anyhow::anyhow!("tokenising: {e}"));
+    let (prompts, targets) = (enc(prompts)?, enc(targets)?);
+    let mut out = Tokenized { samples: Vec::with_capacity(pairs.len()), dropped: Vec::new() };
+    for (i, (p, t)) in prompts.iter().zip(&targets).enumerate() {
+        let n = 1 + p.get_ids().len() + t.get_ids().len();
+        if n > max_seq_len {
+            out.dropped.push(i);
+            continue;
+        }
+        ensure!(!t.get_ids().is_empty(), "pair {i}: the summary tokenises to nothing");
+        let mut ids = Vec::with_capacity(n);
+        ids.push(bos);
+        ids.extend_from_slice(p.get_ids());
+        let prompt_len = ids.len();
+        ids.extend_from_slice(t.get_ids());
+        let labels = ids.iter().enumerate().map(|(j, &id)| if j < prompt_len { IGNORE_INDEX } else { id as i64 }).collect();
+        out.samples.push(Sample { input_ids: ids, labels });
+    }
+    Ok(out)
+}
+
+/// A word-level `tokenizer.json` for the synthetic corpus (whitespace split, `<s>`, `</s>`,
+/// `<unk>` as special tokens), built and serialised by the tokenizers crate.
+pub fn synthetic_tokenizer(vocab: usize) -> anyhow::Result<Tokenizer> {
+    use tokenizers::models::wordlevel::WordLevel;
+    use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
+    let words = crate::synth::tokenizer_vocab(vocab);
+    let model = WordLevel::builder()
+        .vocab(words.into_iter().collect())
+        .unk_token("<unk>".into())
+        .build()
+        .map_err(|e| anyhow::anyhow!("building the word-level tokenizer: {e}"))?;
+    let mut tok = Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(WhitespaceSplit));
+    tok.add_special_tokens(&["<unk>", "<s>", "</s>"].map(|t| tokenizers::AddedToken::from(t, true)));
+    Ok(tok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{Synth, SynthConfig};
+
+    /// The raw path reproduces the token-level corpus exactly: text → tokenizer → samples.
+    #[test]
+    fn synthetic_text_tokenises_to_the_synthetic_samples() {
+        let synth = Synth::new(SynthConfig { vocab: 2048, max_seq_len: 600, ..Default::default() }).unwrap();
+        let docs = synth.documents(0, 40);
+        let pairs: Vec<TextPair> = docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
+        let tok = synthetic_tokenizer(2048).unwrap();
+        let got = tokenize_pairs(&tok, &pairs, 600).unwrap();
+        assert!(got.dropped.is_empty());
+        assert_eq!(got.samples, synth.samples(0, 40));
+        // A tighter limit drops the long ones and says which.
+        let short = tokenize_pairs(&tok, &pairs, 300).unwrap();
+        let expected: Vec<usize> = synth.samples(0, 40).iter().enumerate().filter(|(_, s)| s.input_ids.len() > 300).map(|(i, _)| i).collect();
+        assert_eq!(short.dropped, expected);
+        assert!(!expected.is_empty());
+    }
+
+    #[test]
+    fn template_boundaries_are_hand_checkable() {
+        let tok = synthetic_tokenizer(64).unwrap();
+        let pairs = [TextPair { input: "kaka loka".into(), output: "mika".into() }];
+        let s = &tokenize_pairs(&tok, &pairs, 64).unwrap().samples[0];
+        // <s> ### Summarize the following text: kaka loka ### Summary: mika </s>
+        assert_eq!(s.input_ids, vec![1, 3, 4, 5, 6, 7, 16, 17, 3, 8, 18, 2]);
+        assert_eq!(s.labels, vec![-100, -100, -100, -100, -100, -100, -100, -100, -100, -100, 18, 2]);
+    }
+
+    #[test]
+    fn bad_jsonl_names_the_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("raw.jsonl");
+        std::fs::write(&p, "{\"input\": \"a\", \"output\": \"b\"}\n{\"input\": \"a\"}\n").unwrap();
+        let err = format!("{:#}", read_pairs(&p).unwrap_err());
+        assert!(err.contains("raw.jsonl: line 2"), "{err}");
+    }
+}
