@@ -6,7 +6,7 @@ peft.PeftModel.from_pretrained (so PEFT's own key matching and shape checks run)
 the int64 `input_ids`/`labels` in BATCH (safetensors) and writes logits [B, S, V] and the
 HF causal-LM loss to OUT (safetensors). Nothing is downloaded.
 
-usage: peft_forward.py BASE ADAPTER BATCH OUT
+usage: peft_forward.py BASE ADAPTER BATCH OUT      (ADAPTER "-": the base model alone)
 """
 import os
 import sys
@@ -24,7 +24,8 @@ def main():
     base, adapter, batch, out = sys.argv[1:]
     torch.manual_seed(0)
     model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
+    if adapter != "-":
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
     model.eval()
     b = load_file(batch)
     with torch.no_grad():

@@ -221,6 +221,24 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     let mut reloaded = ckpt.load_model(None, false, &device).unwrap();
     load_peft_adapter(&mut reloaded, &adapter_dir, &device).unwrap();
     assert_eq!(values(reloaded.forward(ids, false)), ours, "reloaded adapter changes the logits");
+
+    // `llora export --merged`: transformers alone, on the merged checkpoint, gives PEFT's logits.
+    let merged = out_dir.path().join("merged");
+    let out = common::llora(&["export", "--merged", "--model", base_only.to_str().unwrap(), "--adapter", adapter_dir.to_str().unwrap(), "--out", merged.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", common::text(&out).1);
+    let merged_out = out_dir.path().join("merged.safetensors");
+    let status = Command::new(python())
+        .arg(repo_root().join("scripts/peft_forward.py"))
+        .args([merged.as_os_str(), "-".as_ref(), base.join("batch.safetensors").as_os_str(), merged_out.as_os_str()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "peft_forward.py failed on the merged checkpoint");
+    let merged_logits: Vec<f32> = read_all(&merged_out)["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let err = rel_err(&merged_logits, &peft_logits);
+    eprintln!("merged checkpoint in transformers vs PEFT: logits relative error {err:e}");
+    assert!(err <= 1e-4, "merged checkpoint differs from base + adapter in PEFT: {err:e}");
+    let again = common::llora(&["export", "--merged", "--model", base_only.to_str().unwrap(), "--adapter", adapter_dir.to_str().unwrap(), "--out", merged.to_str().unwrap()]);
+    assert!(!again.status.success() && common::text(&again).1.contains("already holds a checkpoint"));
 }
 
 /// Three full optimizer steps (loss, global-norm clip at 0.3, torch AdamW) against PEFT +
@@ -242,7 +260,7 @@ fn training_steps_match_torch_adamw() {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let lr = lr_at(0, optim_cfg.lr, &schedule);
-        let (loss, norm) = train_step(&mut model, &mut optim, &llora_trainer::collective::SingleProcess, vec![(ids, labels)], n_tokens, lr, optim_cfg.clip_grad_norm).unwrap();
+        let llora_trainer::train::StepStats { loss, grad_norm: norm, .. } = train_step(&mut model, &mut optim, &llora_trainer::collective::SingleProcess, vec![(ids, labels)], n_tokens, lr, optim_cfg.clip_grad_norm).unwrap();
         let ref_loss = fx.json["losses"][k - 1].as_f64().unwrap();
         let ref_norm = fx.json["grad_norm_total_preclip"][k - 1].as_f64().unwrap();
         assert!((loss - ref_loss).abs() <= 1e-4, "step {k}: loss {loss} vs {ref_loss}");

@@ -1,10 +1,17 @@
-//! Causal scaled-dot-product attention with grouped-query heads, fused where LibTorch has it.
+//! Scaled-dot-product attention with grouped-query heads, fused where LibTorch has it.
 //!
 //! Burn 0.22.1's autodiff attention is the naive path: it builds the `S×S` score matrix and
-//! keeps it for backward (17 GB in f32 for one Llama 2 70B layer at 8192 tokens). On the
-//! LibTorch CPU device llora instead calls LibTorch's flash-attention kernel and its backward
-//! through a Burn backend extension with a hand-written autodiff node, so training memory grows
-//! with `S`, not `S²`. Other devices take Burn's generic attention (correct, but quadratic).
+//! keeps it for backward (17 GB in f32 for one Llama 2 70B layer at 8192 tokens). On LibTorch
+//! devices llora instead calls LibTorch's fused kernels and their backward through a Burn
+//! backend extension with a hand-written autodiff node, so training memory grows with `S`, not
+//! `S²`: flash attention on the CPU, memory-efficient attention on CUDA (it takes f32, unlike
+//! CUDA flash attention). Other devices take Burn's generic attention (correct, but quadratic).
+//!
+//! The CUDA path cannot be tested on this project's machines, so the first use on a CUDA
+//! device checks it against a plain LibTorch computation (forward and all three gradients,
+//! causal and not) and falls back to the generic kernel, with a warning, if they differ.
+
+use std::sync::OnceLock;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -32,98 +39,230 @@ pub fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
 /// Which attention implementation runs on a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernel {
-    /// LibTorch's CPU flash attention with its own backward (memory O(S)).
-    TorchFlashCpu,
+    /// LibTorch's fused kernel with its own backward (memory O(S)): flash attention on the
+    /// CPU, memory-efficient attention on CUDA.
+    TorchFused,
     /// Burn's generic attention (autodiff keeps the `S×S` scores).
     Generic,
 }
 
 impl AttentionKernel {
-    /// The kernel [`causal_attention`] uses for tensors on `device`.
+    /// The kernel [`attention`] uses for tensors on `device`.
     pub fn for_device(device: &Device) -> Self {
         match device.clone().inner().as_dispatch() {
-            DispatchDevice::LibTorch(LibTorchDevice::Cpu) => Self::TorchFlashCpu,
+            DispatchDevice::LibTorch(LibTorchDevice::Cpu) => Self::TorchFused,
+            DispatchDevice::LibTorch(LibTorchDevice::Cuda(n)) if cuda_fused_verified(*n) => Self::TorchFused,
             _ => Self::Generic,
         }
     }
 }
 
-/// `softmax(q·kᵀ/√hd + causal mask)·v`, query head h attending to KV head h / (H/KV).
+/// Whether the fused CUDA kernels agree with plain LibTorch on CUDA device `n` (checked once
+/// per process; see the module docs).
+fn cuda_fused_verified(n: usize) -> bool {
+    static VERIFIED: OnceLock<bool> = OnceLock::new();
+    *VERIFIED.get_or_init(|| {
+        let ok = verify_fused(tch::Device::Cuda(n));
+        match &ok {
+            Ok(()) => tracing::info!(device = n, "fused CUDA attention (memory-efficient kernel) verified against plain LibTorch"),
+            Err(e) => tracing::warn!(device = n, "fused CUDA attention disabled, using the generic O(S²) attention: {e}"),
+        }
+        ok.is_ok()
+    })
+}
+
+/// `softmax(q·kᵀ/√hd [+ causal mask])·v`, query head h attending to KV head h / (H/KV).
 ///
 /// # Shapes
 /// - q: `[batch, heads, seq, head_dim]`
 /// - k, v: `[batch, kv_heads, seq, head_dim]`
 /// - output: `[batch, heads, seq, head_dim]`
-pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, causal: bool) -> Tensor<4> {
     let kernel = AttentionKernel::for_device(&q.device());
-    causal_attention_with(kernel, q, k, v)
+    attention_with(kernel, q, k, v, causal)
 }
 
-/// [`causal_attention`] with an explicit kernel (tests compare the two).
+/// Causal [`attention`], as a decoder uses it.
 ///
 /// # Shapes
-/// As [`causal_attention`].
-pub fn causal_attention_with(kernel: AttentionKernel, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+/// As [`attention`].
+pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+    attention(q, k, v, true)
+}
+
+/// [`attention`] with an explicit kernel (tests compare the two).
+///
+/// # Shapes
+/// As [`attention`].
+pub fn attention_with(kernel: AttentionKernel, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, causal: bool) -> Tensor<4> {
     let group = q.dims()[1] / k.dims()[1];
     let k = repeat_kv(k, group);
     let v = repeat_kv(v, group);
     match kernel {
-        AttentionKernel::TorchFlashCpu => Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::causal_flash_attention(
+        AttentionKernel::TorchFused => Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::fused_attention(
             q.into_dispatch(),
             k.into_dispatch(),
             v.into_dispatch(),
+            causal,
         )),
         AttentionKernel::Generic => {
-            let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+            let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: causal };
             burn::tensor::module::attention(q, k, v, None, None, options)
         }
     }
 }
 
-/// Backend extension: fused causal attention where the backend has a kernel for it.
+/// Backend extension: fused attention where the backend has a kernel for it.
 #[backend_extension(Autodiff, LibTorch)]
 pub trait FusedAttentionBackend: Backend {
-    /// Causal attention over equal head counts, scale 1/√hd.
-    fn causal_flash_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// Attention over equal head counts, scale 1/√hd, causal or not.
+    fn fused_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, causal: bool) -> FloatTensor<Self>;
 }
 
-/// LibTorch's CPU flash-attention forward: (output, logsumexp).
-fn torch_flash_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor) -> (tch::Tensor, tch::Tensor) {
-    tch::Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, true, None::<tch::Tensor>, None)
+/// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
+#[derive(Debug)]
+struct Saved {
+    out: tch::Tensor,
+    /// Row log-sum-exp of the scores.
+    lse: tch::Tensor,
+    /// CUDA only: the kernel's dropout RNG state (unused with dropout 0, but required).
+    philox: Option<(tch::Tensor, tch::Tensor)>,
 }
 
-impl FusedAttentionBackend for LibTorch {
-    fn causal_flash_attention(q: TchTensor, k: TchTensor, v: TchTensor) -> TchTensor {
-        TchTensor::new(torch_flash_forward(&q.tensor, &k.tensor, &v.tensor).0)
+/// LibTorch's fused forward for the tensors' device.
+fn torch_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
+    if q.device().is_cuda() {
+        let (out, lse, seed, offset) =
+            tch::Tensor::f_internal_scaled_dot_product_efficient_attention(q, k, v, None::<tch::Tensor>, true, 0.0, causal, None)?;
+        Ok(Saved { out, lse, philox: Some((seed, offset)) })
+    } else {
+        let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, None::<tch::Tensor>, None)?;
+        Ok(Saved { out, lse, philox: None })
     }
 }
 
-/// Autodiff node of the fused attention: keeps q, k, v, the output and the logsumexp
+/// LibTorch's fused backward: (dq, dk, dv) for the upstream gradient `grad`.
+fn torch_backward(grad: &tch::Tensor, q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, saved: &Saved, causal: bool) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
+    // The kernels assume a dense gradient; upstream reshapes can hand it a strided view.
+    let grad = grad.contiguous();
+    match &saved.philox {
+        Some((seed, offset)) => {
+            // What torch's `_scaled_dot_product_efficient_attention_backward_cuda` does: the
+            // kernel works in [batch, seq, heads, head_dim]; mask type 1 = causal from top left.
+            let t = |x: &tch::Tensor| x.transpose(1, 2);
+            let (s_q, s_k) = (q.size()[2], k.size()[2]);
+            let (dq, dk, dv, _) = tch::Tensor::f_internal_efficient_attention_backward(
+                &t(&grad),
+                &t(q),
+                &t(k),
+                &t(v),
+                None::<&tch::Tensor>,
+                &t(&saved.out),
+                None::<&tch::Tensor>,
+                None::<&tch::Tensor>,
+                s_q,
+                s_k,
+                &saved.lse,
+                0.0,
+                seed,
+                offset,
+                i64::from(causal),
+                false,
+                None,
+                None,
+                None,
+                false,
+            )?;
+            Ok((t(&dq), t(&dk), t(&dv)))
+        }
+        None => tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+            &grad,
+            q,
+            k,
+            v,
+            &saved.out,
+            &saved.lse,
+            0.0,
+            causal,
+            None::<tch::Tensor>,
+            None,
+        ),
+    }
+}
+
+/// Checks the fused forward and backward on `device` against plain LibTorch ops (matmul,
+/// softmax, autograd) on a small random problem, causal and not.
+pub fn verify_fused(device: tch::Device) -> Result<(), String> {
+    let _guard = tch::no_grad_guard();
+    let opts = (tch::Kind::Float, device);
+    let (b, h, s, hd) = (2, 3, 37, 16);
+    for causal in [true, false] {
+        let q = tch::Tensor::f_randn([b, h, s, hd], opts).map_err(|e| e.to_string())?;
+        let k = tch::Tensor::randn([b, h, s, hd], opts);
+        let v = tch::Tensor::randn([b, h, s, hd], opts);
+        let w = tch::Tensor::randn([b, h, s, hd], opts);
+        let saved = torch_forward(&q, &k, &v, causal).map_err(|e| format!("forward: {e}"))?;
+        let (dq, dk, dv) = torch_backward(&w, &q, &k, &v, &saved, causal).map_err(|e| format!("backward: {e}"))?;
+        // The reference, with autograd.
+        let _grad = tch::with_grad(|| {
+            let (qr, kr, vr) = (q.detach().requires_grad_(true), k.detach().requires_grad_(true), v.detach().requires_grad_(true));
+            let mut scores = qr.matmul(&kr.transpose(-2, -1)) / (hd as f64).sqrt();
+            if causal {
+                let mask = tch::Tensor::ones([s, s], (tch::Kind::Bool, device)).triu(1);
+                scores = scores.masked_fill(&mask, f64::NEG_INFINITY);
+            }
+            let out = scores.softmax(-1, tch::Kind::Float).matmul(&vr);
+            (&out * &w).sum(tch::Kind::Float).backward();
+            for (name, got, want) in [("output", &saved.out, &out), ("dq", &dq, &qr.grad()), ("dk", &dk, &kr.grad()), ("dv", &dv, &vr.grad())] {
+                let err = (got - want).abs().max().double_value(&[]);
+                let scale = want.abs().max().double_value(&[]).max(1e-6);
+                if !(err / scale < 1e-3) {
+                    return Err(format!("{name} differs (causal {causal}): max |error| {err:.3e} against max |value| {scale:.3e}"));
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+impl FusedAttentionBackend for LibTorch {
+    fn fused_attention(q: TchTensor, k: TchTensor, v: TchTensor, causal: bool) -> TchTensor {
+        TchTensor::new(torch_forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out)
+    }
+}
+
+/// Autodiff node of the fused attention: keeps q, k, v, the output and the log-sum-exp
 /// (O(S) per head) instead of the probabilities (O(S²)), and calls LibTorch's backward kernel.
 #[derive(Debug)]
-struct FlashAttentionBackward;
+struct FusedAttentionBackward;
 
-impl Backward<LibTorch, 3> for FlashAttentionBackward {
-    type State = (TchTensor, TchTensor, TchTensor, TchTensor, TchTensor);
+/// The node's state: inputs, what the forward kept, and the mask kind.
+#[derive(Debug, Clone)]
+struct FusedState {
+    q: TchTensor,
+    k: TchTensor,
+    v: TchTensor,
+    /// Shares its storage with the node's output (see `fused_attention`).
+    out: TchTensor,
+    lse: TchTensor,
+    philox: Option<(TchTensor, TchTensor)>,
+    causal: bool,
+}
+
+impl Backward<LibTorch, 3> for FusedAttentionBackward {
+    type State = FusedState;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [node_q, node_k, node_v] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
-        let (q, k, v, out, lse) = ops.state;
-        // The kernel assumes a dense gradient; upstream reshapes can hand it a strided view.
-        let grad = grad.tensor.contiguous();
-        let (dq, dk, dv) = tch::Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
-            &grad,
-            &q.tensor,
-            &k.tensor,
-            &v.tensor,
-            &out.tensor,
-            &lse.tensor,
-            0.0,
-            true,
-            None::<tch::Tensor>,
-            None,
-        );
+        let st = ops.state;
+        let saved = Saved {
+            out: st.out.tensor.shallow_clone(),
+            lse: st.lse.tensor.shallow_clone(),
+            philox: st.philox.as_ref().map(|(a, b)| (a.tensor.shallow_clone(), b.tensor.shallow_clone())),
+        };
+        let (dq, dk, dv) = torch_backward(&grad.tensor, &st.q.tensor, &st.k.tensor, &st.v.tensor, &saved, st.causal).expect("fused attention backward");
         for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
             if let Some(node) = node {
                 grads.register::<LibTorch>(node.id, TchTensor::new(g));
@@ -133,22 +272,24 @@ impl Backward<LibTorch, 3> for FlashAttentionBackward {
 }
 
 impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
-    fn causal_flash_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn fused_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, causal: bool) -> FloatTensor<Self> {
         // Node handles first: `into_primitive` consumes the autodiff tensors.
         let nodes = [q.node(), k.node(), v.node()];
-        match FlashAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+        match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-                let (out, lse) = torch_flash_forward(&q.tensor, &k.tensor, &v.tensor);
+                let saved = torch_forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward");
                 // One TchTensor shared by the state and the output: burn-tch writes in place
                 // into tensors whose storage it believes unique, so two wrappers of the same
                 // storage could see each other's in-place updates.
-                let out = TchTensor::new(out);
-                prep.finish((q, k, v, out.clone(), TchTensor::new(lse)), out)
+                let out = TchTensor::new(saved.out);
+                let philox = saved.philox.map(|(a, b)| (TchTensor::new(a), TchTensor::new(b)));
+                let state = FusedState { q, k, v, out: out.clone(), lse: TchTensor::new(saved.lse), philox, causal };
+                prep.finish(state, out)
             }
             OpsKind::UnTracked(prep) => {
                 let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-                prep.finish(TchTensor::new(torch_flash_forward(&q.tensor, &k.tensor, &v.tensor).0))
+                prep.finish(TchTensor::new(torch_forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out))
             }
         }
     }
@@ -163,7 +304,8 @@ mod tests {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
     }
 
-    /// Fused and generic attention agree in value and in all three input gradients, with GQA.
+    /// Fused and generic attention agree in value and in all three input gradients, with GQA,
+    /// causal and not.
     #[test]
     fn fused_matches_generic_forward_and_backward() {
         let device = Device::libtorch().autodiff();
@@ -173,19 +315,36 @@ mod tests {
         let k0 = rand([b, kv, s, hd], &device);
         let v0 = rand([b, kv, s, hd], &device);
         let w = rand([b, h, s, hd], &device); // a random upstream gradient via Σ(out·w)
-        let run = |kernel| {
-            let (q, k, v) = (q0.clone().require_grad(), k0.clone().require_grad(), v0.clone().require_grad());
-            let out = causal_attention_with(kernel, q.clone(), k.clone(), v.clone());
-            let grads = (out.clone() * w.clone()).sum().backward();
-            (out, q.grad(&grads).unwrap(), k.grad(&grads).unwrap(), v.grad(&grads).unwrap())
-        };
-        let fused = run(AttentionKernel::TorchFlashCpu);
-        let generic = run(AttentionKernel::Generic);
-        let tol = Tolerance::<f32>::relative(1e-4).set_absolute(1e-5);
-        fused.0.into_data().assert_approx_eq::<f32>(&generic.0.into_data(), tol);
-        fused.1.into_data().assert_approx_eq::<f32>(&generic.1.into_data(), tol);
-        fused.2.into_data().assert_approx_eq::<f32>(&generic.2.into_data(), tol);
-        fused.3.into_data().assert_approx_eq::<f32>(&generic.3.into_data(), tol);
+        for causal in [true, false] {
+            let run = |kernel| {
+                let (q, k, v) = (q0.clone().require_grad(), k0.clone().require_grad(), v0.clone().require_grad());
+                let out = attention_with(kernel, q.clone(), k.clone(), v.clone(), causal);
+                let grads = (out.clone() * w.clone()).sum().backward();
+                (out, q.grad(&grads).unwrap(), k.grad(&grads).unwrap(), v.grad(&grads).unwrap())
+            };
+            let fused = run(AttentionKernel::TorchFused);
+            let generic = run(AttentionKernel::Generic);
+            let tol = Tolerance::<f32>::relative(1e-4).set_absolute(1e-5);
+            fused.0.into_data().assert_approx_eq::<f32>(&generic.0.into_data(), tol);
+            fused.1.into_data().assert_approx_eq::<f32>(&generic.1.into_data(), tol);
+            fused.2.into_data().assert_approx_eq::<f32>(&generic.2.into_data(), tol);
+            fused.3.into_data().assert_approx_eq::<f32>(&generic.3.into_data(), tol);
+        }
+        // Non-causal attention really differs from causal (the flag reaches the kernel).
+        let c = attention_with(AttentionKernel::TorchFused, q0.clone(), k0.clone(), v0.clone(), true);
+        let n = attention_with(AttentionKernel::TorchFused, q0, k0, v0, false);
+        assert!((c - n).abs().max().into_scalar::<f32>() > 1e-2);
+    }
+
+    /// The start-up self-check passes on the CPU kernels and refuses kernels that fail: the
+    /// CUDA memory-efficient kernel has no CPU implementation, so forcing its path on CPU
+    /// tensors must give an error, not a panic or a pass.
+    #[test]
+    fn self_check_accepts_cpu_and_reports_failures() {
+        assert_eq!(verify_fused(tch::Device::Cpu), Ok(()));
+        let q = tch::Tensor::randn([1, 1, 4, 8], (tch::Kind::Float, tch::Device::Cpu));
+        let r = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(&q, &q, &q, None::<tch::Tensor>, true, 0.0, true, None);
+        assert!(r.is_err(), "the CUDA kernel unexpectedly ran on the CPU");
     }
 
     /// Hand-checkable case: with one key per query position visible (position 0), the output at

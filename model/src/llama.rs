@@ -345,6 +345,18 @@ impl LlamaForCausalLM {
         self.layers.iter_mut().enumerate().flat_map(|(l, layer)| layer_linears_mut(l, &mut layer.self_attn, &mut layer.mlp)).collect()
     }
 
+    /// Folds every adapter into its base weight (`W ← W + (α/r)·B·A`) and removes the
+    /// adapters: the plain model that `llora export --merged` writes.
+    pub fn merge_adapters(&mut self) {
+        for (_, layer) in self.named_linears_mut() {
+            if let Some(adapter) = layer.lora.take() {
+                let trainable = layer.weight.val().is_require_grad();
+                let w = (layer.weight.val() + adapter.delta()).detach();
+                layer.weight = Param::initialized(layer.weight.id, w.set_require_grad(trainable));
+            }
+        }
+    }
+
     /// Trainable adapter parameters (A and B of every adapter).
     pub fn num_lora_parameters(&self) -> usize {
         self.adapters().iter().map(|(_, a)| a.a.shape().num_elements() + a.b.shape().num_elements()).sum()

@@ -42,10 +42,11 @@ pub enum Command {
         #[command(subcommand)]
         command: MlperfCommand,
     },
-    /// Export base + adapters merged as an HF checkpoint.
-    Export(PendingArgs),
-    /// Time LoRA training steps on random tokens.
-    Bench(PendingArgs),
+    /// Export base + adapters merged as an HF checkpoint (`--merged`).
+    Export(ExportArgs),
+    /// Time LoRA training steps of a preset on random tokens (the peer benchmark's recipe and
+    /// JSON fields); prints one JSON line last.
+    Bench(BenchArgs),
     /// Inspect configurations.
     Config {
         /// What to do with the config.
@@ -129,6 +130,81 @@ pub struct MlperfRunArgs {
     #[arg(long, default_value_t = 10)]
     pub runs: usize,
     /// Results directory.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// `llora bench`: defaults are `shared/bench/peer_lora_bench.py`'s.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Model preset (random weights): tiny, tiny-gqa, small, llama2-70b-1layer, ...
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Intra-op threads (0 = one per core).
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// `cpu`, `cuda:N` or `flex`.
+    #[arg(long, default_value = "cpu")]
+    pub device: llora_model::device::DeviceSpec,
+    /// Seed of the weights, adapters and dropout (tokens use seed + 1).
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 16)]
+    pub lora_r: usize,
+    /// LoRA alpha.
+    #[arg(long, default_value_t = 32.0)]
+    pub lora_alpha: f64,
+    /// LoRA dropout.
+    #[arg(long, default_value_t = 0.1)]
+    pub lora_dropout: f64,
+    /// Modules with adapters, comma-separated.
+    #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
+    pub targets: String,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 4e-4)]
+    pub lr: f64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 1e-4)]
+    pub weight_decay: f64,
+    /// Global gradient-norm clip.
+    #[arg(long, default_value_t = 0.3)]
+    pub max_grad_norm: f64,
+    /// Also append the JSON line to this file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Free-form label copied into the JSON.
+    #[arg(long)]
+    pub tag: Option<String>,
+}
+
+/// `llora export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Fold the adapters into the base weights (`W + (α/r)·B·A`) and write a plain HF
+    /// checkpoint that transformers loads without PEFT. Required: it is the one export
+    /// (adapters are already written in PEFT format by `llora train`).
+    #[arg(long, required = true)]
+    pub merged: bool,
+    /// Base HF checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT adapter directory.
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// Output directory (created; must not hold a checkpoint already).
     #[arg(long)]
     pub out: PathBuf,
 }

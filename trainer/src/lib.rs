@@ -1,4 +1,5 @@
 //! llora's recipe: configuration, command line and (as the issues land) the training loop.
+pub mod bench;
 pub mod cli;
 pub mod collective;
 pub mod config;

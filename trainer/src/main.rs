@@ -77,8 +77,25 @@ fn run(command: Command) -> anyhow::Result<()> {
             println!("{}", score.json());
             Ok(())
         }
-        Command::Export(_) => pending("export", "issue #3 (merged HF export)"),
-        Command::Bench(_) => pending("bench", "issue #7 (performance benchmark)"),
+        Command::Export(args) => llora_trainer::train::export_merged(&args),
+        Command::Bench(args) => {
+            let mut record = llora_trainer::bench::run(&args)?;
+            if let Some(tag) = &args.tag {
+                record["tag"] = tag.clone().into();
+            }
+            let line = record.to_string();
+            println!("{line}");
+            if let Some(out) = &args.out {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(out)
+                    .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", out.display()))?;
+                writeln!(f, "{line}").map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
+            }
+            Ok(())
+        }
     }
 }
 

@@ -149,8 +149,9 @@ pub fn evaluate(model: &LlamaForCausalLM, samples: &[Sample], batch_size: usize,
 /// Each micro-batch's loss is its sum of token losses divided by `global_tokens`, the target
 /// tokens of the whole global batch, so the accumulated gradient is that of the per-token mean
 /// over the global batch however it is split (not a mean of per-micro-batch means). Gradients
-/// are clipped by their global L2 norm and AdamW updates the adapters. Returns the loss and the
-/// pre-clip gradient norm; a non-finite value is an error and leaves the adapters untouched.
+/// are clipped by their global L2 norm and AdamW updates the adapters. Returns the loss, the
+/// pre-clip gradient norm and where the time went; a non-finite loss or norm is an error and
+/// leaves the adapters untouched.
 pub fn train_step(
     model: &mut LlamaForCausalLM,
     optim: &mut AdamW,
@@ -159,18 +160,23 @@ pub fn train_step(
     global_tokens: usize,
     lr: f64,
     clip_grad_norm: f64,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<StepStats> {
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
     let mut grads_acc: Vec<Option<Tensor<1>>> = Vec::new();
     let mut loss_sum = 0f64;
+    let (mut forward_s, mut backward_s) = (0.0, 0.0);
     for (ids, labels) in micro_batches {
+        let t = Instant::now();
         let loss = {
             let _span = debug_span!("forward").entered();
             let sums = causal_lm_loss(model.forward(ids, true), labels);
             sums.loss_sum.sum().div_scalar(norm)
         };
+        // Reading the loss waits for the forward (asynchronous devices), so the split is real.
         loss_sum += loss.clone().into_scalar::<f32>() as f64;
+        forward_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let _span = debug_span!("backward").entered();
         let grads = loss.backward();
         let params = model.trainable_params_mut();
@@ -185,7 +191,9 @@ pub fn train_step(
                 });
             }
         }
+        backward_s += t.elapsed().as_secs_f64();
     }
+    let t = Instant::now();
     let _span = debug_span!("optimizer").entered();
     let grads: Vec<Tensor<1>> = grads_acc.into_iter().map(|g| g.expect("every trainable parameter gets a gradient")).collect();
     let grads = collective.all_reduce_sum(grads);
@@ -199,7 +207,22 @@ pub fn train_step(
     for ((name, mut param), g) in model.trainable_params_mut().into_iter().zip(grads) {
         optim.update(&name, &mut param, g.mul_scalar(coef), lr);
     }
-    Ok((loss_sum, total_norm))
+    Ok(StepStats { loss: loss_sum, grad_norm: total_norm, forward_s, backward_s, optimizer_s: t.elapsed().as_secs_f64() })
+}
+
+/// What one optimizer step gave and where its time went.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Mean target-token loss over the global batch.
+    pub loss: f64,
+    /// Global L2 norm of the gradients before clipping.
+    pub grad_norm: f64,
+    /// Seconds in forward passes (all micro-batches).
+    pub forward_s: f64,
+    /// Seconds in backward passes and gradient accumulation.
+    pub backward_s: f64,
+    /// Seconds in reduction, clipping and AdamW.
+    pub optimizer_s: f64,
 }
 
 /// Makes the base checkpoint `model.path` by full fine-tuning `model.preset` on a synthetic
@@ -257,6 +280,26 @@ pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         "{}",
         json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})
     );
+    Ok(())
+}
+
+/// `llora export --merged`: base + adapter folded into one HF checkpoint.
+pub fn export_merged(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !args.out.join("config.json").exists(),
+        "{} already holds a checkpoint; choose a new --out directory",
+        args.out.display()
+    );
+    let device = llora_model::device::DeviceSpec::Cpu.init(0)?;
+    let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
+    let mut model = ckpt.load_model(None, false, &device)?;
+    let spec = llora_model::checkpoint::load_peft_adapter(&mut model, &args.adapter, &device)
+        .with_context(|| format!("loading the adapter {}", args.adapter.display()))?;
+    let merged = model.adapters().len();
+    model.merge_adapters();
+    save_hf_checkpoint(&mut model, &args.out)?;
+    info!(modules = merged, rank = spec.rank, alpha = spec.alpha, out = %args.out.display(), "merged checkpoint written");
+    println!("{}", json!({"out": args.out.display().to_string(), "merged_modules": merged}));
     Ok(())
 }
 
@@ -561,7 +604,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
         };
         let t_step = Instant::now();
         let (loss_sum, total_norm) = match train_step(&mut model, &mut optim, &collective, micro_batches, global_tokens, lr, config.optim.clip_grad_norm) {
-            Ok(r) => r,
+            Ok(r) => (r.loss, r.grad_norm),
             Err(e) => {
                 bar.finish();
                 ml.end("run_stop", json!({"samples_count": progress.samples, "status": "aborted"}));
@@ -654,4 +697,29 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
         if fresh { "" } else { " (resumed: includes the interruption)" }
     );
     Ok(Outcome { status, samples, eval_loss: last_eval, time_to_train_s: ttt, result_log })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::SingleProcess;
+    use crate::config::OptimConfig;
+
+    /// A global batch whose labels are all -100 gives loss 0 and gradient norm 0, not 0/0.
+    #[test]
+    fn batch_without_targets_is_finite() {
+        let device = Device::libtorch().autodiff();
+        device.seed(1);
+        let config = LlamaConfig::preset("demo").unwrap();
+        let mut model = LlamaForCausalLM::random(&config, Some(&LoraSpec::default()), false, &device);
+        let mut optim = AdamW::new(OptimConfig::default());
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 13], [1, 4]), &device);
+        let labels = Tensor::<2, Int>::from_data(TensorData::new(vec![IGNORE_INDEX; 4], [1, 4]), &device);
+        let s = train_step(&mut model, &mut optim, &SingleProcess, vec![(ids, labels)], 0, 1e-3, 0.3).unwrap();
+        assert_eq!((s.loss, s.grad_norm), (0.0, 0.0));
+        for (name, p) in model.trainable_params_mut() {
+            let v = p.flat().into_data().convert::<f32>().to_vec::<f32>().unwrap();
+            assert!(v.iter().all(|x| x.is_finite()), "{name} is not finite");
+        }
+    }
 }

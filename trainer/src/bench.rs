@@ -1,0 +1,228 @@
+//! `llora bench`: timed LoRA training steps of a preset on random tokens, with the recipe and
+//! the JSON fields of `shared/bench/peer_lora_bench.py` (PyTorch + HF transformers + PEFT), so
+//! that the two can be compared line by line (`scripts/bench-vs-peft.sh`).
+//!
+//! Recipe, as the peer's: random base, LoRA r 16 / α 32 / dropout 0.1 on q,k,v,o, AdamW
+//! lr 4e-4 wd 1e-4 (torch defaults otherwise), global-norm clip 0.3, random token ids with the
+//! first half of each sequence masked (-100), loss = mean over target tokens.
+
+use std::time::Instant;
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use llora_model::{LlamaConfig, LlamaForCausalLM, LoraSpec};
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+use crate::cli::BenchArgs;
+use crate::collective::SingleProcess;
+use crate::config::OptimConfig;
+use crate::optim::AdamW;
+use crate::train::train_step;
+
+/// Matmul FLOPs of one LoRA step (forward + backward) with the peer's FLOP model
+/// (`flop_model()` in peer_lora_bench.py), so GFLOP/s are comparable: frozen weights cost
+/// 2·T·N forward and 2·T·N backward (no weight gradient; layer 0's q/k/v input gradient is
+/// skipped), adapters 6·T per parameter, causal attention half of 12·B·S²·H·hd·L.
+pub fn flop_model(c: &LlamaConfig, batch: usize, seq: usize, rank: usize) -> Value {
+    let (d, l, h, kv, i, v) = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size);
+    let hd = c.head_dim;
+    let t = (batch * seq) as u64;
+    let (q, k, vv, o) = ((d * h * hd) as u64, (d * kv * hd) as u64, (d * kv * hd) as u64, (h * hd * d) as u64);
+    let mlp = (3 * d * i) as u64;
+    let n_lin = l as u64 * (q + k + vv + o + mlp) + (d * v) as u64;
+    let n_lora = (l * rank * ((d + h * hd) + 2 * (d + kv * hd) + (h * hd + d))) as u64;
+    let lin_fwd = 2 * t * n_lin;
+    let lin_bwd = 2 * t * n_lin - 2 * t * (q + k + vv);
+    let lora = 6 * t * n_lora - 2 * t * (rank * d * 3) as u64;
+    let attn_full = 12 * (batch * seq * seq * h * hd * l) as u64;
+    let attn_causal = attn_full / 2;
+    json!({
+        "flops_per_step": lin_fwd + lin_bwd + lora + attn_causal,
+        "flops_lin_fwd": lin_fwd,
+        "flops_lin_bwd": lin_bwd,
+        "flops_lora": lora,
+        "flops_attn_causal": attn_causal,
+        "flops_per_step_attn_full": lin_fwd + lin_bwd + lora + attn_full,
+        "flops_full_ft_equiv": 6 * t * n_lin + attn_causal,
+        "n_lin_params": n_lin,
+        "n_lora_params": n_lora,
+    })
+}
+
+/// Peak resident set size of this process so far, in MB (`VmHWM`).
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? / 1024.0)
+}
+
+/// CPU seconds (user + system) of this process, from `/proc/self/stat` (USER_HZ = 100).
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return 0.0 };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// (busy, total) jiffies over all CPUs, to tell how much of the machine other processes used.
+fn proc_stat() -> Option<(f64, f64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<f64> = text.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0.0);
+    let total: f64 = v.iter().sum();
+    Some((total - idle, total))
+}
+
+fn loadavg() -> Option<Vec<f64>> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    Some(text.split_whitespace().take(3).filter_map(|x| x.parse().ok()).collect())
+}
+
+/// Linear-interpolated quantile `p` of `xs`, as the peer computes it.
+fn quantile(xs: &[f64], p: f64) -> f64 {
+    let mut s = xs.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.len() == 1 {
+        return s[0];
+    }
+    let pos = p * (s.len() - 1) as f64;
+    let lo = pos.floor() as usize;
+    let hi = (lo + 1).min(s.len() - 1);
+    s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+}
+
+/// Random ids uniform in `[0, vocab)`; labels = ids with the first half of each row -100.
+///
+/// # Shapes
+/// - output: (input_ids, labels), each `[batch, seq]`
+fn random_batch(rng: &mut impl Rng, batch: usize, seq: usize, vocab: usize, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>, usize) {
+    let ids: Vec<i64> = (0..batch * seq).map(|_| rng.random_range(0..vocab as i64)).collect();
+    let labels: Vec<i64> = ids.iter().enumerate().map(|(j, &t)| if j % seq < seq / 2 { -100 } else { t }).collect();
+    // Position t predicts label t+1, so the last position of a row has no target.
+    let targets = batch * (seq - seq / 2 - 1);
+    (
+        Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
+        Tensor::from_data(TensorData::new(labels, [batch, seq]), device),
+        targets,
+    )
+}
+
+/// Runs the benchmark and returns the peer's JSON record.
+pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
+    anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
+    anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
+    let la0 = loadavg();
+    let device = args.device.init(args.threads)?;
+    let train_device = device.clone().autodiff();
+    train_device.seed(args.seed);
+    let t_build = Instant::now();
+    let config = LlamaConfig::preset(&args.preset)?;
+    let spec = LoraSpec {
+        rank: args.lora_r,
+        alpha: args.lora_alpha,
+        dropout: args.lora_dropout,
+        targets: args.targets.split(',').map(str::to_string).collect(),
+    };
+    let mut model = LlamaForCausalLM::random(&config, Some(&spec), false, &train_device);
+    let build_s = t_build.elapsed().as_secs_f64();
+    let rss_after_build = peak_rss_mb();
+    let mut optim = AdamW::new(OptimConfig { lr: args.lr, weight_decay: args.weight_decay, clip_grad_norm: args.max_grad_norm, ..OptimConfig::default() });
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed + 1);
+    let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut util) = (vec![], vec![], vec![], vec![], vec![]);
+    let mut loss = f64::NAN;
+    let mut window = None;
+    for step in 0..args.warmup + args.steps {
+        let (ids, labels, targets) = random_batch(&mut rng, args.batch, args.seq_len, config.vocab_size, &train_device);
+        let (c0, t0) = (cpu_seconds(), Instant::now());
+        let s = train_step(&mut model, &mut optim, &SingleProcess, vec![(ids, labels)], targets, args.lr, args.max_grad_norm)?;
+        let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+        loss = s.loss;
+        if step + 1 == args.warmup.max(1) {
+            window = Some((proc_stat(), cpu_seconds(), Instant::now()));
+        }
+        let timed = step >= args.warmup;
+        if timed {
+            step_s.push(dt);
+            fwd_s.push(s.forward_s);
+            bwd_s.push(s.backward_s);
+            opt_s.push(s.optimizer_s);
+            util.push(dc / dt);
+        }
+        eprintln!(
+            "# step {step} {} {dt:.3}s (fwd {:.3} bwd {:.3} opt {:.3}) loss {loss:.4} cpu_util {:.2}",
+            if timed { "timed" } else { "warm" },
+            s.forward_s,
+            s.backward_s,
+            s.optimizer_s,
+            dc / dt
+        );
+    }
+    // Other processes' share of the machine during the timed steps: a noisy bench says so.
+    let others = window.and_then(|(ps0, pc0, pw0)| {
+        let (ps0, ps1) = (ps0?, proc_stat()?);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let busy = (ps1.0 - ps0.0) / (ps1.1 - ps0.1).max(1.0) * cores;
+        let ours = (cpu_seconds() - pc0) / pw0.elapsed().as_secs_f64();
+        Some((busy - ours).max(0.0))
+    });
+    let med = quantile(&step_s, 0.5);
+    let tokens = (args.batch * args.seq_len) as f64;
+    let flops = flop_model(&config, args.batch, args.seq_len, args.lora_r);
+    let per_step = flops["flops_per_step"].as_f64().unwrap_or(0.0);
+    let r4 = |x: f64| (x * 1e4).round() / 1e4;
+    let mut breakdown = flops.as_object().cloned().unwrap_or_default();
+    breakdown.remove("flops_per_step");
+    Ok(json!({
+        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": "fp32",
+        "threads": args.device.effective_threads(args.threads),
+        "impl": "llora (burn 0.22.1 + libtorch 2.9.0)", "attn_impl": format!("{:?}", llora_model::attention::AttentionKernel::for_device(&train_device)),
+        "warmup": args.warmup, "steps": args.steps,
+        "step_s_median": r4(med), "step_s_min": r4(quantile(&step_s, 0.0)), "step_s_max": r4(quantile(&step_s, 1.0)),
+        "step_s_p25": r4(quantile(&step_s, 0.25)), "step_s_p75": r4(quantile(&step_s, 0.75)),
+        "fwd_s_median": r4(quantile(&fwd_s, 0.5)), "bwd_s_median": r4(quantile(&bwd_s, 0.5)), "opt_s_median": r4(quantile(&opt_s, 0.5)),
+        "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
+        "peak_rss_mb": peak_rss_mb().map(|x| (x * 10.0).round() / 10.0),
+        "rss_hwm_after_build_mb": rss_after_build.map(|x| (x * 10.0).round() / 10.0),
+        "trainable_params": model.num_lora_parameters(),
+        "total_params": model.config.num_parameters() + model.num_lora_parameters(),
+        "final_loss": (loss * 1e5).round() / 1e5,
+        "flops_per_step": per_step, "gflops_per_s": (per_step / med / 1e9 * 100.0).round() / 100.0,
+        "flops_breakdown": breakdown,
+        "cpu_util_median": (quantile(&util, 0.5) * 100.0).round() / 100.0,
+        "other_procs_cpu_cores": others.map(|x| (x * 100.0).round() / 100.0),
+        "loadavg_start": la0, "loadavg_end": loadavg(),
+        "build_s": (build_s * 100.0).round() / 100.0,
+        "step_times": step_s.iter().map(|&x| r4(x)).collect::<Vec<_>>(),
+        "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": "2.9.0"},
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The FLOP model against numbers worked out by hand for the peer's `tiny` preset at
+    /// S 512, batch 1, r 16 (d 256, L 4, H 8, KV 8, hd 32, I 688, V 32000).
+    #[test]
+    fn flop_model_matches_hand_count() {
+        let c = LlamaConfig::preset("tiny").unwrap();
+        let f = flop_model(&c, 1, 512, 16);
+        // n_lin = 4·(4·256·256 + 3·256·688) + 256·32000 = 4·(262144 + 528384) + 8192000
+        assert_eq!(f["n_lin_params"], 11_354_112);
+        // n_lora = 4·16·((256+256) + 2·(256+256) + (256+256)) = 64·2048
+        assert_eq!(f["n_lora_params"], 131_072);
+        // attention: 12·512²·8·32·4 / 2
+        assert_eq!(f["flops_attn_causal"], 1_610_612_736u64);
+        let total = 2 * 512 * 11_354_112u64 * 2 - 2 * 512 * 3 * 65536 + 6 * 512 * 131_072 - 2 * 512 * 16 * 256 * 3 + 1_610_612_736;
+        assert_eq!(f["flops_per_step"], total);
+    }
+
+    #[test]
+    fn quantiles_interpolate_like_the_peer() {
+        assert_eq!(quantile(&[3.0, 1.0, 2.0, 4.0], 0.5), 2.5);
+        assert_eq!(quantile(&[3.0, 1.0, 2.0, 4.0], 0.25), 1.75);
+        assert_eq!(quantile(&[5.0], 0.75), 5.0);
+    }
+}
