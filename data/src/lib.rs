@@ -4,8 +4,10 @@
 //! A [`Sample`] is one sequence as MLPerf preprocessed it: `input_ids` and `labels` of equal
 //! length, labels `-100` where no loss is taken (the prompt).
 
+pub mod batch;
 pub mod loader;
 pub mod parquet_io;
+pub mod prefetch;
 pub mod synth;
 pub mod text;
 

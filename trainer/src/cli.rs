@@ -104,6 +104,9 @@ pub struct EvalArgs {
     /// Skip bad rows (counted) instead of failing on the first.
     #[arg(long)]
     pub skip_bad_rows: bool,
+    /// Threads preparing evaluation batches (0 = on the evaluating thread).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
 }
 
 /// `llora mlperf ...`.

@@ -137,6 +137,9 @@ pub struct DataConfig {
     pub train_workers: usize,
     /// Prefetch threads for evaluation batches.
     pub eval_workers: usize,
+    /// Micro-batch padding: `"longest"` (to the longest row) or `"max_length"` (to
+    /// `max_seq_len`: fixed shapes, as CUDA graphs need).
+    pub padding: String,
     /// What a bad row does: `"error"` stops with file/row/reason, `"skip"` counts and warns.
     pub on_bad_row: String,
     /// Generate a synthetic GovReport-shaped corpus instead of reading `train`/`eval`.
@@ -175,6 +178,7 @@ impl Default for DataConfig {
             max_seq_len: 8192,
             train_workers: 2,
             eval_workers: 1,
+            padding: "longest".into(),
             on_bad_row: "error".into(),
             synthetic: None,
         }
@@ -519,6 +523,7 @@ impl Config {
         check(d.train_workers <= 64, "data.train_workers", &d.train_workers, "must be in 0..=64");
         check(d.eval_workers <= 64, "data.eval_workers", &d.eval_workers, "must be in 0..=64");
         check(one_of(&d.on_bad_row, &["error", "skip"]), "data.on_bad_row", &d.on_bad_row, "must be \"error\" or \"skip\"");
+        check(one_of(&d.padding, &["longest", "max_length"]), "data.padding", &d.padding, "must be \"longest\" or \"max_length\"");
         match &d.synthetic {
             Some(syn) => {
                 check(d.train.is_none() && d.eval.is_none(), "data.synthetic", &"[data.synthetic]", "excludes data.train and data.eval: use one or the other");

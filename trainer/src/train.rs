@@ -11,10 +11,13 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use std::sync::Arc;
+
+use llora_data::batch::{Collated, Padding, eval_batches, train_batches};
 use llora_data::loader::ShardedOrder;
 use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
 use llora_data::synth::{Synth, SynthConfig};
-use llora_data::{IGNORE_INDEX, Sample};
+use llora_data::Sample;
 use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint, save_peft_adapter};
 use llora_model::loss::causal_lm_loss;
 use llora_model::{LlamaConfig, LlamaForCausalLM, LoraSpec};
@@ -44,8 +47,8 @@ pub struct Outcome {
 
 /// The training and evaluation sets.
 struct Datasets {
-    train: Vec<Sample>,
-    eval: Vec<Sample>,
+    train: Arc<Vec<Sample>>,
+    eval: Arc<Vec<Sample>>,
 }
 
 fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
@@ -60,7 +63,7 @@ fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
             seed: syn.seed,
         })
         .context("data.synthetic")?;
-        return Ok(Datasets { train: synth.samples(0, syn.train_samples), eval: synth.samples(1, syn.eval_samples) });
+        return Ok(Datasets { train: Arc::new(synth.samples(0, syn.train_samples)), eval: Arc::new(synth.samples(1, syn.eval_samples)) });
     }
     let on_bad_row: OnBadRow = d.on_bad_row.parse().map_err(anyhow::Error::msg)?;
     let opts = ReadOptions { vocab, max_seq_len: d.max_seq_len, on_bad_row };
@@ -71,7 +74,7 @@ fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
         anyhow::ensure!(!rows.is_empty(), "{key} = {}: no usable rows", path.display());
         Ok(rows)
     };
-    Ok(Datasets { train: read(&d.train, "data.train")?, eval: read(&d.eval, "data.eval")? })
+    Ok(Datasets { train: Arc::new(read(&d.train, "data.train")?), eval: Arc::new(read(&d.eval, "data.eval")?) })
 }
 
 /// The base model with adapters, from a checkpoint or a preset.
@@ -104,34 +107,31 @@ fn load_model(config: &Config, spec: &LoraSpec, device: &Device) -> anyhow::Resu
     }
 }
 
-/// Pads a micro-batch to its longest row (pad id 0, label −100: padding takes no loss, and
-/// right padding cannot leak into earlier positions under a causal mask).
+/// A collated micro-batch as device tensors.
 ///
 /// # Shapes
-/// - output: (input_ids, labels), each `[batch, longest]`
-fn collate(samples: &[&Sample], device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
-    let s = samples.iter().map(|x| x.input_ids.len()).max().unwrap_or(1);
-    let mut ids = Vec::with_capacity(samples.len() * s);
-    let mut labels = Vec::with_capacity(samples.len() * s);
-    for x in samples {
-        ids.extend(x.input_ids.iter().map(|&t| t as i64));
-        ids.extend(std::iter::repeat_n(0i64, s - x.input_ids.len()));
-        labels.extend(&x.labels);
-        labels.extend(std::iter::repeat_n(IGNORE_INDEX, s - x.labels.len()));
-    }
-    let b = samples.len();
+/// - output: (input_ids, labels), each `[batch, seq]`
+fn upload(c: Collated, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
     (
-        Tensor::from_data(TensorData::new(ids, [b, s]), device),
-        Tensor::from_data(TensorData::new(labels, [b, s]), device),
+        Tensor::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), device),
+        Tensor::from_data(TensorData::new(c.labels, [c.batch, c.seq]), device),
     )
 }
 
-/// Evaluation loss over a whole set, as (per-token mean, per-sample mean, target tokens).
-pub fn evaluate(model: &LlamaForCausalLM, samples: &[Sample], batch_size: usize, device: &Device) -> (f64, f64, usize) {
+/// How the config pads micro-batches.
+fn padding(config: &Config) -> Padding {
+    match config.data.padding.as_str() {
+        "max_length" => Padding::MaxLength(config.data.max_seq_len),
+        _ => Padding::Longest,
+    }
+}
+
+/// Evaluation loss over a whole set, as (per-token mean, per-sample mean, target tokens);
+/// batches are prepared by `workers` threads.
+pub fn evaluate(model: &LlamaForCausalLM, samples: &Arc<Vec<Sample>>, batch_size: usize, workers: usize, padding: Padding, device: &Device) -> (f64, f64, usize) {
     let (mut sum, mut tokens, mut per_sample) = (0f64, 0usize, 0f64);
-    for chunk in samples.chunks(batch_size.max(1)) {
-        let refs: Vec<&Sample> = chunk.iter().collect();
-        let (ids, labels) = collate(&refs, device);
+    for batch in eval_batches(samples.clone(), batch_size, padding, workers) {
+        let (ids, labels) = upload(batch, device);
         let sums = causal_lm_loss(model.forward(ids, false), labels);
         let s: Vec<f32> = sums.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         let t: Vec<f32> = sums.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
@@ -275,7 +275,8 @@ pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     };
     let (samples, report) = read_parquet(&args.data, &opts)?;
     anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
-    let (per_token, per_sample, tokens) = evaluate(&model, &samples, args.batch_size, &device);
+    let samples = Arc::new(samples);
+    let (per_token, per_sample, tokens) = evaluate(&model, &samples, args.batch_size, args.workers, Padding::Longest, &device);
     println!(
         "{}",
         json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})
@@ -577,7 +578,8 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
         ml.event("eval_samples", data.eval.len());
     }
     info!(train = data.train.len(), eval = data.eval.len(), "data ready");
-    let mut order = ShardedOrder::new(data.train.len(), config.run.seed, 0, 1, true, progress.position)?;
+    let order = ShardedOrder::new(data.train.len(), config.run.seed, 0, 1, true, progress.position)?;
+    let mut batches = train_batches(data.train.clone(), order, gbs, mbs, padding(config), config.data.train_workers);
     let interval = config.eval_interval_samples();
     let skip = config.eval_skip_first();
     let mut metrics = Metrics::open(&run_dir.join("metrics.jsonl"), !fresh)?;
@@ -591,16 +593,16 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
     for step in progress.step..config.schedule.max_steps {
         let lr = lr_at(step, config.optim.lr, &config.schedule);
         // The whole global batch first: its target-token count normalises every micro-batch.
-        let (micro_batches, global_tokens, batch_tokens, flops) = {
+        let (micro_batches, global_tokens, batch_tokens, flops, position) = {
             let _span = debug_span!("data", step = step + 1).entered();
-            let batch: Vec<&Sample> = (0..gbs).map(|_| &data.train[order.next_index()]).collect();
-            let global_tokens: usize = batch.iter().map(|s| s.target_tokens()).sum();
-            let batch_tokens: usize = batch.iter().map(|s| s.input_ids.len()).sum();
-            let flops: f64 = batch.iter().map(|s| train_flops(&model.config, s.input_ids.len(), full)).sum();
+            let batch = batches.next().expect("the training stream is endless");
+            let batch_tokens: usize = batch.lengths.iter().sum();
+            let flops: f64 = batch.lengths.iter().map(|&n| train_flops(&model.config, n, full)).sum();
             // Dropout masks: a seed per (run seed, step) makes them independent of how far a
             // resumed run has come.
             train_device.seed(config.run.seed.wrapping_mul(1_000_003).wrapping_add(step as u64));
-            (batch.chunks(mbs).map(|m| collate(m, &train_device)).collect::<Vec<_>>(), global_tokens, batch_tokens, flops)
+            let micro: Vec<_> = batch.micro_batches.into_iter().map(|m| upload(m, &train_device)).collect();
+            (micro, batch.target_tokens, batch_tokens, flops, batch.position_after)
         };
         let t_step = Instant::now();
         let (loss_sum, total_norm) = match train_step(&mut model, &mut optim, &collective, micro_batches, global_tokens, lr, config.optim.clip_grad_norm) {
@@ -615,7 +617,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
         progress.step = step + 1;
         progress.samples += gbs;
         progress.tokens_seen += batch_tokens;
-        progress.position = order.position();
+        progress.position = position;
         tokens_here += batch_tokens;
         let samples = progress.samples;
 
@@ -634,7 +636,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
                 ml.start("eval_start", json!({"samples_count": samples}));
                 let (per_token, per_sample, _) = {
                     let _span = debug_span!("eval", samples).entered();
-                    evaluate(&model.valid(), &data.eval, config.eval.batch_size, &device)
+                    evaluate(&model.valid(), &data.eval, config.eval.batch_size, config.data.eval_workers, padding(config), &device)
                 };
                 let eval_loss = if config.eval.averaging == "per_token" { per_token } else { per_sample };
                 ml.event_with("eval_accuracy", eval_loss, json!({"samples_count": samples}));
@@ -714,7 +716,7 @@ mod tests {
         let mut model = LlamaForCausalLM::random(&config, Some(&LoraSpec::default()), false, &device);
         let mut optim = AdamW::new(OptimConfig::default());
         let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 13], [1, 4]), &device);
-        let labels = Tensor::<2, Int>::from_data(TensorData::new(vec![IGNORE_INDEX; 4], [1, 4]), &device);
+        let labels = Tensor::<2, Int>::from_data(TensorData::new(vec![llora_data::IGNORE_INDEX; 4], [1, 4]), &device);
         let s = train_step(&mut model, &mut optim, &SingleProcess, vec![(ids, labels)], 0, 1e-3, 0.3).unwrap();
         assert_eq!((s.loss, s.grad_norm), (0.0, 0.0));
         for (name, p) in model.trainable_params_mut() {
