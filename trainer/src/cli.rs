@@ -35,7 +35,11 @@ pub enum Command {
     /// Evaluation loss of a model (+ adapter) on a dataset, printed last as one JSON line.
     Eval(EvalArgs),
     /// Data tools: synthesise, prepare, inspect.
-    Data(PendingArgs),
+    Data {
+        /// What to do.
+        #[command(subcommand)]
+        command: DataCommand,
+    },
     /// MLPerf tools: repeated seeded runs and scoring.
     Mlperf {
         /// What to do.
@@ -107,6 +111,75 @@ pub struct EvalArgs {
     /// Threads preparing evaluation batches (0 = on the evaluating thread).
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
+}
+
+/// `llora data ...`.
+#[derive(Debug, Subcommand)]
+pub enum DataCommand {
+    /// Write a synthetic GovReport-shaped corpus: raw text (jsonl), MLPerf parquet, tokenizer.json.
+    Synth(SynthArgs),
+    /// Tokenise report/summary pairs (jsonl, parquet or Arrow with `input`/`output`) into the
+    /// MLPerf parquet schema with the MLPerf template.
+    Prepare(PrepareArgs),
+    /// Rows, length histogram, target tokens and every bad row of a parquet/Arrow file; exits
+    /// non-zero when any row is bad.
+    Inspect(InspectArgs),
+}
+
+/// `llora data synth`.
+#[derive(Debug, Args)]
+pub struct SynthArgs {
+    /// Output directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Training samples.
+    #[arg(long, default_value_t = 2048)]
+    pub train: usize,
+    /// Evaluation samples.
+    #[arg(long, default_value_t = 173)]
+    pub eval: usize,
+    /// Longest sequence (reports take a log-uniform share of it).
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 32000)]
+    pub vocab: usize,
+    /// Topics (each with its own word distribution and abstract).
+    #[arg(long, default_value_t = 8)]
+    pub topics: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `llora data prepare`.
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    /// Raw pairs: `.jsonl`, parquet or Arrow IPC with `input` and `output`.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// HF `tokenizer.json`.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// Output parquet.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Longer samples are dropped and counted.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: usize,
+}
+
+/// `llora data inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// Parquet or Arrow IPC file in the MLPerf schema.
+    pub file: PathBuf,
+    /// Token ids must be below this.
+    #[arg(long, default_value_t = 32000)]
+    pub vocab: usize,
+    /// Rows must be at most this long.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: usize,
 }
 
 /// `llora mlperf ...`.
@@ -217,12 +290,4 @@ pub struct ExportArgs {
 pub enum ConfigCommand {
     /// Print the fully resolved config (defaults, file and overrides) as TOML.
     Show(ConfigArgs),
-}
-
-/// Arguments of a subcommand whose implementation has not landed yet.
-#[derive(Debug, Args)]
-pub struct PendingArgs {
-    /// Accepted so that the command can say it is unfinished instead of a parse error.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    pub rest: Vec<String>,
 }

@@ -3,6 +3,7 @@ pub mod bench;
 pub mod cli;
 pub mod collective;
 pub mod config;
+pub mod data_cmd;
 pub mod mllog;
 pub mod mlperf;
 pub mod optim;

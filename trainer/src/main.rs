@@ -62,7 +62,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Eval(args) => llora_trainer::train::eval_command(&args),
-        Command::Data(_) => pending("data", "issue #4 (GovReport data pipeline)"),
+        Command::Data { command } => llora_trainer::data_cmd::run(&command),
         Command::Mlperf { command: MlperfCommand::Score { dir } } => {
             let score = llora_trainer::mlperf::score_dir(&dir)?;
             print!("{}", score.table());
@@ -97,9 +97,4 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
     }
-}
-
-/// Unfinished subcommands say so and fail, rather than pretend to work.
-fn pending(name: &str, tracked: &str) -> anyhow::Result<()> {
-    anyhow::bail!("`llora {name}` is not implemented yet; it is tracked in {tracked}")
 }

@@ -1,0 +1,97 @@
+//! `llora data synth | prepare | inspect`: make, tokenise and check GovReport-schema datasets.
+
+use std::path::Path;
+
+use anyhow::Context;
+use llora_data::Sample;
+use llora_data::parquet_io::{OnBadRow, ReadOptions, for_each_row, write_parquet};
+use llora_data::synth::{Synth, SynthConfig};
+use llora_data::text::{TextPair, load_tokenizer, read_pairs, synthetic_tokenizer, tokenize_pairs};
+use llora_model::checkpoint::write_atomic;
+use serde_json::json;
+
+use crate::cli::{DataCommand, InspectArgs, PrepareArgs, SynthArgs};
+
+/// Runs one `llora data` subcommand.
+pub fn run(command: &DataCommand) -> anyhow::Result<()> {
+    match command {
+        DataCommand::Synth(a) => synth(a),
+        DataCommand::Prepare(a) => prepare(a),
+        DataCommand::Inspect(a) => inspect(a),
+    }
+}
+
+fn write_jsonl(path: &Path, pairs: &[TextPair]) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for p in pairs {
+        text += &serde_json::to_string(p)?;
+        text.push('\n');
+    }
+    write_atomic(path, text.as_bytes())
+}
+
+/// Both splits as raw text (SCROLLS `input`/`output` jsonl) and MLPerf parquet, plus the
+/// word-level `tokenizer.json` that maps one onto the other.
+fn synth(a: &SynthArgs) -> anyhow::Result<()> {
+    let synth = Synth::new(SynthConfig { vocab: a.vocab, max_seq_len: a.max_seq_len, topics: a.topics, seed: a.seed, ..SynthConfig::default() })?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    for (split, name, n) in [(0, "train", a.train), (1, "validation", a.eval)] {
+        let docs = synth.documents(split, n);
+        let pairs: Vec<TextPair> = docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
+        write_jsonl(&a.out.join(format!("{name}.jsonl")), &pairs)?;
+        let samples: Vec<Sample> = docs.iter().map(|d| d.sample()).collect();
+        write_parquet(&a.out.join(format!("{name}.parquet")), &samples)?;
+    }
+    let tok = synthetic_tokenizer(a.vocab)?;
+    let json = tok.to_string(true).map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))?;
+    write_atomic(&a.out.join("tokenizer.json"), json.as_bytes())?;
+    println!("{}", json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab}));
+    Ok(())
+}
+
+/// Raw pairs → MLPerf parquet through a tokenizer.json.
+fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
+    let tok = load_tokenizer(&a.tokenizer)?;
+    let pairs = read_pairs(&a.input)?;
+    let out = tokenize_pairs(&tok, &pairs, a.max_seq_len).with_context(|| format!("tokenising {}", a.input.display()))?;
+    if !out.dropped.is_empty() {
+        tracing::warn!(dropped = out.dropped.len(), max_seq_len = a.max_seq_len, first = out.dropped[0], "samples longer than max_seq_len dropped");
+    }
+    write_parquet(&a.out, &out.samples)?;
+    println!("{}", json!({"rows": pairs.len(), "written": out.samples.len(), "dropped_too_long": out.dropped.len(), "out": a.out.display().to_string()}));
+    Ok(())
+}
+
+/// Rows, lengths, target tokens and every bad row of a file; fails if any row is bad.
+fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
+    let opts = ReadOptions { vocab: a.vocab, max_seq_len: a.max_seq_len, on_bad_row: OnBadRow::Skip };
+    let (mut lens, mut targets) = (Vec::new(), Vec::new());
+    let report = for_each_row(&a.file, &opts, |s| {
+        lens.push(s.input_ids.len());
+        targets.push(s.target_tokens());
+    })?;
+    println!("{}: {} rows, {} valid, {} bad", a.file.display(), report.rows, lens.len(), report.skipped);
+    let buckets = 8;
+    let width = a.max_seq_len.div_ceil(buckets).max(1);
+    let mut hist = vec![0usize; buckets];
+    for &l in &lens {
+        hist[((l.saturating_sub(1)) / width).min(buckets - 1)] += 1;
+    }
+    println!("length histogram (tokens):");
+    for (i, n) in hist.iter().enumerate() {
+        println!("  {:>6}..{:<6} {n:>8}", i * width + 1, ((i + 1) * width).min(a.max_seq_len));
+    }
+    let total: usize = targets.iter().sum();
+    println!(
+        "target tokens: total {total}, per row min {} mean {:.1} max {}",
+        targets.iter().min().unwrap_or(&0),
+        total as f64 / targets.len().max(1) as f64,
+        targets.iter().max().unwrap_or(&0)
+    );
+    for p in &report.problems {
+        println!("bad {p}");
+    }
+    println!("{}", json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist}));
+    anyhow::ensure!(report.skipped == 0, "{}: {} bad rows (first: {})", a.file.display(), report.skipped, report.problems[0]);
+    Ok(())
+}
