@@ -277,6 +277,37 @@ mod tests {
         assert!(err.contains("row 0: attention_mask[2] = 0"), "{err}");
     }
 
+    /// The HF `datasets` cache holds Arrow IPC streams; the file format is read too. Both with
+    /// int32 lists and an attention_mask, and a truncated stream is an error naming the file.
+    #[test]
+    fn arrow_ipc_file_and_stream_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let parquet = dir.path().join("src.parquet");
+        write_int32_with_mask(&parquet, &[(vec![1, 4, 5], vec![-100, 4, 5], vec![1, 1, 1]), (vec![1, 7], vec![-100, 7], vec![1, 1])]);
+        let mut batches = Vec::new();
+        for_each_batch(&parquet, |b, _| {
+            batches.push(b.clone());
+            Ok(())
+        })
+        .unwrap();
+        let schema = batches[0].schema();
+        let want = vec![sample(&[1, 4, 5], &[-100, 4, 5]), sample(&[1, 7], &[-100, 7])];
+        let file = dir.path().join("data.arrow");
+        let mut w = arrow_ipc::writer::FileWriter::try_new(File::create(&file).unwrap(), &schema).unwrap();
+        batches.iter().for_each(|b| w.write(b).unwrap());
+        w.finish().unwrap();
+        assert_eq!(read_parquet(&file, &opts()).unwrap().0, want);
+        let stream = dir.path().join("data-00000-of-00001.arrow");
+        let mut w = arrow_ipc::writer::StreamWriter::try_new(File::create(&stream).unwrap(), &schema).unwrap();
+        batches.iter().for_each(|b| w.write(b).unwrap());
+        w.finish().unwrap();
+        assert_eq!(read_parquet(&stream, &opts()).unwrap().0, want);
+        let bytes = std::fs::read(&stream).unwrap();
+        std::fs::write(&stream, &bytes[..bytes.len() / 2]).unwrap();
+        let err = format!("{:#}", read_parquet(&stream, &opts()).unwrap_err());
+        assert!(err.contains("data-00000-of-00001.arrow"), "{err}");
+    }
+
     #[test]
     fn truncated_or_missing_files_are_errors() {
         let dir = tempfile::tempdir().unwrap();
