@@ -124,6 +124,38 @@ pub enum DataCommand {
     /// Rows, length histogram, target tokens and every bad row of a parquet/Arrow file; exits
     /// non-zero when any row is bad.
     Inspect(InspectArgs),
+    /// Loader throughput: training batches with each worker count, evaluation passes with each
+    /// eval-worker count; prints a table.
+    Bench(DataBenchArgs),
+}
+
+/// `llora data bench`.
+#[derive(Debug, Args)]
+pub struct DataBenchArgs {
+    /// Training file (parquet or Arrow IPC, MLPerf schema).
+    #[arg(long)]
+    pub train: PathBuf,
+    /// Evaluation file.
+    #[arg(long)]
+    pub eval: PathBuf,
+    /// Training worker counts to time.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,4")]
+    pub workers: Vec<usize>,
+    /// Evaluation worker counts to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub eval_workers: Vec<usize>,
+    /// Global batches drawn per training measurement.
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+    /// Sequences per global batch (micro-batch 1).
+    #[arg(long, default_value_t = 8)]
+    pub global_batch: usize,
+    /// Rows must be at most this long.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: usize,
+    /// Token ids must be below this.
+    #[arg(long, default_value_t = 32000)]
+    pub vocab: usize,
 }
 
 /// `llora data synth`.

@@ -10,7 +10,7 @@ use llora_data::text::{TextPair, load_tokenizer, read_pairs, synthetic_tokenizer
 use llora_model::checkpoint::write_atomic;
 use serde_json::json;
 
-use crate::cli::{DataCommand, InspectArgs, PrepareArgs, SynthArgs};
+use crate::cli::{DataBenchArgs, DataCommand, InspectArgs, PrepareArgs, SynthArgs};
 
 /// Runs one `llora data` subcommand.
 pub fn run(command: &DataCommand) -> anyhow::Result<()> {
@@ -18,6 +18,7 @@ pub fn run(command: &DataCommand) -> anyhow::Result<()> {
         DataCommand::Synth(a) => synth(a),
         DataCommand::Prepare(a) => prepare(a),
         DataCommand::Inspect(a) => inspect(a),
+        DataCommand::Bench(a) => bench(a),
     }
 }
 
@@ -93,5 +94,47 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
     }
     println!("{}", json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist}));
     anyhow::ensure!(report.skipped == 0, "{}: {} bad rows (first: {})", a.file.display(), report.skipped, report.problems[0]);
+    Ok(())
+}
+
+/// Times what the loader does per step (order, gather, pad, collate, hand-over through the
+/// prefetch queues) with the data already read, as the trainer uses it; each batch becomes a
+/// LibTorch CPU tensor, as the step's input does.
+fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
+    use burn::tensor::{Device, Int, Tensor, TensorData};
+    use llora_data::batch::{Padding, eval_batches, train_batches};
+    use llora_data::loader::{Position, ShardedOrder};
+    use std::sync::Arc;
+    use std::time::Instant;
+    let opts = ReadOptions { vocab: a.vocab, max_seq_len: a.max_seq_len, on_bad_row: OnBadRow::Error };
+    let t = Instant::now();
+    let (train, _) = llora_data::parquet_io::read_parquet(&a.train, &opts)?;
+    let (eval, _) = llora_data::parquet_io::read_parquet(&a.eval, &opts)?;
+    let read_s = t.elapsed().as_secs_f64();
+    let (train, eval) = (Arc::new(train), Arc::new(eval));
+    #[allow(deprecated)]
+    let device = Device::libtorch();
+    let to_tensor = |c: llora_data::batch::Collated| Tensor::<2, Int>::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), &device);
+    println!("read {} train + {} eval rows in {read_s:.2} s", train.len(), eval.len());
+    println!("{:<22} {:>8} {:>12} {:>14}", "stream", "workers", "seq/s", "tokens/s");
+    for &w in &a.workers {
+        let order = ShardedOrder::new(train.len(), 1, 0, 1, true, Position::default())?;
+        let t = Instant::now();
+        let (mut seqs, mut tokens) = (0usize, 0usize);
+        for batch in train_batches(train.clone(), order, a.global_batch, 1, Padding::Longest, w).take(a.steps) {
+            seqs += batch.lengths.len();
+            tokens += batch.lengths.iter().sum::<usize>();
+            batch.micro_batches.into_iter().for_each(|m| drop(to_tensor(m)));
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!("{:<22} {w:>8} {:>12.0} {:>14.0}", "train batches", seqs as f64 / s, tokens as f64 / s);
+    }
+    for &w in &a.eval_workers {
+        let t = Instant::now();
+        let tokens: usize = eval.iter().map(|x| x.input_ids.len()).sum();
+        eval_batches(eval.clone(), 1, Padding::Longest, w).for_each(|m| drop(to_tensor(m)));
+        let s = t.elapsed().as_secs_f64();
+        println!("{:<22} {w:>8} {:>12.0} {:>14.0}   one pass {s:.3} s", "eval pass", eval.len() as f64 / s, tokens as f64 / s);
+    }
     Ok(())
 }
