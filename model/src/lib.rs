@@ -4,6 +4,7 @@ pub mod device;
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+pub mod fp8;
 pub mod llama;
 pub mod lora;
 pub mod loss;

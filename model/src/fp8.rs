@@ -1,0 +1,463 @@
+//! FP8 numbers: the E4M3 and E5M2 formats, per-tensor scaling, and delayed scaling.
+//!
+//! The formats are the OCP/NVIDIA ones torch calls `float8_e4m3fn` (no infinities, one NaN
+//! pattern per sign, max 448) and `float8_e5m2` (IEEE-like, max 57344). [`Fp8Format::encode`]
+//! is a scalar, exact emulation of torch's `float32 → float8` cast (round to nearest, ties to
+//! even; past the top of the range E4M3 gives NaN and E5M2 gives infinity, as torch does),
+//! written from the formats' definitions; on LibTorch devices llora uses torch's native
+//! 1-byte casts ([`quantize_tch`]) and the tests check the two agree bit for bit.
+//!
+//! Quantising with a scale saturates first, as Transformer Engine does: `q = cast(clamp(x·s,
+//! ±max))`, and `x ≈ float(q) · (1/s)`. [`DelayedScaling`] chooses `s` from an amax history.
+
+use serde::{Deserialize, Serialize};
+
+/// An 8-bit floating-point format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fp8Format {
+    /// 4 exponent bits (bias 7), 3 mantissa bits, max 448, no infinity (torch `float8_e4m3fn`).
+    E4M3,
+    /// 5 exponent bits (bias 15), 2 mantissa bits, max 57344, ±∞ (torch `float8_e5m2`).
+    E5M2,
+}
+
+impl Fp8Format {
+    /// Largest finite magnitude.
+    pub fn max(self) -> f32 {
+        match self {
+            Self::E4M3 => 448.0,
+            Self::E5M2 => 57344.0,
+        }
+    }
+
+    /// Mantissa (fraction) bits.
+    fn mantissa_bits(self) -> i32 {
+        match self {
+            Self::E4M3 => 3,
+            Self::E5M2 => 2,
+        }
+    }
+
+    /// Exponent bias.
+    fn bias(self) -> i32 {
+        match self {
+            Self::E4M3 => 7,
+            Self::E5M2 => 15,
+        }
+    }
+
+    /// The code a value past the range (or an infinity) becomes: NaN for E4M3, which has no
+    /// infinity, and infinity for E5M2 (sign bit not included).
+    fn overflow_code(self) -> u8 {
+        match self {
+            Self::E4M3 => 0x7F,
+            Self::E5M2 => 0x7C,
+        }
+    }
+
+    /// The LibTorch dtype of this format.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Self::E4M3 => tch::Kind::Float8e4m3fn,
+            Self::E5M2 => tch::Kind::Float8e5m2,
+        }
+    }
+
+    /// `x` rounded to the nearest code, ties to even, without saturation (torch's cast).
+    pub fn encode(self, x: f32) -> u8 {
+        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+        if x.is_nan() {
+            return sign | 0x7F;
+        }
+        if x.is_infinite() {
+            return sign | self.overflow_code();
+        }
+        // f64 holds every f32 (subnormals included) as a normal number, so its exponent field
+        // is floor(log2 |x|) and scaling by powers of two is exact.
+        let a = f64::from(x.abs());
+        if a == 0.0 {
+            return sign;
+        }
+        let m = self.mantissa_bits();
+        let emin = 1 - self.bias();
+        let exp = |v: f64| ((v.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+        let quantum = 2f64.powi(exp(a).max(emin) - m);
+        let r = (a / quantum).round_ties_even() * quantum;
+        if r > f64::from(self.max()) {
+            return sign | self.overflow_code();
+        }
+        if r == 0.0 {
+            return sign;
+        }
+        let code = if exp(r) < emin {
+            (r / 2f64.powi(emin - m)) as u8
+        } else {
+            let e = exp(r);
+            let mantissa = (r / 2f64.powi(e - m)) as u8 - (1 << m);
+            (((e + self.bias()) as u8) << m) | mantissa
+        };
+        sign | code
+    }
+
+    /// The value of a code (NaN codes give NaN).
+    pub fn decode(self, code: u8) -> f32 {
+        let m = self.mantissa_bits();
+        let e = i32::from((code & 0x7F) >> m);
+        let mantissa = i32::from(code & ((1 << m) - 1));
+        let sign: f32 = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+        match self {
+            Self::E4M3 if e == 15 && mantissa == 7 => return f32::NAN,
+            Self::E5M2 if e == 31 => return if mantissa == 0 { sign * f32::INFINITY } else { f32::NAN },
+            _ => {}
+        }
+        let v = if e == 0 {
+            f64::from(mantissa) * 2f64.powi(1 - self.bias() - m)
+        } else {
+            f64::from((1 << m) + mantissa) * 2f64.powi(e - self.bias() - m)
+        };
+        sign * v as f32
+    }
+
+    /// Saturating per-tensor quantisation of a slice: `encode(clamp(x·scale, ±max))`.
+    pub fn quantize_slice(self, xs: &[f32], scale: f32) -> Vec<u8> {
+        let max = self.max();
+        xs.iter().map(|&x| self.encode((x * scale).clamp(-max, max))).collect()
+    }
+
+    /// Inverse of [`Self::quantize_slice`]: `decode(q) · scale_inv`.
+    pub fn dequantize_slice(self, qs: &[u8], scale_inv: f32) -> Vec<f32> {
+        qs.iter().map(|&q| self.decode(q) * scale_inv).collect()
+    }
+}
+
+/// Saturating quantisation on a LibTorch tensor: `clamp(x·scale, ±max)` cast to the 1-byte
+/// dtype of `format` (NaN stays NaN).
+pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
+    let max = f64::from(format.max());
+    (x * f64::from(scale)).clamp(-max, max).to_kind(format.kind())
+}
+
+/// `float(q) · scale_inv` in f32.
+pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
+    q.to_kind(tch::Kind::Float) * f64::from(scale_inv)
+}
+
+/// `max |x|` as an f32 (NaN if x holds a NaN; 0 for an empty tensor).
+pub fn amax_tch(x: &tch::Tensor) -> f32 {
+    if x.numel() == 0 {
+        return 0.0;
+    }
+    x.abs().max().double_value(&[]) as f32
+}
+
+/// A tensor stored as FP8 codes plus the inverse of the scale it was quantised with.
+#[derive(Debug)]
+pub struct Fp8Tensor {
+    /// The codes, in the 1-byte dtype of `format`.
+    pub data: tch::Tensor,
+    /// `1 / scale`.
+    pub scale_inv: f32,
+    /// Which FP8 format the codes are in.
+    pub format: Fp8Format,
+}
+
+impl Fp8Tensor {
+    /// Quantises `x` with `scale` (see [`quantize_tch`]).
+    pub fn quantize(x: &tch::Tensor, scale: f32, format: Fp8Format) -> Self {
+        Self { data: quantize_tch(x, scale, format), scale_inv: 1.0 / scale, format }
+    }
+
+    /// Quantises `x` with the scale its own amax gives (`max / amax`: current scaling, for
+    /// tensors that are only stored, where the amax is at hand when they are written).
+    pub fn quantize_current(x: &tch::Tensor, format: Fp8Format) -> Self {
+        let scale = scale_for_amax(amax_tch(x), format.max(), 0).unwrap_or(1.0);
+        Self::quantize(x, scale, format)
+    }
+
+    /// The f32 tensor the codes stand for.
+    pub fn dequantize(&self) -> tch::Tensor {
+        dequantize_tch(&self.data, self.scale_inv)
+    }
+
+    /// Bytes held: one per element plus the f32 scale.
+    pub fn bytes(&self) -> usize {
+        self.data.numel() + 4
+    }
+}
+
+/// `fp8_max / amax / 2^margin` in f32, as Transformer Engine computes it; `None` when amax is
+/// zero or not finite (the previous scale must then be kept).
+pub fn scale_for_amax(amax: f32, fp8_max: f32, margin: i32) -> Option<f32> {
+    if amax.is_finite() && amax > 0.0 {
+        let s = (fp8_max / amax) / 2f32.powi(margin);
+        s.is_finite().then_some(s)
+    } else {
+        None
+    }
+}
+
+/// How the amax history is reduced to the amax that sets the scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AmaxAlgo {
+    /// The largest amax in the history (Transformer Engine's default).
+    #[default]
+    Max,
+    /// The newest amax only.
+    MostRecent,
+}
+
+/// Delayed-scaling settings shared by every scaled tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AmaxSpec {
+    /// History length, 1..=1024.
+    pub history_len: usize,
+    /// How the history becomes one amax.
+    pub algo: AmaxAlgo,
+    /// Scale down by 2^margin for headroom.
+    pub margin: i32,
+}
+
+impl Default for AmaxSpec {
+    /// MLPerf submissions' Transformer Engine recipe: history 4, max, margin 0.
+    fn default() -> Self {
+        Self { history_len: 4, algo: AmaxAlgo::Max, margin: 0 }
+    }
+}
+
+/// Delayed scaling of one tensor, Transformer Engine style.
+///
+/// Each step quantises with the scale computed from the amaxes of *earlier* steps; the amax of
+/// this step (the maximum over its micro-batches) is recorded and joins the history at
+/// [`Self::update`], which the trainer calls after every optimizer step. The history keeps
+/// the newest `history_len` amaxes; non-finite amaxes are not recorded (a NaN or ∞ step is
+/// aborted by the trainer anyway) and a zero amax does not change the scale.
+///
+/// One difference from Transformer Engine, on purpose: TE starts every scale at 1, so the first
+/// step quantises with an arbitrary scale (small gradients flush to zero in E5M2). Here a
+/// tensor's very first quantisation uses its own amax (current scaling) instead.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DelayedScaling {
+    /// Which format the scale is for.
+    pub format: Fp8Format,
+    /// Amaxes of past steps, newest first.
+    pub history: Vec<f32>,
+    /// The scale quantisation uses now.
+    pub scale: f32,
+    /// Whether a scale has been chosen (by the first use or an update).
+    pub initialized: bool,
+    /// Largest amax seen since the last update.
+    pub pending: Option<f32>,
+}
+
+impl DelayedScaling {
+    /// A fresh state: empty history, scale chosen at the first use.
+    pub fn new(format: Fp8Format) -> Self {
+        Self { format, history: Vec::new(), scale: 1.0, initialized: false, pending: None }
+    }
+
+    /// Records this use's amax and returns the scale to quantise it with.
+    pub fn observe(&mut self, amax: f32, spec: &AmaxSpec) -> f32 {
+        if !self.initialized {
+            if let Some(s) = scale_for_amax(amax, self.format.max(), spec.margin) {
+                self.scale = s;
+                self.initialized = true;
+            }
+        }
+        if amax.is_finite() {
+            self.pending = Some(self.pending.map_or(amax, |p| p.max(amax)));
+        }
+        self.scale
+    }
+
+    /// End of a step: the step's amax joins the history and the scale is recomputed from it.
+    pub fn update(&mut self, spec: &AmaxSpec) {
+        let Some(amax) = self.pending.take() else { return };
+        self.history.insert(0, amax);
+        self.history.truncate(spec.history_len.max(1));
+        let reduced = match spec.algo {
+            AmaxAlgo::Max => self.history.iter().copied().fold(0.0f32, f32::max),
+            AmaxAlgo::MostRecent => self.history[0],
+        };
+        if let Some(s) = scale_for_amax(reduced, self.format.max(), spec.margin) {
+            self.scale = s;
+            self.initialized = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Kind, Tensor};
+
+    fn torch_encode(xs: &[f32], format: Fp8Format) -> Vec<u8> {
+        let t = Tensor::from_slice(xs).to_kind(format.kind()).view_dtype(Kind::Uint8);
+        Vec::<u8>::try_from(&t).unwrap()
+    }
+
+    fn torch_decode(codes: &[u8], format: Fp8Format) -> Vec<f32> {
+        let t = Tensor::from_slice(codes).view_dtype(format.kind()).to_kind(Kind::Float);
+        Vec::<f32>::try_from(&t).unwrap()
+    }
+
+    fn assert_codes_match(xs: &[f32], format: Fp8Format) {
+        let want = torch_encode(xs, format);
+        for (i, (&x, &w)) in xs.iter().zip(&want).enumerate() {
+            let got = format.encode(x);
+            assert_eq!(got, w, "{format:?}: encode({x:e}) (bits {:#010x}, element {i}) = {got:#04x}, torch {w:#04x}", x.to_bits());
+        }
+    }
+
+    fn same_value(a: f32, b: f32) -> bool {
+        (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits()
+    }
+
+    /// Every one of the 256 codes decodes to torch's value, and every finite value encodes
+    /// back to its own code (both signs of zero included).
+    #[test]
+    fn every_code_matches_torch() {
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let codes: Vec<u8> = (0..=255).collect();
+            let torch = torch_decode(&codes, format);
+            let mut finite = Vec::new();
+            for (&c, &t) in codes.iter().zip(&torch) {
+                let v = format.decode(c);
+                assert!(same_value(v, t), "{format:?}: decode({c:#04x}) = {v}, torch {t}");
+                if v.is_finite() {
+                    assert_eq!(format.encode(v), c, "{format:?}: {v} does not encode to its code {c:#04x}");
+                    finite.push(v);
+                }
+            }
+            assert_codes_match(&finite, format);
+            let expect_finite = match format {
+                Fp8Format::E4M3 => 254, // 2 NaN codes
+                Fp8Format::E5M2 => 248, // 2 infinities + 6 NaN codes
+            };
+            assert_eq!(finite.len(), expect_finite);
+            assert_eq!(finite.iter().copied().fold(0.0, f32::max), format.max());
+        }
+    }
+
+    /// Midpoints between neighbouring values (ties: to even), the f32 neighbours of each
+    /// midpoint, and the same past the top of the range and below the smallest subnormal.
+    #[test]
+    fn ties_and_their_neighbours_match_torch() {
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let mut values: Vec<f32> = (0..0x7F).map(|c| format.decode(c)).filter(|v| v.is_finite()).collect();
+            let step = values[values.len() - 1] - values[values.len() - 2];
+            values.push(format.max() + step); // the first value past the range
+            let mut xs = Vec::new();
+            for w in values.windows(2) {
+                let mid = (w[0] + w[1]) / 2.0; // exact: a few significant bits
+                for x in [mid, mid.next_down(), mid.next_up(), w[0].next_up(), w[1].next_down()] {
+                    xs.extend([x, -x]);
+                }
+            }
+            // Far below the smallest subnormal, f32 subnormals, and f32's extremes.
+            xs.extend([1e-30, f32::from_bits(1), f32::MIN_POSITIVE, f32::MAX, 1e10, 0.0, -0.0]);
+            assert_codes_match(&xs, format);
+        }
+    }
+
+    /// NaN stays NaN (with its sign bit), infinities overflow like torch, and the scaled
+    /// quantiser saturates to ±max instead.
+    #[test]
+    fn nan_infinity_and_saturation() {
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let xs = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e6, -1e6];
+            assert_codes_match(&xs, format);
+            let q = Fp8Tensor::quantize(&Tensor::from_slice(&xs), 1.0, format);
+            let codes = Vec::<u8>::try_from(&q.data.view_dtype(Kind::Uint8)).unwrap();
+            assert_eq!(codes, format.quantize_slice(&xs, 1.0));
+            let back = format.dequantize_slice(&codes, 1.0);
+            assert!(back[0].is_nan() && back[1].is_nan());
+            assert_eq!(&back[2..], &[format.max(), -format.max(), format.max(), -format.max()]);
+        }
+        assert_eq!(Fp8Format::E4M3.encode(f32::INFINITY), 0x7F);
+        assert_eq!(Fp8Format::E5M2.encode(f32::NEG_INFINITY), 0xFC);
+        assert_eq!(Fp8Format::E4M3.encode(464.0), 0x7E); // the tie above 448 rounds to even (448)
+        assert!(Fp8Format::E4M3.decode(Fp8Format::E4M3.encode(465.0)).is_nan());
+    }
+
+    /// 1,048,576 random values: half random bit patterns (every class of f32), half spread
+    /// over 2^-24 .. 2^24; the plain cast and the scaled, saturating quantiser both match.
+    #[test]
+    fn a_million_random_values_match_torch() {
+        let n = 1 << 20;
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let xs: Vec<f32> = (0..n)
+            .map(|i| {
+                let r = next();
+                if i % 2 == 0 {
+                    f32::from_bits(r as u32)
+                } else {
+                    let mantissa = (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    mantissa * 2f32.powi(((r >> 8) % 49) as i32 - 24)
+                }
+            })
+            .collect();
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            assert_codes_match(&xs, format);
+            let scale = 3.7;
+            let q = Fp8Tensor::quantize(&Tensor::from_slice(&xs), scale, format);
+            let codes = Vec::<u8>::try_from(&q.data.view_dtype(Kind::Uint8)).unwrap();
+            let want = format.quantize_slice(&xs, scale);
+            let bad = codes.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(bad, 0, "{format:?}: {bad} of {n} scaled codes differ from the emulation");
+            let deq = Vec::<f32>::try_from(&q.dequantize()).unwrap();
+            let emu = format.dequantize_slice(&want, 1.0 / scale);
+            assert!(deq.iter().zip(&emu).all(|(a, b)| same_value(*a, *b)));
+        }
+    }
+
+    /// Hand-derived delayed scaling: history 3, E4M3 (max 448).
+    #[test]
+    fn amax_history_semantics() {
+        let spec = AmaxSpec { history_len: 3, algo: AmaxAlgo::Max, margin: 0 };
+        let mut s = DelayedScaling::new(Fp8Format::E4M3);
+        // First use: current scaling from its own amax.
+        assert_eq!(s.observe(2.0, &spec), 224.0);
+        // Micro-batches of one step: the step's amax is their max; the scale does not move.
+        assert_eq!(s.observe(1.0, &spec), 224.0);
+        s.update(&spec);
+        assert_eq!((s.history.clone(), s.scale), (vec![2.0], 224.0));
+        let mut scales = Vec::new();
+        for amax in [4.0, 0.5, 0.25, 0.125] {
+            s.observe(amax, &spec);
+            s.update(&spec);
+            scales.push(s.scale);
+        }
+        // Histories: [4,2] → 4; [.5,4,2] → 4; [.25,.5,4] → 4; [.125,.25,.5] → .5 (4 dropped).
+        assert_eq!(scales, vec![112.0, 112.0, 112.0, 896.0]);
+        assert_eq!(s.history, vec![0.125, 0.25, 0.5]);
+
+        let recent = AmaxSpec { algo: AmaxAlgo::MostRecent, margin: 1, ..spec };
+        let mut r = DelayedScaling::new(Fp8Format::E5M2);
+        assert_eq!(r.observe(57344.0, &recent), 0.5); // 57344 / 57344 / 2^1
+        r.update(&recent);
+        r.observe(7.0, &recent);
+        r.update(&recent);
+        assert_eq!(r.scale, 57344.0 / 7.0 / 2.0);
+        // Zero and non-finite amaxes keep the scale; non-finite ones are not recorded.
+        for bad in [0.0, f32::INFINITY, f32::NAN] {
+            r.observe(bad, &recent);
+            r.update(&recent);
+        }
+        assert_eq!(r.scale, 57344.0 / 7.0 / 2.0);
+        assert_eq!(r.history, vec![0.0, 7.0, 57344.0]);
+        // An update without a use since the last one changes nothing.
+        let before = r.clone();
+        r.update(&recent);
+        assert_eq!(r, before);
+        // A state serialises and comes back equal (checkpoints keep it).
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<DelayedScaling>(&json).unwrap(), s);
+    }
+}
