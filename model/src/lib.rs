@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod fp8;
 pub mod llama;
+pub mod precision;
 pub mod lora;
 pub mod loss;
 

@@ -10,6 +10,7 @@ use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
 use crate::attention::causal_attention;
 use crate::config::LlamaConfig;
 use crate::lora::{LoraAdapter, LoraLinear, LoraSpec};
+use crate::precision::{LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
 
 /// Root-mean-square layer norm `w · x / √(mean(x²) + ε)` (no mean subtraction, no bias).
 #[derive(Module, Debug)]
@@ -137,6 +138,9 @@ pub struct Mlp {
     pub up_proj: LoraLinear,
     /// `[d, I]`.
     pub down_proj: LoraLinear,
+    /// How gate and up are kept for backward.
+    #[module(skip)]
+    pub storage: Storage,
 }
 
 impl Mlp {
@@ -144,9 +148,12 @@ impl Mlp {
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
     pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let gate = silu(self.gate_proj.forward(x.clone(), train));
+        let gate = self.gate_proj.forward(x.clone(), train);
         let up = self.up_proj.forward(x, train);
-        self.down_proj.forward(gate * up, train)
+        // The fused op keeps only gate and up for backward (Burn's composite keeps four
+        // tensors of this size); it is a LibTorch extension.
+        let hidden = if tch_device(&gate.device()).is_some() { swiglu(gate, up, self.storage) } else { silu(gate) * up };
+        self.down_proj.forward(hidden, train)
     }
 }
 
@@ -278,6 +285,7 @@ impl LlamaForCausalLM {
                 gate_proj: linear(weights, &format!("{p}.mlp.gate_proj"), "gate_proj", i, d)?,
                 up_proj: linear(weights, &format!("{p}.mlp.up_proj"), "up_proj", i, d)?,
                 down_proj: linear(weights, &format!("{p}.mlp.down_proj"), "down_proj", d, i)?,
+                storage: Storage::F32,
             };
             layers.push(DecoderLayer {
                 input_layernorm: norm(weights, &format!("{p}.input_layernorm.weight"), d, c.rms_norm_eps, trainable)?,
@@ -351,8 +359,73 @@ impl LlamaForCausalLM {
         for (_, layer) in self.named_linears_mut() {
             if let Some(adapter) = layer.lora.take() {
                 let trainable = layer.weight.val().is_require_grad();
-                let w = (layer.weight.val() + adapter.delta()).detach();
+                let w = (layer.base_weight() + adapter.delta()).detach();
                 layer.weight = Param::initialized(layer.weight.id, w.set_require_grad(trainable));
+                layer.quant = None;
+            }
+        }
+    }
+
+    /// Switches every decoder linear layer (and adapter) and every MLP to `spec`; frozen base
+    /// weights are then stored as `spec` asks. The embedding and the LM head stay f32.
+    pub fn set_precision(&mut self, spec: &PrecisionSpec) -> anyhow::Result<()> {
+        spec.validate().map_err(anyhow::Error::msg)?;
+        if !spec.is_fp32() && tch_device(&self.embed_tokens.device()).is_none() {
+            anyhow::bail!("precision.compute = {:?} / fp8_activations need a LibTorch device (cpu or cuda:N)", spec.compute.name());
+        }
+        for (_, linear) in self.named_linears_mut() {
+            linear.set_precision(spec);
+        }
+        for layer in &mut self.layers {
+            layer.mlp.storage = spec.activation_storage();
+        }
+        Ok(())
+    }
+
+    /// Every delayed-scaling state, by name (`<module>` for the base GEMM, `<module>.lora_A`
+    /// and `<module>.lora_B` for the adapter's); empty in f32.
+    pub fn fp8_scales(&self) -> std::collections::BTreeMap<String, LinearScales> {
+        let mut out = std::collections::BTreeMap::new();
+        for (name, linear) in self.named_linears() {
+            if let Some(q) = &linear.quant {
+                out.insert(name.clone(), q.scales.lock().unwrap().clone());
+            }
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+                out.insert(format!("{name}.lora_A"), qa.scales.lock().unwrap().clone());
+                out.insert(format!("{name}.lora_B"), qb.scales.lock().unwrap().clone());
+            }
+        }
+        out
+    }
+
+    /// Restores states saved by [`Self::fp8_scales`]; every state of this model must be there.
+    pub fn set_fp8_scales(&self, saved: &std::collections::BTreeMap<String, LinearScales>) -> anyhow::Result<()> {
+        let mut targets = Vec::new();
+        for (name, linear) in self.named_linears() {
+            if let Some(q) = &linear.quant {
+                targets.push((name.clone(), q.clone()));
+            }
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+                targets.push((format!("{name}.lora_A"), qa.clone()));
+                targets.push((format!("{name}.lora_B"), qb.clone()));
+            }
+        }
+        for (name, q) in targets {
+            let state = saved.get(&name).ok_or_else(|| anyhow::anyhow!("no FP8 scaling state for {name:?}"))?;
+            *q.scales.lock().unwrap() = state.clone();
+        }
+        Ok(())
+    }
+
+    /// Ends a training step for delayed scaling: every recorded amax joins its history.
+    pub fn update_fp8_scales(&self) {
+        for (_, linear) in self.named_linears() {
+            if let Some(q) = &linear.quant {
+                q.update();
+            }
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+                qa.update();
+                qb.update();
             }
         }
     }

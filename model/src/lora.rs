@@ -12,8 +12,12 @@
 //! A starts Kaiming-uniform(a = √5) and B at zero, PEFT's default, so training starts from the
 //! base model exactly.
 
+use std::sync::Arc;
+
 use burn::module::{Module, Param};
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{Device, Distribution, Tensor, TensorData};
+
+use crate::precision::{LinearQuant, PrecisionSpec, quant_linear};
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
 #[derive(Module, Debug)]
@@ -22,6 +26,10 @@ pub struct LoraLinear {
     pub weight: Param<Tensor<2>>,
     /// The adapter, when this module is a LoRA target.
     pub lora: Option<LoraAdapter>,
+    /// Reduced-precision state (`None`: plain f32 through Burn's linear). When it stores the
+    /// frozen weight, `weight` is an empty placeholder.
+    #[module(skip)]
+    pub quant: Option<Arc<LinearQuant>>,
 }
 
 /// The low-rank pair of a [`LoraLinear`].
@@ -37,6 +45,9 @@ pub struct LoraAdapter {
     /// Dropout probability on the adapter input.
     #[module(skip)]
     pub dropout: f64,
+    /// Reduced-precision states of the A and B GEMMs (`None`: f32).
+    #[module(skip)]
+    pub quant: Option<[Arc<LinearQuant>; 2]>,
 }
 
 /// How to build adapters.
@@ -89,6 +100,7 @@ impl LoraAdapter {
             b: Param::from_tensor(b),
             scale: spec.alpha / spec.rank as f64,
             dropout: spec.dropout,
+            quant: None,
         }
     }
 
@@ -106,8 +118,11 @@ impl LoraAdapter {
         } else {
             x
         };
-        let down = linear_t(x, self.a.val());
-        linear_t(down, self.b.val()).mul_scalar(self.scale)
+        let up = match &self.quant {
+            Some([qa, qb]) => quant_linear(quant_linear(x, self.a.val(), qa, train), self.b.val(), qb, train),
+            None => linear_t(linear_t(x, self.a.val()), self.b.val()),
+        };
+        up.mul_scalar(self.scale)
     }
 
     /// The dense update `(α/r)·B·A`, `[out, in]`, for merging into the base weight.
@@ -120,7 +135,7 @@ impl LoraLinear {
     /// A frozen linear layer from a `[out, in]` weight; `trainable` unfreezes it (full FT).
     pub fn new(weight: Tensor<2>, trainable: bool) -> Self {
         let weight = Param::from_tensor(weight).set_require_grad(trainable);
-        Self { weight, lora: None }
+        Self { weight, lora: None, quant: None }
     }
 
     /// Attaches an adapter.
@@ -131,7 +146,63 @@ impl LoraLinear {
 
     /// `[out, in]` of the base weight.
     pub fn dims(&self) -> [usize; 2] {
-        self.weight.shape().dims()
+        match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
+            Some(stored) => stored.dims(),
+            None => self.weight.shape().dims(),
+        }
+    }
+
+    /// The base weight in f32 (dequantised when it is stored in reduced precision).
+    pub fn base_weight(&self) -> Tensor<2> {
+        match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
+            Some(stored) => {
+                let w = stored.dequantize();
+                let values = Vec::<f32>::try_from(&w.flatten(0, -1)).expect("f32 weight");
+                Tensor::from_data(TensorData::new(values, self.dims()), &self.weight.device())
+            }
+            None => self.weight.val(),
+        }
+    }
+
+    /// Bytes the base weight occupies.
+    pub fn base_weight_bytes(&self) -> usize {
+        match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
+            Some(stored) => stored.bytes(),
+            None => self.weight.shape().num_elements() * self.weight.val().dtype().size(),
+        }
+    }
+
+    /// Switches the layer (and its adapter) to `spec`: frozen base weights are stored in
+    /// bf16 or FP8 when `spec` asks, dropping the f32 copy. Needs a LibTorch device unless
+    /// `spec` is plain f32.
+    pub fn set_precision(&mut self, spec: &PrecisionSpec) {
+        if spec.is_fp32() {
+            self.quant = None;
+            if let Some(a) = &mut self.lora {
+                a.quant = None;
+            }
+            return;
+        }
+        let frozen = !self.weight.is_require_grad();
+        let stored = if frozen && self.quant.as_ref().is_none_or(|q| q.stored.is_none()) {
+            let w = self.weight.val();
+            let [out, inp] = self.dims();
+            let values = w.to_data().convert::<f32>().into_vec::<f32>().expect("f32 weight");
+            let device = crate::precision::tch_device(&w.device()).expect("reduced precision needs a LibTorch device");
+            let t = tch::Tensor::from_slice(&values).reshape([out as i64, inp as i64]).to_device(device);
+            LinearQuant::store_weight(spec, &t)
+        } else {
+            self.quant.as_ref().and_then(|q| q.stored.clone())
+        };
+        if stored.is_some() {
+            let device = self.weight.device();
+            let placeholder = Tensor::<2>::zeros([0, self.dims()[1]], &device);
+            self.weight = Param::initialized(self.weight.id, placeholder.set_require_grad(false));
+        }
+        self.quant = Some(Arc::new(LinearQuant::new(*spec, stored)));
+        if let Some(a) = &mut self.lora {
+            a.quant = Some([Arc::new(LinearQuant::new(*spec, None)), Arc::new(LinearQuant::new(*spec, None))]);
+        }
     }
 
     /// `x·Wᵀ (+ adapter)`.
@@ -140,7 +211,10 @@ impl LoraLinear {
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
     pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let base = linear_t(x.clone(), self.weight.val());
+        let base = match &self.quant {
+            Some(q) => quant_linear(x.clone(), self.weight.val(), q, train),
+            None => linear_t(x.clone(), self.weight.val()),
+        };
         match &self.lora {
             Some(adapter) => base + adapter.forward(x, train),
             None => base,

@@ -1,0 +1,709 @@
+//! Reduced-precision training: bf16 or FP8 (Transformer Engine's "hybrid" recipe) around the
+//! linear layers, activations saved for backward in 8 bits, and frozen base weights in FP8.
+//!
+//! ```text
+//!   forward   y  = Q₄₃(x; sₓ) · Q₄₃(W; s_w)ᵀ        Q₄₃: E4M3 quantise-dequantise
+//!   backward  dx = Q₅₂(g; s_g) · Q₄₃(W; s_w)         Q₅₂: E5M2
+//!             dW = Q₅₂(g; s_g)ᵀ · Q₄₃(x; sₓ)          (trainable W only: LoRA's A and B)
+//! ```
+//! Each scale comes from [`DelayedScaling`] (one per tensor role and layer). On the CPU the
+//! GEMMs run in f32 on the dequantised values, which is exactly what an FP8 GEMM with f32
+//! accumulation computes up to summation order; on CUDA sm_89+ the same quantised operands
+//! could go to torch's `_scaled_mm` (FP8 tensor cores) instead: llora does not do this yet,
+//! because no GPU is available to test it.
+//!
+//! What is stored, and in which dtype:
+//! - `compute = "fp8"`: a linear layer whose weight is trainable keeps its input for the
+//!   weight gradient. With `fp8_activations` it keeps the E4M3 codes it computed with (1 byte,
+//!   bit-identical gradients); without, the f32 input, quantised again in backward.
+//! - `fp8_activations` also stores the SwiGLU inputs (gate and up, the MLP's largest saved
+//!   tensors) as E4M3 with a per-tensor scale from their own amax (current scaling: the
+//!   amax is at hand when they are written), and, for `compute` fp32/bf16, linear inputs.
+//! - `fp8_weights` (with `compute = "fp8"`): frozen base weights are quantised once after
+//!   loading (E4M3, scale from their exact amax) and the f32 copy is dropped; `compute =
+//!   "bf16"` keeps frozen weights in bf16.
+//!
+//! Everything here is a LibTorch backend extension (CPU and CUDA); other backends run fp32.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::libtorch::TchTensor;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
+use burn::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+use tch::Kind;
+
+use crate::fp8::{AmaxSpec, DelayedScaling, Fp8Format, Fp8Tensor, amax_tch, dequantize_tch, quantize_tch};
+
+/// The number format of the linear layers' GEMM inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Compute {
+    /// f32 everywhere.
+    #[default]
+    Fp32,
+    /// GEMM inputs rounded to bf16 (f32 accumulation); frozen weights stored in bf16.
+    Bf16,
+    /// E4M3 forward / E5M2 backward GEMM inputs with delayed scaling.
+    Fp8,
+}
+
+impl Compute {
+    /// The name MLPerf's `lowest_numerical_precision_*` keys use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fp32 => "fp32",
+            Self::Bf16 => "bf16",
+            Self::Fp8 => "fp8",
+        }
+    }
+}
+
+/// Which precision a model trains in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrecisionSpec {
+    /// GEMM input format of the linear layers (base and LoRA).
+    pub compute: Compute,
+    /// Store saved activations (linear inputs, SwiGLU inputs) as FP8 + scale.
+    pub fp8_activations: bool,
+    /// Store frozen base weights as FP8 + scale (needs `compute = Fp8`).
+    pub fp8_weights: bool,
+    /// Delayed-scaling settings.
+    pub amax: AmaxSpec,
+}
+
+impl PrecisionSpec {
+    /// Whether this is plain f32 (no extension op needed around the linear layers).
+    pub fn is_fp32(&self) -> bool {
+        self.compute == Compute::Fp32 && !self.fp8_activations
+    }
+
+    /// Checks the combination; the message names the offending keys.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.fp8_weights && self.compute != Compute::Fp8 {
+            return Err(format!("precision.fp8_weights = true needs precision.compute = \"fp8\" (it is {:?})", self.compute.name()));
+        }
+        if !(1..=1024).contains(&self.amax.history_len) {
+            return Err(format!("precision.amax_history_len must be in 1..=1024, got {}", self.amax.history_len));
+        }
+        if !(0..=16).contains(&self.amax.margin) {
+            return Err(format!("precision.amax_margin must be in 0..=16, got {}", self.amax.margin));
+        }
+        Ok(())
+    }
+
+    /// How the SwiGLU inputs are stored for backward.
+    pub fn activation_storage(&self) -> Storage {
+        match (self.fp8_activations, self.compute) {
+            (true, _) => Storage::Fp8,
+            (false, Compute::Bf16) => Storage::Bf16,
+            _ => Storage::F32,
+        }
+    }
+}
+
+/// The dtype a tensor saved for backward is kept in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Storage {
+    /// As computed (4 bytes per element).
+    #[default]
+    F32,
+    /// bf16 (2 bytes).
+    Bf16,
+    /// E4M3 + per-tensor scale (1 byte).
+    Fp8,
+}
+
+/// Bytes of activations the ops in this module saved for backward since the last
+/// [`take_saved_bytes`]; benchmarks read it to compare storage formats.
+static SAVED_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// Returns the activation bytes saved for backward by this module's ops and resets the count.
+pub fn take_saved_bytes() -> usize {
+    SAVED_BYTES.swap(0, Ordering::Relaxed)
+}
+
+/// A frozen weight held in reduced precision instead of f32.
+#[derive(Debug, Clone)]
+pub enum StoredWeight {
+    /// bf16 copy.
+    Bf16(TchTensor),
+    /// E4M3 codes and the inverse of the scale.
+    Fp8(TchTensor, f32),
+}
+
+impl StoredWeight {
+    /// The f32 weight the stored one stands for.
+    pub fn dequantize(&self) -> tch::Tensor {
+        match self {
+            Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
+            Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Bf16(w) => w.tensor.numel() * 2,
+            Self::Fp8(q, _) => q.tensor.numel() + 4,
+        }
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        let t = match self {
+            Self::Bf16(w) | Self::Fp8(w, _) => &w.tensor,
+        };
+        let s = t.size();
+        [s[0] as usize, s[1] as usize]
+    }
+}
+
+/// The delayed-scaling states of one linear layer, by tensor role.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinearScales {
+    /// Forward input (E4M3).
+    pub input: DelayedScaling,
+    /// Weight (E4M3; unused when the weight is stored in FP8).
+    pub weight: DelayedScaling,
+    /// Gradient of the output (E5M2).
+    pub grad: DelayedScaling,
+}
+
+impl LinearScales {
+    fn new() -> Self {
+        Self {
+            input: DelayedScaling::new(Fp8Format::E4M3),
+            weight: DelayedScaling::new(Fp8Format::E4M3),
+            grad: DelayedScaling::new(Fp8Format::E5M2),
+        }
+    }
+}
+
+/// The reduced-precision state of one linear layer, shared by the module and the autodiff
+/// nodes of its uses (which record amaxes into it).
+#[derive(Debug)]
+pub struct LinearQuant {
+    /// The precision it runs in.
+    pub spec: PrecisionSpec,
+    /// The delayed-scaling states.
+    pub scales: Mutex<LinearScales>,
+    /// The frozen weight in reduced precision, when it is stored so.
+    pub stored: Option<StoredWeight>,
+}
+
+/// A scale for a tensor of the given amax: recorded during training, looked up otherwise.
+fn scale_of(state: &mut DelayedScaling, amax: f32, spec: &AmaxSpec, train: bool) -> f32 {
+    if train {
+        state.observe(amax, spec)
+    } else if state.initialized {
+        state.scale
+    } else {
+        // Never trained: use the tensor's own amax without recording it.
+        crate::fp8::scale_for_amax(amax, state.format.max(), spec.margin).unwrap_or(1.0)
+    }
+}
+
+fn bf16_round(x: &tch::Tensor) -> tch::Tensor {
+    x.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+}
+
+/// What a linear layer keeps of its input for the weight gradient.
+#[derive(Debug, Clone)]
+enum SavedInput {
+    /// As it came (f32), to be rounded again in backward.
+    F32(TchTensor),
+    /// bf16.
+    Bf16(TchTensor),
+    /// E4M3 codes and the inverse scale.
+    Fp8(TchTensor, f32),
+}
+
+impl SavedInput {
+    fn bytes(&self) -> usize {
+        match self {
+            Self::F32(t) => t.tensor.numel() * 4,
+            Self::Bf16(t) => t.tensor.numel() * 2,
+            Self::Fp8(t, _) => t.tensor.numel() + 4,
+        }
+    }
+}
+
+impl LinearQuant {
+    /// A fresh state; `stored` is the frozen weight in reduced precision, if any.
+    pub fn new(spec: PrecisionSpec, stored: Option<StoredWeight>) -> Self {
+        Self { spec, scales: Mutex::new(LinearScales::new()), stored }
+    }
+
+    /// Stores a frozen `[out, in]` f32 weight as `spec` asks (bf16 for bf16 compute, E4M3 with
+    /// its exact amax for FP8 weights); `None` when it stays in f32.
+    pub fn store_weight(spec: &PrecisionSpec, w: &tch::Tensor) -> Option<StoredWeight> {
+        match spec.compute {
+            Compute::Bf16 => Some(StoredWeight::Bf16(TchTensor::new(w.to_kind(Kind::BFloat16)))),
+            Compute::Fp8 if spec.fp8_weights => {
+                let q = Fp8Tensor::quantize_current(w, Fp8Format::E4M3);
+                Some(StoredWeight::Fp8(TchTensor::new(q.data), q.scale_inv))
+            }
+            _ => None,
+        }
+    }
+
+    /// Ends a step: every amax recorded since the last update joins its history.
+    pub fn update(&self) {
+        let mut s = self.scales.lock().unwrap();
+        let spec = self.spec.amax;
+        s.input.update(&spec);
+        s.weight.update(&spec);
+        s.grad.update(&spec);
+    }
+
+    /// The weight as the GEMMs use it (dequantised/rounded), and the scale it took.
+    fn compute_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> (tch::Tensor, f32) {
+        if let Some(stored) = &self.stored {
+            return (stored.dequantize(), 1.0);
+        }
+        match self.spec.compute {
+            Compute::Fp32 => (w.shallow_clone(), 1.0),
+            Compute::Bf16 => (bf16_round(w), 1.0),
+            Compute::Fp8 => {
+                let s = scale.unwrap_or_else(|| {
+                    let mut st = self.scales.lock().unwrap();
+                    scale_of(&mut st.weight, amax_tch(w), &self.spec.amax, train)
+                });
+                (dequantize_tch(&quantize_tch(w, s, Fp8Format::E4M3), 1.0 / s), s)
+            }
+        }
+    }
+
+    /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
+    /// for the weight gradient.
+    fn forward(&self, x_in: &TchTensor, w: &tch::Tensor, train: bool, keep_input: bool) -> LinearForward {
+        // Kept inputs are clones of `x_in` (sharing its storage count), never fresh wrappers:
+        // burn-tch writes in place into storage it believes unique.
+        let x = &x_in.tensor;
+        let size = x.size();
+        let d_in = *size.last().unwrap();
+        let x2 = x.reshape([-1, d_in]);
+        let (wd, w_scale) = self.compute_weight(w, None, train);
+        let fp8_store = self.spec.fp8_activations;
+        let (xd, saved) = match self.spec.compute {
+            Compute::Fp8 => {
+                let s = {
+                    let mut st = self.scales.lock().unwrap();
+                    scale_of(&mut st.input, amax_tch(&x2), &self.spec.amax, train)
+                };
+                let q = quantize_tch(&x2, s, Fp8Format::E4M3);
+                let xd = dequantize_tch(&q, 1.0 / s);
+                let saved = keep_input.then(|| if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::F32(x_in.clone()) });
+                (xd, saved.map(|sv| (sv, s)))
+            }
+            compute => {
+                let xd = if compute == Compute::Bf16 { bf16_round(&x2) } else { x2.shallow_clone() };
+                let saved = keep_input.then(|| {
+                    if fp8_store {
+                        let q = Fp8Tensor::quantize_current(&x2, Fp8Format::E4M3);
+                        SavedInput::Fp8(TchTensor::new(q.data), q.scale_inv)
+                    } else if compute == Compute::Bf16 {
+                        SavedInput::Bf16(TchTensor::new(x2.to_kind(Kind::BFloat16)))
+                    } else {
+                        SavedInput::F32(x_in.clone())
+                    }
+                });
+                (xd, saved.map(|sv| (sv, 1.0)))
+            }
+        };
+        let mut out_size = size.clone();
+        *out_size.last_mut().unwrap() = wd.size()[0];
+        let y = xd.matmul(&wd.tr()).reshape(&out_size);
+        LinearForward { y, saved, w_scale }
+    }
+
+    /// The saved input as the weight-gradient GEMM uses it, `[N, in]`.
+    fn input_for_backward(&self, saved: &SavedInput, in_scale: f32) -> tch::Tensor {
+        match saved {
+            SavedInput::F32(x) => {
+                let x = x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]);
+                match self.spec.compute {
+                    Compute::Fp8 => dequantize_tch(&quantize_tch(&x, in_scale, Fp8Format::E4M3), 1.0 / in_scale),
+                    _ => x,
+                }
+            }
+            SavedInput::Bf16(x) => x.tensor.to_kind(Kind::Float),
+            SavedInput::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+        }
+    }
+
+    /// Backward: `(dx, dW)` for the output gradient `g` (`dW` only when asked).
+    fn backward(&self, g: &tch::Tensor, w: &tch::Tensor, st: &LinearState, want_dw: bool) -> (tch::Tensor, Option<tch::Tensor>) {
+        let d_out = *g.size().last().unwrap();
+        let g2 = g.reshape([-1, d_out]);
+        let gd = match self.spec.compute {
+            Compute::Fp32 => g2,
+            Compute::Bf16 => bf16_round(&g2),
+            Compute::Fp8 => {
+                let s = self.scales.lock().unwrap().grad.observe(amax_tch(&g2), &self.spec.amax);
+                dequantize_tch(&quantize_tch(&g2, s, Fp8Format::E5M2), 1.0 / s)
+            }
+        };
+        let (wd, _) = self.compute_weight(w, Some(st.w_scale), true);
+        let dx = gd.matmul(&wd).reshape(&st.x_size);
+        let dw = match (&st.saved, want_dw) {
+            (Some((saved, in_scale)), true) => Some(gd.tr().matmul(&self.input_for_backward(saved, *in_scale))),
+            _ => None,
+        };
+        (dx, dw)
+    }
+}
+
+/// A forward's output and what its backward needs.
+struct LinearForward {
+    y: tch::Tensor,
+    saved: Option<(SavedInput, f32)>,
+    w_scale: f32,
+}
+
+/// `x·Wᵀ` in the precision of `quant`, Burn-facing.
+///
+/// `train` records amaxes for delayed scaling (evaluation does not).
+///
+/// # Shapes
+/// - x: `[batch, seq, in]`
+/// - w: `[out, in]` (ignored, may be empty, when `quant` stores the weight)
+/// - output: `[batch, seq, out]`
+pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(x.into_dispatch(), w.into_dispatch(), quant.clone(), train))
+}
+
+/// `silu(gate) · up`, keeping gate and up for backward in `storage` (the only tensors its
+/// backward needs; Burn's composite keeps more, in f32).
+///
+/// # Shapes
+/// - gate, up: `[batch, seq, I]`
+/// - output: `[batch, seq, I]`
+pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::swiglu(gate.into_dispatch(), up.into_dispatch(), storage))
+}
+
+/// Backend extension: the reduced-precision ops.
+#[backend_extension(Autodiff, LibTorch)]
+pub trait LowPrecisionBackend: Backend {
+    /// See [`quant_linear`].
+    fn quant_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self>;
+    /// See [`swiglu`].
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self>;
+}
+
+impl LowPrecisionBackend for LibTorch {
+    fn quant_linear(x: TchTensor, w: TchTensor, quant: Arc<LinearQuant>, train: bool) -> TchTensor {
+        TchTensor::new(quant.forward(&x, &w.tensor, train, false).y)
+    }
+
+    fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage) -> TchTensor {
+        TchTensor::new(gate.tensor.silu() * &up.tensor)
+    }
+}
+
+/// State of a quantised linear node.
+#[derive(Debug, Clone)]
+struct LinearState {
+    quant: Arc<LinearQuant>,
+    /// The weight parameter (shares the model's storage; no copy).
+    w: TchTensor,
+    /// The saved input and the scale it was quantised with (weight gradient only).
+    saved: Option<(SavedInput, f32)>,
+    w_scale: f32,
+    x_size: Vec<i64>,
+}
+
+#[derive(Debug)]
+struct QuantLinearBackward;
+
+impl Backward<LibTorch, 2> for QuantLinearBackward {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        let st = ops.state;
+        let (dx, dw) = st.quant.backward(&grad.tensor, &st.w.tensor, &st, node_w.is_some());
+        if let Some(node) = node_x {
+            grads.register::<LibTorch>(node.id, TchTensor::new(dx));
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<LibTorch>(node.id, TchTensor::new(dw));
+        }
+    }
+}
+
+/// What one tensor saved by SwiGLU became.
+#[derive(Debug, Clone)]
+enum Kept {
+    Plain(TchTensor),
+    Fp8(TchTensor, f32),
+}
+
+impl Kept {
+    fn keep(x: TchTensor, storage: Storage) -> Self {
+        match storage {
+            Storage::F32 => Self::Plain(x),
+            Storage::Bf16 => Self::Plain(TchTensor::new(x.tensor.to_kind(Kind::BFloat16))),
+            Storage::Fp8 => {
+                let q = Fp8Tensor::quantize_current(&x.tensor, Fp8Format::E4M3);
+                Self::Fp8(TchTensor::new(q.data), q.scale_inv)
+            }
+        }
+    }
+
+    fn get(&self) -> tch::Tensor {
+        match self {
+            Self::Plain(t) => t.tensor.to_kind(Kind::Float),
+            Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Plain(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
+            Self::Fp8(q, _) => q.tensor.numel() + 4,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<LibTorch, 2> for SwigluBackward {
+    type State = (Kept, Kept);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_gate, node_up] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        let (gate, up) = (ops.state.0.get(), ops.state.1.get());
+        let sig = gate.sigmoid();
+        let silu = &gate * &sig;
+        if let Some(node) = node_up {
+            grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * &silu));
+        }
+        if let Some(node) = node_gate {
+            // d silu / d gate = σ(g)·(1 + g·(1 − σ(g))).
+            let dsilu = &sig * (1.0 + &gate * (1.0 - &sig));
+            grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * up * dsilu));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
+    fn quant_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self> {
+        use burn::backend::ops::FloatTensorOps;
+        let w_trainable = <Self as FloatTensorOps<Self>>::float_is_require_grad(&w);
+        let nodes = [x.node(), w.node()];
+        match QuantLinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (x, w) = (x.into_primitive(), w.into_primitive());
+                let x_size = x.tensor.size();
+                let fwd = quant.forward(&x, &w.tensor, train, w_trainable);
+                if let Some((saved, _)) = &fwd.saved {
+                    SAVED_BYTES.fetch_add(saved.bytes(), Ordering::Relaxed);
+                }
+                let state = LinearState { quant, w, saved: fwd.saved, w_scale: fwd.w_scale, x_size };
+                prep.finish(state, TchTensor::new(fwd.y))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (x, w) = (x.into_primitive(), w.into_primitive());
+                prep.finish(TchTensor::new(quant.forward(&x, &w.tensor, train, false).y))
+            }
+        }
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self> {
+        let nodes = [gate.node(), up.node()];
+        match SwigluBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (gate, up) = (gate.into_primitive(), up.into_primitive());
+                let out = TchTensor::new(gate.tensor.silu() * &up.tensor);
+                let state = (Kept::keep(gate, storage), Kept::keep(up, storage));
+                SAVED_BYTES.fetch_add(state.0.bytes() + state.1.bytes(), Ordering::Relaxed);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let (gate, up) = (gate.into_primitive(), up.into_primitive());
+                prep.finish(TchTensor::new(gate.tensor.silu() * &up.tensor))
+            }
+        }
+    }
+}
+
+/// The LibTorch device behind a Burn device, if it is one.
+pub fn tch_device(device: &burn::tensor::Device) -> Option<tch::Device> {
+    use burn::backend::{DispatchDevice, LibTorchDevice};
+    match device.clone().inner().as_dispatch() {
+        DispatchDevice::LibTorch(LibTorchDevice::Cpu) => Some(tch::Device::Cpu),
+        DispatchDevice::LibTorch(LibTorchDevice::Cuda(n)) => Some(tch::Device::Cuda(*n)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lora::LoraLinear;
+    use burn::tensor::{Device, Distribution, TensorData, Tolerance};
+
+    fn fp8_spec(fp8_activations: bool, fp8_weights: bool) -> PrecisionSpec {
+        PrecisionSpec { compute: Compute::Fp8, fp8_activations, fp8_weights, amax: AmaxSpec::default() }
+    }
+
+    fn host(t: &Tensor<2>) -> Vec<f32> {
+        t.to_data().into_vec::<f32>().unwrap()
+    }
+
+    fn amax(xs: &[f32]) -> f32 {
+        xs.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+    }
+
+    /// Quantise-dequantise on the host with the scalar emulation.
+    fn qdq(xs: &[f32], scale: f32, f: Fp8Format) -> Vec<f32> {
+        f.dequantize_slice(&f.quantize_slice(xs, scale), 1.0 / scale)
+    }
+
+    /// `a [n, k] · bᵀ ([m, k])` on the host, in f64.
+    fn matmul_t(a: &[f32], b: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; n * m];
+        for i in 0..n {
+            for j in 0..m {
+                out[i * m + j] = (0..k).map(|l| f64::from(a[i * k + l]) * f64::from(b[j * k + l])).sum::<f64>() as f32;
+            }
+        }
+        out
+    }
+
+    fn transpose(a: &[f32], r: usize, c: usize) -> Vec<f32> {
+        (0..c * r).map(|i| a[(i % r) * c + i / r]).collect()
+    }
+
+    fn assert_close(got: &[f32], want: &[f32], what: &str) {
+        let scale = amax(want).max(1e-12);
+        let err = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err / scale < 2e-6, "{what}: max error {err:e} against max |value| {scale:e}");
+    }
+
+    /// One step of the hybrid recipe through the op equals a host computation built from the
+    /// scalar emulation: E4M3 input and weight (scales from their first amax), E5M2 gradient.
+    #[test]
+    fn fp8_linear_matches_the_emulated_recipe() {
+        let device = Device::libtorch().autodiff();
+        device.seed(3);
+        let (n, k, m) = (6, 16, 8);
+        let x0 = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.5), &device);
+        let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
+        let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
+        for fp8_activations in [false, true] {
+            let quant = Arc::new(LinearQuant::new(fp8_spec(fp8_activations, false), None));
+            let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
+            let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
+            let grads = (y.clone() * g0.clone()).sum().backward();
+            let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
+
+            let (xh, wh, gh) = (host(&x0), host(&w0), host(&g0));
+            let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);
+            let wq = qdq(&wh, 448.0 / amax(&wh), Fp8Format::E4M3);
+            let gq = qdq(&gh, 57344.0 / amax(&gh), Fp8Format::E5M2);
+            assert_close(&host(&y.clone().inner()), &matmul_t(&xq, &wq, n, k, m), "y");
+            assert_close(&host(&dx), &matmul_t(&gq, &transpose(&wq, m, k), n, m, k), "dx");
+            assert_close(&host(&dw), &matmul_t(&transpose(&gq, n, m), &transpose(&xq, n, k), m, n, k), "dW");
+            // The quantisation is visible: f32 would differ by far more than the tolerance.
+            let exact = matmul_t(&xh, &wh, n, k, m);
+            let diff = host(&y.inner()).iter().zip(&exact).fold(0.0f32, |a, (p, q)| a.max((p - q).abs()));
+            assert!(diff > 1e-3 * amax(&exact), "FP8 output equals f32 ({diff:e})");
+            // A trainable weight keeps its input: 1 byte + scale in FP8, else 4 bytes.
+            let _ = take_saved_bytes();
+            let _y = quant_linear(x0.clone().unsqueeze::<3>(), w0.clone().require_grad(), &quant, true);
+            assert_eq!(take_saved_bytes(), if fp8_activations { n * k + 4 } else { n * k * 4 });
+        }
+    }
+
+    /// Delayed scaling in use: step 2 quantises with the scale from step 1's amax, so a larger
+    /// input saturates at step 1's range.
+    #[test]
+    fn the_next_step_uses_the_previous_amax() {
+        let device = Device::libtorch().autodiff();
+        let quant = Arc::new(LinearQuant::new(fp8_spec(false, false), None));
+        let w = Tensor::<2>::from_data(TensorData::new(vec![1.0f32], [1, 1]), &device);
+        let run = |v: f32| host(&quant_linear(Tensor::<3>::from_data(TensorData::new(vec![v, -v / 2.0], [1, 2, 1]), &device), w.clone(), &quant, true).reshape([2, 1]).inner());
+        assert_eq!(run(2.0), vec![2.0, -1.0]);
+        quant.update();
+        // Scale 448/2 = 224: 4·224 saturates to 448 → 2; −2·224 = −448 is exact.
+        assert_eq!(run(4.0), vec![2.0, -2.0]);
+        quant.update();
+        assert_eq!(quant.scales.lock().unwrap().input.scale, 448.0 / 4.0);
+        assert_eq!(run(4.0), vec![4.0, -2.0]);
+    }
+
+    /// The fused SwiGLU equals Burn's composite in value and gradients (f32 storage), keeps
+    /// 2 tensors, and with FP8 storage keeps 1 byte per element at a gradient error of the
+    /// order of E4M3's resolution.
+    #[test]
+    fn swiglu_matches_composite_and_stores_fp8() {
+        let device = Device::libtorch().autodiff();
+        device.seed(5);
+        let shape = [2, 7, 24];
+        let g0 = Tensor::<3>::random(shape, Distribution::Normal(0.0, 2.0), &device);
+        let u0 = Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let w = Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let run = |fused: Option<Storage>| {
+            let (g, u) = (g0.clone().require_grad(), u0.clone().require_grad());
+            let out = match fused {
+                Some(storage) => swiglu(g.clone(), u.clone(), storage),
+                None => burn::tensor::activation::silu(g.clone()) * u.clone(),
+            };
+            let grads = (out.clone() * w.clone()).sum().backward();
+            (out.inner(), g.grad(&grads).unwrap(), u.grad(&grads).unwrap())
+        };
+        let _ = take_saved_bytes();
+        let reference = run(None);
+        let fused = run(Some(Storage::F32));
+        assert_eq!(take_saved_bytes(), 2 * 2 * 7 * 24 * 4);
+        let tol = Tolerance::<f32>::relative(1e-5).set_absolute(1e-6);
+        fused.0.into_data().assert_approx_eq::<f32>(&reference.0.clone().into_data(), tol);
+        fused.1.into_data().assert_approx_eq::<f32>(&reference.1.clone().into_data(), tol);
+        fused.2.into_data().assert_approx_eq::<f32>(&reference.2.clone().into_data(), tol);
+        let fp8 = run(Some(Storage::Fp8));
+        assert_eq!(take_saved_bytes(), 2 * (2 * 7 * 24 + 4));
+        for (got, want) in [(fp8.1, reference.1), (fp8.2, reference.2)] {
+            let rel = (got - want.clone()).abs().max().into_scalar::<f32>() / want.abs().max().into_scalar::<f32>();
+            assert!(rel > 1e-4 && rel < 0.1, "FP8-stored gradient error {rel}");
+        }
+    }
+
+    /// FP8 frozen weights: 1 byte per element + scale, the f32 copy gone, the forward equal to
+    /// the weight quantised with its exact amax; bf16 keeps 2 bytes.
+    #[test]
+    fn frozen_weights_are_stored_in_fp8() {
+        let device = Device::libtorch().autodiff();
+        device.seed(9);
+        let w = Tensor::<2>::random([12, 20], Distribution::Normal(0.0, 0.05), &device);
+        let x = Tensor::<2>::random([3, 20], Distribution::Normal(0.0, 1.0), &device);
+        let mut linear = LoraLinear::new(w.clone(), false);
+        assert_eq!(linear.base_weight_bytes(), 12 * 20 * 4);
+        linear.set_precision(&fp8_spec(true, true));
+        assert_eq!(linear.base_weight_bytes(), 12 * 20 + 4);
+        assert_eq!(linear.weight.shape().num_elements(), 0);
+        assert_eq!(linear.dims(), [12, 20]);
+        let (wh, xh) = (host(&w), host(&x));
+        let wq = qdq(&wh, 448.0 / amax(&wh), Fp8Format::E4M3);
+        assert_eq!(host(&linear.base_weight()), wq);
+        let y = linear.forward(x.clone().unsqueeze::<3>(), true).squeeze::<2>();
+        let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);
+        assert_close(&host(&y.inner()), &matmul_t(&xq, &wq, 3, 20, 12), "y");
+
+        let mut bf = LoraLinear::new(w, false);
+        bf.set_precision(&PrecisionSpec { compute: Compute::Bf16, ..Default::default() });
+        assert_eq!(bf.base_weight_bytes(), 12 * 20 * 2);
+    }
+}
