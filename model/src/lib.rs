@@ -1,6 +1,7 @@
 //! Llama-architecture causal LM with LoRA adapters for llora.
 #![allow(deprecated)] // burn-tch is deprecated upstream but is the backend llora is built on.
 pub mod device;
+pub mod dropout;
 pub mod attention;
 pub mod checkpoint;
 pub mod config;

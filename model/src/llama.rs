@@ -10,7 +10,7 @@ use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
 use crate::attention::causal_attention;
 use crate::config::LlamaConfig;
 use crate::lora::{LoraAdapter, LoraLinear, LoraSpec};
-use crate::precision::{LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
+use crate::precision::{Compute, LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
 
 /// Root-mean-square layer norm `w · x / √(mean(x²) + ε)` (no mean subtraction, no bias).
 #[derive(Module, Debug)]
@@ -223,6 +223,15 @@ impl LlamaForCausalLM {
         crate::lora::linear_t(self.hidden(input_ids, train), self.lm_head.val())
     }
 
+    /// Loss sums of a batch (see [`crate::loss::target_rows_loss`]): the LM head runs only on
+    /// the positions that have a target.
+    ///
+    /// # Shapes
+    /// - input_ids, labels: `[batch, seq]`
+    pub fn loss(&self, input_ids: Tensor<2, Int>, labels: Tensor<2, Int>, train: bool) -> crate::loss::LossSums {
+        crate::loss::target_rows_loss(self.hidden(input_ids, train), self.lm_head.val(), labels)
+    }
+
     /// A randomly initialised model (HF's init: N(0, 0.02²) weights, unit norms).
     ///
     /// Used for presets without a checkpoint and for benchmarks; `trainable` unfreezes the
@@ -367,7 +376,8 @@ impl LlamaForCausalLM {
     }
 
     /// Switches every decoder linear layer (and adapter) and every MLP to `spec`; frozen base
-    /// weights are then stored as `spec` asks. The embedding and the LM head stay f32.
+    /// weights are then stored as `spec` asks. The embedding and the LM head stay f32. On
+    /// LibTorch devices the layers then run through the precision module's ops, f32 included.
     pub fn set_precision(&mut self, spec: &PrecisionSpec) -> anyhow::Result<()> {
         spec.validate().map_err(anyhow::Error::msg)?;
         if !spec.is_fp32() && tch_device(&self.embed_tokens.device()).is_none() {
@@ -383,14 +393,14 @@ impl LlamaForCausalLM {
     }
 
     /// Every delayed-scaling state, by name (`<module>` for the base GEMM, `<module>.lora_A`
-    /// and `<module>.lora_B` for the adapter's); empty in f32.
+    /// and `<module>.lora_B` for the adapter's); empty unless the compute is FP8.
     pub fn fp8_scales(&self) -> std::collections::BTreeMap<String, LinearScales> {
         let mut out = std::collections::BTreeMap::new();
         for (name, linear) in self.named_linears() {
-            if let Some(q) = &linear.quant {
+            if let Some(q) = linear.quant.as_ref().filter(|q| q.spec.compute == Compute::Fp8) {
                 out.insert(name.clone(), q.scales.lock().unwrap().clone());
             }
-            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8) {
                 out.insert(format!("{name}.lora_A"), qa.scales.lock().unwrap().clone());
                 out.insert(format!("{name}.lora_B"), qb.scales.lock().unwrap().clone());
             }
@@ -402,10 +412,10 @@ impl LlamaForCausalLM {
     pub fn set_fp8_scales(&self, saved: &std::collections::BTreeMap<String, LinearScales>) -> anyhow::Result<()> {
         let mut targets = Vec::new();
         for (name, linear) in self.named_linears() {
-            if let Some(q) = &linear.quant {
+            if let Some(q) = linear.quant.as_ref().filter(|q| q.spec.compute == Compute::Fp8) {
                 targets.push((name.clone(), q.clone()));
             }
-            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8) {
                 targets.push((format!("{name}.lora_A"), qa.clone()));
                 targets.push((format!("{name}.lora_B"), qb.clone()));
             }

@@ -110,14 +110,8 @@ impl LoraAdapter {
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
     pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let x = if train && self.dropout > 0.0 {
-            // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
-            let keep = 1.0 - self.dropout;
-            let mask = x.random_like(Distribution::Bernoulli(keep));
-            x * mask.mul_scalar(1.0 / keep)
-        } else {
-            x
-        };
+        // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
+        let x = if train { crate::dropout::dropout(x, self.dropout) } else { x };
         let up = match &self.quant {
             Some([qa, qb]) => quant_linear(quant_linear(x, self.a.val(), qa, train), self.b.val(), qb, train),
             None => linear_t(linear_t(x, self.a.val()), self.b.val()),
@@ -172,11 +166,13 @@ impl LoraLinear {
         }
     }
 
-    /// Switches the layer (and its adapter) to `spec`: frozen base weights are stored in
-    /// bf16 or FP8 when `spec` asks, dropping the f32 copy. Needs a LibTorch device unless
-    /// `spec` is plain f32.
+    /// Switches the layer (and its adapter) to `spec`, through the LibTorch op of
+    /// [`quant_linear`] (f32 included: one code path for every precision on LibTorch): frozen
+    /// base weights are stored in bf16 or FP8 when `spec` asks, dropping the f32 copy. On
+    /// other devices only plain f32 is possible, and the layer stays on Burn's linear.
     pub fn set_precision(&mut self, spec: &PrecisionSpec) {
-        if spec.is_fp32() {
+        if crate::precision::tch_device(&self.weight.device()).is_none() {
+            assert!(spec.is_fp32(), "reduced precision needs a LibTorch device");
             self.quant = None;
             if let Some(a) = &mut self.lora {
                 a.quant = None;

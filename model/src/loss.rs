@@ -1,8 +1,17 @@
 //! Causal-LM cross-entropy over target tokens (labels != -100), as sums so that callers
 //! choose the normalisation: per token over a whole global batch (training), or per sample.
 
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::libtorch::TchTensor;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorData};
 
 /// Label value that takes no loss (prompt and padding), as in HF and PyTorch.
 pub const IGNORE_INDEX: i64 = -100;
@@ -35,4 +44,166 @@ pub fn causal_lm_loss(logits: Tensor<3>, labels: Tensor<2, Int>) -> LossSums {
     let loss_sum = (logp.neg() * mask.clone()).sum_dim(1).reshape([b]);
     let tokens = mask.sum_dim(1).reshape([b]);
     LossSums { loss_sum, tokens }
+}
+
+/// [`causal_lm_loss`] computed from the final hidden states, running the LM head only on the
+/// positions that have a target: prompt, padding and last positions never reach the
+/// vocabulary projection (in MLPerf's data about half of every row is prompt, and the LM
+/// head is the largest GEMM of a small model). On LibTorch the cross-entropy is one fused op
+/// keeping only the logits and a log-sum-exp per row for backward.
+///
+/// # Shapes
+/// - hidden: `[batch, seq, d]`
+/// - lm_head: `[vocab, d]`
+/// - labels: `[batch, seq]`
+pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2, Int>) -> LossSums {
+    let [b, s, d] = hidden.dims();
+    let v = lm_head.dims()[0];
+    let device = hidden.device();
+    let host = labels.to_data().convert::<i64>().into_vec::<i64>().expect("integer labels");
+    let (mut rows, mut targets, mut counts) = (Vec::new(), Vec::new(), vec![0f32; b]);
+    for i in 0..b {
+        for t in 0..s.saturating_sub(1) {
+            let label = host[i * s + t + 1];
+            if label != IGNORE_INDEX {
+                rows.push((i * s + t) as i64);
+                targets.push(label.clamp(0, v as i64 - 1));
+                counts[i] += 1.0;
+            }
+        }
+    }
+    let tokens = Tensor::<1>::from_data(TensorData::new(counts.clone(), [b]), &device);
+    if rows.is_empty() {
+        // Zero loss that still reaches every parameter, so each gets a (zero) gradient.
+        let zero = hidden.sum().mul_scalar(0.0);
+        return LossSums { loss_sum: zero.expand([b]), tokens };
+    }
+    let n = rows.len();
+    let index = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device);
+    let selected = hidden.reshape([b * s, d]).select(0, index);
+    let logits = selected.matmul(lm_head.transpose());
+    let row_loss = cross_entropy(logits, targets);
+    // Per-sample sums as a [b, n] 0/1 matrix times the row losses (rows are in sample order).
+    let mut owner = vec![0f32; b * n];
+    let mut r = 0;
+    for (i, &c) in counts.iter().enumerate() {
+        for _ in 0..c as usize {
+            owner[i * n + r] = 1.0;
+            r += 1;
+        }
+    }
+    let owner = Tensor::<2>::from_data(TensorData::new(owner, [b, n]), &device);
+    let loss_sum = owner.matmul(row_loss.unsqueeze_dim::<2>(1)).reshape([b]);
+    LossSums { loss_sum, tokens }
+}
+
+/// `logsumexp(logits[i]) − logits[i, targets[i]]` per row: −log p of each target.
+///
+/// # Shapes
+/// - logits: `[rows, vocab]`
+/// - output: `[rows]`
+pub fn cross_entropy(logits: Tensor<2>, targets: Vec<i64>) -> Tensor<1> {
+    if crate::precision::tch_device(&logits.device()).is_some() {
+        return Tensor::from_dispatch(<Dispatch as FusedLossBackend>::cross_entropy(logits.into_dispatch(), Arc::new(targets)));
+    }
+    let n = targets.len();
+    let index = Tensor::<2, Int>::from_data(TensorData::new(targets, [n, 1]), &logits.device());
+    log_softmax(logits, 1).gather(1, index).reshape([n]).neg()
+}
+
+/// Backend extension: the fused cross-entropy.
+#[backend_extension(Autodiff, LibTorch)]
+pub trait FusedLossBackend: Backend {
+    /// See [`cross_entropy`].
+    fn cross_entropy(logits: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self>;
+}
+
+fn ce_forward(logits: &tch::Tensor, targets: &[i64]) -> (tch::Tensor, tch::Tensor, tch::Tensor) {
+    let t = tch::Tensor::from_slice(targets).to_device(logits.device());
+    let lse = logits.logsumexp([-1i64].as_slice(), false);
+    let picked = logits.gather(1, &t.unsqueeze(1), false).squeeze_dim(1);
+    (&lse - picked, lse, t)
+}
+
+impl FusedLossBackend for LibTorch {
+    fn cross_entropy(logits: TchTensor, targets: Arc<Vec<i64>>) -> TchTensor {
+        TchTensor::new(ce_forward(&logits.tensor, &targets).0)
+    }
+}
+
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl Backward<LibTorch, 1> for CrossEntropyBackward {
+    /// (logits, log-sum-exp per row, targets).
+    type State = (TchTensor, TchTensor, TchTensor);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        let Some(node) = node else { return };
+        let (logits, lse, t) = &ops.state;
+        // softmax − one-hot, times the upstream gradient of each row.
+        let g = grad.tensor.unsqueeze(1);
+        let mut d = (&logits.tensor - lse.tensor.unsqueeze(1)).exp();
+        let _ = d.scatter_add_(1, &t.tensor.unsqueeze(1), &(-tch::Tensor::ones_like(&t.tensor.unsqueeze(1)).to_kind(d.kind())));
+        grads.register::<LibTorch>(node.id, TchTensor::new(d * g));
+    }
+}
+
+impl<C: CheckpointStrategy> FusedLossBackend for Autodiff<LibTorch, C> {
+    fn cross_entropy(logits: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self> {
+        match CrossEntropyBackward.prepare::<C>([logits.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let logits = logits.into_primitive();
+                let (loss, lse, t) = ce_forward(&logits.tensor, &targets);
+                prep.finish((logits, TchTensor::new(lse), TchTensor::new(t)), TchTensor::new(loss))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(TchTensor::new(ce_forward(&logits.into_primitive().tensor, &targets).0)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Distribution, Tolerance};
+
+    /// The target-rows loss equals the full-logits reference in value and in the gradients of
+    /// the hidden states and the LM head, with prompt (-100) rows and a row without targets.
+    #[test]
+    fn target_rows_loss_matches_full_logits() {
+        let device = Device::libtorch().autodiff();
+        device.seed(11);
+        let (b, s, d, v) = (3, 9, 16, 40);
+        let h0 = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 1.0), &device);
+        let w0 = Tensor::<2>::random([v, d], Distribution::Normal(0.0, 0.5), &device);
+        let mut labels: Vec<i64> = (0..b * s).map(|i| (i * 7 % v) as i64).collect();
+        for t in 0..4 {
+            labels[t] = IGNORE_INDEX; // sample 0: prompt; labels 1..=3 of its 8 shifted targets
+        }
+        for t in 0..s {
+            labels[2 * s + t] = IGNORE_INDEX; // sample 2: nothing to predict
+        }
+        let labels = Tensor::<2, Int>::from_data(TensorData::new(labels, [b, s]), &device);
+        let run = |fused: bool| {
+            let (h, w) = (h0.clone().require_grad(), w0.clone().require_grad());
+            let sums = if fused {
+                target_rows_loss(h.clone(), w.clone(), labels.clone())
+            } else {
+                causal_lm_loss(h.clone().matmul(w.clone().transpose().unsqueeze()), labels.clone())
+            };
+            // Different weights per sample, so per-sample sums are checked through the gradient.
+            let weights = Tensor::<1>::from_data(TensorData::new(vec![1.0f32, 0.5, 2.0], [3]), &device);
+            let grads = (sums.loss_sum.clone() * weights).sum().backward();
+            (sums.loss_sum.inner(), sums.tokens.inner(), h.grad(&grads).unwrap(), w.grad(&grads).unwrap())
+        };
+        let (a, r) = (run(true), run(false));
+        let tol = Tolerance::<f32>::relative(1e-5).set_absolute(1e-6);
+        a.0.into_data().assert_approx_eq::<f32>(&r.0.into_data(), tol);
+        assert_eq!(a.1.clone().into_data().to_vec::<f32>().unwrap(), vec![5.0, 8.0, 0.0]);
+        a.1.into_data().assert_approx_eq::<f32>(&r.1.into_data(), tol);
+        a.2.into_data().assert_approx_eq::<f32>(&r.2.into_data(), tol);
+        a.3.into_data().assert_approx_eq::<f32>(&r.3.into_data(), tol);
+    }
 }

@@ -126,6 +126,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
         targets: args.targets.split(',').map(str::to_string).collect(),
     };
     let mut model = LlamaForCausalLM::random(&config, Some(&spec), false, &train_device);
+    let precision = crate::config::PrecisionConfig {
+        compute: args.precision.clone(),
+        fp8_activations: args.fp8_activations,
+        fp8_weights: args.fp8_weights,
+        ..Default::default()
+    }
+    .spec();
+    model.set_precision(&precision)?;
+    // Base-weight bytes of one decoder layer as stored (f32, bf16 or FP8 + scale).
+    let weight_bytes: usize = model.named_linears().iter().filter(|(n, _)| n.starts_with("model.layers.0.")).map(|(_, l)| l.base_weight_bytes()).sum();
     let build_s = t_build.elapsed().as_secs_f64();
     let rss_after_build = peak_rss_mb();
     let mut optim = AdamW::new(OptimConfig { lr: args.lr, weight_decay: args.weight_decay, clip_grad_norm: args.max_grad_norm, ..OptimConfig::default() });
@@ -133,10 +143,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
     let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut util) = (vec![], vec![], vec![], vec![], vec![]);
     let mut loss = f64::NAN;
     let mut window = None;
+    let mut saved_bytes = 0;
     for step in 0..args.warmup + args.steps {
         let (ids, labels, targets) = random_batch(&mut rng, args.batch, args.seq_len, config.vocab_size, &train_device);
         let (c0, t0) = (cpu_seconds(), Instant::now());
+        let _ = llora_model::precision::take_saved_bytes();
         let s = train_step(&mut model, &mut optim, &SingleProcess, vec![(ids, labels)], targets, args.lr, args.max_grad_norm)?;
+        saved_bytes = llora_model::precision::take_saved_bytes();
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         loss = s.loss;
         if step + 1 == args.warmup.max(1) {
@@ -175,7 +188,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
     let mut breakdown = flops.as_object().cloned().unwrap_or_default();
     breakdown.remove("flops_per_step");
     Ok(json!({
-        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": "fp32",
+        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
+        "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
+        // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
+        "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),
+        "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
         "impl": "llora (burn 0.22.1 + libtorch 2.9.0)", "attn_impl": format!("{:?}", llora_model::attention::AttentionKernel::for_device(&train_device)),
         "warmup": args.warmup, "steps": args.steps,

@@ -51,6 +51,9 @@ pub enum Command {
     /// Time LoRA training steps of a preset on random tokens (the peer benchmark's recipe and
     /// JSON fields); prints one JSON line last.
     Bench(BenchArgs),
+    /// Draw the loss curves of several runs on one SVG plot and print each run's samples to
+    /// the target (e.g. fp32 against fp8).
+    Plot(PlotArgs),
     /// Inspect configurations.
     Config {
         /// What to do with the config.
@@ -290,12 +293,35 @@ pub struct BenchArgs {
     /// Global gradient-norm clip.
     #[arg(long, default_value_t = 0.3)]
     pub max_grad_norm: f64,
+    /// GEMM precision of the decoder's linear layers (see `[precision]` in the config).
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "fp8"])]
+    pub precision: String,
+    /// Keep saved activations as FP8 + scale.
+    #[arg(long)]
+    pub fp8_activations: bool,
+    /// Keep frozen base weights as FP8 + scale (needs `--precision fp8`).
+    #[arg(long)]
+    pub fp8_weights: bool,
     /// Also append the JSON line to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Free-form label copied into the JSON.
     #[arg(long)]
     pub tag: Option<String>,
+}
+
+/// `llora plot`.
+#[derive(Debug, Args)]
+pub struct PlotArgs {
+    /// Run directories (each with its `metrics.jsonl`), optionally labelled `LABEL=DIR`.
+    #[arg(required = true, value_name = "[LABEL=]RUN_DIR")]
+    pub runs: Vec<String>,
+    /// The SVG file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Target eval loss, drawn as a line.
+    #[arg(long, default_value_t = 0.925)]
+    pub target: f64,
 }
 
 /// `llora export`.

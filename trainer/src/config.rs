@@ -10,6 +10,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use llora_model::device::DeviceSpec;
+use llora_model::fp8::{AmaxAlgo, AmaxSpec};
+use llora_model::precision::{Compute, PrecisionSpec};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// The embedded default config (`configs/tiny-cpu.toml`): tiny Llama, synthetic data, CPU.
@@ -285,13 +287,52 @@ impl Default for EvalConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrecisionConfig {
-    /// Matmul precision: `"fp32"`, `"bf16"` or `"fp8"`.
+    /// Linear-layer GEMM inputs: `"fp32"`, `"bf16"` or `"fp8"` (E4M3 forward, E5M2
+    /// gradients, delayed scaling: Transformer Engine's hybrid recipe).
     pub compute: String,
+    /// Keep activations saved for backward (linear inputs, SwiGLU inputs) as FP8 + scale.
+    pub fp8_activations: bool,
+    /// Keep frozen base weights as FP8 + scale (needs `compute = "fp8"`).
+    pub fp8_weights: bool,
+    /// Delayed scaling: amaxes of this many past steps set each scale (1..=1024).
+    pub amax_history_len: usize,
+    /// How the history becomes one amax: `"max"` or `"most_recent"`.
+    pub amax_compute_algo: String,
+    /// Scale = fp8_max / amax / 2^margin.
+    pub amax_margin: i32,
 }
 
 impl Default for PrecisionConfig {
     fn default() -> Self {
-        Self { compute: "fp32".into() }
+        let amax = AmaxSpec::default();
+        Self {
+            compute: "fp32".into(),
+            fp8_activations: false,
+            fp8_weights: false,
+            amax_history_len: amax.history_len,
+            amax_compute_algo: "max".into(),
+            amax_margin: amax.margin,
+        }
+    }
+}
+
+impl PrecisionConfig {
+    /// The model-side spec (the config must have been validated).
+    pub fn spec(&self) -> PrecisionSpec {
+        PrecisionSpec {
+            compute: match self.compute.as_str() {
+                "bf16" => Compute::Bf16,
+                "fp8" => Compute::Fp8,
+                _ => Compute::Fp32,
+            },
+            fp8_activations: self.fp8_activations,
+            fp8_weights: self.fp8_weights,
+            amax: AmaxSpec {
+                history_len: self.amax_history_len,
+                algo: if self.amax_compute_algo == "most_recent" { AmaxAlgo::MostRecent } else { AmaxAlgo::Max },
+                margin: self.amax_margin,
+            },
+        }
     }
 }
 
@@ -573,6 +614,17 @@ impl Config {
 
         let pr = &self.precision;
         check(one_of(&pr.compute, &["fp32", "bf16", "fp8"]), "precision.compute", &pr.compute, "must be \"fp32\", \"bf16\" or \"fp8\"");
+        check(one_of(&pr.amax_compute_algo, &["max", "most_recent"]), "precision.amax_compute_algo", &pr.amax_compute_algo, "must be \"max\" or \"most_recent\"");
+        check((1..=1024).contains(&pr.amax_history_len), "precision.amax_history_len", &pr.amax_history_len, "must be in 1..=1024");
+        check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
+        check(!pr.fp8_weights || pr.compute == "fp8", "precision.fp8_weights", &pr.fp8_weights, "needs precision.compute = \"fp8\"");
+        let reduced = pr.compute != "fp32" || pr.fp8_activations;
+        check(
+            !reduced || self.run.device != DeviceSpec::Flex,
+            "precision.compute",
+            &pr.compute,
+            "bf16/fp8 compute and fp8_activations need a LibTorch device (run.device = \"cpu\" or \"cuda:N\")",
+        );
 
         let r = &self.run;
         check(r.threads <= 1024, "run.threads", &r.threads, "must be in 0..=1024 (0 = one per core)");

@@ -78,6 +78,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Export(args) => llora_trainer::train::export_merged(&args),
+        Command::Plot(args) => llora_trainer::plot::plot_command(&args),
         Command::Bench(args) => {
             let mut record = llora_trainer::bench::run(&args)?;
             if let Some(tag) = &args.tag {

@@ -5,6 +5,8 @@
 //! - `config.toml`: the resolved config of the run;
 //! - `params.safetensors`: the trainable parameters, flattened, by name;
 //! - `optimizer.safetensors`: AdamW's moments (`<name>.exp_avg`, `<name>.exp_avg_sq`);
+//! - `fp8_scales.json`: the delayed-scaling states (amax histories and scales) of bf16/FP8
+//!   runs, by layer (absent in fp32);
 //! - `adapter/`: the adapters in PEFT format (LoRA runs), for use without resuming.
 //!
 //! The dropout RNG needs no file: every step reseeds it from `(run.seed, step)`, so the step
@@ -67,6 +69,9 @@ pub struct Checkpoint {
     moments: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
+/// The file holding the delayed-scaling states.
+const SCALES: &str = "fp8_scales.json";
+
 /// The checkpoint directory of a run directory.
 pub fn checkpoint_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("resume")
@@ -102,6 +107,10 @@ pub fn save(
     write_atomic(&tmp.join("params.safetensors"), &safetensors_bytes(&params)?)?;
     write_atomic(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&moments)?)?;
     write_atomic(&tmp.join("config.toml"), config_toml.as_bytes())?;
+    let scales = model.fp8_scales();
+    if !scales.is_empty() {
+        write_atomic(&tmp.join(SCALES), serde_json::to_string(&scales)?.as_bytes())?;
+    }
     if let Some((spec, base)) = adapter {
         save_peft_adapter(model, spec, &tmp.join("adapter"), base)?;
     }
@@ -172,6 +181,16 @@ impl Checkpoint {
             anyhow::bail!("{}: moment {extra} belongs to no trainable parameter", self.dir.join("optimizer.safetensors").display());
         }
         optim.step = self.optimizer_step;
+        let scales = self.dir.join(SCALES);
+        if !model.fp8_scales().is_empty() {
+            if scales.is_file() {
+                let text = std::fs::read_to_string(&scales).with_context(|| format!("cannot read {}", scales.display()))?;
+                let saved = serde_json::from_str(&text).with_context(|| format!("{}: not a scaling-state file", scales.display()))?;
+                model.set_fp8_scales(&saved).with_context(|| format!("{}", scales.display()))?;
+            } else {
+                tracing::warn!("{}: none saved (the checkpoint is from an fp32 run); FP8 scales start afresh", scales.display());
+            }
+        }
         Ok(())
     }
 }

@@ -19,7 +19,6 @@ use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
 use llora_data::synth::{Synth, SynthConfig};
 use llora_data::Sample;
 use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint, save_peft_adapter};
-use llora_model::loss::causal_lm_loss;
 use llora_model::{LlamaConfig, LlamaForCausalLM, LoraSpec};
 use serde_json::json;
 use tracing::{debug_span, info};
@@ -132,7 +131,7 @@ pub fn evaluate(model: &LlamaForCausalLM, samples: &Arc<Vec<Sample>>, batch_size
     let (mut sum, mut tokens, mut per_sample) = (0f64, 0usize, 0f64);
     for batch in eval_batches(samples.clone(), batch_size, padding, workers) {
         let (ids, labels) = upload(batch, device);
-        let sums = causal_lm_loss(model.forward(ids, false), labels);
+        let sums = model.loss(ids, labels, false);
         let s: Vec<f32> = sums.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         let t: Vec<f32> = sums.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         for (s, t) in s.iter().zip(&t) {
@@ -170,7 +169,7 @@ pub fn train_step(
         let t = Instant::now();
         let loss = {
             let _span = debug_span!("forward").entered();
-            let sums = causal_lm_loss(model.forward(ids, true), labels);
+            let sums = model.loss(ids, labels, true);
             sums.loss_sum.sum().div_scalar(norm)
         };
         // Reading the loss waits for the forward (asynchronous devices), so the split is real.
@@ -207,6 +206,7 @@ pub fn train_step(
     for ((name, mut param), g) in model.trainable_params_mut().into_iter().zip(grads) {
         optim.update(&name, &mut param, g.mul_scalar(coef), lr);
     }
+    model.update_fp8_scales();
     Ok(StepStats { loss: loss_sum, grad_norm: total_norm, forward_s, backward_s, optimizer_s: t.elapsed().as_secs_f64() })
 }
 
@@ -440,7 +440,7 @@ fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) {
     for _ in 0..config.train.warmup_batches {
         let ids = Tensor::<2, Int>::random([b, s], burn::tensor::Distribution::Uniform(0.0, model.config.vocab_size as f64), device);
         let labels = ids.clone();
-        let loss = causal_lm_loss(model.forward(ids, true), labels).loss_sum.sum();
+        let loss = model.loss(ids, labels, true).loss_sum.sum();
         drop(loss.backward());
     }
 }
@@ -491,10 +491,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
         }
     }
 
-    let precision = match config.precision.compute.as_str() {
-        "fp32" => "fp32",
-        other => bail!("precision.compute = {other:?} is not implemented yet (issue #6); use \"fp32\""),
-    };
+    let precision = config.precision.spec();
 
     let run_dir = &config.run.dir;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run.dir {}", run_dir.display()))?;
@@ -530,6 +527,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
     let train_device = device.clone().autodiff();
     train_device.seed(config.run.seed);
     let mut model = load_model(config, &spec, &train_device)?;
+    model.set_precision(&precision)?;
     let vocab = model.config.vocab_size;
     let n_lora = model.num_lora_parameters();
     info!(base_parameters = model.config.num_parameters(), lora_parameters = n_lora, "model ready");
@@ -540,7 +538,10 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
         ckpt.restore(&mut model, &mut optim, &device)?;
         progress = ckpt.progress.clone();
     } else {
+        // Warm-up passes must not leave amaxes of random tokens in the scaling state.
+        let scales = model.fp8_scales();
         warm_up(&model, config, &train_device);
+        model.set_fp8_scales(&scales)?;
     }
     if fresh {
         // The dataset sizes are logged after run_start: the rules forbid touching the data before.
@@ -556,9 +557,11 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
             ("lora_rank", json!(config.lora.rank)),
             ("lora_alpha", json!(config.lora.alpha)),
             ("target_accuracy", json!(config.eval.target_loss)),
-            ("lowest_numerical_precision_in_linear", json!(precision)),
-            ("lowest_numerical_precision_in_attn", json!(precision)),
-            ("lowest_numerical_precision_in_comm", json!(precision)),
+            // What ran: the linear GEMMs in `precision.compute`; attention (QKᵀ, softmax, PV)
+            // and the gradient reduction always in f32.
+            ("lowest_numerical_precision_in_linear", json!(precision.compute.name())),
+            ("lowest_numerical_precision_in_attn", json!("fp32")),
+            ("lowest_numerical_precision_in_comm", json!("fp32")),
             ("tensor_parallelism", json!(1)),
             ("pipeline_parallelism", json!(1)),
             ("context_parallelism", json!(1)),
