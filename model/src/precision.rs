@@ -339,8 +339,9 @@ impl LinearQuant {
         }
     }
 
-    /// Backward: `(dx, dW)` for the output gradient `g` (`dW` only when asked).
-    fn backward(&self, g: &tch::Tensor, w: &tch::Tensor, st: &LinearState, want_dw: bool) -> (tch::Tensor, Option<tch::Tensor>) {
+    /// Backward: `(dx, dW)` for the output gradient `g`, each only when asked (layer 0's
+    /// input needs no gradient, a frozen weight neither).
+    fn backward(&self, g: &tch::Tensor, w: &tch::Tensor, st: &LinearState, want_dx: bool, want_dw: bool) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
         let d_out = *g.size().last().unwrap();
         let g2 = g.reshape([-1, d_out]);
         let gd = match self.spec.compute {
@@ -351,8 +352,7 @@ impl LinearQuant {
                 dequantize_tch(&quantize_tch(&g2, s, Fp8Format::E5M2), 1.0 / s)
             }
         };
-        let (wd, _) = self.compute_weight(w, Some(st.w_scale), true);
-        let dx = gd.matmul(&wd).reshape(&st.x_size);
+        let dx = want_dx.then(|| self.compute_weight(w, Some(st.w_scale), true).0).map(|wd| gd.matmul(&wd).reshape(&st.x_size));
         let dw = match (&st.saved, want_dw) {
             (Some((saved, in_scale)), true) => Some(gd.tr().matmul(&self.input_for_backward(saved, *in_scale))),
             _ => None,
@@ -431,8 +431,8 @@ impl Backward<LibTorch, 2> for QuantLinearBackward {
         let [node_x, node_w] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
         let st = ops.state;
-        let (dx, dw) = st.quant.backward(&grad.tensor, &st.w.tensor, &st, node_w.is_some());
-        if let Some(node) = node_x {
+        let (dx, dw) = st.quant.backward(&grad.tensor, &st.w.tensor, &st, node_x.is_some(), node_w.is_some());
+        if let (Some(node), Some(dx)) = (node_x, dx) {
             grads.register::<LibTorch>(node.id, TchTensor::new(dx));
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
