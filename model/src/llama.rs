@@ -237,13 +237,7 @@ impl LlamaForCausalLM {
     /// Used for presets without a checkpoint and for benchmarks; `trainable` unfreezes the
     /// base (full fine-tuning).
     pub fn random(config: &LlamaConfig, lora: Option<&LoraSpec>, trainable: bool, device: &Device) -> Self {
-        let mut weights = WeightSource::new(device, |name: &str, shape: &[usize]| {
-            Ok(if name.ends_with("norm.weight") {
-                TensorData::new(vec![1.0f32; shape[0]], shape.to_vec())
-            } else {
-                Tensor::<2>::random([shape[0], shape[1]], Distribution::Normal(0.0, 0.02), device).into_data()
-            })
-        });
+        let mut weights = WeightSource { fetch: None, device: device.clone() };
         Self::build(config, lora, trainable, device, &mut weights).expect("random init cannot fail")
     }
 
@@ -559,18 +553,27 @@ fn norm(weights: &mut WeightSource<'_>, name: &str, d: usize, eps: f64, trainabl
 /// The closure receives the HF tensor name and the shape the architecture expects and returns
 /// the data in that shape (a checkpoint reader checks it and names the tensor when it differs).
 pub struct WeightSource<'a> {
-    fetch: Box<dyn FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a>,
+    /// `None`: HF's random init, drawn on the device (a host round trip would hold a second
+    /// copy of the largest matrix: at 70B that was the process's peak RSS).
+    fetch: Option<Box<dyn FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a>>,
     device: Device,
 }
 
 impl<'a> WeightSource<'a> {
     /// Wraps `fetch(name, expected_shape)`; tensors are created on `device`.
     pub fn new(device: &Device, fetch: impl FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a) -> Self {
-        Self { fetch: Box::new(fetch), device: device.clone() }
+        Self { fetch: Some(Box::new(fetch)), device: device.clone() }
     }
 
     fn get<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> anyhow::Result<Tensor<D>> {
-        let data = (self.fetch)(name, &shape)?;
+        let Some(fetch) = self.fetch.as_mut() else {
+            return Ok(if name.ends_with("norm.weight") {
+                Tensor::ones(shape, &self.device)
+            } else {
+                Tensor::random(shape, Distribution::Normal(0.0, 0.02), &self.device)
+            });
+        };
+        let data = fetch(name, &shape)?;
         anyhow::ensure!(
             data.shape().as_slice() == shape.as_slice(),
             "tensor {name}: expected shape {shape:?}, found {:?}",

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
-use crate::precision::{LinearQuant, PrecisionSpec, quant_linear};
+use crate::precision::{Compute, LinearQuant, PrecisionSpec, quant_linear};
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
 #[derive(Module, Debug)]
@@ -180,7 +180,8 @@ impl LoraLinear {
             return;
         }
         let frozen = !self.weight.is_require_grad();
-        let stored = if frozen && self.quant.as_ref().is_none_or(|q| q.stored.is_none()) {
+        let stores = matches!(spec.compute, Compute::Bf16) || (spec.compute == Compute::Fp8 && spec.fp8_weights);
+        let stored = if frozen && stores && self.quant.as_ref().is_none_or(|q| q.stored.is_none()) {
             let w = self.weight.val();
             let [out, inp] = self.dims();
             let values = w.to_data().convert::<f32>().into_vec::<f32>().expect("f32 weight");

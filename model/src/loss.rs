@@ -81,8 +81,11 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2,
     let n = rows.len();
     let index = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device);
     let selected = hidden.reshape([b * s, d]).select(0, index);
-    let logits = selected.matmul(lm_head.transpose());
-    let row_loss = cross_entropy(logits, targets);
+    let row_loss = if crate::precision::tch_device(&device).is_some() && !lm_head.is_require_grad() {
+        Tensor::from_dispatch(<Dispatch as FusedLossBackend>::linear_cross_entropy(selected.into_dispatch(), lm_head.into_dispatch(), Arc::new(targets)))
+    } else {
+        cross_entropy(selected.matmul(lm_head.transpose()), targets)
+    };
     // Per-sample sums as a [b, n] 0/1 matrix times the row losses (rows are in sample order).
     let mut owner = vec![0f32; b * n];
     let mut r = 0;
@@ -116,6 +119,63 @@ pub fn cross_entropy(logits: Tensor<2>, targets: Vec<i64>) -> Tensor<1> {
 pub trait FusedLossBackend: Backend {
     /// See [`cross_entropy`].
     fn cross_entropy(logits: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self>;
+    /// [`cross_entropy`] of `h·Wᵀ` for a frozen `W`, chunk by chunk (see [`lce_forward`]).
+    fn linear_cross_entropy(h: FloatTensor<Self>, w: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self>;
+}
+
+/// Bytes of logits one chunk of [`lce_forward`] materialises (512 rows at a 32k vocabulary).
+/// Each chunk's GEMMs repack the whole LM head, so chunks must not be small (16 MB chunks
+/// made tiny s512 8% slower); 64 MB keeps the `[rows, vocab]` buffers bounded and few.
+const LCE_CHUNK_BYTES: usize = 64 << 20;
+
+/// Cross-entropy of `h·Wᵀ` against `targets`, a chunk of rows at a time, so the `[rows,
+/// vocab]` logits never exist whole. With `want_dh`, each chunk's gradient with respect to h
+/// (`(softmax − one-hot)·W`, for an upstream gradient of 1) is computed while its logits are
+/// at hand; backward only scales it per row. Returns (losses `[rows]`, dh `[rows, d]`).
+fn lce_forward(h: &tch::Tensor, w: &tch::Tensor, targets: &[i64], want_dh: bool) -> (tch::Tensor, Option<tch::Tensor>) {
+    let chunk = (LCE_CHUNK_BYTES / (4 * w.size()[0] as usize)).max(1) as i64;
+    lce_forward_chunked(h, w, targets, want_dh, chunk)
+}
+
+fn lce_forward_chunked(h: &tch::Tensor, w: &tch::Tensor, targets: &[i64], want_dh: bool, chunk: i64) -> (tch::Tensor, Option<tch::Tensor>) {
+    let n = h.size()[0];
+    let chunk = chunk.min(n.max(1));
+    let t_all = tch::Tensor::from_slice(targets).to_device(h.device());
+    let wt = w.tr();
+    let (mut losses, mut dhs) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    while start < n {
+        let len = chunk.min(n - start);
+        let logits = h.narrow(0, start, len).mm(&wt);
+        let t = t_all.narrow(0, start, len).unsqueeze(1);
+        let lse = logits.logsumexp([-1i64].as_slice(), true);
+        losses.push((&lse - logits.gather(1, &t, false)).squeeze_dim(1));
+        if want_dh {
+            let mut p = logits;
+            let _ = p.g_sub_(&lse).exp_();
+            let _ = p.scatter_add_(1, &t, &(-tch::Tensor::ones([len, 1], (p.kind(), p.device()))));
+            dhs.push(p.mm(w));
+        }
+        start += len;
+    }
+    (tch::Tensor::cat(&losses, 0), want_dh.then(|| tch::Tensor::cat(&dhs, 0)))
+}
+
+#[derive(Debug)]
+struct LinearCrossEntropyBackward;
+
+impl Backward<LibTorch, 2> for LinearCrossEntropyBackward {
+    /// dh for an upstream gradient of 1.
+    type State = TchTensor;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_h, node_w] = ops.parents;
+        assert!(node_w.is_none(), "linear_cross_entropy is only used with a frozen weight");
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        if let Some(node) = node_h {
+            grads.register::<LibTorch>(node.id, TchTensor::new(&ops.state.tensor * grad.tensor.unsqueeze(1)));
+        }
+    }
 }
 
 fn ce_forward(logits: &tch::Tensor, targets: &[i64]) -> (tch::Tensor, tch::Tensor, tch::Tensor) {
@@ -128,6 +188,10 @@ fn ce_forward(logits: &tch::Tensor, targets: &[i64]) -> (tch::Tensor, tch::Tenso
 impl FusedLossBackend for LibTorch {
     fn cross_entropy(logits: TchTensor, targets: Arc<Vec<i64>>) -> TchTensor {
         TchTensor::new(ce_forward(&logits.tensor, &targets).0)
+    }
+
+    fn linear_cross_entropy(h: TchTensor, w: TchTensor, targets: Arc<Vec<i64>>) -> TchTensor {
+        TchTensor::new(lce_forward(&h.tensor, &w.tensor, &targets, false).0)
     }
 }
 
@@ -160,6 +224,18 @@ impl<C: CheckpointStrategy> FusedLossBackend for Autodiff<LibTorch, C> {
                 prep.finish((logits, TchTensor::new(lse), TchTensor::new(t)), TchTensor::new(loss))
             }
             OpsKind::UnTracked(prep) => prep.finish(TchTensor::new(ce_forward(&logits.into_primitive().tensor, &targets).0)),
+        }
+    }
+
+    fn linear_cross_entropy(h: FloatTensor<Self>, w: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self> {
+        match LinearCrossEntropyBackward.prepare::<C>([h.node(), w.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (loss, dh) = lce_forward(&h.into_primitive().tensor, &w.into_primitive().tensor, &targets, true);
+                prep.finish(TchTensor::new(dh.expect("dh was asked for")), TchTensor::new(loss))
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(TchTensor::new(lce_forward(&h.into_primitive().tensor, &w.into_primitive().tensor, &targets, false).0))
+            }
         }
     }
 }
@@ -198,6 +274,28 @@ mod tests {
             let grads = (sums.loss_sum.clone() * weights).sum().backward();
             (sums.loss_sum.inner(), sums.tokens.inner(), h.grad(&grads).unwrap(), w.grad(&grads).unwrap())
         };
+        // A frozen LM head takes the chunked linear + cross-entropy op (few rows per chunk
+        // here, so several chunks run).
+        let frozen = |fused: bool| {
+            let h = h0.clone().require_grad();
+            let sums = if fused {
+                target_rows_loss(h.clone(), w0.clone(), labels.clone())
+            } else {
+                causal_lm_loss(h.clone().matmul(w0.clone().transpose().unsqueeze()), labels.clone())
+            };
+            let grads = sums.loss_sum.clone().sum().backward();
+            (sums.loss_sum.inner(), h.grad(&grads).unwrap())
+        };
+        let (f, fr) = (frozen(true), frozen(false));
+        // Chunking changes nothing: 3 rows per chunk against one chunk.
+        let (h, w) = (tch::Tensor::randn([10, 8], (tch::Kind::Float, tch::Device::Cpu)), tch::Tensor::randn([30, 8], (tch::Kind::Float, tch::Device::Cpu)));
+        let t: Vec<i64> = (0..10).map(|i| i * 3 % 30).collect();
+        let (l3, d3) = lce_forward_chunked(&h, &w, &t, true, 3);
+        let (l1, d1) = lce_forward_chunked(&h, &w, &t, true, 100);
+        assert!(l3.allclose(&l1, 1e-6, 1e-6, false) && d3.unwrap().allclose(&d1.unwrap(), 1e-6, 1e-6, false));
+        let tol = Tolerance::<f32>::relative(1e-5).set_absolute(1e-6);
+        f.0.into_data().assert_approx_eq::<f32>(&fr.0.into_data(), tol);
+        f.1.into_data().assert_approx_eq::<f32>(&fr.1.into_data(), tol);
         let (a, r) = (run(true), run(false));
         let tol = Tolerance::<f32>::relative(1e-5).set_absolute(1e-6);
         a.0.into_data().assert_approx_eq::<f32>(&r.0.into_data(), tol);
