@@ -57,6 +57,10 @@ fn keep_mask(x: &tch::Tensor, p: f64) -> tch::Tensor {
 
 /// `(x · mask / (1 − p), mask)`; `native_dropout_backward` is exactly that product.
 fn forward(x: &tch::Tensor, p: f64) -> (tch::Tensor, tch::Tensor) {
+    if x.device().is_cuda() {
+        // CUDA's Bernoulli is a fast parallel Philox; a host-made mask would cost a copy.
+        return x.native_dropout(p, true);
+    }
     let mask = keep_mask(x, p);
     (tch::Tensor::native_dropout_backward(x, &mask, 1.0 / (1.0 - p)), mask)
 }
