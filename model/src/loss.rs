@@ -123,10 +123,11 @@ pub trait FusedLossBackend: Backend {
     fn linear_cross_entropy(h: FloatTensor<Self>, w: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self>;
 }
 
-/// Bytes of logits one chunk of [`lce_forward`] materialises (512 rows at a 32k vocabulary).
-/// Each chunk's GEMMs repack the whole LM head, so chunks must not be small (16 MB chunks
-/// made tiny s512 8% slower); 64 MB keeps the `[rows, vocab]` buffers bounded and few.
-const LCE_CHUNK_BYTES: usize = 64 << 20;
+/// Bytes of logits one chunk of [`lce_forward`] materialises: just under glibc's largest mmap
+/// threshold (set in `device.rs`), so the buffer is reused heap memory, not fresh pages
+/// faulted in every step (262 rows at a 32k vocabulary). Each chunk's GEMMs repack the whole
+/// LM head, so chunks must not be much smaller (16 MB chunks made tiny s512 8% slower).
+const LCE_CHUNK_BYTES: usize = (32 << 20) - (64 << 10);
 
 /// Cross-entropy of `h·Wᵀ` against `targets`, a chunk of rows at a time, so the `[rows,
 /// vocab]` logits never exist whole. With `want_dh`, each chunk's gradient with respect to h
@@ -146,13 +147,18 @@ fn lce_forward_chunked(h: &tch::Tensor, w: &tch::Tensor, targets: &[i64], want_d
     let mut start = 0;
     while start < n {
         let len = chunk.min(n - start);
-        let logits = h.narrow(0, start, len).mm(&wt);
+        // One [len, vocab] buffer, worked on in place: logits → exp(logits − max) → softmax
+        // → softmax − one-hot (torch's logsumexp would allocate a second one and the
+        // softmax would take a second exp pass).
+        let mut p = h.narrow(0, start, len).mm(&wt);
         let t = t_all.narrow(0, start, len).unsqueeze(1);
-        let lse = logits.logsumexp([-1i64].as_slice(), true);
-        losses.push((&lse - logits.gather(1, &t, false)).squeeze_dim(1));
+        let picked = p.gather(1, &t, false);
+        let max = p.amax([-1i64].as_slice(), true);
+        let _ = p.g_sub_(&max).exp_();
+        let sum = p.sum_dim_intlist([-1i64].as_slice(), true, tch::Kind::Float);
+        losses.push((&max + sum.log() - picked).squeeze_dim(1));
         if want_dh {
-            let mut p = logits;
-            let _ = p.g_sub_(&lse).exp_();
+            let _ = p.g_div_(&sum);
             let _ = p.scatter_add_(1, &t, &(-tch::Tensor::ones([len, 1], (p.kind(), p.device()))));
             dhs.push(p.mm(w));
         }
