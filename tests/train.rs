@@ -262,7 +262,7 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     assert!(kill.success());
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted after step") && stderr.contains("llora train --resume"), "{stderr}");
     let step = checkpoint_step(&run).expect("a checkpoint on SIGINT");
     assert!(step >= 2 && step < 1000, "checkpoint at step {step}");

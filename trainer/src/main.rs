@@ -15,7 +15,11 @@ fn main() -> ExitCode {
         Err(e) => {
             // `{:#}` prints the whole context chain on one line: what failed, then why.
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<llora_trainer::train::Interrupted>().is_some() {
+                ExitCode::from(130)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

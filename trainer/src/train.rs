@@ -401,6 +401,19 @@ impl Progress {
     }
 }
 
+/// A run stopped by SIGINT/SIGTERM after saving its checkpoint; `llora` exits with 130 for it,
+/// as shells do for Ctrl-C, so schedulers can tell it from a failure.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted after step {step}; checkpoint saved in {}; continue with `llora train --resume {}`", checkpoint.display(), run_dir.display())]
+pub struct Interrupted {
+    /// Steps completed (and saved).
+    pub step: usize,
+    /// The checkpoint directory written.
+    pub checkpoint: std::path::PathBuf,
+    /// The run directory to pass to `--resume`.
+    pub run_dir: std::path::PathBuf,
+}
+
 /// SIGINT/SIGTERM as a flag checked between steps; the handlers are removed on drop.
 struct StopSignal {
     flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -661,12 +674,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
             bar.print(|| info!(step = step + 1, dir = %dir.display(), "checkpoint saved"));
             if stop.raised() {
                 bar.finish();
-                bail!(
-                    "interrupted after step {}; checkpoint saved in {}; continue with `llora train --resume {}`",
-                    step + 1,
-                    dir.display(),
-                    run_dir.display()
-                );
+                return Err(Interrupted { step: step + 1, checkpoint: dir, run_dir: run_dir.to_path_buf() }.into());
             }
         }
     }
