@@ -240,7 +240,7 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     assert!(a == b, "adapters differ after a SIGKILL at step {at} (aimed at {kill_at}) and resume ({sets:?})");
     // The resumed run continued the same metrics file: 12 train records, none repeated past the kill.
     let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
-    let last: serde_json::Value = serde_json::from_str(metrics.lines().filter(|l| l.contains("\"loss\"")).last().unwrap()).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().rfind(|l| l.contains("\"loss\"")).unwrap()).unwrap();
     assert_eq!(last["step"], 12);
     dir
 }
@@ -265,7 +265,7 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted after step") && stderr.contains("llora train --resume"), "{stderr}");
     let step = checkpoint_step(&run).expect("a checkpoint on SIGINT");
-    assert!(step >= 2 && step < 1000, "checkpoint at step {step}");
+    assert!((2..1000).contains(&step), "checkpoint at step {step}");
     assert!(run.join("resume/adapter/adapter_model.safetensors").is_file());
 }
 

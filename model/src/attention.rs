@@ -204,7 +204,7 @@ pub fn verify_fused(device: tch::Device) -> Result<(), String> {
         let saved = torch_forward(&q, &k, &v, causal).map_err(|e| format!("forward: {e}"))?;
         let (dq, dk, dv) = torch_backward(&w, &q, &k, &v, &saved, causal).map_err(|e| format!("backward: {e}"))?;
         // The reference, with autograd.
-        let _grad = tch::with_grad(|| {
+        tch::with_grad(|| {
             let (qr, kr, vr) = (q.detach().requires_grad_(true), k.detach().requires_grad_(true), v.detach().requires_grad_(true));
             let mut scores = qr.matmul(&kr.transpose(-2, -1)) / (hd as f64).sqrt();
             if causal {
@@ -216,7 +216,8 @@ pub fn verify_fused(device: tch::Device) -> Result<(), String> {
             for (name, got, want) in [("output", &saved.out, &out), ("dq", &dq, &qr.grad()), ("dk", &dk, &kr.grad()), ("dv", &dv, &vr.grad())] {
                 let err = (got - want).abs().max().double_value(&[]);
                 let scale = want.abs().max().double_value(&[]).max(1e-6);
-                if !(err / scale < 1e-3) {
+                let close = err / scale < 1e-3; // false for NaN, which must count as a mismatch
+                if !close {
                     return Err(format!("{name} differs (causal {causal}): max |error| {err:.3e} against max |value| {scale:.3e}"));
                 }
             }

@@ -182,8 +182,11 @@ pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::
     Ok(safetensors::serialize(views, None)?)
 }
 
+/// Tensors by name as (shape, f32 values).
+pub type F32Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// Every tensor of a safetensors file as f32 (F32, BF16 or F16 on disk), by name.
-pub fn read_safetensors_f32(path: &Path) -> anyhow::Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+pub fn read_safetensors_f32(path: &Path) -> anyhow::Result<F32Tensors> {
     let shard = Shard::open(path)?;
     let mut out = BTreeMap::new();
     for (name, info) in shard.meta.tensors() {

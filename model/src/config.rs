@@ -182,14 +182,14 @@ impl LlamaConfig {
                 bail!("{name} must be > 0");
             }
         }
-        if c.num_attention_heads % c.num_key_value_heads != 0 {
+        if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
             bail!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 c.num_attention_heads,
                 c.num_key_value_heads
             );
         }
-        if c.head_dim % 2 != 0 {
+        if !c.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", c.head_dim);
         }
         Ok(())

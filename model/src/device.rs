@@ -130,6 +130,24 @@ fn flex_device(_threads: usize) -> anyhow::Result<Device> {
     )
 }
 
+/// Makes glibc's malloc keep freed memory for reuse instead of returning it to the kernel.
+///
+/// LibTorch's CPU allocator is plain `malloc`. By default glibc serves blocks above a dynamic
+/// threshold with `mmap` and trims the heap top, so every training step unmaps its large
+/// activations and faults them back in, page by zeroed page: 15% of a `small` step was kernel
+/// time in `clear_page` before this (perf). The usual fix for CPU training is jemalloc or
+/// tcmalloc through `LD_PRELOAD`; these two settings get most of it without a new library.
+/// The heap then stays at its high-water mark, which the peak RSS already is.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tunables; it is called before training starts.
+    unsafe {
+        // glibc's largest accepted mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,23 +166,5 @@ mod tests {
             let err = bad.parse::<DeviceSpec>().unwrap_err();
             assert!(err.contains(DEVICE_CHOICES), "{err}");
         }
-    }
-}
-
-/// Makes glibc's malloc keep freed memory for reuse instead of returning it to the kernel.
-///
-/// LibTorch's CPU allocator is plain `malloc`. By default glibc serves blocks above a dynamic
-/// threshold with `mmap` and trims the heap top, so every training step unmaps its large
-/// activations and faults them back in, page by zeroed page: 15% of a `small` step was kernel
-/// time in `clear_page` before this (perf). The usual fix for CPU training is jemalloc or
-/// tcmalloc through `LD_PRELOAD`; these two settings get most of it without a new library.
-/// The heap then stays at its high-water mark, which the peak RSS already is.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tunables; it is called before training starts.
-    unsafe {
-        // glibc's largest accepted mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
 }

@@ -258,11 +258,11 @@ impl DelayedScaling {
 
     /// Records this use's amax and returns the scale to quantise it with.
     pub fn observe(&mut self, amax: f32, spec: &AmaxSpec) -> f32 {
-        if !self.initialized {
-            if let Some(s) = scale_for_amax(amax, self.format.max(), spec.margin) {
-                self.scale = s;
-                self.initialized = true;
-            }
+        if !self.initialized
+            && let Some(s) = scale_for_amax(amax, self.format.max(), spec.margin)
+        {
+            self.scale = s;
+            self.initialized = true;
         }
         if amax.is_finite() {
             self.pending = Some(self.pending.map_or(amax, |p| p.max(amax)));

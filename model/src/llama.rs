@@ -548,6 +548,9 @@ fn norm(weights: &mut WeightSource<'_>, name: &str, d: usize, eps: f64, trainabl
     Ok(RmsNorm { weight: Param::from_tensor(w).set_require_grad(trainable), eps })
 }
 
+/// Returns one base tensor's data given its HF name and the shape the architecture expects.
+type FetchFn<'a> = Box<dyn FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a>;
+
 /// Where [`LlamaForCausalLM::build`] gets each base tensor: a checkpoint or an initialiser.
 ///
 /// The closure receives the HF tensor name and the shape the architecture expects and returns
@@ -555,7 +558,7 @@ fn norm(weights: &mut WeightSource<'_>, name: &str, d: usize, eps: f64, trainabl
 pub struct WeightSource<'a> {
     /// `None`: HF's random init, drawn on the device (a host round trip would hold a second
     /// copy of the largest matrix: at 70B that was the process's peak RSS).
-    fetch: Option<Box<dyn FnMut(&str, &[usize]) -> anyhow::Result<TensorData> + 'a>>,
+    fetch: Option<FetchFn<'a>>,
     device: Device,
 }
 

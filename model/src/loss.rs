@@ -261,9 +261,7 @@ mod tests {
         let h0 = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 1.0), &device);
         let w0 = Tensor::<2>::random([v, d], Distribution::Normal(0.0, 0.5), &device);
         let mut labels: Vec<i64> = (0..b * s).map(|i| (i * 7 % v) as i64).collect();
-        for t in 0..4 {
-            labels[t] = IGNORE_INDEX; // sample 0: prompt; labels 1..=3 of its 8 shifted targets
-        }
+        labels[..4].fill(IGNORE_INDEX); // sample 0: prompt; labels 1..=3 of its 8 shifted targets
         for t in 0..s {
             labels[2 * s + t] = IGNORE_INDEX; // sample 2: nothing to predict
         }

@@ -597,7 +597,7 @@ impl Config {
         check(t.data_parallel >= 1, "train.data_parallel", &t.data_parallel, "must be at least 1");
         let per_step = t.micro_batch_size * t.data_parallel;
         check(
-            per_step == 0 || t.global_batch_size % per_step == 0,
+            per_step == 0 || t.global_batch_size.is_multiple_of(per_step),
             "train.global_batch_size",
             &t.global_batch_size,
             &format!(

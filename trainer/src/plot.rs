@@ -73,6 +73,25 @@ pub fn loss_svg(path: &Path, curves: &[Curve], target: f64) -> anyhow::Result<()
     llora_model::checkpoint::write_atomic(path, svg.as_bytes())
 }
 
+/// `llora plot`: the runs' curves on one SVG; prints, per run, the samples at which its eval
+/// loss first reached the target (one JSON line each).
+pub fn plot_command(args: &crate::cli::PlotArgs) -> anyhow::Result<()> {
+    let mut curves = Vec::new();
+    for spec in &args.runs {
+        let (label, dir) = match spec.split_once('=') {
+            Some((l, d)) => (l.to_string(), Path::new(d)),
+            None => (Path::new(spec).file_name().map_or(spec.clone(), |n| n.to_string_lossy().into_owned()), Path::new(spec.as_str())),
+        };
+        let curve = read_metrics(&dir.join("metrics.jsonl"), &label)?;
+        let reached = curve.eval.iter().find(|(_, l)| *l <= args.target).map(|(s, _)| *s);
+        println!("{}", serde_json::json!({"run": label, "dir": dir.display().to_string(), "samples_to_target": reached, "evals": curve.eval.len()}));
+        curves.push(curve);
+    }
+    loss_svg(&args.out, &curves, args.target)?;
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,23 +114,4 @@ mod tests {
         assert!(text.starts_with("<svg") && text.contains("target 0.925") && text.contains("run eval"), "{text}");
         assert!(text.contains("<polyline"), "the curves are drawn");
     }
-}
-
-/// `llora plot`: the runs' curves on one SVG; prints, per run, the samples at which its eval
-/// loss first reached the target (one JSON line each).
-pub fn plot_command(args: &crate::cli::PlotArgs) -> anyhow::Result<()> {
-    let mut curves = Vec::new();
-    for spec in &args.runs {
-        let (label, dir) = match spec.split_once('=') {
-            Some((l, d)) => (l.to_string(), Path::new(d)),
-            None => (Path::new(spec).file_name().map_or(spec.clone(), |n| n.to_string_lossy().into_owned()), Path::new(spec.as_str())),
-        };
-        let curve = read_metrics(&dir.join("metrics.jsonl"), &label)?;
-        let reached = curve.eval.iter().find(|(_, l)| *l <= args.target).map(|(s, _)| *s);
-        println!("{}", serde_json::json!({"run": label, "dir": dir.display().to_string(), "samples_to_target": reached, "evals": curve.eval.len()}));
-        curves.push(curve);
-    }
-    loss_svg(&args.out, &curves, args.target)?;
-    eprintln!("wrote {}", args.out.display());
-    Ok(())
 }

@@ -379,7 +379,7 @@ impl Progress {
                 bar.set_position(step as u64);
                 bar.set_message(format!("samples {samples} loss {loss:.4} lr {lr:.2e} {tok_s:.0} tok/s"));
             }
-            None if step % self.every == 0 || step == 1 => {
+            None if step.is_multiple_of(self.every) || step == 1 => {
                 info!(step, samples, loss = format!("{loss:.4}"), lr = format!("{lr:.2e}"), grad_norm = format!("{grad_norm:.3}"), tok_per_s = format!("{tok_s:.0}"), "train");
             }
             None => {}
@@ -714,6 +714,7 @@ fn run_from(config: &Config, config_name: &str, mut resumed: Option<resume::Chec
 
 #[cfg(test)]
 mod tests {
+    #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
     use super::*;
     use crate::collective::SingleProcess;
     use crate::config::OptimConfig;
