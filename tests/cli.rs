@@ -16,7 +16,15 @@ fn help_runs_without_any_environment() {
 
 #[test]
 fn config_show_prints_overrides() {
-    let out = llora(&["config", "show", "configs/llama2-70b-mlperf.toml", "--set", "optim.lr=5e-4", "--set", "run.device=cuda:3"]);
+    let out = llora(&[
+        "config",
+        "show",
+        "configs/llama2-70b-mlperf.toml",
+        "--set",
+        "optim.lr=5e-4",
+        "--set",
+        "run.device=cuda:3",
+    ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     let shown: toml::Table = toml::from_str(&stdout).expect("config show prints TOML");
@@ -34,7 +42,10 @@ fn mlperf_config_has_the_benchmark_values() {
     let f = |s: &str, k: &str| c[s][k].as_float().unwrap();
     let i = |s: &str, k: &str| c[s][k].as_integer().unwrap();
     assert_eq!((i("lora", "rank"), f("lora", "alpha"), f("lora", "dropout")), (16, 32.0, 0.1));
-    assert_eq!((f("optim", "lr"), f("optim", "weight_decay"), f("optim", "clip_grad_norm"), f("optim", "eps")), (4e-4, 1e-4, 0.3, 1e-8));
+    assert_eq!(
+        (f("optim", "lr"), f("optim", "weight_decay"), f("optim", "clip_grad_norm"), f("optim", "eps")),
+        (4e-4, 1e-4, 0.3, 1e-8)
+    );
     assert_eq!((i("schedule", "max_steps"), i("schedule", "warmup_steps")), (1024, 0));
     assert_eq!((i("train", "global_batch_size"), i("train", "micro_batch_size")), (8, 1));
     assert_eq!((i("eval", "every_samples"), f("eval", "target_loss")), (384, 0.925));
@@ -76,15 +87,38 @@ fn data_synth_prepare_inspect_round_trip() {
     use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet, write_parquet};
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
-    let out = llora(&["data", "synth", "--out", d, "--train", "64", "--eval", "8", "--max-seq-len", "1024", "--vocab", "4096", "--seed", "3"]);
+    let out = llora(&[
+        "data",
+        "synth",
+        "--out",
+        d,
+        "--train",
+        "64",
+        "--eval",
+        "8",
+        "--max-seq-len",
+        "1024",
+        "--vocab",
+        "4096",
+        "--seed",
+        "3",
+    ]);
     assert!(out.status.success(), "{}", text(&out).1);
     for f in ["train.jsonl", "train.parquet", "validation.jsonl", "validation.parquet", "tokenizer.json"] {
         assert!(dir.path().join(f).is_file(), "{f} missing");
     }
     let prepared = dir.path().join("prepared.parquet");
     let out = llora(&[
-        "data", "prepare", "--input", &format!("{d}/train.jsonl"), "--tokenizer", &format!("{d}/tokenizer.json"), "--out",
-        prepared.to_str().unwrap(), "--max-seq-len", "1024",
+        "data",
+        "prepare",
+        "--input",
+        &format!("{d}/train.jsonl"),
+        "--tokenizer",
+        &format!("{d}/tokenizer.json"),
+        "--out",
+        prepared.to_str().unwrap(),
+        "--max-seq-len",
+        "1024",
     ]);
     assert!(out.status.success(), "{}", text(&out).1);
     let opts = ReadOptions { vocab: 4096, max_seq_len: 1024, on_bad_row: OnBadRow::Error };
@@ -101,7 +135,10 @@ fn data_synth_prepare_inspect_round_trip() {
     bad[5].labels.pop();
     let bad_path = dir.path().join("bad.parquet");
     write_parquet(&bad_path, &bad).unwrap();
-    fails_naming(&["data", "inspect", bad_path.to_str().unwrap(), "--vocab", "4096"], &["bad.parquet", "row 5", "labels has"]);
+    fails_naming(
+        &["data", "inspect", bad_path.to_str().unwrap(), "--vocab", "4096"],
+        &["bad.parquet", "row 5", "labels has"],
+    );
 }
 
 /// Published MLPerf Training scores (minutes) of the reference result folders, typed in from
@@ -133,12 +170,17 @@ fn mlperf_score_reproduces_the_published_scores() {
 fn mlperf_score_rejects_two_failed_runs() {
     let dir = tempfile::tempdir().unwrap();
     let line = |key: &str, t: u64, status: &str| {
-        format!(":::MLLOG {{\"namespace\": \"\", \"time_ms\": {t}, \"event_type\": \"INTERVAL_END\", \"key\": \"{key}\", \"value\": null, \"metadata\": {{\"status\": \"{status}\", \"samples_count\": 8}}}}\n")
+        format!(
+            ":::MLLOG {{\"namespace\": \"\", \"time_ms\": {t}, \"event_type\": \"INTERVAL_END\", \"key\": \"{key}\", \"value\": null, \"metadata\": {{\"status\": \"{status}\", \"samples_count\": 8}}}}\n"
+        )
     };
     for (i, status) in ["success", "aborted", "success", "aborted"].iter().enumerate() {
         let log = line("run_start", 0, "") + &line("run_stop", 60_000 * (i as u64 + 1), status);
         std::fs::write(dir.path().join(format!("result_{i}.txt")), log).unwrap();
     }
-    fails_naming(&["mlperf", "score", dir.path().to_str().unwrap()], &["2 runs did not converge", "result_1.txt (aborted)", "result_3.txt"]);
+    fails_naming(
+        &["mlperf", "score", dir.path().to_str().unwrap()],
+        &["2 runs did not converge", "result_1.txt (aborted)", "result_3.txt"],
+    );
     fails_naming(&["mlperf", "score", "/nonexistent-results"], &["/nonexistent-results"]);
 }

@@ -129,7 +129,10 @@ fn check_parity(dir: &Path) {
     let err = rel_err(&lse, &fx.expected["step1.logsumexp"].1);
     assert!(err <= 1e-4, "logsumexp differs: {err:e}");
     let next: Vec<i64> = (0..b * s).map(|i| if i % s + 1 < s { fx.labels.1[i + 1] } else { -100 }).collect();
-    let index = Tensor::<2, Int>::from_data(TensorData::new(next.iter().map(|&l| l.clamp(0, v as i64 - 1)).collect::<Vec<_>>(), [b, s]), &device);
+    let index = Tensor::<2, Int>::from_data(
+        TensorData::new(next.iter().map(|&l| l.clamp(0, v as i64 - 1)).collect::<Vec<_>>(), [b, s]),
+        &device,
+    );
     let target = values(logits.clone().gather(2, index.unsqueeze_dim::<3>(2)).reshape([b, s]));
     let target: Vec<f32> = target.iter().zip(&next).map(|(x, &l)| if l == -100 { 0.0 } else { *x }).collect();
     let err = rel_err(&target, &fx.expected["step1.target_logit"].1);
@@ -141,7 +144,11 @@ fn check_parity(dir: &Path) {
     let loss = sums.loss_sum.sum().div_scalar(tokens);
     let ours = values(loss.clone())[0];
     let reference = fx.json["losses"][0].as_f64().unwrap() as f32;
-    eprintln!("{}: loss {ours} vs HF+PEFT {reference} (relative {:e})", dir.display(), ((ours - reference) / reference).abs());
+    eprintln!(
+        "{}: loss {ours} vs HF+PEFT {reference} (relative {:e})",
+        dir.display(),
+        ((ours - reference) / reference).abs()
+    );
     assert!(((ours - reference) / reference).abs() <= 1e-5, "loss {ours} vs HF+PEFT {reference}");
 
     let grads = loss.backward();
@@ -164,13 +171,45 @@ fn check_parity(dir: &Path) {
 
 #[test]
 fn multi_head_matches_hf_peft() {
-    let dir = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let dir = fixture(
+        "tiny-s64-b2",
+        &[
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--lora-dropout",
+            "0",
+            "--lora-b-init",
+            "normal",
+            "--check-steps",
+            "1",
+        ],
+    );
     check_parity(&dir);
 }
 
 #[test]
 fn grouped_query_matches_hf_peft() {
-    let dir = fixture("tiny-gqa-s96-b2", &["--preset", "tiny-gqa", "--seq-len", "96", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let dir = fixture(
+        "tiny-gqa-s96-b2",
+        &[
+            "--preset",
+            "tiny-gqa",
+            "--seq-len",
+            "96",
+            "--batch",
+            "2",
+            "--lora-dropout",
+            "0",
+            "--lora-b-init",
+            "normal",
+            "--check-steps",
+            "1",
+        ],
+    );
     check_parity(&dir);
 }
 
@@ -178,7 +217,23 @@ fn grouped_query_matches_hf_peft() {
 /// llora reads its own file back to the same values.
 #[test]
 fn llora_adapter_loads_in_peft_with_equal_logits() {
-    let base = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let base = fixture(
+        "tiny-s64-b2",
+        &[
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--lora-dropout",
+            "0",
+            "--lora-b-init",
+            "normal",
+            "--check-steps",
+            "1",
+        ],
+    );
     let device = Device::libtorch();
     device.seed(3);
     let spec = llora_model::LoraSpec { dropout: 0.0, ..Default::default() };
@@ -187,7 +242,11 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     // B starts at zero (PEFT's init), which would make any adapter look right: randomise it.
     for (_, adapter) in model.adapters_mut() {
         let shape = adapter.b.shape();
-        adapter.b = burn::module::Param::from_tensor(Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 0.05), &device));
+        adapter.b = burn::module::Param::from_tensor(Tensor::random(
+            shape,
+            burn::tensor::Distribution::Normal(0.0, 0.05),
+            &device,
+        ));
     }
     let out_dir = tempfile::tempdir().unwrap();
     let adapter_dir = out_dir.path().join("adapter");
@@ -213,7 +272,8 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
         .unwrap();
     assert!(status.success(), "peft_forward.py failed");
     let peft = read_all(&peft_out);
-    let peft_logits: Vec<f32> = peft["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let peft_logits: Vec<f32> =
+        peft["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     let err = rel_err(&ours, &peft_logits);
     eprintln!("llora adapter in PEFT: logits relative error {err:e}");
     assert!(err <= 1e-4, "logits through PEFT differ: {err:e}");
@@ -224,7 +284,16 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
 
     // `llora export --merged`: transformers alone, on the merged checkpoint, gives PEFT's logits.
     let merged = out_dir.path().join("merged");
-    let out = common::llora(&["export", "--merged", "--model", base_only.to_str().unwrap(), "--adapter", adapter_dir.to_str().unwrap(), "--out", merged.to_str().unwrap()]);
+    let out = common::llora(&[
+        "export",
+        "--merged",
+        "--model",
+        base_only.to_str().unwrap(),
+        "--adapter",
+        adapter_dir.to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
     assert!(out.status.success(), "{}", common::text(&out).1);
     let merged_out = out_dir.path().join("merged.safetensors");
     let status = Command::new(python())
@@ -233,11 +302,21 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
         .status()
         .unwrap();
     assert!(status.success(), "peft_forward.py failed on the merged checkpoint");
-    let merged_logits: Vec<f32> = read_all(&merged_out)["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let merged_logits: Vec<f32> =
+        read_all(&merged_out)["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     let err = rel_err(&merged_logits, &peft_logits);
     eprintln!("merged checkpoint in transformers vs PEFT: logits relative error {err:e}");
     assert!(err <= 1e-4, "merged checkpoint differs from base + adapter in PEFT: {err:e}");
-    let again = common::llora(&["export", "--merged", "--model", base_only.to_str().unwrap(), "--adapter", adapter_dir.to_str().unwrap(), "--out", merged.to_str().unwrap()]);
+    let again = common::llora(&[
+        "export",
+        "--merged",
+        "--model",
+        base_only.to_str().unwrap(),
+        "--adapter",
+        adapter_dir.to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
     assert!(!again.status.success() && common::text(&again).1.contains("already holds a checkpoint"));
 }
 
@@ -245,7 +324,23 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
 /// torch.optim.AdamW: per-step losses and every LoRA weight after each update.
 #[test]
 fn training_steps_match_torch_adamw() {
-    let dir = fixture("tiny-s64-b2-3steps", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "3"]);
+    let dir = fixture(
+        "tiny-s64-b2-3steps",
+        &[
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--lora-dropout",
+            "0",
+            "--lora-b-init",
+            "normal",
+            "--check-steps",
+            "3",
+        ],
+    );
     let fx = load_fixture(&dir);
     let device = Device::libtorch().autodiff();
     let mut model = HfCheckpoint::open(&dir).unwrap().load_model(None, false, &device).unwrap();
@@ -260,7 +355,16 @@ fn training_steps_match_torch_adamw() {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let lr = lr_at(0, optim_cfg.lr, &schedule);
-        let llora_trainer::train::StepStats { loss, grad_norm: norm, .. } = train_step(&mut model, &mut optim, &llora_trainer::collective::SingleProcess, vec![(ids, labels)], n_tokens, lr, optim_cfg.clip_grad_norm).unwrap();
+        let llora_trainer::train::StepStats { loss, grad_norm: norm, .. } = train_step(
+            &mut model,
+            &mut optim,
+            &llora_trainer::collective::SingleProcess,
+            vec![(ids, labels)],
+            n_tokens,
+            lr,
+            optim_cfg.clip_grad_norm,
+        )
+        .unwrap();
         let ref_loss = fx.json["losses"][k - 1].as_f64().unwrap();
         let ref_norm = fx.json["grad_norm_total_preclip"][k - 1].as_f64().unwrap();
         assert!((loss - ref_loss).abs() <= 1e-4, "step {k}: loss {loss} vs {ref_loss}");
@@ -280,7 +384,23 @@ fn training_steps_match_torch_adamw() {
 /// `llora eval` on HF's batch (written as MLPerf-schema parquet) prints HF + PEFT's loss.
 #[test]
 fn eval_command_reports_the_hf_peft_loss() {
-    let dir = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let dir = fixture(
+        "tiny-s64-b2",
+        &[
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--lora-dropout",
+            "0",
+            "--lora-b-init",
+            "normal",
+            "--check-steps",
+            "1",
+        ],
+    );
     let fx = load_fixture(&dir);
     let s = fx.input_ids.0[1];
     let rows: Vec<llora_data::Sample> = fx
@@ -288,12 +408,25 @@ fn eval_command_reports_the_hf_peft_loss() {
         .1
         .chunks(s)
         .zip(fx.labels.1.chunks(s))
-        .map(|(ids, labels)| llora_data::Sample { input_ids: ids.iter().map(|&t| t as u32).collect(), labels: labels.to_vec() })
+        .map(|(ids, labels)| llora_data::Sample {
+            input_ids: ids.iter().map(|&t| t as u32).collect(),
+            labels: labels.to_vec(),
+        })
         .collect();
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("batch.parquet");
     llora_data::parquet_io::write_parquet(&data, &rows).unwrap();
-    let out = common::llora(&["eval", "--model", dir.to_str().unwrap(), "--adapter", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--batch-size", "2"]);
+    let out = common::llora(&[
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--adapter",
+        dir.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--batch-size",
+        "2",
+    ]);
     let (stdout, stderr) = common::text(&out);
     assert!(out.status.success(), "{stderr}");
     let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
@@ -310,7 +443,23 @@ fn eval_command_reports_the_hf_peft_loss() {
 /// pre-training save) loads in transformers and, with PEFT's adapter, gives HF's loss.
 #[test]
 fn saved_hf_checkpoint_loads_in_transformers() {
-    let dir = fixture("tiny-s64-b2", &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-dropout", "0", "--lora-b-init", "normal", "--check-steps", "1"]);
+    let dir = fixture(
+        "tiny-s64-b2",
+        &[
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--lora-dropout",
+            "0",
+            "--lora-b-init",
+            "normal",
+            "--check-steps",
+            "1",
+        ],
+    );
     let fx = load_fixture(&dir);
     let device = Device::libtorch();
     let mut model = HfCheckpoint::open(&dir).unwrap().load_model(None, false, &device).unwrap();
@@ -331,5 +480,8 @@ fn saved_hf_checkpoint_loads_in_transformers() {
     let res = read_all(&out);
     let loss = f32::from_le_bytes(res["loss"].1[..4].try_into().unwrap());
     let reference = fx.json["losses"][0].as_f64().unwrap() as f32;
-    assert!(((loss - reference) / reference).abs() <= 1e-6, "transformers on llora's checkpoint: {loss} vs {reference}");
+    assert!(
+        ((loss - reference) / reference).abs() <= 1e-6,
+        "transformers on llora's checkpoint: {loss} vs {reference}"
+    );
 }

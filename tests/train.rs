@@ -7,12 +7,32 @@ use common::{llora, text};
 /// Keys the MLPerf checker requires exactly once for llama2_70b_lora under ruleset 6.1.0,
 /// typed in from shared/docs/mlperf-llama2-70b-lora.md.
 const EXACTLY_ONCE: &[&str] = &[
-    "submission_benchmark", "submission_division", "submission_org", "submission_platform", "init_stop", "run_start",
-    "run_stop", "train_samples", "eval_samples", "global_batch_size", "gradient_accumulation_steps",
-    "opt_base_learning_rate", "opt_learning_rate_training_steps", "opt_gradient_clip_norm", "opt_adamw_weight_decay",
-    "lora_rank", "lora_alpha", "lowest_numerical_precision_in_linear", "lowest_numerical_precision_in_attn",
-    "lowest_numerical_precision_in_comm", "tensor_parallelism", "pipeline_parallelism", "context_parallelism",
-    "expert_parallelism", "micro_batch_size", "config_filename",
+    "submission_benchmark",
+    "submission_division",
+    "submission_org",
+    "submission_platform",
+    "init_stop",
+    "run_start",
+    "run_stop",
+    "train_samples",
+    "eval_samples",
+    "global_batch_size",
+    "gradient_accumulation_steps",
+    "opt_base_learning_rate",
+    "opt_learning_rate_training_steps",
+    "opt_gradient_clip_norm",
+    "opt_adamw_weight_decay",
+    "lora_rank",
+    "lora_alpha",
+    "lowest_numerical_precision_in_linear",
+    "lowest_numerical_precision_in_attn",
+    "lowest_numerical_precision_in_comm",
+    "tensor_parallelism",
+    "pipeline_parallelism",
+    "context_parallelism",
+    "expert_parallelism",
+    "micro_batch_size",
+    "config_filename",
 ];
 
 /// The embedded tiny config without its pre-trained base (no `model.path`, no
@@ -44,9 +64,22 @@ fn reaching_the_target_logs_an_mlperf_run() {
     let run_dir = dir.path().join("run");
     let config = random_base_config(dir.path());
     let out = llora(&[
-        "train", &config, "--set", &format!("run.dir=\"{}\"", run_dir.display()), "--set", "schedule.max_steps=8",
-        "--set", "eval.every_samples=16", "--set", "eval.target_loss=100.0", "--set", "data.synthetic.train_samples=64",
-        "--set", "data.synthetic.eval_samples=4", "--set", "data.max_seq_len=128",
+        "train",
+        &config,
+        "--set",
+        &format!("run.dir=\"{}\"", run_dir.display()),
+        "--set",
+        "schedule.max_steps=8",
+        "--set",
+        "eval.every_samples=16",
+        "--set",
+        "eval.target_loss=100.0",
+        "--set",
+        "data.synthetic.train_samples=64",
+        "--set",
+        "data.synthetic.eval_samples=4",
+        "--set",
+        "data.max_seq_len=128",
     ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
@@ -75,7 +108,10 @@ fn reaching_the_target_logs_an_mlperf_run() {
     assert!(pos("init_stop") < pos("run_start") && pos("run_start") < pos("train_samples"));
     assert!(pos("eval_start") < pos("eval_accuracy") && pos("eval_stop") < pos("run_stop"));
     for k in ["block_start", "block_stop", "eval_start", "eval_stop"] {
-        assert!(lines.iter().any(|l| l["key"] == k && l["metadata"]["samples_count"].is_u64()), "{k} with samples_count");
+        assert!(
+            lines.iter().any(|l| l["key"] == k && l["metadata"]["samples_count"].is_u64()),
+            "{k} with samples_count"
+        );
     }
     // PEFT-format adapter and per-step metrics are left in the run directory.
     assert!(run_dir.join("adapter/adapter_model.safetensors").is_file());
@@ -89,9 +125,22 @@ fn max_steps_without_the_target_is_an_aborted_run() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let out = llora(&[
-        "train", &config, "--set", &format!("run.dir=\"{}\"", dir.path().display()), "--set", "schedule.max_steps=2",
-        "--set", "eval.every_samples=8", "--set", "eval.target_loss=0.001", "--set", "data.synthetic.train_samples=32",
-        "--set", "data.synthetic.eval_samples=2", "--set", "data.max_seq_len=128",
+        "train",
+        &config,
+        "--set",
+        &format!("run.dir=\"{}\"", dir.path().display()),
+        "--set",
+        "schedule.max_steps=2",
+        "--set",
+        "eval.every_samples=8",
+        "--set",
+        "eval.target_loss=0.001",
+        "--set",
+        "data.synthetic.train_samples=32",
+        "--set",
+        "data.synthetic.eval_samples=2",
+        "--set",
+        "data.max_seq_len=128",
     ]);
     let (_, stderr) = text(&out);
     assert!(!out.status.success());
@@ -106,7 +155,14 @@ fn max_steps_without_the_target_is_an_aborted_run() {
 fn the_70b_config_fails_early_without_weights() {
     let dir = tempfile::tempdir().unwrap();
     let started = std::time::Instant::now();
-    let out = llora(&["train", "configs/llama2-70b-mlperf.toml", "--set", "run.device=cpu", "--set", &format!("run.dir=\"{}\"", dir.path().display())]);
+    let out = llora(&[
+        "train",
+        "configs/llama2-70b-mlperf.toml",
+        "--set",
+        "run.device=cpu",
+        "--set",
+        &format!("run.dir=\"{}\"", dir.path().display()),
+    ]);
     let (_, stderr) = text(&out);
     assert!(!out.status.success());
     assert!(stderr.contains("model.path") && stderr.contains("no such directory"), "{stderr}");
@@ -124,9 +180,13 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
     let check = common::root().join("../shared/mlperf/check.sh");
     assert!(check.is_file(), "{} missing: this test needs shared/ beside the repository", check.display());
     let mut samples = Vec::new();
-    for (name, sets) in [("fp32", vec![]), ("fp8", vec!["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"])] {
+    for (name, sets) in [
+        ("fp32", vec![]),
+        ("fp8", vec!["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"]),
+    ] {
         let run_dir = dir.path().join(name);
-        let (run_set, base_set) = (format!("run.dir=\"{}\"", run_dir.display()), format!("model.path=\"{}\"", base.display()));
+        let (run_set, base_set) =
+            (format!("run.dir=\"{}\"", run_dir.display()), format!("model.path=\"{}\"", base.display()));
         let mut args = vec!["train", "--set", &run_set, "--set", &base_set];
         for s in &sets {
             args.extend(["--set", s]);
@@ -134,8 +194,16 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
         let out = llora(&args);
         let (stdout, stderr) = text(&out);
         assert!(out.status.success() && stdout.contains("status: success"), "{name}: {stdout}\n{stderr}");
-        assert!(base.join("config.json").is_file() && base.join("model.safetensors").is_file(), "pre-trained base not saved");
-        let n: u64 = stdout.split("samples: ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap();
+        assert!(
+            base.join("config.json").is_file() && base.join("model.safetensors").is_file(),
+            "pre-trained base not saved"
+        );
+        let n: u64 = stdout
+            .split("samples: ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap();
         samples.push(n);
         let log = run_dir.join("result_0.txt");
         let res = std::process::Command::new("bash").arg(&check).arg(&log).output().unwrap();
@@ -147,7 +215,8 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
     let (fp32, fp8) = (samples[0] as f64, samples[1] as f64);
     assert!(fp8 <= fp32 * 1.15, "FP8 needed {fp8} samples, fp32 {fp32} (more than 15% more)");
     let svg = dir.path().join("fp8-vs-fp32.svg");
-    let (a, b) = (format!("fp32={}", dir.path().join("fp32").display()), format!("fp8={}", dir.path().join("fp8").display()));
+    let (a, b) =
+        (format!("fp32={}", dir.path().join("fp32").display()), format!("fp8={}", dir.path().join("fp8").display()));
     let out = llora(&["plot", &a, &b, "--out", svg.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
@@ -194,7 +263,8 @@ fn sigkilled_run_resumes_to_the_same_adapters() {
 /// or the resumed steps would quantise with other scales and the adapters would differ.
 #[test]
 fn sigkilled_fp8_run_resumes_to_the_same_adapters() {
-    let dir = kill_and_resume(&["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"]);
+    let dir =
+        kill_and_resume(&["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"]);
     let scales = std::fs::read_to_string(dir.path().join("killed/resume/fp8_scales.json")).unwrap();
     let scales: serde_json::Value = serde_json::from_str(&scales).unwrap();
     let q = &scales["model.layers.0.self_attn.q_proj.lora_A"];
@@ -220,7 +290,8 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     let kill_at = 2 + (nanos % 9) as u64;
     let mut args = extra(short_run_args(&config, &killed));
     args.extend(["--set".into(), "run.checkpoint_every=1".into()]);
-    let mut child = common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut child =
+        common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::null()).spawn().unwrap();
     let started = std::time::Instant::now();
     while checkpoint_step(&killed).is_none_or(|s| s < kill_at) {
         assert!(child.try_wait().unwrap().is_none(), "the run ended before step {kill_at}");
@@ -240,7 +311,8 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     assert!(a == b, "adapters differ after a SIGKILL at step {at} (aimed at {kill_at}) and resume ({sets:?})");
     // The resumed run continued the same metrics file: 12 train records, none repeated past the kill.
     let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
-    let last: serde_json::Value = serde_json::from_str(metrics.lines().rfind(|l| l.contains("\"loss\"")).unwrap()).unwrap();
+    let last: serde_json::Value =
+        serde_json::from_str(metrics.lines().rfind(|l| l.contains("\"loss\"")).unwrap()).unwrap();
     assert_eq!(last["step"], 12);
     dir
 }
@@ -252,7 +324,8 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     let run = dir.path().join("run");
     let mut args = short_run_args(&config, &run);
     args.extend(["--set".into(), "schedule.max_steps=1000".into()]);
-    let child = common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let child =
+        common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let started = std::time::Instant::now();
     while !std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
         assert!(started.elapsed().as_secs() < 300, "no step after 5 minutes");
@@ -280,7 +353,8 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
 /// passes, which must not change it (they were not in the recording run).
 #[test]
 fn first_losses_match_the_golden_values() {
-    const GOLDEN: [f64; 5] = [6.2562907338142395, 6.161059856414795, 6.098158121109009, 6.050810396671295, 6.06279718875885];
+    const GOLDEN: [f64; 5] =
+        [6.2562907338142395, 6.161059856414795, 6.098158121109009, 6.050810396671295, 6.06279718875885];
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let run = dir.path().join("run");
@@ -308,9 +382,23 @@ fn mlperf_run_makes_seeded_logs_and_scores_them() {
     let config = random_base_config(dir.path());
     let out_dir = dir.path().join("results");
     let out = llora(&[
-        "mlperf", "run", &config, "--runs", "3", "--out", out_dir.to_str().unwrap(), "--set", "eval.every_samples=16",
-        "--set", "eval.target_loss=100.0", "--set", "data.synthetic.train_samples=32", "--set", "data.synthetic.eval_samples=2",
-        "--set", "data.max_seq_len=128",
+        "mlperf",
+        "run",
+        &config,
+        "--runs",
+        "3",
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--set",
+        "eval.every_samples=16",
+        "--set",
+        "eval.target_loss=100.0",
+        "--set",
+        "data.synthetic.train_samples=32",
+        "--set",
+        "data.synthetic.eval_samples=2",
+        "--set",
+        "data.max_seq_len=128",
     ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");

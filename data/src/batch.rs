@@ -62,7 +62,14 @@ pub struct StepBatch {
 }
 
 /// The endless stream of global batches drawn by `order`, prepared by `workers` threads.
-pub fn train_batches(data: Arc<Vec<Sample>>, mut order: ShardedOrder, global: usize, micro: usize, padding: Padding, workers: usize) -> Prefetched<StepBatch> {
+pub fn train_batches(
+    data: Arc<Vec<Sample>>,
+    mut order: ShardedOrder,
+    global: usize,
+    micro: usize,
+    padding: Padding,
+    workers: usize,
+) -> Prefetched<StepBatch> {
     let jobs = std::iter::from_fn(move || {
         let indices: Vec<usize> = (0..global).map(|_| order.next_index()).collect();
         Some((indices, order.position()))
@@ -111,7 +118,8 @@ mod tests {
     /// Workers change nothing: the batches (and positions) equal the inline stream's.
     #[test]
     fn train_stream_is_the_same_with_any_workers() {
-        let data: Arc<Vec<Sample>> = Arc::new((0..37u32).map(|i| s(&[1, i + 2, i + 3], &[-100, (i + 2) as i64, -100])).collect());
+        let data: Arc<Vec<Sample>> =
+            Arc::new((0..37u32).map(|i| s(&[1, i + 2, i + 3], &[-100, (i + 2) as i64, -100])).collect());
         let take = |workers| {
             let order = ShardedOrder::new(data.len(), 9, 0, 1, true, Position::default()).unwrap();
             train_batches(data.clone(), order, 8, 2, Padding::Longest, workers).take(12).collect::<Vec<_>>()

@@ -44,7 +44,9 @@ impl Sample {
         if let Some((i, id)) = self.input_ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
             return Err(format!("input_ids[{i}] = {id} is outside the vocabulary [0, {vocab})"));
         }
-        if let Some((i, l)) = self.labels.iter().enumerate().find(|(_, l)| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab)) {
+        if let Some((i, l)) =
+            self.labels.iter().enumerate().find(|(_, l)| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab))
+        {
             return Err(format!("labels[{i}] = {l} is neither -100 nor a token id in [0, {vocab})"));
         }
         if self.target_tokens() == 0 {

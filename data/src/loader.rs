@@ -33,12 +33,24 @@ pub struct ShardedOrder {
 
 impl ShardedOrder {
     /// A stream over `len` samples for `rank` of `world`, starting at `position`.
-    pub fn new(len: usize, seed: u64, rank: usize, world: usize, shuffle: bool, position: Position) -> anyhow::Result<Self> {
+    pub fn new(
+        len: usize,
+        seed: u64,
+        rank: usize,
+        world: usize,
+        shuffle: bool,
+        position: Position,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(world >= 1 && rank < world, "rank {rank} is not in 0..{world}");
         anyhow::ensure!(len >= world, "{len} samples cannot be sharded over {world} ranks");
         let mut s = Self { len, seed, rank, world, shuffle, position, order: Vec::new() };
         s.order = s.epoch_order(position.epoch);
-        anyhow::ensure!(position.index <= s.order.len(), "position index {} is past the shard's {} samples", position.index, s.order.len());
+        anyhow::ensure!(
+            position.index <= s.order.len(),
+            "position index {} is past the shard's {} samples",
+            position.index,
+            s.order.len()
+        );
         Ok(s)
     }
 

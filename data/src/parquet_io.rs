@@ -76,7 +76,11 @@ pub fn write_parquet(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
     let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(ids) as ArrayRef, Arc::new(labels)])?;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("data"), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("data"),
+        std::process::id()
+    ));
     let file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let mut writer = ArrowWriter::try_new(file, schema, None)?;
     writer.write(&batch)?;
@@ -101,15 +105,24 @@ fn row_values(col: &ListArray, row: usize) -> Result<Vec<i64>, String> {
 }
 
 fn list_column<'a>(batch: &'a RecordBatch, name: &str, path: &Path) -> anyhow::Result<&'a ListArray> {
-    let col = batch
-        .column_by_name(name)
-        .with_context(|| format!("{}: no column {name:?} (columns: {:?})", path.display(), batch.schema().fields().iter().map(|f| f.name()).collect::<Vec<_>>()))?;
-    col.as_list_opt::<i32>().with_context(|| format!("{}: column {name:?} is {}, expected a list of int32 or int64", path.display(), col.data_type()))
+    let col = batch.column_by_name(name).with_context(|| {
+        format!(
+            "{}: no column {name:?} (columns: {:?})",
+            path.display(),
+            batch.schema().fields().iter().map(|f| f.name()).collect::<Vec<_>>()
+        )
+    })?;
+    col.as_list_opt::<i32>().with_context(|| {
+        format!("{}: column {name:?} is {}, expected a list of int32 or int64", path.display(), col.data_type())
+    })
 }
 
 /// Calls `each(batch, index of its first row)` for every record batch of a parquet or Arrow
 /// IPC file (told apart by their magic bytes), so memory grows with one batch, not the file.
-pub fn for_each_batch(path: &Path, mut each: impl FnMut(&RecordBatch, usize) -> anyhow::Result<()>) -> anyhow::Result<usize> {
+pub fn for_each_batch(
+    path: &Path,
+    mut each: impl FnMut(&RecordBatch, usize) -> anyhow::Result<()>,
+) -> anyhow::Result<usize> {
     let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut magic = [0u8; 6];
     let n = file.read(&mut magic).with_context(|| format!("cannot read {}", path.display()))?;
@@ -124,7 +137,10 @@ pub fn for_each_batch(path: &Path, mut each: impl FnMut(&RecordBatch, usize) -> 
                 .with_context(|| format!("{}: cannot read", path.display()))?,
         )
     } else if &magic[..n] == b"ARROW1" {
-        Box::new(arrow_ipc::reader::FileReader::try_new(file, None).with_context(|| format!("{}: not a readable Arrow IPC file", path.display()))?)
+        Box::new(
+            arrow_ipc::reader::FileReader::try_new(file, None)
+                .with_context(|| format!("{}: not a readable Arrow IPC file", path.display()))?,
+        )
     } else {
         Box::new(
             arrow_ipc::reader::StreamReader::try_new(file, None)
@@ -168,7 +184,10 @@ pub fn for_each_row(path: &Path, opts: &ReadOptions, mut each: impl FnMut(Sample
                     }
                     // One sample per sequence: padding inside a row would be attended to.
                     if let Some(i) = m.iter().position(|&x| x != 1) {
-                        return Err(format!("attention_mask[{i}] = {} (padded rows are not supported; one sample per row)", m[i]));
+                        return Err(format!(
+                            "attention_mask[{i}] = {} (padded rows are not supported; one sample per row)",
+                            m[i]
+                        ));
                     }
                 }
                 if let Some((i, id)) = input_ids.iter().enumerate().find(|(_, id)| **id < 0 || **id > u32::MAX as i64) {
@@ -225,7 +244,8 @@ mod tests {
             }
         }
         let arrays: Vec<ArrayRef> = cols.iter_mut().map(|c| Arc::new(c.finish()) as ArrayRef).collect();
-        let batch = RecordBatch::try_from_iter(["input_ids", "labels", "attention_mask"].into_iter().zip(arrays)).unwrap();
+        let batch =
+            RecordBatch::try_from_iter(["input_ids", "labels", "attention_mask"].into_iter().zip(arrays)).unwrap();
         let mut w = ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), None).unwrap();
         w.write(&batch).unwrap();
         w.close().unwrap();
@@ -283,7 +303,10 @@ mod tests {
     fn arrow_ipc_file_and_stream_read() {
         let dir = tempfile::tempdir().unwrap();
         let parquet = dir.path().join("src.parquet");
-        write_int32_with_mask(&parquet, &[(vec![1, 4, 5], vec![-100, 4, 5], vec![1, 1, 1]), (vec![1, 7], vec![-100, 7], vec![1, 1])]);
+        write_int32_with_mask(
+            &parquet,
+            &[(vec![1, 4, 5], vec![-100, 4, 5], vec![1, 1, 1]), (vec![1, 7], vec![-100, 7], vec![1, 1])],
+        );
         let mut batches = Vec::new();
         for_each_batch(&parquet, |b, _| {
             batches.push(b.clone());

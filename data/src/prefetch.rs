@@ -52,7 +52,12 @@ where
     F: Fn(J) -> T + Send + Sync + 'static,
 {
     if workers == 0 {
-        return Prefetched { inline: Some(Box::new(jobs.map(work))), results: Vec::new(), next: 0, threads: Vec::new() };
+        return Prefetched {
+            inline: Some(Box::new(jobs.map(work))),
+            results: Vec::new(),
+            next: 0,
+            threads: Vec::new(),
+        };
     }
     let depth = depth.max(1);
     let work = Arc::new(work);

@@ -30,12 +30,14 @@ pub const SUMMARY_MARK: [u32; 2] = [3, 8];
 /// First content token id.
 pub const FIRST_CONTENT: u32 = 16;
 /// The words of ids 0..=8; ids 9..16 are unused (`<unused_N>`).
-pub const SPECIAL_WORDS: [&str; 9] = ["<unk>", "<s>", "</s>", "###", "Summarize", "the", "following", "text:", "Summary:"];
+pub const SPECIAL_WORDS: [&str; 9] =
+    ["<unk>", "<s>", "</s>", "###", "Summarize", "the", "following", "text:", "Summary:"];
 
 /// The made-up word of content token `id` (≥ [`FIRST_CONTENT`]): the id's base-16 digits as
 /// syllables, at least two, so every id has its own word and none is a template word.
 pub fn word(id: u32) -> String {
-    const SYL: [&str; 16] = ["ka", "lo", "mi", "ru", "se", "ta", "ne", "po", "fi", "da", "gu", "be", "zo", "wa", "hi", "ye"];
+    const SYL: [&str; 16] =
+        ["ka", "lo", "mi", "ru", "se", "ta", "ne", "po", "fi", "da", "gu", "be", "zo", "wa", "hi", "ye"];
     let mut k = id - FIRST_CONTENT;
     let mut w = String::new();
     for digit in 0.. {
@@ -118,7 +120,8 @@ impl Synth {
                 for i in (1..words.len()).rev() {
                     words.swap(i, rng.random_range(0..=i));
                 }
-                let weights = WeightedIndex::new((1..=slice).map(|r| 1.0 / (r as f64).powf(1.1))).expect("positive weights");
+                let weights =
+                    WeightedIndex::new((1..=slice).map(|r| 1.0 / (r as f64).powf(1.1))).expect("positive weights");
                 let abstract_ = (0..config.summary_len).map(|_| words[rng.random_range(0..slice)]).collect();
                 Topic { words, weights, abstract_ }
             })
@@ -178,7 +181,8 @@ impl Document {
         let prompt_len = ids.len();
         ids.extend(&self.summary);
         ids.push(EOS);
-        let labels = ids.iter().enumerate().map(|(i, &t)| if i < prompt_len { IGNORE_INDEX } else { t as i64 }).collect();
+        let labels =
+            ids.iter().enumerate().map(|(i, &t)| if i < prompt_len { IGNORE_INDEX } else { t as i64 }).collect();
         Sample { input_ids: ids, labels }
     }
 

@@ -46,15 +46,17 @@ pub fn read_pairs(path: &Path) -> anyhow::Result<Vec<TextPair>> {
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
             .map(|(i, l)| {
-                serde_json::from_str::<TextPair>(l)
-                    .with_context(|| format!("{}: line {}: expected {{\"input\": string, \"output\": string}}", path.display(), i + 1))
+                serde_json::from_str::<TextPair>(l).with_context(|| {
+                    format!("{}: line {}: expected {{\"input\": string, \"output\": string}}", path.display(), i + 1)
+                })
             })
             .collect();
     }
     let mut pairs = Vec::new();
     crate::parquet_io::for_each_batch(path, |batch: &RecordBatch, first_row| {
         let col = |name: &str| -> anyhow::Result<Vec<Option<String>>> {
-            let c = batch.column_by_name(name).with_context(|| format!("{}: no string column {name:?}", path.display()))?;
+            let c =
+                batch.column_by_name(name).with_context(|| format!("{}: no string column {name:?}", path.display()))?;
             Ok(match c.data_type() {
                 DataType::Utf8 => c.as_string::<i32>().iter().map(|s| s.map(str::to_string)).collect(),
                 DataType::LargeUtf8 => c.as_string::<i64>().iter().map(|s| s.map(str::to_string)).collect(),
@@ -114,7 +116,8 @@ pub fn tokenize_pairs(tokenizer: &Tokenizer, pairs: &[TextPair], max_seq_len: us
         ids.extend_from_slice(p.get_ids());
         let prompt_len = ids.len();
         ids.extend_from_slice(t.get_ids());
-        let labels = ids.iter().enumerate().map(|(j, &id)| if j < prompt_len { IGNORE_INDEX } else { id as i64 }).collect();
+        let labels =
+            ids.iter().enumerate().map(|(j, &id)| if j < prompt_len { IGNORE_INDEX } else { id as i64 }).collect();
         out.samples.push(Sample { input_ids: ids, labels });
     }
     Ok(out)
@@ -147,14 +150,16 @@ mod tests {
     fn synthetic_text_tokenises_to_the_synthetic_samples() {
         let synth = Synth::new(SynthConfig { vocab: 2048, max_seq_len: 600, ..Default::default() }).unwrap();
         let docs = synth.documents(0, 40);
-        let pairs: Vec<TextPair> = docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
+        let pairs: Vec<TextPair> =
+            docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
         let tok = synthetic_tokenizer(2048).unwrap();
         let got = tokenize_pairs(&tok, &pairs, 600).unwrap();
         assert!(got.dropped.is_empty());
         assert_eq!(got.samples, synth.samples(0, 40));
         // A tighter limit drops the long ones and says which.
         let short = tokenize_pairs(&tok, &pairs, 300).unwrap();
-        let expected: Vec<usize> = synth.samples(0, 40).iter().enumerate().filter(|(_, s)| s.input_ids.len() > 300).map(|(i, _)| i).collect();
+        let expected: Vec<usize> =
+            synth.samples(0, 40).iter().enumerate().filter(|(_, s)| s.input_ids.len() > 300).map(|(i, _)| i).collect();
         assert_eq!(short.dropped, expected);
         assert!(!expected.is_empty());
     }

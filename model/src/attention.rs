@@ -64,8 +64,13 @@ fn cuda_fused_verified(n: usize) -> bool {
     *VERIFIED.get_or_init(|| {
         let ok = verify_fused(tch::Device::Cuda(n));
         match &ok {
-            Ok(()) => tracing::info!(device = n, "fused CUDA attention (memory-efficient kernel) verified against plain LibTorch"),
-            Err(e) => tracing::warn!(device = n, "fused CUDA attention disabled, using the generic O(S²) attention: {e}"),
+            Ok(()) => tracing::info!(
+                device = n,
+                "fused CUDA attention (memory-efficient kernel) verified against plain LibTorch"
+            ),
+            Err(e) => {
+                tracing::warn!(device = n, "fused CUDA attention disabled, using the generic O(S²) attention: {e}")
+            }
         }
         ok.is_ok()
     })
@@ -116,7 +121,12 @@ pub fn attention_with(kernel: AttentionKernel, q: Tensor<4>, k: Tensor<4>, v: Te
 #[backend_extension(Autodiff, LibTorch)]
 pub trait FusedAttentionBackend: Backend {
     /// Attention over equal head counts, scale 1/√hd, causal or not.
-    fn fused_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, causal: bool) -> FloatTensor<Self>;
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self>;
 }
 
 /// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
@@ -132,17 +142,40 @@ struct Saved {
 /// LibTorch's fused forward for the tensors' device.
 fn torch_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
     if q.device().is_cuda() {
-        let (out, lse, seed, offset) =
-            tch::Tensor::f_internal_scaled_dot_product_efficient_attention(q, k, v, None::<tch::Tensor>, true, 0.0, causal, None)?;
+        let (out, lse, seed, offset) = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(
+            q,
+            k,
+            v,
+            None::<tch::Tensor>,
+            true,
+            0.0,
+            causal,
+            None,
+        )?;
         Ok(Saved { out, lse, philox: Some((seed, offset)) })
     } else {
-        let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, None::<tch::Tensor>, None)?;
+        let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
+            q,
+            k,
+            v,
+            0.0,
+            causal,
+            None::<tch::Tensor>,
+            None,
+        )?;
         Ok(Saved { out, lse, philox: None })
     }
 }
 
 /// LibTorch's fused backward: (dq, dk, dv) for the upstream gradient `grad`.
-fn torch_backward(grad: &tch::Tensor, q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, saved: &Saved, causal: bool) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
+fn torch_backward(
+    grad: &tch::Tensor,
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    saved: &Saved,
+    causal: bool,
+) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
     // The kernels assume a dense gradient; upstream reshapes can hand it a strided view.
     let grad = grad.contiguous();
     match &saved.philox {
@@ -205,7 +238,8 @@ pub fn verify_fused(device: tch::Device) -> Result<(), String> {
         let (dq, dk, dv) = torch_backward(&w, &q, &k, &v, &saved, causal).map_err(|e| format!("backward: {e}"))?;
         // The reference, with autograd.
         tch::with_grad(|| {
-            let (qr, kr, vr) = (q.detach().requires_grad_(true), k.detach().requires_grad_(true), v.detach().requires_grad_(true));
+            let (qr, kr, vr) =
+                (q.detach().requires_grad_(true), k.detach().requires_grad_(true), v.detach().requires_grad_(true));
             let mut scores = qr.matmul(&kr.transpose(-2, -1)) / (hd as f64).sqrt();
             if causal {
                 let mask = tch::Tensor::ones([s, s], (tch::Kind::Bool, device)).triu(1);
@@ -213,12 +247,19 @@ pub fn verify_fused(device: tch::Device) -> Result<(), String> {
             }
             let out = scores.softmax(-1, tch::Kind::Float).matmul(&vr);
             (&out * &w).sum(tch::Kind::Float).backward();
-            for (name, got, want) in [("output", &saved.out, &out), ("dq", &dq, &qr.grad()), ("dk", &dk, &kr.grad()), ("dv", &dv, &vr.grad())] {
+            for (name, got, want) in [
+                ("output", &saved.out, &out),
+                ("dq", &dq, &qr.grad()),
+                ("dk", &dk, &kr.grad()),
+                ("dv", &dv, &vr.grad()),
+            ] {
                 let err = (got - want).abs().max().double_value(&[]);
                 let scale = want.abs().max().double_value(&[]).max(1e-6);
                 let close = err / scale < 1e-3; // false for NaN, which must count as a mismatch
                 if !close {
-                    return Err(format!("{name} differs (causal {causal}): max |error| {err:.3e} against max |value| {scale:.3e}"));
+                    return Err(format!(
+                        "{name} differs (causal {causal}): max |error| {err:.3e} against max |value| {scale:.3e}"
+                    ));
                 }
             }
             Ok(())
@@ -263,7 +304,8 @@ impl Backward<LibTorch, 3> for FusedAttentionBackward {
             lse: st.lse.tensor.shallow_clone(),
             philox: st.philox.as_ref().map(|(a, b)| (a.tensor.shallow_clone(), b.tensor.shallow_clone())),
         };
-        let (dq, dk, dv) = torch_backward(&grad.tensor, &st.q.tensor, &st.k.tensor, &st.v.tensor, &saved, st.causal).expect("fused attention backward");
+        let (dq, dk, dv) = torch_backward(&grad.tensor, &st.q.tensor, &st.k.tensor, &st.v.tensor, &saved, st.causal)
+            .expect("fused attention backward");
         for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
             if let Some(node) = node {
                 grads.register::<LibTorch>(node.id, TchTensor::new(g));
@@ -273,7 +315,12 @@ impl Backward<LibTorch, 3> for FusedAttentionBackward {
 }
 
 impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
-    fn fused_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, causal: bool) -> FloatTensor<Self> {
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self> {
         // Node handles first: `into_primitive` consumes the autodiff tensors.
         let nodes = [q.node(), k.node(), v.node()];
         match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
@@ -290,7 +337,9 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
             }
             OpsKind::UnTracked(prep) => {
                 let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-                prep.finish(TchTensor::new(torch_forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out))
+                prep.finish(TchTensor::new(
+                    torch_forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out,
+                ))
             }
         }
     }
@@ -344,7 +393,16 @@ mod tests {
     fn self_check_accepts_cpu_and_reports_failures() {
         assert_eq!(verify_fused(tch::Device::Cpu), Ok(()));
         let q = tch::Tensor::randn([1, 1, 4, 8], (tch::Kind::Float, tch::Device::Cpu));
-        let r = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(&q, &q, &q, None::<tch::Tensor>, true, 0.0, true, None);
+        let r = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(
+            &q,
+            &q,
+            &q,
+            None::<tch::Tensor>,
+            true,
+            0.0,
+            true,
+            None,
+        );
         assert!(r.is_err(), "the CUDA kernel unexpectedly ran on the CPU");
     }
 
@@ -357,6 +415,8 @@ mod tests {
         let k = rand([1, 2, 5, 8], &device);
         let v = rand([1, 2, 5, 8], &device);
         let out = causal_attention(q, k, v.clone());
-        out.narrow(2, 0, 1).into_data().assert_approx_eq::<f32>(&v.narrow(2, 0, 1).into_data(), Tolerance::absolute(1e-6));
+        out.narrow(2, 0, 1)
+            .into_data()
+            .assert_approx_eq::<f32>(&v.narrow(2, 0, 1).into_data(), Tolerance::absolute(1e-6));
     }
 }

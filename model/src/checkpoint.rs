@@ -40,10 +40,8 @@ impl Shard {
 
     /// The named tensor converted to f32, checked against `expected` shape.
     fn read_f32(&self, name: &str, expected: &[usize]) -> anyhow::Result<TensorData> {
-        let info = self
-            .meta
-            .info(name)
-            .with_context(|| format!("tensor {name} is missing from {}", self.path.display()))?;
+        let info =
+            self.meta.info(name).with_context(|| format!("tensor {name} is missing from {}", self.path.display()))?;
         ensure!(
             info.shape == expected,
             "tensor {name} in {}: expected shape {expected:?}, found {:?}",
@@ -126,10 +124,7 @@ impl HfCheckpoint {
             }
             shards.push(shard);
         } else {
-            bail!(
-                "{} has neither model.safetensors nor model.safetensors.index.json",
-                dir.display()
-            );
+            bail!("{} has neither model.safetensors nor model.safetensors.index.json", dir.display());
         }
         if index.contains_key("model.layers.0.self_attn.qkv_proj.weight") {
             config.fused_qkv = true;
@@ -139,14 +134,20 @@ impl HfCheckpoint {
 
     /// Reads one tensor as f32 in the expected shape.
     pub fn read(&self, name: &str, expected: &[usize]) -> anyhow::Result<TensorData> {
-        let shard = self.index.get(name).with_context(|| {
-            format!("tensor {name} is missing from the checkpoint in {}", self.dir.display())
-        })?;
+        let shard = self
+            .index
+            .get(name)
+            .with_context(|| format!("tensor {name} is missing from the checkpoint in {}", self.dir.display()))?;
         self.shards[*shard].read_f32(name, expected)
     }
 
     /// Builds the model from this checkpoint with fresh adapters from `lora`.
-    pub fn load_model(&self, lora: Option<&LoraSpec>, trainable: bool, device: &Device) -> anyhow::Result<LlamaForCausalLM> {
+    pub fn load_model(
+        &self,
+        lora: Option<&LoraSpec>,
+        trainable: bool,
+        device: &Device,
+    ) -> anyhow::Result<LlamaForCausalLM> {
         let mut source = WeightSource::new(device, |name: &str, shape: &[usize]| self.read(name, shape));
         LlamaForCausalLM::build(&self.config, lora, trainable, device, &mut source)
             .with_context(|| format!("loading the model from {}", self.dir.display()))
@@ -222,7 +223,12 @@ pub fn save_hf_checkpoint(model: &mut LlamaForCausalLM, dir: &Path) -> anyhow::R
 /// Saves the model's adapters in PEFT format: `adapter_config.json` and
 /// `adapter_model.safetensors` with PEFT's names
 /// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` `[r, in]`, `lora_B` `[out, r]`).
-pub fn save_peft_adapter(model: &LlamaForCausalLM, spec: &LoraSpec, dir: &Path, base_model: &str) -> anyhow::Result<()> {
+pub fn save_peft_adapter(
+    model: &LlamaForCausalLM,
+    spec: &LoraSpec,
+    dir: &Path,
+    base_model: &str,
+) -> anyhow::Result<()> {
     let mut tensors = Vec::new();
     for (name, adapter) in model.adapters() {
         let (sa, va) = tensor_f32(&adapter.a.val());
@@ -259,7 +265,8 @@ pub fn save_peft_adapter(model: &LlamaForCausalLM, spec: &LoraSpec, dir: &Path, 
 pub fn read_peft_config(dir: &Path) -> anyhow::Result<LoraSpec> {
     let path = dir.join("adapter_config.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
     let field = |k: &str| v.get(k).with_context(|| format!("{}: missing key {k:?}", path.display()));
     let peft_type = field("peft_type")?.as_str().unwrap_or_default();
     ensure!(peft_type == "LORA", "{}: peft_type {peft_type:?} is not supported (LORA only)", path.display());
@@ -277,7 +284,9 @@ pub fn read_peft_config(dir: &Path) -> anyhow::Result<LoraSpec> {
     };
     Ok(LoraSpec {
         rank: field("r")?.as_u64().with_context(|| format!("{}: r is not an integer", path.display()))? as usize,
-        alpha: field("lora_alpha")?.as_f64().with_context(|| format!("{}: lora_alpha is not a number", path.display()))?,
+        alpha: field("lora_alpha")?
+            .as_f64()
+            .with_context(|| format!("{}: lora_alpha is not a number", path.display()))?,
         dropout: v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0),
         targets,
     })
@@ -308,9 +317,8 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
         let [out, inp] = layer.dims();
         let mut take = |which: &str, shape: [usize; 2]| -> anyhow::Result<Tensor<2>> {
             let key = format!("{peft}.{which}.weight");
-            let stored = names
-                .remove(&key)
-                .with_context(|| format!("tensor {key} is missing from {}", path.display()))?;
+            let stored =
+                names.remove(&key).with_context(|| format!("tensor {key} is missing from {}", path.display()))?;
             let data = shard.read_f32(&stored, &shape)?;
             Ok(Tensor::from_data(data, device))
         };
@@ -320,7 +328,10 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
         loaded += 1;
     }
     if let Some(extra) = names.keys().next() {
-        bail!("{}: tensor {extra} matches no module of the base model (wrong base, or a target llora does not know)", path.display());
+        bail!(
+            "{}: tensor {extra} matches no module of the base model (wrong base, or a target llora does not know)",
+            path.display()
+        );
     }
     ensure!(loaded > 0, "{}: no module of the model matches target_modules {:?}", path.display(), spec.targets);
     Ok(spec)

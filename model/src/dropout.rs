@@ -51,7 +51,10 @@ fn keep_mask(x: &tch::Tensor, p: f64) -> tch::Tensor {
     rng.fill_bytes(&mut bytes);
     // Keep when a uniform 32-bit word is below (1 − p)·2³²: exact to 2⁻³².
     let threshold = ((1.0 - p) * 4_294_967_296.0) as u64;
-    let keep: Vec<u8> = bytes.chunks_exact(4).map(|w| u8::from(u64::from(u32::from_le_bytes([w[0], w[1], w[2], w[3]])) < threshold)).collect();
+    let keep: Vec<u8> = bytes
+        .chunks_exact(4)
+        .map(|w| u8::from(u64::from(u32::from_le_bytes([w[0], w[1], w[2], w[3]])) < threshold))
+        .collect();
     tch::Tensor::from_slice(&keep).to_kind(tch::Kind::Bool).reshape(x.size()).to_device(x.device())
 }
 
@@ -83,7 +86,10 @@ impl Backward<LibTorch, 1> for DropoutBackward {
         let grad = grads.consume::<LibTorch>(&ops.node);
         if let Some(node) = node {
             let (mask, scale) = &ops.state;
-            grads.register::<LibTorch>(node.id, TchTensor::new(tch::Tensor::native_dropout_backward(&grad.tensor, &mask.tensor, *scale)));
+            grads.register::<LibTorch>(
+                node.id,
+                TchTensor::new(tch::Tensor::native_dropout_backward(&grad.tensor, &mask.tensor, *scale)),
+            );
         }
     }
 }
@@ -116,7 +122,10 @@ mod tests {
             let x = x0.clone().require_grad();
             let y = dropout(x.clone(), 0.25);
             let grads = y.clone().sum().backward();
-            (y.inner().into_data().to_vec::<f32>().unwrap(), x.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap())
+            (
+                y.inner().into_data().to_vec::<f32>().unwrap(),
+                x.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap(),
+            )
         };
         let (y, g) = run();
         assert!(y.iter().all(|&v| v == 0.0 || v == 4.0), "values other than 0 and 3/(1−0.25)");

@@ -305,7 +305,12 @@ mod tests {
         let want = torch_encode(xs, format);
         for (i, (&x, &w)) in xs.iter().zip(&want).enumerate() {
             let got = format.encode(x);
-            assert_eq!(got, w, "{format:?}: encode({x:e}) (bits {:#010x}, element {i}) = {got:#04x}, torch {w:#04x}", x.to_bits());
+            assert_eq!(
+                got,
+                w,
+                "{format:?}: encode({x:e}) (bits {:#010x}, element {i}) = {got:#04x}, torch {w:#04x}",
+                x.to_bits()
+            );
         }
     }
 

@@ -1,15 +1,15 @@
 //! Llama-architecture causal LM with LoRA adapters for llora.
 #![allow(deprecated)] // burn-tch is deprecated upstream but is the backend llora is built on.
-pub mod device;
-pub mod dropout;
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+pub mod device;
+pub mod dropout;
 pub mod fp8;
 pub mod llama;
-pub mod precision;
 pub mod lora;
 pub mod loss;
+pub mod precision;
 
 pub use config::LlamaConfig;
 pub use llama::LlamaForCausalLM;

@@ -47,8 +47,7 @@ pub fn rope_tables(seq: usize, head_dim: usize, theta: f64, device: &Device) -> 
     let mut sin = Vec::with_capacity(seq * head_dim);
     // Computed in f64 then rounded: HF computes inv_freq in f32 and the angle in f32; the
     // difference is below f32 resolution for the positions and bases Llama uses.
-    let inv_freq: Vec<f32> =
-        (0..half).map(|j| (1.0 / theta.powf((2 * j) as f64 / head_dim as f64)) as f32).collect();
+    let inv_freq: Vec<f32> = (0..half).map(|j| (1.0 / theta.powf((2 * j) as f64 / head_dim as f64)) as f32).collect();
     for pos in 0..seq {
         for _ in 0..2 {
             for f in &inv_freq {
@@ -59,10 +58,7 @@ pub fn rope_tables(seq: usize, head_dim: usize, theta: f64, device: &Device) -> 
         }
     }
     let shape = [1, 1, seq, head_dim];
-    (
-        Tensor::from_data(TensorData::new(cos, shape), device),
-        Tensor::from_data(TensorData::new(sin, shape), device),
-    )
+    (Tensor::from_data(TensorData::new(cos, shape), device), Tensor::from_data(TensorData::new(sin, shape), device))
 }
 
 /// `x·cos + rotate_half(x)·sin`, with `rotate_half(x) = cat(-x[hd/2:], x[:hd/2])`.
@@ -114,9 +110,15 @@ impl Attention {
         let (q, k, v) = match (&self.qkv_proj, &self.q_proj, &self.k_proj, &self.v_proj) {
             (Some(qkv), ..) => {
                 let fused = qkv.forward(x, train);
-                (fused.clone().narrow(2, 0, h * hd), fused.clone().narrow(2, h * hd, kv * hd), fused.narrow(2, (h + kv) * hd, kv * hd))
+                (
+                    fused.clone().narrow(2, 0, h * hd),
+                    fused.clone().narrow(2, h * hd, kv * hd),
+                    fused.narrow(2, (h + kv) * hd, kv * hd),
+                )
             }
-            (None, Some(q), Some(k), Some(v)) => (q.forward(x.clone(), train), k.forward(x.clone(), train), v.forward(x, train)),
+            (None, Some(q), Some(k), Some(v)) => {
+                (q.forward(x.clone(), train), k.forward(x.clone(), train), v.forward(x, train))
+            }
             _ => unreachable!("the loader builds either qkv_proj or all of q/k/v_proj"),
         };
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
@@ -152,7 +154,8 @@ impl Mlp {
         let up = self.up_proj.forward(x, train);
         // The fused op keeps only gate and up for backward (Burn's composite keeps four
         // tensors of this size); it is a LibTorch extension.
-        let hidden = if tch_device(&gate.device()).is_some() { swiglu(gate, up, self.storage) } else { silu(gate) * up };
+        let hidden =
+            if tch_device(&gate.device()).is_some() { swiglu(gate, up, self.storage) } else { silu(gate) * up };
         self.down_proj.forward(hidden, train)
     }
 }
@@ -253,7 +256,12 @@ impl LlamaForCausalLM {
         let c = config;
         let (d, i, v, hd) = (c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim);
         let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let linear = |weights: &mut WeightSource<'_>, name: &str, short: &str, out: usize, inp: usize| -> anyhow::Result<LoraLinear> {
+        let linear = |weights: &mut WeightSource<'_>,
+                      name: &str,
+                      short: &str,
+                      out: usize,
+                      inp: usize|
+         -> anyhow::Result<LoraLinear> {
             let w = weights.get2(&format!("{name}.weight"), [out, inp])?;
             let mut layer = LoraLinear::new(w, trainable);
             if let Some(spec) = lora.filter(|s| s.targets(short)) {
@@ -265,7 +273,12 @@ impl LlamaForCausalLM {
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let (q_proj, k_proj, v_proj, qkv_proj) = if c.fused_qkv {
-                (None, None, None, Some(linear(weights, &format!("{p}.self_attn.qkv_proj"), "qkv_proj", qd + 2 * kvd, d)?))
+                (
+                    None,
+                    None,
+                    None,
+                    Some(linear(weights, &format!("{p}.self_attn.qkv_proj"), "qkv_proj", qd + 2 * kvd, d)?),
+                )
             } else {
                 (
                     Some(linear(weights, &format!("{p}.self_attn.q_proj"), "q_proj", qd, d)?),
@@ -293,7 +306,13 @@ impl LlamaForCausalLM {
             layers.push(DecoderLayer {
                 input_layernorm: norm(weights, &format!("{p}.input_layernorm.weight"), d, c.rms_norm_eps, trainable)?,
                 self_attn,
-                post_attention_layernorm: norm(weights, &format!("{p}.post_attention_layernorm.weight"), d, c.rms_norm_eps, trainable)?,
+                post_attention_layernorm: norm(
+                    weights,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    d,
+                    c.rms_norm_eps,
+                    trainable,
+                )?,
                 mlp,
             });
         }
@@ -337,7 +356,9 @@ impl LlamaForCausalLM {
         for (l, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
             let p = format!("model.layers.{l}");
-            for (n, m) in [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("qkv_proj", &a.qkv_proj)] {
+            for (n, m) in
+                [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("qkv_proj", &a.qkv_proj)]
+            {
                 if let Some(m) = m {
                     out.push((format!("{p}.self_attn.{n}"), m));
                 }
@@ -353,7 +374,11 @@ impl LlamaForCausalLM {
 
     /// Mutable variant of [`LlamaForCausalLM::named_linears`], same order.
     pub fn named_linears_mut(&mut self) -> Vec<(String, &mut LoraLinear)> {
-        self.layers.iter_mut().enumerate().flat_map(|(l, layer)| layer_linears_mut(l, &mut layer.self_attn, &mut layer.mlp)).collect()
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(l, layer)| layer_linears_mut(l, &mut layer.self_attn, &mut layer.mlp))
+            .collect()
     }
 
     /// Folds every adapter into its base weight (`W ← W + (α/r)·B·A`) and removes the
@@ -375,7 +400,10 @@ impl LlamaForCausalLM {
     pub fn set_precision(&mut self, spec: &PrecisionSpec) -> anyhow::Result<()> {
         spec.validate().map_err(anyhow::Error::msg)?;
         if !spec.is_fp32() && tch_device(&self.embed_tokens.device()).is_none() {
-            anyhow::bail!("precision.compute = {:?} / fp8_activations need a LibTorch device (cpu or cuda:N)", spec.compute.name());
+            anyhow::bail!(
+                "precision.compute = {:?} / fp8_activations need a LibTorch device (cpu or cuda:N)",
+                spec.compute.name()
+            );
         }
         for (_, linear) in self.named_linears_mut() {
             linear.set_precision(spec);
@@ -394,7 +422,9 @@ impl LlamaForCausalLM {
             if let Some(q) = linear.quant.as_ref().filter(|q| q.spec.compute == Compute::Fp8) {
                 out.insert(name.clone(), q.scales.lock().unwrap().clone());
             }
-            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8) {
+            if let Some([qa, qb]) =
+                linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8)
+            {
                 out.insert(format!("{name}.lora_A"), qa.scales.lock().unwrap().clone());
                 out.insert(format!("{name}.lora_B"), qb.scales.lock().unwrap().clone());
             }
@@ -409,7 +439,9 @@ impl LlamaForCausalLM {
             if let Some(q) = linear.quant.as_ref().filter(|q| q.spec.compute == Compute::Fp8) {
                 targets.push((name.clone(), q.clone()));
             }
-            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8) {
+            if let Some([qa, qb]) =
+                linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8)
+            {
                 targets.push((format!("{name}.lora_A"), qa.clone()));
                 targets.push((format!("{name}.lora_B"), qb.clone()));
             }
@@ -457,7 +489,10 @@ impl LlamaForCausalLM {
                     let p = format!("model.layers.{l}");
                     let DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp } = layer;
                     out.push((format!("{p}.input_layernorm.weight"), ParamMut::Vector(&mut input_layernorm.weight)));
-                    out.push((format!("{p}.post_attention_layernorm.weight"), ParamMut::Vector(&mut post_attention_layernorm.weight)));
+                    out.push((
+                        format!("{p}.post_attention_layernorm.weight"),
+                        ParamMut::Vector(&mut post_attention_layernorm.weight),
+                    ));
                     for (name, linear) in layer_linears_mut(l, self_attn, mlp) {
                         out.push((format!("{name}.weight"), ParamMut::Matrix(&mut linear.weight)));
                     }
@@ -481,7 +516,9 @@ impl LlamaForCausalLM {
 fn layer_linears_mut<'a>(l: usize, a: &'a mut Attention, m: &'a mut Mlp) -> Vec<(String, &'a mut LoraLinear)> {
     let mut out = Vec::new();
     let p = format!("model.layers.{l}");
-    for (n, m) in [("q_proj", &mut a.q_proj), ("k_proj", &mut a.k_proj), ("v_proj", &mut a.v_proj), ("qkv_proj", &mut a.qkv_proj)] {
+    for (n, m) in
+        [("q_proj", &mut a.q_proj), ("k_proj", &mut a.k_proj), ("v_proj", &mut a.v_proj), ("qkv_proj", &mut a.qkv_proj)]
+    {
         if let Some(m) = m.as_mut() {
             out.push((format!("{p}.self_attn.{n}"), m));
         }

@@ -82,7 +82,11 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2,
     let index = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device);
     let selected = hidden.reshape([b * s, d]).select(0, index);
     let row_loss = if crate::precision::tch_device(&device).is_some() && !lm_head.is_require_grad() {
-        Tensor::from_dispatch(<Dispatch as FusedLossBackend>::linear_cross_entropy(selected.into_dispatch(), lm_head.into_dispatch(), Arc::new(targets)))
+        Tensor::from_dispatch(<Dispatch as FusedLossBackend>::linear_cross_entropy(
+            selected.into_dispatch(),
+            lm_head.into_dispatch(),
+            Arc::new(targets),
+        ))
     } else {
         cross_entropy(selected.matmul(lm_head.transpose()), targets)
     };
@@ -107,7 +111,10 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2,
 /// - output: `[rows]`
 pub fn cross_entropy(logits: Tensor<2>, targets: Vec<i64>) -> Tensor<1> {
     if crate::precision::tch_device(&logits.device()).is_some() {
-        return Tensor::from_dispatch(<Dispatch as FusedLossBackend>::cross_entropy(logits.into_dispatch(), Arc::new(targets)));
+        return Tensor::from_dispatch(<Dispatch as FusedLossBackend>::cross_entropy(
+            logits.into_dispatch(),
+            Arc::new(targets),
+        ));
     }
     let n = targets.len();
     let index = Tensor::<2, Int>::from_data(TensorData::new(targets, [n, 1]), &logits.device());
@@ -138,7 +145,13 @@ fn lce_forward(h: &tch::Tensor, w: &tch::Tensor, targets: &[i64], want_dh: bool)
     lce_forward_chunked(h, w, targets, want_dh, chunk)
 }
 
-fn lce_forward_chunked(h: &tch::Tensor, w: &tch::Tensor, targets: &[i64], want_dh: bool, chunk: i64) -> (tch::Tensor, Option<tch::Tensor>) {
+fn lce_forward_chunked(
+    h: &tch::Tensor,
+    w: &tch::Tensor,
+    targets: &[i64],
+    want_dh: bool,
+    chunk: i64,
+) -> (tch::Tensor, Option<tch::Tensor>) {
     let n = h.size()[0];
     let chunk = chunk.min(n.max(1));
     let t_all = tch::Tensor::from_slice(targets).to_device(h.device());
@@ -216,7 +229,11 @@ impl Backward<LibTorch, 1> for CrossEntropyBackward {
         // softmax − one-hot, times the upstream gradient of each row.
         let g = grad.tensor.unsqueeze(1);
         let mut d = (&logits.tensor - lse.tensor.unsqueeze(1)).exp();
-        let _ = d.scatter_add_(1, &t.tensor.unsqueeze(1), &(-tch::Tensor::ones_like(&t.tensor.unsqueeze(1)).to_kind(d.kind())));
+        let _ = d.scatter_add_(
+            1,
+            &t.tensor.unsqueeze(1),
+            &(-tch::Tensor::ones_like(&t.tensor.unsqueeze(1)).to_kind(d.kind())),
+        );
         grads.register::<LibTorch>(node.id, TchTensor::new(d * g));
     }
 }
@@ -229,7 +246,9 @@ impl<C: CheckpointStrategy> FusedLossBackend for Autodiff<LibTorch, C> {
                 let (loss, lse, t) = ce_forward(&logits.tensor, &targets);
                 prep.finish((logits, TchTensor::new(lse), TchTensor::new(t)), TchTensor::new(loss))
             }
-            OpsKind::UnTracked(prep) => prep.finish(TchTensor::new(ce_forward(&logits.into_primitive().tensor, &targets).0)),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(TchTensor::new(ce_forward(&logits.into_primitive().tensor, &targets).0))
+            }
         }
     }
 
@@ -239,9 +258,9 @@ impl<C: CheckpointStrategy> FusedLossBackend for Autodiff<LibTorch, C> {
                 let (loss, dh) = lce_forward(&h.into_primitive().tensor, &w.into_primitive().tensor, &targets, true);
                 prep.finish(TchTensor::new(dh.expect("dh was asked for")), TchTensor::new(loss))
             }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(TchTensor::new(lce_forward(&h.into_primitive().tensor, &w.into_primitive().tensor, &targets, false).0))
-            }
+            OpsKind::UnTracked(prep) => prep.finish(TchTensor::new(
+                lce_forward(&h.into_primitive().tensor, &w.into_primitive().tensor, &targets, false).0,
+            )),
         }
     }
 }
@@ -292,7 +311,10 @@ mod tests {
         };
         let (f, fr) = (frozen(true), frozen(false));
         // Chunking changes nothing: 3 rows per chunk against one chunk.
-        let (h, w) = (tch::Tensor::randn([10, 8], (tch::Kind::Float, tch::Device::Cpu)), tch::Tensor::randn([30, 8], (tch::Kind::Float, tch::Device::Cpu)));
+        let (h, w) = (
+            tch::Tensor::randn([10, 8], (tch::Kind::Float, tch::Device::Cpu)),
+            tch::Tensor::randn([30, 8], (tch::Kind::Float, tch::Device::Cpu)),
+        );
         let t: Vec<i64> = (0..10).map(|i| i * 3 % 30).collect();
         let (l3, d3) = lce_forward_chunked(&h, &w, &t, true, 3);
         let (l1, d1) = lce_forward_chunked(&h, &w, &t, true, 100);

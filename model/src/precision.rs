@@ -87,7 +87,10 @@ impl PrecisionSpec {
     /// Checks the combination; the message names the offending keys.
     pub fn validate(&self) -> Result<(), String> {
         if self.fp8_weights && self.compute != Compute::Fp8 {
-            return Err(format!("precision.fp8_weights = true needs precision.compute = \"fp8\" (it is {:?})", self.compute.name()));
+            return Err(format!(
+                "precision.fp8_weights = true needs precision.compute = \"fp8\" (it is {:?})",
+                self.compute.name()
+            ));
         }
         if !(1..=1024).contains(&self.amax.history_len) {
             return Err(format!("precision.amax_history_len must be in 1..=1024, got {}", self.amax.history_len));
@@ -300,7 +303,9 @@ impl LinearQuant {
                 };
                 let q = quantize_tch(&x2, s, Fp8Format::E4M3);
                 let xd = dequantize_tch(&q, 1.0 / s);
-                let saved = keep_input.then(|| if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::F32(x_in.clone()) });
+                let saved = keep_input.then(|| {
+                    if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::F32(x_in.clone()) }
+                });
                 (xd, saved.map(|sv| (sv, s)))
             }
             compute => {
@@ -341,7 +346,14 @@ impl LinearQuant {
 
     /// Backward: `(dx, dW)` for the output gradient `g`, each only when asked (layer 0's
     /// input needs no gradient, a frozen weight neither).
-    fn backward(&self, g: &tch::Tensor, w: &tch::Tensor, st: &LinearState, want_dx: bool, want_dw: bool) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
+    fn backward(
+        &self,
+        g: &tch::Tensor,
+        w: &tch::Tensor,
+        st: &LinearState,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
         let d_out = *g.size().last().unwrap();
         let g2 = g.reshape([-1, d_out]);
         let gd = match self.spec.compute {
@@ -352,7 +364,9 @@ impl LinearQuant {
                 dequantize_tch(&quantize_tch(&g2, s, Fp8Format::E5M2), 1.0 / s)
             }
         };
-        let dx = want_dx.then(|| self.compute_weight(w, Some(st.w_scale), true).0).map(|wd| gd.matmul(&wd).reshape(&st.x_size));
+        let dx = want_dx
+            .then(|| self.compute_weight(w, Some(st.w_scale), true).0)
+            .map(|wd| gd.matmul(&wd).reshape(&st.x_size));
         let dw = match (&st.saved, want_dw) {
             (Some((saved, in_scale)), true) => Some(gd.tr().matmul(&self.input_for_backward(saved, *in_scale))),
             _ => None,
@@ -377,7 +391,12 @@ struct LinearForward {
 /// - w: `[out, in]` (ignored, may be empty, when `quant` stores the weight)
 /// - output: `[batch, seq, out]`
 pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
-    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(x.into_dispatch(), w.into_dispatch(), quant.clone(), train))
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        quant.clone(),
+        train,
+    ))
 }
 
 /// `silu(gate) · up`, keeping gate and up for backward in `storage` (the only tensors its
@@ -394,7 +413,12 @@ pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage) -> Tensor<3> {
 #[backend_extension(Autodiff, LibTorch)]
 pub trait LowPrecisionBackend: Backend {
     /// See [`quant_linear`].
-    fn quant_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self>;
+    fn quant_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        quant: Arc<LinearQuant>,
+        train: bool,
+    ) -> FloatTensor<Self>;
     /// See [`swiglu`].
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self>;
 }
@@ -499,7 +523,12 @@ impl Backward<LibTorch, 2> for SwigluBackward {
 }
 
 impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
-    fn quant_linear(x: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self> {
+    fn quant_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        quant: Arc<LinearQuant>,
+        train: bool,
+    ) -> FloatTensor<Self> {
         use burn::backend::ops::FloatTensorOps;
         let w_trainable = <Self as FloatTensorOps<Self>>::float_is_require_grad(&w);
         let nodes = [x.node(), w.node()];
@@ -635,7 +664,18 @@ mod tests {
         let device = Device::libtorch().autodiff();
         let quant = Arc::new(LinearQuant::new(fp8_spec(false, false), None));
         let w = Tensor::<2>::from_data(TensorData::new(vec![1.0f32], [1, 1]), &device);
-        let run = |v: f32| host(&quant_linear(Tensor::<3>::from_data(TensorData::new(vec![v, -v / 2.0], [1, 2, 1]), &device), w.clone(), &quant, true).reshape([2, 1]).inner());
+        let run = |v: f32| {
+            host(
+                &quant_linear(
+                    Tensor::<3>::from_data(TensorData::new(vec![v, -v / 2.0], [1, 2, 1]), &device),
+                    w.clone(),
+                    &quant,
+                    true,
+                )
+                .reshape([2, 1])
+                .inner(),
+            )
+        };
         assert_eq!(run(2.0), vec![2.0, -1.0]);
         quant.update();
         // Scale 448/2 = 224: 4·224 saturates to 448 → 2; −2·224 = −448 is exact.

@@ -9,7 +9,16 @@ use llora_model::LlamaConfig;
 use llora_model::checkpoint::{HfCheckpoint, safetensors_bytes};
 
 fn micro() -> LlamaConfig {
-    LlamaConfig { vocab_size: 16, hidden_size: 8, intermediate_size: 12, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, head_dim: 4, ..LlamaConfig::tiny() }
+    LlamaConfig {
+        vocab_size: 16,
+        hidden_size: 8,
+        intermediate_size: 12,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        head_dim: 4,
+        ..LlamaConfig::tiny()
+    }
 }
 
 /// Every tensor of `micro()` with its HF name and shape, filled with a distinct constant each.
@@ -31,10 +40,14 @@ fn tensors(c: &LlamaConfig) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         ("model.norm.weight".into(), vec![d]),
         ("lm_head.weight".into(), vec![v, d]),
     ];
-    shapes.into_iter().enumerate().map(|(k, (n, s))| {
-        let len = s.iter().product();
-        (n, s, vec![0.01 * (k as f32 + 1.0); len])
-    }).collect()
+    shapes
+        .into_iter()
+        .enumerate()
+        .map(|(k, (n, s))| {
+            let len = s.iter().product();
+            (n, s, vec![0.01 * (k as f32 + 1.0); len])
+        })
+        .collect()
 }
 
 fn write_single(dir: &Path, t: &[(String, Vec<usize>, Vec<f32>)]) {

@@ -24,7 +24,14 @@ use crate::train::train_step;
 /// 2·T·N forward and 2·T·N backward (no weight gradient; layer 0's q/k/v input gradient is
 /// skipped), adapters 6·T per parameter, causal attention half of 12·B·S²·H·hd·L.
 pub fn flop_model(c: &LlamaConfig, batch: usize, seq: usize, rank: usize) -> Value {
-    let (d, l, h, kv, i, v) = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size);
+    let (d, l, h, kv, i, v) = (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+    );
     let hd = c.head_dim;
     let t = (batch * seq) as u64;
     let (q, k, vv, o) = ((d * h * hd) as u64, (d * kv * hd) as u64, (d * kv * hd) as u64, (h * hd * d) as u64);
@@ -97,7 +104,13 @@ fn quantile(xs: &[f64], p: f64) -> f64 {
 ///
 /// # Shapes
 /// - output: (input_ids, labels), each `[batch, seq]`
-fn random_batch(rng: &mut impl Rng, batch: usize, seq: usize, vocab: usize, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>, usize) {
+fn random_batch(
+    rng: &mut impl Rng,
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>, usize) {
     let ids: Vec<i64> = (0..batch * seq).map(|_| rng.random_range(0..vocab as i64)).collect();
     let labels: Vec<i64> = ids.iter().enumerate().map(|(j, &t)| if j % seq < seq / 2 { -100 } else { t }).collect();
     // Position t predicts label t+1, so the last position of a row has no target.
@@ -135,10 +148,20 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
     .spec();
     model.set_precision(&precision)?;
     // Base-weight bytes of one decoder layer as stored (f32, bf16 or FP8 + scale).
-    let weight_bytes: usize = model.named_linears().iter().filter(|(n, _)| n.starts_with("model.layers.0.")).map(|(_, l)| l.base_weight_bytes()).sum();
+    let weight_bytes: usize = model
+        .named_linears()
+        .iter()
+        .filter(|(n, _)| n.starts_with("model.layers.0."))
+        .map(|(_, l)| l.base_weight_bytes())
+        .sum();
     let build_s = t_build.elapsed().as_secs_f64();
     let rss_after_build = peak_rss_mb();
-    let mut optim = AdamW::new(OptimConfig { lr: args.lr, weight_decay: args.weight_decay, clip_grad_norm: args.max_grad_norm, ..OptimConfig::default() });
+    let mut optim = AdamW::new(OptimConfig {
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        clip_grad_norm: args.max_grad_norm,
+        ..OptimConfig::default()
+    });
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed + 1);
     let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut util) = (vec![], vec![], vec![], vec![], vec![]);
     let mut loss = f64::NAN;
@@ -148,7 +171,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
         let (ids, labels, targets) = random_batch(&mut rng, args.batch, args.seq_len, config.vocab_size, &train_device);
         let (c0, t0) = (cpu_seconds(), Instant::now());
         let _ = llora_model::precision::take_saved_bytes();
-        let s = train_step(&mut model, &mut optim, &SingleProcess, vec![(ids, labels)], targets, args.lr, args.max_grad_norm)?;
+        let s = train_step(
+            &mut model,
+            &mut optim,
+            &SingleProcess,
+            vec![(ids, labels)],
+            targets,
+            args.lr,
+            args.max_grad_norm,
+        )?;
         saved_bytes = llora_model::precision::take_saved_bytes();
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         loss = s.loss;
@@ -232,7 +263,8 @@ mod tests {
         assert_eq!(f["n_lora_params"], 131_072);
         // attention: 12·512²·8·32·4 / 2
         assert_eq!(f["flops_attn_causal"], 1_610_612_736u64);
-        let total = 2 * 512 * 11_354_112u64 * 2 - 2 * 512 * 3 * 65536 + 6 * 512 * 131_072 - 2 * 512 * 16 * 256 * 3 + 1_610_612_736;
+        let total = 2 * 512 * 11_354_112u64 * 2 - 2 * 512 * 3 * 65536 + 6 * 512 * 131_072 - 2 * 512 * 16 * 256 * 3
+            + 1_610_612_736;
         assert_eq!(f["flops_per_step"], total);
     }
 

@@ -273,13 +273,7 @@ pub struct EvalConfig {
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self {
-            every_samples: 384,
-            target_loss: 0.925,
-            skip_first: None,
-            averaging: "per_sample".into(),
-            batch_size: 1,
-        }
+        Self { every_samples: 384, target_loss: 0.925, skip_first: None, averaging: "per_sample".into(), batch_size: 1 }
     }
 }
 
@@ -354,13 +348,7 @@ pub struct RunConfig {
 
 impl Default for RunConfig {
     fn default() -> Self {
-        Self {
-            device: DeviceSpec::Cpu,
-            threads: 0,
-            seed: 0,
-            dir: PathBuf::from("runs/default"),
-            checkpoint_every: 0,
-        }
+        Self { device: DeviceSpec::Cpu, threads: 0, seed: 0, dir: PathBuf::from("runs/default"), checkpoint_every: 0 }
     }
 }
 
@@ -440,9 +428,7 @@ impl std::str::FromStr for Override {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (key, raw) = s
-            .split_once('=')
-            .ok_or_else(|| format!("--set {s:?}: expected section.key=value"))?;
+        let (key, raw) = s.split_once('=').ok_or_else(|| format!("--set {s:?}: expected section.key=value"))?;
         let key = key.trim();
         if key.is_empty() || key.split('.').any(|part| part.trim().is_empty()) {
             return Err(format!("--set {s:?}: the key must be dotted names like optim.lr"));
@@ -466,9 +452,8 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &[Override]) -> Result<Self, ConfigError> {
         let (name, text) = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| {
-                    ConfigError::one(&p.display().to_string(), format!("cannot read config file: {e}"))
-                })?;
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| ConfigError::one(&p.display().to_string(), format!("cannot read config file: {e}")))?;
                 (p.display().to_string(), text)
             }
             None => (TINY_CPU_NAME.to_string(), TINY_CPU_TOML.to_string()),
@@ -503,9 +488,7 @@ impl Config {
 
     /// Evaluations skipped before the first one that counts (MLPerf: floor(0.125·GBS + 2)).
     pub fn eval_skip_first(&self) -> usize {
-        self.eval
-            .skip_first
-            .unwrap_or_else(|| (0.125 * self.train.global_batch_size as f64 + 2.0).floor() as usize)
+        self.eval.skip_first.unwrap_or_else(|| (0.125 * self.train.global_batch_size as f64 + 2.0).floor() as usize)
     }
 
     /// Training samples between evaluations: `eval.every_samples` rounded up to whole steps.
@@ -533,12 +516,27 @@ impl Config {
             "set model.path (an HF checkpoint directory) or model.preset (random initialisation)",
         );
         if let Some(preset) = &m.preset {
-            check(one_of(preset, MODEL_PRESETS), "model.preset", preset, &format!("must be one of {}", list(MODEL_PRESETS)));
+            check(
+                one_of(preset, MODEL_PRESETS),
+                "model.preset",
+                preset,
+                &format!("must be one of {}", list(MODEL_PRESETS)),
+            );
         }
         check(one_of(&m.trainable, &["lora", "all"]), "model.trainable", &m.trainable, "must be \"lora\" or \"all\"");
         if let Some(pt) = &m.pretrain {
-            check(m.path.is_some() && m.preset.is_some(), "model.pretrain", &"[model.pretrain]", "needs model.path (where the base is saved) and model.preset (what to pre-train)");
-            check(self.data.synthetic.is_some(), "model.pretrain", &"[model.pretrain]", "needs a [data.synthetic] section (the pre-training corpus is synthetic)");
+            check(
+                m.path.is_some() && m.preset.is_some(),
+                "model.pretrain",
+                &"[model.pretrain]",
+                "needs model.path (where the base is saved) and model.preset (what to pre-train)",
+            );
+            check(
+                self.data.synthetic.is_some(),
+                "model.pretrain",
+                &"[model.pretrain]",
+                "needs a [data.synthetic] section (the pre-training corpus is synthetic)",
+            );
             check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
             check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");
         }
@@ -547,7 +545,12 @@ impl Config {
         check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
         check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
         check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
-        check(!l.targets.is_empty(), "lora.targets", &l.targets, &format!("must name at least one of {}", list(LORA_TARGETS)));
+        check(
+            !l.targets.is_empty(),
+            "lora.targets",
+            &l.targets,
+            &format!("must name at least one of {}", list(LORA_TARGETS)),
+        );
         for t in &l.targets {
             check(one_of(t, LORA_TARGETS), "lora.targets", t, &format!("each must be one of {}", list(LORA_TARGETS)));
         }
@@ -557,24 +560,59 @@ impl Config {
         check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
         let fused = l.targets.iter().any(|t| t == "qkv_proj");
         let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
-        check(!(fused && separate), "lora.targets", &l.targets, "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other");
+        check(
+            !(fused && separate),
+            "lora.targets",
+            &l.targets,
+            "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
+        );
 
         let d = &self.data;
-        check(d.max_seq_len >= 2, "data.max_seq_len", &d.max_seq_len, "must be at least 2 (one input and one target token)");
+        check(
+            d.max_seq_len >= 2,
+            "data.max_seq_len",
+            &d.max_seq_len,
+            "must be at least 2 (one input and one target token)",
+        );
         check(d.train_workers <= 64, "data.train_workers", &d.train_workers, "must be in 0..=64");
         check(d.eval_workers <= 64, "data.eval_workers", &d.eval_workers, "must be in 0..=64");
-        check(one_of(&d.on_bad_row, &["error", "skip"]), "data.on_bad_row", &d.on_bad_row, "must be \"error\" or \"skip\"");
-        check(one_of(&d.padding, &["longest", "max_length"]), "data.padding", &d.padding, "must be \"longest\" or \"max_length\"");
+        check(
+            one_of(&d.on_bad_row, &["error", "skip"]),
+            "data.on_bad_row",
+            &d.on_bad_row,
+            "must be \"error\" or \"skip\"",
+        );
+        check(
+            one_of(&d.padding, &["longest", "max_length"]),
+            "data.padding",
+            &d.padding,
+            "must be \"longest\" or \"max_length\"",
+        );
         match &d.synthetic {
             Some(syn) => {
-                check(d.train.is_none() && d.eval.is_none(), "data.synthetic", &"[data.synthetic]", "excludes data.train and data.eval: use one or the other");
+                check(
+                    d.train.is_none() && d.eval.is_none(),
+                    "data.synthetic",
+                    &"[data.synthetic]",
+                    "excludes data.train and data.eval: use one or the other",
+                );
                 check(syn.train_samples >= 1, "data.synthetic.train_samples", &syn.train_samples, "must be at least 1");
                 check(syn.eval_samples >= 1, "data.synthetic.eval_samples", &syn.eval_samples, "must be at least 1");
                 check(syn.topics >= 1, "data.synthetic.topics", &syn.topics, "must be at least 1");
             }
             None => {
-                check(d.train.is_some(), "data.train", &d.train, "set data.train (MLPerf-schema parquet) or a [data.synthetic] section");
-                check(d.eval.is_some(), "data.eval", &d.eval, "set data.eval (MLPerf-schema parquet) or a [data.synthetic] section");
+                check(
+                    d.train.is_some(),
+                    "data.train",
+                    &d.train,
+                    "set data.train (MLPerf-schema parquet) or a [data.synthetic] section",
+                );
+                check(
+                    d.eval.is_some(),
+                    "data.eval",
+                    &d.eval,
+                    "set data.eval (MLPerf-schema parquet) or a [data.synthetic] section",
+                );
             }
         }
 
@@ -584,12 +622,27 @@ impl Config {
             check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
         }
         check(o.eps.is_finite() && o.eps > 0.0, "optim.eps", &o.eps, "must be a finite number > 0");
-        check(o.weight_decay.is_finite() && o.weight_decay >= 0.0, "optim.weight_decay", &o.weight_decay, "must be a finite number >= 0");
-        check(o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0, "optim.clip_grad_norm", &o.clip_grad_norm, "must be >= 0 (0 disables clipping)");
+        check(
+            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
+            "optim.weight_decay",
+            &o.weight_decay,
+            "must be a finite number >= 0",
+        );
+        check(
+            o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0,
+            "optim.clip_grad_norm",
+            &o.clip_grad_norm,
+            "must be >= 0 (0 disables clipping)",
+        );
 
         let s = &self.schedule;
         check(s.max_steps >= 1, "schedule.max_steps", &s.max_steps, "must be at least 1");
-        check(s.warmup_steps < s.max_steps.max(1), "schedule.warmup_steps", &s.warmup_steps, &format!("must be below schedule.max_steps ({})", s.max_steps));
+        check(
+            s.warmup_steps < s.max_steps.max(1),
+            "schedule.warmup_steps",
+            &s.warmup_steps,
+            &format!("must be below schedule.max_steps ({})", s.max_steps),
+        );
 
         let t = &self.train;
         check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
@@ -608,16 +661,46 @@ impl Config {
 
         let e = &self.eval;
         check(e.every_samples >= 1, "eval.every_samples", &e.every_samples, "must be at least 1");
-        check(e.target_loss.is_finite() && e.target_loss > 0.0, "eval.target_loss", &e.target_loss, "must be a finite number > 0");
-        check(one_of(&e.averaging, &["per_sample", "per_token"]), "eval.averaging", &e.averaging, "must be \"per_sample\" or \"per_token\"");
+        check(
+            e.target_loss.is_finite() && e.target_loss > 0.0,
+            "eval.target_loss",
+            &e.target_loss,
+            "must be a finite number > 0",
+        );
+        check(
+            one_of(&e.averaging, &["per_sample", "per_token"]),
+            "eval.averaging",
+            &e.averaging,
+            "must be \"per_sample\" or \"per_token\"",
+        );
         check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
 
         let pr = &self.precision;
-        check(one_of(&pr.compute, &["fp32", "bf16", "fp8"]), "precision.compute", &pr.compute, "must be \"fp32\", \"bf16\" or \"fp8\"");
-        check(one_of(&pr.amax_compute_algo, &["max", "most_recent"]), "precision.amax_compute_algo", &pr.amax_compute_algo, "must be \"max\" or \"most_recent\"");
-        check((1..=1024).contains(&pr.amax_history_len), "precision.amax_history_len", &pr.amax_history_len, "must be in 1..=1024");
+        check(
+            one_of(&pr.compute, &["fp32", "bf16", "fp8"]),
+            "precision.compute",
+            &pr.compute,
+            "must be \"fp32\", \"bf16\" or \"fp8\"",
+        );
+        check(
+            one_of(&pr.amax_compute_algo, &["max", "most_recent"]),
+            "precision.amax_compute_algo",
+            &pr.amax_compute_algo,
+            "must be \"max\" or \"most_recent\"",
+        );
+        check(
+            (1..=1024).contains(&pr.amax_history_len),
+            "precision.amax_history_len",
+            &pr.amax_history_len,
+            "must be in 1..=1024",
+        );
         check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
-        check(!pr.fp8_weights || pr.compute == "fp8", "precision.fp8_weights", &pr.fp8_weights, "needs precision.compute = \"fp8\"");
+        check(
+            !pr.fp8_weights || pr.compute == "fp8",
+            "precision.fp8_weights",
+            &pr.fp8_weights,
+            "needs precision.compute = \"fp8\"",
+        );
         let reduced = pr.compute != "fp32" || pr.fp8_activations;
         check(
             !reduced || self.run.device != DeviceSpec::Flex,
@@ -631,14 +714,29 @@ impl Config {
         check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
 
         let ml = &self.mlperf;
-        check(one_of(&ml.division, &["closed", "open"]), "mlperf.division", &ml.division, "must be \"closed\" or \"open\"");
+        check(
+            one_of(&ml.division, &["closed", "open"]),
+            "mlperf.division",
+            &ml.division,
+            "must be \"closed\" or \"open\"",
+        );
         check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
         check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
 
         let lg = &self.logging;
         check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
-        check(lg.peak_tflops >= 0.0 && lg.peak_tflops.is_finite(), "logging.peak_tflops", &lg.peak_tflops, "must be a finite number ≥ 0");
-        check(one_of(&lg.progress, &["auto", "always", "never"]), "logging.progress", &lg.progress, "must be \"auto\", \"always\" or \"never\"");
+        check(
+            lg.peak_tflops >= 0.0 && lg.peak_tflops.is_finite(),
+            "logging.peak_tflops",
+            &lg.peak_tflops,
+            "must be a finite number ≥ 0",
+        );
+        check(
+            one_of(&lg.progress, &["auto", "always", "never"]),
+            "logging.progress",
+            &lg.progress,
+            "must be \"auto\", \"always\" or \"never\"",
+        );
 
         if p.is_empty() { Ok(()) } else { Err(p) }
     }
@@ -662,9 +760,9 @@ fn apply_override(table: &mut toml::Table, o: &Override) -> Result<(), String> {
     let mut cur = table;
     for (i, part) in parents.iter().enumerate() {
         let entry = cur.entry(part.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
-        cur = entry.as_table_mut().ok_or_else(|| {
-            format!("--set {}: `{}` is a value, not a section", o.key, parts[..=i].join("."))
-        })?;
+        cur = entry
+            .as_table_mut()
+            .ok_or_else(|| format!("--set {}: `{}` is a value, not a section", o.key, parts[..=i].join(".")))?;
     }
     cur.insert(last.to_string(), o.value.clone());
     Ok(())
@@ -677,9 +775,9 @@ fn string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Err
         One(String),
         Many(Vec<String>),
     }
-    match OneOrMany::deserialize(d).map_err(|_| {
-        serde::de::Error::custom("expected a list of module names or one comma-separated string")
-    })? {
+    match OneOrMany::deserialize(d)
+        .map_err(|_| serde::de::Error::custom("expected a list of module names or one comma-separated string"))?
+    {
         OneOrMany::One(s) => Ok(s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect()),
         OneOrMany::Many(v) => Ok(v),
     }
@@ -750,8 +848,7 @@ mod tests {
 
     #[test]
     fn out_of_range_lists_every_problem() {
-        let err = load_str("[model]\npreset = \"tiny\"\n[lora]\ndropout = 1.5\n[optim]\nlr = -1.0\n", &[])
-            .unwrap_err();
+        let err = load_str("[model]\npreset = \"tiny\"\n[lora]\ndropout = 1.5\n[optim]\nlr = -1.0\n", &[]).unwrap_err();
         assert_eq!(err.problems.len(), 2, "{err}");
         let s = err.to_string();
         assert!(s.contains("`lora.dropout` = 1.5: must be in [0, 1)"), "{s}");
@@ -786,7 +883,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`train.global_batch_size` = 6"), "{err}");
-        let c = Config { train: TrainConfig { global_batch_size: 8, micro_batch_size: 2, data_parallel: 2, ..Default::default() }, ..Default::default() };
+        let c = Config {
+            train: TrainConfig { global_batch_size: 8, micro_batch_size: 2, data_parallel: 2, ..Default::default() },
+            ..Default::default()
+        };
         assert_eq!(c.train.gradient_accumulation_steps(), 2);
     }
 

@@ -34,11 +34,18 @@ fn write_jsonl(path: &Path, pairs: &[TextPair]) -> anyhow::Result<()> {
 /// Both splits as raw text (SCROLLS `input`/`output` jsonl) and MLPerf parquet, plus the
 /// word-level `tokenizer.json` that maps one onto the other.
 fn synth(a: &SynthArgs) -> anyhow::Result<()> {
-    let synth = Synth::new(SynthConfig { vocab: a.vocab, max_seq_len: a.max_seq_len, topics: a.topics, seed: a.seed, ..SynthConfig::default() })?;
+    let synth = Synth::new(SynthConfig {
+        vocab: a.vocab,
+        max_seq_len: a.max_seq_len,
+        topics: a.topics,
+        seed: a.seed,
+        ..SynthConfig::default()
+    })?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
     for (split, name, n) in [(0, "train", a.train), (1, "validation", a.eval)] {
         let docs = synth.documents(split, n);
-        let pairs: Vec<TextPair> = docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
+        let pairs: Vec<TextPair> =
+            docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
         write_jsonl(&a.out.join(format!("{name}.jsonl")), &pairs)?;
         let samples: Vec<Sample> = docs.iter().map(|d| d.sample()).collect();
         write_parquet(&a.out.join(format!("{name}.parquet")), &samples)?;
@@ -54,12 +61,21 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     let tok = load_tokenizer(&a.tokenizer)?;
     let pairs = read_pairs(&a.input)?;
-    let out = tokenize_pairs(&tok, &pairs, a.max_seq_len).with_context(|| format!("tokenising {}", a.input.display()))?;
+    let out =
+        tokenize_pairs(&tok, &pairs, a.max_seq_len).with_context(|| format!("tokenising {}", a.input.display()))?;
     if !out.dropped.is_empty() {
-        tracing::warn!(dropped = out.dropped.len(), max_seq_len = a.max_seq_len, first = out.dropped[0], "samples longer than max_seq_len dropped");
+        tracing::warn!(
+            dropped = out.dropped.len(),
+            max_seq_len = a.max_seq_len,
+            first = out.dropped[0],
+            "samples longer than max_seq_len dropped"
+        );
     }
     write_parquet(&a.out, &out.samples)?;
-    println!("{}", json!({"rows": pairs.len(), "written": out.samples.len(), "dropped_too_long": out.dropped.len(), "out": a.out.display().to_string()}));
+    println!(
+        "{}",
+        json!({"rows": pairs.len(), "written": out.samples.len(), "dropped_too_long": out.dropped.len(), "out": a.out.display().to_string()})
+    );
     Ok(())
 }
 
@@ -92,8 +108,17 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
     for p in &report.problems {
         println!("bad {p}");
     }
-    println!("{}", json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist}));
-    anyhow::ensure!(report.skipped == 0, "{}: {} bad rows (first: {})", a.file.display(), report.skipped, report.problems[0]);
+    println!(
+        "{}",
+        json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist})
+    );
+    anyhow::ensure!(
+        report.skipped == 0,
+        "{}: {} bad rows (first: {})",
+        a.file.display(),
+        report.skipped,
+        report.problems[0]
+    );
     Ok(())
 }
 
@@ -114,7 +139,9 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     let (train, eval) = (Arc::new(train), Arc::new(eval));
     #[allow(deprecated)]
     let device = Device::libtorch();
-    let to_tensor = |c: llora_data::batch::Collated| Tensor::<2, Int>::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), &device);
+    let to_tensor = |c: llora_data::batch::Collated| {
+        Tensor::<2, Int>::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), &device)
+    };
     println!("read {} train + {} eval rows in {read_s:.2} s", train.len(), eval.len());
     println!("{:<22} {:>8} {:>12} {:>14}", "stream", "workers", "seq/s", "tokens/s");
     for &w in &a.workers {
@@ -134,7 +161,12 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
         let tokens: usize = eval.iter().map(|x| x.input_ids.len()).sum();
         eval_batches(eval.clone(), 1, Padding::Longest, w).for_each(|m| drop(to_tensor(m)));
         let s = t.elapsed().as_secs_f64();
-        println!("{:<22} {w:>8} {:>12.0} {:>14.0}   one pass {s:.3} s", "eval pass", eval.len() as f64 / s, tokens as f64 / s);
+        println!(
+            "{:<22} {w:>8} {:>12.0} {:>14.0}   one pass {s:.3} s",
+            "eval pass",
+            eval.len() as f64 / s,
+            tokens as f64 / s
+        );
     }
     Ok(())
 }

@@ -45,7 +45,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 Some(dir) => llora_trainer::train::resume(dir, &args.config.overrides)?,
                 None => {
                     let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
-                    let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
+                    let name =
+                        args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
                     (llora_trainer::train::run(&config, &name)?, config)
                 }
             };

@@ -10,9 +10,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail, ensure};
+use llora_model::checkpoint::write_atomic;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use llora_model::checkpoint::write_atomic;
 use tracing::{error, info};
 
 use crate::config::Config;
@@ -63,7 +63,8 @@ pub fn read_result(path: &Path) -> anyhow::Result<RunResult> {
         let Some(record) = line.find(":::MLLOG").map(|at| &line[at + ":::MLLOG".len()..]) else { continue };
         let v: Value = serde_json::from_str(record.trim())
             .with_context(|| format!("{}:{}: the :::MLLOG record is not JSON", path.display(), i + 1))?;
-        let time = || v["time_ms"].as_f64().with_context(|| format!("{}:{}: no numeric time_ms", path.display(), i + 1));
+        let time =
+            || v["time_ms"].as_f64().with_context(|| format!("{}:{}: no numeric time_ms", path.display(), i + 1));
         match v["key"].as_str() {
             Some("run_start") => {
                 ensure!(start.is_none(), "{}:{}: a second run_start", path.display(), i + 1);
@@ -79,7 +80,8 @@ pub fn read_result(path: &Path) -> anyhow::Result<RunResult> {
             _ => {}
         }
     }
-    let start = start.with_context(|| format!("{}: no run_start: not a result log of a started run", path.display()))?;
+    let start =
+        start.with_context(|| format!("{}: no run_start: not a result log of a started run", path.display()))?;
     if let Some(stop) = stop {
         ensure!(stop >= start, "{}: run_stop is earlier than run_start", path.display());
     }
@@ -95,7 +97,9 @@ pub fn read_result(path: &Path) -> anyhow::Result<RunResult> {
 /// `result_<n>.txt` files of a directory, ordered by `n`.
 pub fn result_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot read the results directory {}", dir.display()))? {
+    for entry in
+        std::fs::read_dir(dir).with_context(|| format!("cannot read the results directory {}", dir.display()))?
+    {
         let path = entry?.path();
         let n = path
             .file_name()
@@ -123,9 +127,16 @@ pub fn score_dir(dir: &Path) -> anyhow::Result<Score> {
     let runs = files.iter().map(|f| read_result(f)).collect::<anyhow::Result<Vec<_>>>()?;
     let scaling_path = dir.join("scaling.json");
     let scaling = if scaling_path.is_file() {
-        let text = std::fs::read_to_string(&scaling_path).with_context(|| format!("cannot read {}", scaling_path.display()))?;
-        let s: Scaling = serde_json::from_str(&text).with_context(|| format!("{}: expected {{\"scaling_factor\": <number>}}", scaling_path.display()))?;
-        ensure!(s.scaling_factor.is_finite() && s.scaling_factor > 0.0, "{}: scaling_factor {} is not a positive number", scaling_path.display(), s.scaling_factor);
+        let text = std::fs::read_to_string(&scaling_path)
+            .with_context(|| format!("cannot read {}", scaling_path.display()))?;
+        let s: Scaling = serde_json::from_str(&text)
+            .with_context(|| format!("{}: expected {{\"scaling_factor\": <number>}}", scaling_path.display()))?;
+        ensure!(
+            s.scaling_factor.is_finite() && s.scaling_factor > 0.0,
+            "{}: scaling_factor {} is not a positive number",
+            scaling_path.display(),
+            s.scaling_factor
+        );
         s.scaling_factor
     } else {
         1.0
@@ -138,11 +149,15 @@ pub fn score(runs: Vec<RunResult>, scaling: f64) -> anyhow::Result<Score> {
     ensure!(runs.len() >= 3, "{} runs: an olympic mean needs at least 3 (MLPerf asks for 10)", runs.len());
     let failed: Vec<&RunResult> = runs.iter().filter(|r| !r.converged()).collect();
     if failed.len() > 1 {
-        let names: Vec<String> = failed.iter().map(|r| format!("{} ({})", r.file.display(), r.status.as_deref().unwrap_or("no run_stop"))).collect();
+        let names: Vec<String> = failed
+            .iter()
+            .map(|r| format!("{} ({})", r.file.display(), r.status.as_deref().unwrap_or("no run_stop")))
+            .collect();
         bail!("{} runs did not converge, at most one may: {}", failed.len(), names.join(", "));
     }
     // A non-converged run is the slowest whatever its clock says.
-    let key = |r: &RunResult| if r.converged() { r.minutes.expect("converged runs have run_stop") } else { f64::INFINITY };
+    let key =
+        |r: &RunResult| if r.converged() { r.minutes.expect("converged runs have run_stop") } else { f64::INFINITY };
     let mut order: Vec<usize> = (0..runs.len()).collect();
     order.sort_by(|&a, &b| key(&runs[a]).total_cmp(&key(&runs[b])));
     let (fastest, slowest) = (order[0], order[order.len() - 1]);
@@ -237,15 +252,23 @@ mod tests {
     use super::*;
 
     fn run(minutes: f64, status: &str) -> RunResult {
-        RunResult { file: format!("result_{minutes}.txt").into(), seed: None, status: Some(status.into()), samples: Some(1), minutes: Some(minutes) }
+        RunResult {
+            file: format!("result_{minutes}.txt").into(),
+            seed: None,
+            status: Some(status.into()),
+            samples: Some(1),
+            minutes: Some(minutes),
+        }
     }
 
     #[test]
     fn olympic_mean_drops_fastest_and_slowest() {
-        let s = score(vec![run(3.0, "success"), run(1.0, "success"), run(10.0, "success"), run(5.0, "success")], 1.0).unwrap();
+        let s = score(vec![run(3.0, "success"), run(1.0, "success"), run(10.0, "success"), run(5.0, "success")], 1.0)
+            .unwrap();
         assert_eq!((s.fastest, s.slowest), (1, 2));
         assert_eq!(s.minutes, 4.0);
-        let s = score(vec![run(3.0, "success"), run(1.0, "success"), run(10.0, "success"), run(5.0, "success")], 0.5).unwrap();
+        let s = score(vec![run(3.0, "success"), run(1.0, "success"), run(10.0, "success"), run(5.0, "success")], 0.5)
+            .unwrap();
         assert_eq!(s.minutes, 2.0);
     }
 
@@ -253,11 +276,13 @@ mod tests {
     fn one_failed_run_counts_as_slowest_two_invalidate() {
         // The aborted run is the quickest by the clock but is dropped as the slowest, so the
         // 10-minute run now counts.
-        let s = score(vec![run(3.0, "success"), run(0.5, "aborted"), run(10.0, "success"), run(1.0, "success")], 1.0).unwrap();
+        let s = score(vec![run(3.0, "success"), run(0.5, "aborted"), run(10.0, "success"), run(1.0, "success")], 1.0)
+            .unwrap();
         assert_eq!((s.fastest, s.slowest), (3, 1));
         assert_eq!(s.minutes, 6.5);
         let crashed = RunResult { status: None, minutes: None, ..run(0.0, "") };
-        let s = score(vec![run(3.0, "success"), crashed.clone(), run(10.0, "success"), run(1.0, "success")], 1.0).unwrap();
+        let s =
+            score(vec![run(3.0, "success"), crashed.clone(), run(10.0, "success"), run(1.0, "success")], 1.0).unwrap();
         assert_eq!(s.slowest, 1);
         let err = score(vec![run(3.0, "success"), run(0.5, "aborted"), crashed, run(1.0, "success")], 1.0).unwrap_err();
         assert!(err.to_string().contains("2 runs did not converge"), "{err}");
@@ -276,7 +301,10 @@ mod tests {
         )
         .unwrap();
         let r = read_result(&p).unwrap();
-        assert_eq!((r.seed, r.status.as_deref(), r.samples, r.minutes), (Some(7), Some("success"), Some(48), Some(1.5)));
+        assert_eq!(
+            (r.seed, r.status.as_deref(), r.samples, r.minutes),
+            (Some(7), Some("success"), Some(48), Some(1.5))
+        );
         std::fs::write(&p, ":::MLLOG {\"key\": \"run_start\", \"time_ms\": 1}\n:::MLLOG {\"key\": \n").unwrap();
         let err = format!("{:#}", read_result(&p).unwrap_err());
         assert!(err.contains("result_0.txt:2"), "{err}");

@@ -68,7 +68,10 @@ impl AdamW {
         let [b1, b2] = c.betas;
         let t = self.step as i32;
         let p = param.flat().inner();
-        let moments = self.state.entry(name.to_string()).or_insert_with(|| Moments { m: grad.zeros_like(), v: grad.zeros_like() });
+        let moments = self
+            .state
+            .entry(name.to_string())
+            .or_insert_with(|| Moments { m: grad.zeros_like(), v: grad.zeros_like() });
         moments.m = moments.m.clone().mul_scalar(b1) + grad.clone().mul_scalar(1.0 - b1);
         moments.v = moments.v.clone().mul_scalar(b2) + grad.square().mul_scalar(1.0 - b2);
         let step_size = lr / (1.0 - b1.powi(t));

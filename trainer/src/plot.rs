@@ -22,7 +22,8 @@ pub fn read_metrics(path: &Path, label: &str) -> anyhow::Result<Curve> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut curve = Curve { label: label.to_string(), ..Curve::default() };
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
         let Some(s) = v["samples"].as_f64() else { continue };
         if let Some(l) = v["loss"].as_f64() {
             curve.train.push((s, l));
@@ -80,11 +81,17 @@ pub fn plot_command(args: &crate::cli::PlotArgs) -> anyhow::Result<()> {
     for spec in &args.runs {
         let (label, dir) = match spec.split_once('=') {
             Some((l, d)) => (l.to_string(), Path::new(d)),
-            None => (Path::new(spec).file_name().map_or(spec.clone(), |n| n.to_string_lossy().into_owned()), Path::new(spec.as_str())),
+            None => (
+                Path::new(spec).file_name().map_or(spec.clone(), |n| n.to_string_lossy().into_owned()),
+                Path::new(spec.as_str()),
+            ),
         };
         let curve = read_metrics(&dir.join("metrics.jsonl"), &label)?;
         let reached = curve.eval.iter().find(|(_, l)| *l <= args.target).map(|(s, _)| *s);
-        println!("{}", serde_json::json!({"run": label, "dir": dir.display().to_string(), "samples_to_target": reached, "evals": curve.eval.len()}));
+        println!(
+            "{}",
+            serde_json::json!({"run": label, "dir": dir.display().to_string(), "samples_to_target": reached, "evals": curve.eval.len()})
+        );
         curves.push(curve);
     }
     loss_svg(&args.out, &curves, args.target)?;

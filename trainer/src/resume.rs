@@ -136,16 +136,28 @@ pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
     let dir = [run_dir.to_path_buf(), checkpoint_dir(run_dir), run_dir.join(".resume.old")]
         .into_iter()
         .find(|d| d.join("state.json").is_file())
-        .with_context(|| format!("{}: no checkpoint (no resume/state.json); was run.checkpoint_every set, or the run interrupted?", run_dir.display()))?;
+        .with_context(|| {
+            format!(
+                "{}: no checkpoint (no resume/state.json); was run.checkpoint_every set, or the run interrupted?",
+                run_dir.display()
+            )
+        })?;
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
-    let state: StateFile = serde_json::from_str(&text).with_context(|| format!("{}: not a llora checkpoint state", state_path.display()))?;
-    ensure!(state.format == FORMAT, "{}: checkpoint format {} (this llora reads {FORMAT})", state_path.display(), state.format);
+    let state: StateFile = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a llora checkpoint state", state_path.display()))?;
+    ensure!(
+        state.format == FORMAT,
+        "{}: checkpoint format {} (this llora reads {FORMAT})",
+        state_path.display(),
+        state.format
+    );
     let config_path = dir.join("config.toml");
     Ok(Checkpoint {
         progress: state.progress,
         optimizer_step: state.optimizer_step,
-        config_toml: std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?,
+        config_toml: std::fs::read_to_string(&config_path)
+            .with_context(|| format!("cannot read {}", config_path.display()))?,
         params: read_safetensors_f32(&dir.join("params.safetensors"))?,
         moments: read_safetensors_f32(&dir.join("optimizer.safetensors"))?,
         dir,
@@ -165,11 +177,15 @@ impl Checkpoint {
         };
         for (name, mut p) in model.trainable_params_mut() {
             let want = p.flat().shape().num_elements();
-            let saved = self.params.remove(&name).with_context(|| format!("{}: parameter {name} is missing", file.display()))?;
+            let saved = self
+                .params
+                .remove(&name)
+                .with_context(|| format!("{}: parameter {name} is missing", file.display()))?;
             let got = saved.0.iter().product::<usize>();
             ensure!(got == want, "{}: parameter {name} has {got} values, the model's has {want}", file.display());
             p.set_flat(flat(saved));
-            let (m, v) = (self.moments.remove(&format!("{name}.exp_avg")), self.moments.remove(&format!("{name}.exp_avg_sq")));
+            let (m, v) =
+                (self.moments.remove(&format!("{name}.exp_avg")), self.moments.remove(&format!("{name}.exp_avg_sq")));
             if let (Some(m), Some(v)) = (m, v) {
                 optim.state.insert(name, Moments { m: flat(m), v: flat(v) });
             }
@@ -178,17 +194,25 @@ impl Checkpoint {
             anyhow::bail!("{}: parameter {extra} is not trainable in this model", file.display());
         }
         if let Some(extra) = self.moments.keys().next() {
-            anyhow::bail!("{}: moment {extra} belongs to no trainable parameter", self.dir.join("optimizer.safetensors").display());
+            anyhow::bail!(
+                "{}: moment {extra} belongs to no trainable parameter",
+                self.dir.join("optimizer.safetensors").display()
+            );
         }
         optim.step = self.optimizer_step;
         let scales = self.dir.join(SCALES);
         if !model.fp8_scales().is_empty() {
             if scales.is_file() {
-                let text = std::fs::read_to_string(&scales).with_context(|| format!("cannot read {}", scales.display()))?;
-                let saved = serde_json::from_str(&text).with_context(|| format!("{}: not a scaling-state file", scales.display()))?;
+                let text =
+                    std::fs::read_to_string(&scales).with_context(|| format!("cannot read {}", scales.display()))?;
+                let saved = serde_json::from_str(&text)
+                    .with_context(|| format!("{}: not a scaling-state file", scales.display()))?;
                 model.set_fp8_scales(&saved).with_context(|| format!("{}", scales.display()))?;
             } else {
-                tracing::warn!("{}: none saved (the checkpoint is from an fp32 run); FP8 scales start afresh", scales.display());
+                tracing::warn!(
+                    "{}: none saved (the checkpoint is from an fp32 run); FP8 scales start afresh",
+                    scales.display()
+                );
             }
         }
         Ok(())
