@@ -6,7 +6,7 @@
 //! the directory as `DEP_TCH_LIBTORCH_LIB`, visible only to crates that depend on it
 //! directly, hence the direct `torch-sys` dependency next to this script.
 
-fn main() {
+pub fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     match std::env::var("DEP_TCH_LIBTORCH_LIB") {
         Ok(lib) if !lib.is_empty() => {

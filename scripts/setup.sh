@@ -4,6 +4,9 @@
 #     what tch 0.22 / burn-tch 0.22.1 link against (they require exactly 2.9.0);
 #   - .venv/libtorch, a stable link to that libtorch, which .cargo/config.toml points LIBTORCH
 #     at, so plain `cargo build/test/run` work in a new shell with nothing exported;
+#   - the headers the c10d shim (trainer/src/dist/) compiles against: Debian's libgloo-dev (the
+#     torch wheel lacks gloo's headers; installed with apt-get when missing and we are root) and
+#     two header-only CUDA wheels for its NCCL half (nvidia-cuda-nvcc-cu12, nvidia-cuda-cccl-cu12);
 #   - with --parity: transformers, peft and safetensors, for the HF/PEFT parity tests.
 # Running it again reuses what is already right and only repairs what is not.
 #
@@ -13,6 +16,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 TORCH_VERSION=2.9.0
+# Header-only wheels that ProcessGroupNCCL.hpp needs besides torch's own nvidia-* wheels
+# (crt/host_config.h, nv/target); versions of torch 2.9.0's CUDA 12.8.
+NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90)
 # Versions the parity fixtures were made and checked with (shared/bench/README.md).
 PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy)
 WANT_PARITY=0
@@ -68,6 +74,21 @@ if [[ "$have" != "$TORCH_VERSION" ]]; then
   [[ "$have" == "$TORCH_VERSION" ]] || die "torch $TORCH_VERSION did not import after install (got '${have:-nothing}')"
 else
   say "torch $TORCH_VERSION present in $VENV"
+fi
+
+# --- Headers of the c10d shim ---------------------------------------------------------------
+if [[ ! -f /usr/include/gloo/config.h ]]; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    say "installing libgloo-dev (gloo's headers, for the c10d shim) with apt-get"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgloo-dev; } >/dev/null 2>&1 \
+      || die "apt-get could not install libgloo-dev (is Debian's package registry reachable?)"
+  else
+    die "gloo's headers (/usr/include/gloo) are missing: the c10d shim needs them. Install Debian's libgloo-dev (sudo apt-get install libgloo-dev) and rerun"
+  fi
+fi
+if ! "$VPY" -c 'import importlib.util as u, os, sys; d = os.path.dirname(u.find_spec("nvidia").submodule_search_locations[0]); sys.exit(0 if all(os.path.exists(os.path.join(d, "nvidia", p)) for p in ("cuda_nvcc/include/crt/host_config.h", "cuda_cccl/include/nv/target")) else 1)' >/dev/null 2>&1; then
+  say "installing the CUDA headers the NCCL half of the c10d shim compiles against: ${NCCL_HEADER_PKGS[*]}"
+  pip_install --no-deps "${NCCL_HEADER_PKGS[@]}"
 fi
 
 if [[ $WANT_PARITY == 1 ]]; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: installs what is missing (scripts/setup.sh), then
-# builds and runs every test of the workspace. Extra arguments go to `cargo test`.
+# The whole test suite, from a fresh clone: installs what is missing (scripts/setup.sh), checks
+# formatting and clippy, then builds and runs every test of the workspace. Extra arguments go
+# to `cargo test`.
 #
 # Tests run in the release profile: the tiny-model training tests are ~10x slower unoptimised,
 # and the demo uses the same profile, so one build of the dependencies serves both.
@@ -14,4 +15,7 @@ if [[ "${CI:-}" == "true" && -z "${CARGO_TARGET_DIR:-}" ]]; then
 fi
 
 ./scripts/setup.sh --parity
+# The habits every Rust project has: formatted (rustfmt.toml) and clippy-clean, or the suite fails.
+cargo fmt --all --check || { echo "test.sh: run 'cargo fmt --all' (the tree is not formatted)" >&2; exit 1; }
+cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 cargo test --release --workspace "$@"

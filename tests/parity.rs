@@ -12,7 +12,7 @@ mod common;
 
 use llora_trainer::config::{OptimConfig, ScheduleConfig};
 use llora_trainer::optim::{AdamW, lr_at};
-use llora_trainer::train::train_step;
+use llora_trainer::step::{MicroBatch, StepStats, train_step};
 use std::process::Command;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -355,11 +355,11 @@ fn training_steps_match_torch_adamw() {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let lr = lr_at(0, optim_cfg.lr, &schedule);
-        let llora_trainer::train::StepStats { loss, grad_norm: norm, .. } = train_step(
+        let StepStats { loss, grad_norm: norm, .. } = train_step(
             &mut model,
             &mut optim,
-            &llora_trainer::collective::SingleProcess,
-            vec![(ids, labels)],
+            &llora_trainer::dist::SingleProcess,
+            vec![MicroBatch { ids, labels, seed: None }],
             n_tokens,
             lr,
             optim_cfg.clip_grad_norm,

@@ -35,28 +35,7 @@ const EXACTLY_ONCE: &[&str] = &[
     "config_filename",
 ];
 
-/// The embedded tiny config without its pre-trained base (no `model.path`, no
-/// `[model.pretrain]`): a random `demo` model, so short tests neither pre-train nor depend on a
-/// base left in the working tree by an earlier run.
-fn random_base_config(dir: &std::path::Path) -> String {
-    let text = std::fs::read_to_string(common::root().join("configs/tiny-cpu.toml")).unwrap();
-    let mut config: toml::Table = toml::from_str(&text).unwrap();
-    let model = config.get_mut("model").unwrap().as_table_mut().unwrap();
-    model.remove("path");
-    model.remove("pretrain");
-    let path = dir.join("random-base.toml");
-    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
-    path.display().to_string()
-}
-
-fn mllog(path: &std::path::Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.strip_prefix(":::MLLOG "))
-        .map(|j| serde_json::from_str(j).expect("every MLLOG line is JSON"))
-        .collect()
-}
+use common::{mllog, random_base_config};
 
 #[test]
 fn reaching_the_target_logs_an_mlperf_run() {
@@ -347,14 +326,15 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
 /// llora when this test was written, on this CPU with one thread. Step 1 does not depend on the adapters (B = 0) and
 /// is ln(512) ≈ 6.238 plus the random base's bias; tests/parity.rs ties the step itself to
 /// PyTorch + PEFT. A change here means the recipe changed (data order, dropout seeding,
-/// schedule, normalisation): update the values only on purpose (last re-recorded when dropout
-/// masks moved from torch's Bernoulli to ChaCha8: step 1, which has no dropout effect, kept
-/// its value to 1e-8). The run has two warm-up
+/// schedule, normalisation): update the values only on purpose (re-recorded when dropout
+/// masks moved from torch's Bernoulli to ChaCha8, and when they were seeded per micro-batch of
+/// the global batch for data parallelism; step 1, which has no dropout effect, kept its value
+/// to 1e-7 both times). The run has two warm-up
 /// passes, which must not change it (they were not in the recording run).
 #[test]
 fn first_losses_match_the_golden_values() {
     const GOLDEN: [f64; 5] =
-        [6.2562907338142395, 6.161059856414795, 6.098158121109009, 6.050810396671295, 6.06279718875885];
+        [6.256290912628174, 6.160948276519775, 6.099266409873962, 6.050910413265228, 6.061333239078522];
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let run = dir.path().join("run");
@@ -432,4 +412,24 @@ fn non_finite_loss_aborts_naming_the_step() {
     let lines = mllog(&run.join("result_0.txt"));
     let stop = lines.iter().find(|l| l["key"] == "run_stop").expect("run_stop logged");
     assert_eq!(stop["metadata"]["status"], "aborted");
+}
+
+/// `--resume` goes through the same validation as any config: an override the schema refuses
+/// (`precision.compute = fp16`) stops the resumed run, naming the key, instead of silently
+/// training in fp32.
+#[test]
+fn resume_validates_its_overrides() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let mut args = short_run_args(&config, &run);
+    args.extend(["--set".into(), "schedule.max_steps=2".into(), "--set".into(), "run.checkpoint_every=1".into()]);
+    let _ = llora(&strs(&args));
+    assert_eq!(checkpoint_step(&run), Some(2), "a checkpoint to resume from");
+    let out = llora(&["train", "--resume", run.to_str().unwrap(), "--set", "precision.compute=fp16"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("`precision.compute` (from --set)") && stderr.contains("fp16"), "{stderr}");
+    let out = llora(&["train", "--resume", run.to_str().unwrap(), "--set", "optim.lr=-1"]);
+    assert!(!out.status.success() && text(&out).1.contains("`optim.lr` = -1.0"), "{}", text(&out).1);
 }

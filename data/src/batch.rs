@@ -48,36 +48,69 @@ pub fn collate(samples: &[&Sample], padding: Padding) -> Collated {
     Collated { input_ids, labels, batch: samples.len(), seq }
 }
 
-/// One optimizer step's data.
+/// One optimizer step's data, as one data-parallel rank sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepBatch {
-    /// The global batch split into micro-batches.
+    /// This rank's micro-batches of the global batch.
     pub micro_batches: Vec<Collated>,
+    /// Index of this rank's first micro-batch within the global batch.
+    pub first_micro: usize,
     /// Target tokens of the whole global batch (the loss normaliser).
     pub target_tokens: usize,
-    /// Unpadded length of each sequence.
+    /// Unpadded length of each sequence of the global batch.
     pub lengths: Vec<usize>,
     /// Where the order continues after this batch (saved in checkpoints).
     pub position_after: Position,
 }
 
-/// The endless stream of global batches drawn by `order`, prepared by `workers` threads.
+/// How a global batch is cut: `global` sequences in micro-batches of `micro`; rank `rank` of
+/// `world` takes the `global / (micro · world)` consecutive micro-batches starting at
+/// `rank · global / (micro · world)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Sequences per optimizer step over all ranks.
+    pub global: usize,
+    /// Sequences per micro-batch.
+    pub micro: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Data-parallel ranks.
+    pub world: usize,
+}
+
+impl Geometry {
+    /// Micro-batches per step on each rank (gradient accumulation steps).
+    pub fn accumulation(&self) -> usize {
+        self.global / (self.micro.max(1) * self.world.max(1))
+    }
+}
+
+/// The endless stream of global batches drawn by `order` (one order for every rank, so a run is
+/// the same for any world size), prepared by `workers` threads; each batch holds this rank's
+/// micro-batches and the whole batch's token counts, which need no communication.
 pub fn train_batches(
     data: Arc<Vec<Sample>>,
     mut order: ShardedOrder,
-    global: usize,
-    micro: usize,
+    geometry: Geometry,
     padding: Padding,
     workers: usize,
 ) -> Prefetched<StepBatch> {
     let jobs = std::iter::from_fn(move || {
-        let indices: Vec<usize> = (0..global).map(|_| order.next_index()).collect();
+        let indices: Vec<usize> = (0..geometry.global).map(|_| order.next_index()).collect();
         Some((indices, order.position()))
     });
+    let accum = geometry.accumulation();
+    let first_micro = geometry.rank * accum;
     prefetch(jobs, workers, 2, move |(indices, position_after): (Vec<usize>, Position)| {
         let rows: Vec<&Sample> = indices.iter().map(|&i| &data[i]).collect();
         StepBatch {
-            micro_batches: rows.chunks(micro.max(1)).map(|m| collate(m, padding)).collect(),
+            micro_batches: rows
+                .chunks(geometry.micro.max(1))
+                .skip(first_micro)
+                .take(accum)
+                .map(|m| collate(m, padding))
+                .collect(),
+            first_micro,
             target_tokens: rows.iter().map(|s| s.target_tokens()).sum(),
             lengths: rows.iter().map(|s| s.input_ids.len()).collect(),
             position_after,
@@ -85,10 +118,19 @@ pub fn train_batches(
     })
 }
 
-/// The evaluation set in order, `batch` sequences per micro-batch, prepared by `workers` threads.
-pub fn eval_batches(data: Arc<Vec<Sample>>, batch: usize, padding: Padding, workers: usize) -> Prefetched<Collated> {
+/// Rank `rank` of `world`'s share of the evaluation set: the set is cut in order into batches of
+/// `batch` sequences (as one process would) and batch j goes to rank j mod world, so every
+/// sample is evaluated once, in the same batch, whatever the world size. Prepared by `workers`
+/// threads.
+pub fn eval_batches(
+    data: Arc<Vec<Sample>>,
+    batch: usize,
+    (rank, world): (usize, usize),
+    padding: Padding,
+    workers: usize,
+) -> Prefetched<Collated> {
     let batch = batch.max(1);
-    let starts = (0..data.len()).step_by(batch);
+    let starts = (0..data.len()).step_by(batch).skip(rank).step_by(world.max(1));
     prefetch(starts, workers, 2, move |start: usize| {
         let rows: Vec<&Sample> = data[start..(start + batch).min(data.len())].iter().collect();
         collate(&rows, padding)
@@ -122,7 +164,8 @@ mod tests {
             Arc::new((0..37u32).map(|i| s(&[1, i + 2, i + 3], &[-100, (i + 2) as i64, -100])).collect());
         let take = |workers| {
             let order = ShardedOrder::new(data.len(), 9, 0, 1, true, Position::default()).unwrap();
-            train_batches(data.clone(), order, 8, 2, Padding::Longest, workers).take(12).collect::<Vec<_>>()
+            let geometry = Geometry { global: 8, micro: 2, rank: 0, world: 1 };
+            train_batches(data.clone(), order, geometry, Padding::Longest, workers).take(12).collect::<Vec<_>>()
         };
         let inline = take(0);
         assert_eq!(inline[0].micro_batches.len(), 4);
@@ -131,8 +174,38 @@ mod tests {
         for w in [1, 2, 4] {
             assert_eq!(take(w), inline, "{w} workers");
         }
-        let evals: Vec<Collated> = eval_batches(data.clone(), 8, Padding::Longest, 3).collect();
+        let evals: Vec<Collated> = eval_batches(data.clone(), 8, (0, 1), Padding::Longest, 3).collect();
         assert_eq!(evals.len(), 5);
         assert_eq!(evals[4].batch, 5);
+    }
+
+    /// Two ranks' shares of a step are the single process's micro-batches, split in order, with
+    /// the same token counts; two ranks' eval shares are its eval batches, interleaved.
+    #[test]
+    fn ranks_split_the_single_process_batches() {
+        let data: Arc<Vec<Sample>> =
+            Arc::new((0..37u32).map(|i| s(&[1, i + 2, i + 3], &[-100, (i + 2) as i64, (i % 3) as i64 - 1])).collect());
+        let stream = |rank, world| {
+            let order = ShardedOrder::new(data.len(), 4, 0, 1, true, Position::default()).unwrap();
+            let geometry = Geometry { global: 8, micro: 2, rank, world };
+            train_batches(data.clone(), order, geometry, Padding::Longest, 1).take(6).collect::<Vec<_>>()
+        };
+        let (one, r0, r1) = (stream(0, 1), stream(0, 2), stream(1, 2));
+        for ((a, b), c) in one.iter().zip(&r0).zip(&r1) {
+            assert_eq!((b.first_micro, c.first_micro), (0, 2));
+            assert_eq!([&b.micro_batches[..], &c.micro_batches[..]].concat(), a.micro_batches);
+            assert_eq!(
+                (b.target_tokens, &b.lengths, b.position_after),
+                (a.target_tokens, &a.lengths, a.position_after)
+            );
+            assert_eq!((c.target_tokens, c.position_after), (a.target_tokens, a.position_after));
+        }
+        let all: Vec<Collated> = eval_batches(data.clone(), 3, (0, 1), Padding::Longest, 0).collect();
+        let e0: Vec<Collated> = eval_batches(data.clone(), 3, (0, 2), Padding::Longest, 0).collect();
+        let e1: Vec<Collated> = eval_batches(data.clone(), 3, (1, 2), Padding::Longest, 2).collect();
+        assert_eq!((all.len(), e0.len(), e1.len()), (13, 7, 6));
+        for (j, b) in all.iter().enumerate() {
+            assert_eq!(b, if j % 2 == 0 { &e0[j / 2] } else { &e1[j / 2] }, "eval batch {j}");
+        }
     }
 }

@@ -18,23 +18,13 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use crate::Sample;
 
 /// What to do with a row that fails validation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OnBadRow {
     /// Stop with an error naming the file, the row and the reason.
     Error,
     /// Count it, warn, and go on.
     Skip,
-}
-
-impl std::str::FromStr for OnBadRow {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "error" => Ok(Self::Error),
-            "skip" => Ok(Self::Skip),
-            _ => Err(format!("on_bad_row {s:?}: expected \"error\" or \"skip\"")),
-        }
-    }
 }
 
 /// How rows are checked while reading.

@@ -16,12 +16,15 @@ pub enum DeviceSpec {
     Cpu,
     /// LibTorch on CUDA device N (the PyPI torch wheel is the CUDA build).
     Cuda(usize),
+    /// LibTorch on the CUDA device of this process's local rank (`cuda:LOCAL_RANK`): one config
+    /// for every rank of a data-parallel job. See [`DeviceSpec::for_local_rank`].
+    CudaLocal,
     /// burn-flex, Burn's pure-Rust CPU backend (needs the `flex` cargo feature).
     Flex,
 }
 
 /// What [`DeviceSpec::from_str`] accepts, for error messages.
-pub const DEVICE_CHOICES: &str = "\"cpu\", \"cuda:N\" (N = 0, 1, ...) or \"flex\"";
+pub const DEVICE_CHOICES: &str = "\"cpu\", \"cuda\" (cuda:LOCAL_RANK), \"cuda:N\" (N = 0, 1, ...) or \"flex\"";
 
 impl FromStr for DeviceSpec {
     type Err = String;
@@ -30,6 +33,7 @@ impl FromStr for DeviceSpec {
         match s {
             "cpu" => Ok(Self::Cpu),
             "flex" => Ok(Self::Flex),
+            "cuda" => Ok(Self::CudaLocal),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(n)) => Ok(Self::Cuda(n)),
                 _ => Err(format!("unknown device {s:?}: expected {DEVICE_CHOICES}")),
@@ -43,6 +47,7 @@ impl fmt::Display for DeviceSpec {
         match self {
             Self::Cpu => f.write_str("cpu"),
             Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::CudaLocal => f.write_str("cuda"),
             Self::Flex => f.write_str("flex"),
         }
     }
@@ -65,8 +70,22 @@ impl DeviceSpec {
     /// The backend that executes on this device, for start-up logs.
     pub fn backend_name(&self) -> &'static str {
         match self {
-            Self::Cpu | Self::Cuda(_) => "LibTorch (tch 0.22, torch 2.9.0)",
+            Self::Cpu | Self::Cuda(_) | Self::CudaLocal => "LibTorch (tch 0.22, torch 2.9.0)",
             Self::Flex => "burn-flex (pure Rust)",
+        }
+    }
+
+    /// Whether this is a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Self::Cuda(_) | Self::CudaLocal)
+    }
+
+    /// The concrete device of the process with local rank `local_rank`: `cuda` becomes
+    /// `cuda:LOCAL_RANK`; every other device is itself.
+    pub fn for_local_rank(self, local_rank: usize) -> Self {
+        match self {
+            Self::CudaLocal => Self::Cuda(local_rank),
+            other => other,
         }
     }
 
@@ -81,6 +100,7 @@ impl DeviceSpec {
                 keep_freed_memory();
                 Ok(Device::libtorch())
             }
+            Self::CudaLocal => Self::Cuda(0).init(threads),
             Self::Cuda(n) => {
                 let count = tch::Cuda::device_count();
                 if (*n as i64) >= count {
@@ -99,7 +119,7 @@ impl DeviceSpec {
     /// The number of intra-op threads the backend will use after [`DeviceSpec::init`].
     pub fn effective_threads(&self, threads: usize) -> usize {
         match self {
-            Self::Cpu | Self::Cuda(_) => tch::get_num_threads().max(1) as usize,
+            Self::Cpu | Self::Cuda(_) | Self::CudaLocal => tch::get_num_threads().max(1) as usize,
             Self::Flex if threads > 0 => threads,
             Self::Flex => std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
@@ -154,7 +174,12 @@ mod tests {
 
     #[test]
     fn parses_and_prints_every_form() {
-        for (s, d) in [("cpu", DeviceSpec::Cpu), ("flex", DeviceSpec::Flex), ("cuda:3", DeviceSpec::Cuda(3))] {
+        for (s, d) in [
+            ("cpu", DeviceSpec::Cpu),
+            ("flex", DeviceSpec::Flex),
+            ("cuda:3", DeviceSpec::Cuda(3)),
+            ("cuda", DeviceSpec::CudaLocal),
+        ] {
             assert_eq!(s.parse::<DeviceSpec>().unwrap(), d);
             assert_eq!(d.to_string(), s);
         }
@@ -162,7 +187,9 @@ mod tests {
 
     #[test]
     fn rejects_unknown_devices_with_the_choices() {
-        for bad in ["gpu", "cuda", "cuda:x", "cuda:-1", "CPU", ""] {
+        assert_eq!(DeviceSpec::CudaLocal.for_local_rank(5), DeviceSpec::Cuda(5));
+        assert_eq!(DeviceSpec::Cpu.for_local_rank(5), DeviceSpec::Cpu);
+        for bad in ["gpu", "cuda:x", "cuda:-1", "CPU", ""] {
             let err = bad.parse::<DeviceSpec>().unwrap_err();
             assert!(err.contains(DEVICE_CHOICES), "{err}");
         }

@@ -453,6 +453,43 @@ impl LlamaForCausalLM {
         Ok(())
     }
 
+    /// Every linear layer's reduced-precision state, base before adapter, in module order.
+    fn quant_states(&self) -> Vec<&crate::precision::LinearQuant> {
+        let mut out = Vec::new();
+        for (_, linear) in self.named_linears() {
+            if let Some(q) = &linear.quant {
+                out.push(&**q);
+            }
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+                out.extend([&**qa, &**qb]);
+            }
+        }
+        out
+    }
+
+    /// The amaxes recorded since the last scale update (input, weight, gradient of every layer,
+    /// in a fixed order; −1 where none was recorded): data-parallel ranks max-reduce these so
+    /// that every rank's scales follow the global batch's amaxes.
+    pub fn fp8_pending_amaxes(&self) -> Vec<f32> {
+        let mut out = Vec::new();
+        for q in self.quant_states() {
+            let s = q.scales.lock().unwrap();
+            out.extend([&s.input, &s.weight, &s.grad].map(|d| d.pending.unwrap_or(-1.0)));
+        }
+        out
+    }
+
+    /// Sets the pending amaxes from [`Self::fp8_pending_amaxes`]'s layout (negative = none).
+    pub fn set_fp8_pending_amaxes(&self, amaxes: &[f32]) {
+        for (q, a) in self.quant_states().into_iter().zip(amaxes.chunks_exact(3)) {
+            let mut guard = q.scales.lock().unwrap();
+            let s = &mut *guard;
+            for (d, &v) in [&mut s.input, &mut s.weight, &mut s.grad].into_iter().zip(a) {
+                d.pending = (v >= 0.0).then_some(v);
+            }
+        }
+    }
+
     /// Ends a training step for delayed scaling: every recorded amax joins its history.
     pub fn update_fp8_scales(&self) {
         for (_, linear) in self.named_linears() {

@@ -82,3 +82,27 @@ pub fn llora(args: &[&str]) -> Output {
 pub fn text(out: &Output) -> (String, String) {
     (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
+
+/// The embedded tiny config without its pre-trained base (no `model.path`, no
+/// `[model.pretrain]`): a random `demo` model, so short tests neither pre-train nor depend on a
+/// base left in the working tree by an earlier run. Written into `dir`; returns its path.
+pub fn random_base_config(dir: &Path) -> String {
+    let text = std::fs::read_to_string(root().join("configs/tiny-cpu.toml")).unwrap();
+    let mut config: toml::Table = toml::from_str(&text).unwrap();
+    let model = config.get_mut("model").unwrap().as_table_mut().unwrap();
+    model.remove("path");
+    model.remove("pretrain");
+    let path = dir.join("random-base.toml");
+    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
+    path.display().to_string()
+}
+
+/// Every `:::MLLOG` record of a result log.
+pub fn mllog(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .filter_map(|l| l.strip_prefix(":::MLLOG "))
+        .map(|j| serde_json::from_str(j).expect("every MLLOG line is JSON"))
+        .collect()
+}

@@ -14,10 +14,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 use crate::cli::BenchArgs;
-use crate::collective::SingleProcess;
 use crate::config::OptimConfig;
 use crate::optim::AdamW;
-use crate::train::train_step;
+use crate::step::{MicroBatch, train_step};
 
 /// Matmul FLOPs of one LoRA step (forward + backward) with the peer's FLOP model
 /// (`flop_model()` in peer_lora_bench.py), so GFLOP/s are comparable: frozen weights cost
@@ -122,9 +121,43 @@ fn random_batch(
     )
 }
 
-/// Runs the benchmark and returns the peer's JSON record.
-pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
+/// Runs the benchmark on the launcher's ranks (one process without one) and returns the peer's
+/// JSON record on rank 0 (None on the others).
+pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
+    let dist = crate::dist::init(&crate::dist::DistConfig::default(), args.device.is_cuda())?;
+    let record = if args.allreduce_values > 0 { allreduce(args, &dist)? } else { train(args, &dist)? };
+    Ok(dist.is_main().then_some(record))
+}
+
+/// Median time of an f32 sum all-reduce of `--allreduce-values` values.
+fn allreduce(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
+    let comm = dist.comm.as_ref();
+    let mut buf = vec![1f32; args.allreduce_values];
+    let mut times = Vec::new();
+    for i in 0..args.warmup + args.steps {
+        comm.barrier()?;
+        let t = Instant::now();
+        comm.all_reduce_f32(&mut buf, crate::dist::ReduceOp::Sum)?;
+        if i >= args.warmup {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let med = quantile(&times, 0.5);
+    let bytes = (args.allreduce_values * 4) as f64;
+    Ok(json!({
+        "allreduce_values": args.allreduce_values, "world": comm.world_size(), "backend": comm.backend(),
+        "allreduce_s_median": (med * 1e4).round() / 1e4, "allreduce_s_min": (quantile(&times, 0.0) * 1e4).round() / 1e4,
+        "allreduce_s_max": (quantile(&times, 1.0) * 1e4).round() / 1e4,
+        // Bus bandwidth as nccl-tests defines it for all-reduce: bytes · 2(w−1)/w per second.
+        "busbw_gb_per_s": (bytes * 2.0 * (comm.world_size() as f64 - 1.0) / comm.world_size() as f64 / med / 1e7).round() / 100.0,
+        "threads": args.device.effective_threads(args.threads),
+    }))
+}
+
+/// Timed LoRA steps of a preset on random tokens.
+fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
+    anyhow::ensure!(args.accum >= 1, "--accum must be at least 1");
     anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
     let la0 = loadavg();
     let device = args.device.init(args.threads)?;
@@ -140,7 +173,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
     };
     let mut model = LlamaForCausalLM::random(&config, Some(&spec), false, &train_device);
     let precision = crate::config::PrecisionConfig {
-        compute: args.precision.clone(),
+        compute: args.precision,
         fp8_activations: args.fp8_activations,
         fp8_weights: args.fp8_weights,
         ..Default::default()
@@ -168,18 +201,22 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
     let mut window = None;
     let mut saved_bytes = 0;
     for step in 0..args.warmup + args.steps {
-        let (ids, labels, targets) = random_batch(&mut rng, args.batch, args.seq_len, config.vocab_size, &train_device);
+        // Every rank draws the whole global batch from the same generator and trains its share,
+        // so any world size sees the same data.
+        let world = dist.world.size;
+        let mut all: Vec<_> = (0..args.accum * world)
+            .map(|_| random_batch(&mut rng, args.batch, args.seq_len, config.vocab_size, &train_device))
+            .collect();
+        let targets: usize = all.iter().map(|b| b.2).sum();
+        let mine: Vec<MicroBatch> = all
+            .drain(..)
+            .skip(dist.world.rank * args.accum)
+            .take(args.accum)
+            .map(|(ids, labels, _)| MicroBatch { ids, labels, seed: None })
+            .collect();
         let (c0, t0) = (cpu_seconds(), Instant::now());
         let _ = llora_model::precision::take_saved_bytes();
-        let s = train_step(
-            &mut model,
-            &mut optim,
-            &SingleProcess,
-            vec![(ids, labels)],
-            targets,
-            args.lr,
-            args.max_grad_norm,
-        )?;
+        let s = train_step(&mut model, &mut optim, dist.comm.as_ref(), mine, targets, args.lr, args.max_grad_norm)?;
         saved_bytes = llora_model::precision::take_saved_bytes();
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         loss = s.loss;
@@ -212,14 +249,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Value> {
         Some((busy - ours).max(0.0))
     });
     let med = quantile(&step_s, 0.5);
-    let tokens = (args.batch * args.seq_len) as f64;
-    let flops = flop_model(&config, args.batch, args.seq_len, args.lora_r);
+    // Per rank: its accum × batch sequences.
+    let seqs = args.batch * args.accum;
+    let tokens = (seqs * args.seq_len) as f64;
+    let flops = flop_model(&config, seqs, args.seq_len, args.lora_r);
     let per_step = flops["flops_per_step"].as_f64().unwrap_or(0.0);
     let r4 = |x: f64| (x * 1e4).round() / 1e4;
     let mut breakdown = flops.as_object().cloned().unwrap_or_default();
     breakdown.remove("flops_per_step");
     Ok(json!({
         "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
+        "accum": args.accum, "world": dist.world.size, "collectives": dist.comm.backend(),
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
         // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
         "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),

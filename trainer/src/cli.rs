@@ -257,6 +257,15 @@ pub struct BenchArgs {
     /// Sequences per step.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Micro-batches of `--batch` per rank and step (gradient accumulation). Under a launcher
+    /// (torchrun) every rank runs them and the gradients are all-reduced: world × accum × batch
+    /// sequences per step.
+    #[arg(long, default_value_t = 1)]
+    pub accum: usize,
+    /// Instead of training steps, time an all-reduce (sum) of this many f32 values over the
+    /// launcher's ranks, `--steps` times after `--warmup` (the 70B's LoRA gradients: 44.6 M).
+    #[arg(long, default_value_t = 0)]
+    pub allreduce_values: usize,
     /// Timed steps.
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
@@ -294,8 +303,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0.3)]
     pub max_grad_norm: f64,
     /// GEMM precision of the decoder's linear layers (see `[precision]` in the config).
-    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "fp8"])]
-    pub precision: String,
+    #[arg(long, default_value = "fp32", value_parser = parse_compute)]
+    pub precision: llora_model::precision::Compute,
     /// Keep saved activations as FP8 + scale.
     #[arg(long)]
     pub fp8_activations: bool,
@@ -348,4 +357,9 @@ pub struct ExportArgs {
 pub enum ConfigCommand {
     /// Print the fully resolved config (defaults, file and overrides) as TOML.
     Show(ConfigArgs),
+}
+
+/// `--precision`: the config's names (serde's), so the CLI and the TOML accept the same words.
+fn parse_compute(s: &str) -> Result<llora_model::precision::Compute, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
 }

@@ -9,15 +9,91 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use llora_data::batch::Padding;
+pub use llora_data::parquet_io::OnBadRow;
 use llora_model::device::DeviceSpec;
-use llora_model::fp8::{AmaxAlgo, AmaxSpec};
-use llora_model::precision::{Compute, PrecisionSpec};
+pub use llora_model::fp8::AmaxAlgo;
+use llora_model::fp8::AmaxSpec;
+pub use llora_model::precision::Compute;
+use llora_model::precision::PrecisionSpec;
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// The embedded default config (`configs/tiny-cpu.toml`): tiny Llama, synthetic data, CPU.
 pub const TINY_CPU_TOML: &str = include_str!("../../configs/tiny-cpu.toml");
 /// The name the embedded default is reported under.
 pub const TINY_CPU_NAME: &str = "tiny-cpu.toml (embedded)";
+
+/// `model.trainable`: which parameters train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trainable {
+    /// The adapters only; the base stays frozen.
+    Lora,
+    /// Every parameter (full fine-tuning; used to pre-train the demo base).
+    All,
+}
+
+/// `data.padding`: what micro-batches are padded to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PadTo {
+    /// The longest row of the micro-batch.
+    Longest,
+    /// `data.max_seq_len` (fixed shapes).
+    MaxLength,
+}
+
+impl PadTo {
+    /// The loader's padding rule for sequences of at most `max_seq_len` tokens.
+    pub fn padding(self, max_seq_len: usize) -> Padding {
+        match self {
+            Self::Longest => Padding::Longest,
+            Self::MaxLength => Padding::MaxLength(max_seq_len),
+        }
+    }
+}
+
+/// `eval.averaging`: how token losses become the eval loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Averaging {
+    /// Mean over samples of each sample's mean token loss (the MLPerf reference's metric).
+    PerSample,
+    /// Mean over all target tokens.
+    PerToken,
+}
+
+/// `mlperf.division`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Division {
+    /// Reference model, data and hyperparameter rules.
+    Closed,
+    /// Anything goes.
+    Open,
+}
+
+impl Division {
+    /// The value of `submission_division`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+        }
+    }
+}
+
+/// `logging.progress`: when the progress bar shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProgressBar {
+    /// On a terminal.
+    Auto,
+    /// Always.
+    Always,
+    /// Never (a log line every `logging.every_steps`).
+    Never,
+}
 
 /// A complete llora run configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -45,6 +121,8 @@ pub struct Config {
     pub mlperf: MlperfConfig,
     /// Progress and metrics output.
     pub logging: LoggingConfig,
+    /// Data-parallel ranks: collective backend, timeout, rendezvous.
+    pub dist: crate::dist::DistConfig,
 }
 
 /// `[model]`: the base model.
@@ -56,14 +134,14 @@ pub struct ModelConfig {
     /// Architecture preset, used when `path` is not set (random init) and to check a checkpoint.
     pub preset: Option<String>,
     /// Which parameters train: `"lora"` (adapters only) or `"all"` (full fine-tuning).
-    pub trainable: String,
+    pub trainable: Trainable,
     /// Pre-train a base into `path` first when it holds no checkpoint yet (CPU demo).
     pub pretrain: Option<PretrainConfig>,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { path: None, preset: None, trainable: "lora".into(), pretrain: None }
+        Self { path: None, preset: None, trainable: Trainable::Lora, pretrain: None }
     }
 }
 
@@ -141,9 +219,9 @@ pub struct DataConfig {
     pub eval_workers: usize,
     /// Micro-batch padding: `"longest"` (to the longest row) or `"max_length"` (to
     /// `max_seq_len`: fixed shapes, as CUDA graphs need).
-    pub padding: String,
+    pub padding: PadTo,
     /// What a bad row does: `"error"` stops with file/row/reason, `"skip"` counts and warns.
-    pub on_bad_row: String,
+    pub on_bad_row: OnBadRow,
     /// Generate a synthetic GovReport-shaped corpus instead of reading `train`/`eval`.
     pub synthetic: Option<SyntheticConfig>,
 }
@@ -180,8 +258,8 @@ impl Default for DataConfig {
             max_seq_len: 8192,
             train_workers: 2,
             eval_workers: 1,
-            padding: "longest".into(),
-            on_bad_row: "error".into(),
+            padding: PadTo::Longest,
+            on_bad_row: OnBadRow::Error,
             synthetic: None,
         }
     }
@@ -231,10 +309,10 @@ impl Default for ScheduleConfig {
 pub struct TrainConfig {
     /// Sequences per optimizer step, over all data-parallel ranks.
     pub global_batch_size: usize,
-    /// Sequences per forward/backward on one rank; the rest is gradient accumulation.
+    /// Sequences per forward/backward on one rank; the rest is gradient accumulation
+    /// (global_batch_size / (micro_batch_size × ranks) micro-batches per rank and step; the
+    /// number of ranks is the launcher's, see `[dist]`).
     pub micro_batch_size: usize,
-    /// Data-parallel ranks (one device each).
-    pub data_parallel: usize,
     /// Warm-up forward+backward passes on random tokens before `run_start` (kernel selection,
     /// allocator growth, as NVIDIA's and AMD's submissions do); they touch neither the dataset
     /// nor the adapters.
@@ -243,14 +321,7 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        Self { global_batch_size: 8, micro_batch_size: 1, data_parallel: 1, warmup_batches: 0 }
-    }
-}
-
-impl TrainConfig {
-    /// Micro-steps per optimizer step on each rank.
-    pub fn gradient_accumulation_steps(&self) -> usize {
-        self.global_batch_size / (self.micro_batch_size * self.data_parallel).max(1)
+        Self { global_batch_size: 8, micro_batch_size: 1, warmup_batches: 0 }
     }
 }
 
@@ -266,14 +337,20 @@ pub struct EvalConfig {
     pub skip_first: Option<usize>,
     /// `"per_sample"` (mean of each sample's mean token loss, the reference's HF Trainer at
     /// eval batch 1) or `"per_token"` (all target tokens weighted equally).
-    pub averaging: String,
+    pub averaging: Averaging,
     /// Sequences per evaluation forward pass.
     pub batch_size: usize,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { every_samples: 384, target_loss: 0.925, skip_first: None, averaging: "per_sample".into(), batch_size: 1 }
+        Self {
+            every_samples: 384,
+            target_loss: 0.925,
+            skip_first: None,
+            averaging: Averaging::PerSample,
+            batch_size: 1,
+        }
     }
 }
 
@@ -283,7 +360,7 @@ impl Default for EvalConfig {
 pub struct PrecisionConfig {
     /// Linear-layer GEMM inputs: `"fp32"`, `"bf16"` or `"fp8"` (E4M3 forward, E5M2
     /// gradients, delayed scaling: Transformer Engine's hybrid recipe).
-    pub compute: String,
+    pub compute: Compute,
     /// Keep activations saved for backward (linear inputs, SwiGLU inputs) as FP8 + scale.
     pub fp8_activations: bool,
     /// Keep frozen base weights as FP8 + scale (needs `compute = "fp8"`).
@@ -291,7 +368,7 @@ pub struct PrecisionConfig {
     /// Delayed scaling: amaxes of this many past steps set each scale (1..=1024).
     pub amax_history_len: usize,
     /// How the history becomes one amax: `"max"` or `"most_recent"`.
-    pub amax_compute_algo: String,
+    pub amax_compute_algo: AmaxAlgo,
     /// Scale = fp8_max / amax / 2^margin.
     pub amax_margin: i32,
 }
@@ -300,11 +377,11 @@ impl Default for PrecisionConfig {
     fn default() -> Self {
         let amax = AmaxSpec::default();
         Self {
-            compute: "fp32".into(),
+            compute: Compute::Fp32,
             fp8_activations: false,
             fp8_weights: false,
             amax_history_len: amax.history_len,
-            amax_compute_algo: "max".into(),
+            amax_compute_algo: amax.algo,
             amax_margin: amax.margin,
         }
     }
@@ -314,16 +391,12 @@ impl PrecisionConfig {
     /// The model-side spec (the config must have been validated).
     pub fn spec(&self) -> PrecisionSpec {
         PrecisionSpec {
-            compute: match self.compute.as_str() {
-                "bf16" => Compute::Bf16,
-                "fp8" => Compute::Fp8,
-                _ => Compute::Fp32,
-            },
+            compute: self.compute,
             fp8_activations: self.fp8_activations,
             fp8_weights: self.fp8_weights,
             amax: AmaxSpec {
                 history_len: self.amax_history_len,
-                algo: if self.amax_compute_algo == "most_recent" { AmaxAlgo::MostRecent } else { AmaxAlgo::Max },
+                algo: self.amax_compute_algo,
                 margin: self.amax_margin,
             },
         }
@@ -361,12 +434,12 @@ pub struct MlperfConfig {
     /// `submission_platform`.
     pub platform: String,
     /// `submission_division`: `"closed"` or `"open"`.
-    pub division: String,
+    pub division: Division,
 }
 
 impl Default for MlperfConfig {
     fn default() -> Self {
-        Self { org: "llora".into(), platform: "cpu".into(), division: "closed".into() }
+        Self { org: "llora".into(), platform: "cpu".into(), division: Division::Closed }
     }
 }
 
@@ -377,7 +450,7 @@ pub struct LoggingConfig {
     /// Print a progress line every this many optimizer steps when not on a TTY.
     pub every_steps: usize,
     /// Progress bar: `"auto"` (on a TTY), `"always"` or `"never"`.
-    pub progress: String,
+    pub progress: ProgressBar,
     /// Peak dense TFLOP/s of one device, for the MFU column of `metrics.jsonl` (0 = unknown:
     /// MFU is not reported, achieved TFLOP/s still is).
     pub peak_tflops: f64,
@@ -385,7 +458,7 @@ pub struct LoggingConfig {
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        Self { every_steps: 10, progress: "auto".into(), peak_tflops: 0.0 }
+        Self { every_steps: 10, progress: ProgressBar::Auto, peak_tflops: 0.0 }
     }
 }
 
@@ -458,13 +531,19 @@ impl Config {
             }
             None => (TINY_CPU_NAME.to_string(), TINY_CPU_TOML.to_string()),
         };
-        let config = Self::from_toml_str(&name, &text, overrides)?;
-        config.validate().map_err(|problems| ConfigError { source_name: name, problems })?;
+        Self::parse(&name, &text, overrides)
+    }
+
+    /// Parses TOML text, applies overrides and validates: every config a run uses (a file, the
+    /// embedded default, a checkpoint's saved config on `--resume`) comes through here.
+    pub fn parse(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
+        let config = Self::from_toml_str(name, text, overrides)?;
+        config.validate().map_err(|problems| ConfigError { source_name: name.to_string(), problems })?;
         Ok(config)
     }
 
-    /// Parses TOML text and applies overrides, without validation or path resolution.
-    pub fn from_toml_str(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
+    /// Parses TOML text and applies overrides, without validation (see [`Config::parse`]).
+    fn from_toml_str(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
         let mut table: toml::Table = toml::from_str(text)
             .map_err(|e| ConfigError::one(name, format!("TOML syntax: {}", e.to_string().trim_end())))?;
         for o in overrides {
@@ -523,7 +602,6 @@ impl Config {
                 &format!("must be one of {}", list(MODEL_PRESETS)),
             );
         }
-        check(one_of(&m.trainable, &["lora", "all"]), "model.trainable", &m.trainable, "must be \"lora\" or \"all\"");
         if let Some(pt) = &m.pretrain {
             check(
                 m.path.is_some() && m.preset.is_some(),
@@ -576,18 +654,6 @@ impl Config {
         );
         check(d.train_workers <= 64, "data.train_workers", &d.train_workers, "must be in 0..=64");
         check(d.eval_workers <= 64, "data.eval_workers", &d.eval_workers, "must be in 0..=64");
-        check(
-            one_of(&d.on_bad_row, &["error", "skip"]),
-            "data.on_bad_row",
-            &d.on_bad_row,
-            "must be \"error\" or \"skip\"",
-        );
-        check(
-            one_of(&d.padding, &["longest", "max_length"]),
-            "data.padding",
-            &d.padding,
-            "must be \"longest\" or \"max_length\"",
-        );
         match &d.synthetic {
             Some(syn) => {
                 check(
@@ -647,16 +713,11 @@ impl Config {
         let t = &self.train;
         check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
         check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
-        check(t.data_parallel >= 1, "train.data_parallel", &t.data_parallel, "must be at least 1");
-        let per_step = t.micro_batch_size * t.data_parallel;
         check(
-            per_step == 0 || t.global_batch_size.is_multiple_of(per_step),
+            t.global_batch_size.is_multiple_of(t.micro_batch_size.max(1)),
             "train.global_batch_size",
             &t.global_batch_size,
-            &format!(
-                "must be a multiple of train.micro_batch_size × train.data_parallel = {} × {} = {per_step}",
-                t.micro_batch_size, t.data_parallel
-            ),
+            &format!("must be a multiple of train.micro_batch_size = {} (and of it × ranks)", t.micro_batch_size),
         );
 
         let e = &self.eval;
@@ -667,27 +728,9 @@ impl Config {
             &e.target_loss,
             "must be a finite number > 0",
         );
-        check(
-            one_of(&e.averaging, &["per_sample", "per_token"]),
-            "eval.averaging",
-            &e.averaging,
-            "must be \"per_sample\" or \"per_token\"",
-        );
         check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
 
         let pr = &self.precision;
-        check(
-            one_of(&pr.compute, &["fp32", "bf16", "fp8"]),
-            "precision.compute",
-            &pr.compute,
-            "must be \"fp32\", \"bf16\" or \"fp8\"",
-        );
-        check(
-            one_of(&pr.amax_compute_algo, &["max", "most_recent"]),
-            "precision.amax_compute_algo",
-            &pr.amax_compute_algo,
-            "must be \"max\" or \"most_recent\"",
-        );
         check(
             (1..=1024).contains(&pr.amax_history_len),
             "precision.amax_history_len",
@@ -696,12 +739,12 @@ impl Config {
         );
         check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
         check(
-            !pr.fp8_weights || pr.compute == "fp8",
+            !pr.fp8_weights || pr.compute == Compute::Fp8,
             "precision.fp8_weights",
             &pr.fp8_weights,
             "needs precision.compute = \"fp8\"",
         );
-        let reduced = pr.compute != "fp32" || pr.fp8_activations;
+        let reduced = pr.compute != Compute::Fp32 || pr.fp8_activations;
         check(
             !reduced || self.run.device != DeviceSpec::Flex,
             "precision.compute",
@@ -714,12 +757,6 @@ impl Config {
         check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
 
         let ml = &self.mlperf;
-        check(
-            one_of(&ml.division, &["closed", "open"]),
-            "mlperf.division",
-            &ml.division,
-            "must be \"closed\" or \"open\"",
-        );
         check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
         check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
 
@@ -730,12 +767,6 @@ impl Config {
             "logging.peak_tflops",
             &lg.peak_tflops,
             "must be a finite number ≥ 0",
-        );
-        check(
-            one_of(&lg.progress, &["auto", "always", "never"]),
-            "logging.progress",
-            &lg.progress,
-            "must be \"auto\", \"always\" or \"never\"",
         );
 
         if p.is_empty() { Ok(()) } else { Err(p) }
@@ -883,11 +914,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`train.global_batch_size` = 6"), "{err}");
-        let c = Config {
-            train: TrainConfig { global_batch_size: 8, micro_batch_size: 2, data_parallel: 2, ..Default::default() },
-            ..Default::default()
-        };
-        assert_eq!(c.train.gradient_accumulation_steps(), 2);
+    }
+
+    /// Strings that mean enums are serde enums: a wrong one is refused by name, with the choices.
+    #[test]
+    fn enum_keys_refuse_unknown_values() {
+        let err = load_str("[model]\npreset = \"tiny\"\n", &[ov("precision.compute=fp16")]).unwrap_err().to_string();
+        assert!(
+            err.contains("`precision.compute` (from --set)") && err.contains("fp16") && err.contains("fp8"),
+            "{err}"
+        );
+        let err = load_str("[model]\npreset = \"tiny\"\n[eval]\naveraging = \"mean\"\n", &[]).unwrap_err().to_string();
+        assert!(err.contains("`eval.averaging`") && err.contains("per_sample"), "{err}");
+        let c = load_str("[model]\npreset = \"tiny\"\n", &[ov("data.padding=max_length"), ov("model.trainable=all")])
+            .unwrap();
+        assert_eq!((c.data.padding, c.model.trainable), (PadTo::MaxLength, Trainable::All));
     }
 
     #[test]

@@ -127,7 +127,7 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
 /// LibTorch CPU tensor, as the step's input does.
 fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     use burn::tensor::{Device, Int, Tensor, TensorData};
-    use llora_data::batch::{Padding, eval_batches, train_batches};
+    use llora_data::batch::{Geometry, Padding, eval_batches, train_batches};
     use llora_data::loader::{Position, ShardedOrder};
     use std::sync::Arc;
     use std::time::Instant;
@@ -148,7 +148,15 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
         let order = ShardedOrder::new(train.len(), 1, 0, 1, true, Position::default())?;
         let t = Instant::now();
         let (mut seqs, mut tokens) = (0usize, 0usize);
-        for batch in train_batches(train.clone(), order, a.global_batch, 1, Padding::Longest, w).take(a.steps) {
+        for batch in train_batches(
+            train.clone(),
+            order,
+            Geometry { global: a.global_batch, micro: 1, rank: 0, world: 1 },
+            Padding::Longest,
+            w,
+        )
+        .take(a.steps)
+        {
             seqs += batch.lengths.len();
             tokens += batch.lengths.iter().sum::<usize>();
             batch.micro_batches.into_iter().for_each(|m| drop(to_tensor(m)));
@@ -159,7 +167,7 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     for &w in &a.eval_workers {
         let t = Instant::now();
         let tokens: usize = eval.iter().map(|x| x.input_ids.len()).sum();
-        eval_batches(eval.clone(), 1, Padding::Longest, w).for_each(|m| drop(to_tensor(m)));
+        eval_batches(eval.clone(), 1, (0, 1), Padding::Longest, w).for_each(|m| drop(to_tensor(m)));
         let s = t.elapsed().as_secs_f64();
         println!(
             "{:<22} {w:>8} {:>12.0} {:>14.0}   one pass {s:.3} s",

@@ -1,12 +1,15 @@
 //! llora's recipe: configuration, command line and (as the issues land) the training loop.
+#![recursion_limit = "256"] // serde_json::json! of the bench record
 pub mod bench;
 pub mod cli;
-pub mod collective;
 pub mod config;
 pub mod data_cmd;
+pub mod dist;
 pub mod mllog;
 pub mod mlperf;
+pub mod observe;
 pub mod optim;
 pub mod plot;
 pub mod resume;
+pub mod step;
 pub mod train;

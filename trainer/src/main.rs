@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat, MlperfCommand};
 use llora_trainer::config::{Config, TINY_CPU_NAME};
+use llora_trainer::{dist, train};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -31,6 +32,8 @@ fn init_tracing(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: logs collected from ranks or CI stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE);
     match format {
         LogFormat::Pretty => builder.with_target(false).init(),
@@ -41,21 +44,27 @@ fn init_tracing(format: LogFormat) {
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Train(args) => {
-            let (outcome, config) = match &args.resume {
-                Some(dir) => llora_trainer::train::resume(dir, &args.config.overrides)?,
+            let outcome = match &args.resume {
+                Some(dir) => {
+                    let resumed = train::load_resume(dir, &args.config.overrides)?;
+                    let dist = dist::init(&resumed.config.dist, resumed.config.run.device.is_cuda())?;
+                    let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
+                    (train::resume(resumed, &dist)?, target)
+                }
                 None => {
                     let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
                     let name =
                         args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-                    (llora_trainer::train::run(&config, &name)?, config)
+                    let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
+                    (train::run(&config, &name, &dist)?, (config.eval.target_loss, config.schedule.max_steps))
                 }
             };
-            if outcome.status != "success" {
+            let (outcome, (target, max_steps)) = outcome;
+            if outcome.status != train::RunStatus::Success {
                 anyhow::bail!(
-                    "the run did not reach eval.target_loss = {} within schedule.max_steps = {} (run_stop status \"{}\"; result log {})",
-                    config.eval.target_loss,
-                    config.schedule.max_steps,
-                    outcome.status,
+                    "the run did not reach eval.target_loss = {target} within schedule.max_steps = {max_steps} \
+                     (run_stop status \"{}\"; result log {})",
+                    outcome.status.name(),
                     outcome.result_log.display()
                 );
             }
@@ -77,15 +86,18 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Mlperf { command: MlperfCommand::Run(args) } => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let score = llora_trainer::mlperf::run_many(&config, &name, args.runs, &args.out)?;
-            print!("{}", score.table());
-            println!("{}", score.json());
+            let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
+            if let Some(score) = llora_trainer::mlperf::run_many(&config, &name, args.runs, &args.out, &dist)? {
+                print!("{}", score.table());
+                println!("{}", score.json());
+            }
             Ok(())
         }
         Command::Export(args) => llora_trainer::train::export_merged(&args),
         Command::Plot(args) => llora_trainer::plot::plot_command(&args),
         Command::Bench(args) => {
-            let mut record = llora_trainer::bench::run(&args)?;
+            // Under a launcher only rank 0 prints and appends the record.
+            let Some(mut record) = llora_trainer::bench::run(&args)? else { return Ok(()) };
             if let Some(tag) = &args.tag {
                 record["tag"] = tag.clone().into();
             }

@@ -100,3 +100,96 @@ fn as_map(v: Value) -> Map<String, Value> {
         other => panic!("mllog metadata must be a JSON object, got {other}"),
     }
 }
+
+/// The result log of one training run, which owns the order of the MLPerf events.
+///
+/// The rules' order is: `cache_clear`, `init_start`, submission and hyperparameter keys,
+/// `init_stop`, `run_start`, dataset sizes, then blocks (`block_start`, `train_loss`,
+/// `block_stop`, `eval_start`, `eval_accuracy`, `eval_stop`) and `run_stop`. A resumed run appends
+/// to the log of the interrupted one and so skips everything up to and including the dataset
+/// sizes. Ranks other than 0 hold no file: every call is a no-op there.
+pub struct RunLog {
+    out: Option<MlLogger>,
+    resumed: bool,
+}
+
+impl RunLog {
+    /// Opens `path` on rank 0 (created, or appended to when `resumed`); nothing elsewhere.
+    pub fn open(path: &Path, main_rank: bool, resumed: bool) -> anyhow::Result<Self> {
+        let out = match (main_rank, resumed) {
+            (false, _) => None,
+            (true, false) => Some(MlLogger::create(path, false)?),
+            (true, true) => Some(MlLogger::append(path, false)?),
+        };
+        Ok(Self { out, resumed })
+    }
+
+    fn fresh(&mut self) -> Option<&mut MlLogger> {
+        if self.resumed { None } else { self.out.as_mut() }
+    }
+
+    /// `cache_clear`, `init_start` and the submission keys.
+    pub fn init_start(&mut self, submission: &[(&str, Value)]) {
+        if let Some(ml) = self.fresh() {
+            ml.event("cache_clear", true);
+            ml.start("init_start", json!(null));
+            for (k, v) in submission {
+                ml.event(k, v.clone());
+            }
+        }
+    }
+
+    /// The hyperparameter keys, `init_stop` and `run_start`: the clock starts. Returns the
+    /// run_start time (epoch ms) of a fresh run.
+    pub fn run_start(&mut self, hyperparameters: &[(&str, Value)]) -> Option<u64> {
+        let ml = self.fresh()?;
+        for (k, v) in hyperparameters {
+            ml.event(k, v.clone());
+        }
+        ml.end("init_stop", json!(null));
+        ml.start("run_start", json!(null));
+        Some(now_ms())
+    }
+
+    /// The dataset sizes (logged after run_start: the rules forbid touching the data before).
+    pub fn datasets(&mut self, train: usize, eval: usize) {
+        if let Some(ml) = self.fresh() {
+            ml.event("train_samples", train);
+            ml.event("eval_samples", eval);
+        }
+    }
+
+    /// A training block begins at `samples`.
+    pub fn block_start(&mut self, samples: usize) {
+        if let Some(ml) = self.out.as_mut() {
+            ml.start("block_start", json!({"samples_count": samples}));
+        }
+    }
+
+    /// The block ends with its last training loss, and an evaluation starts.
+    pub fn eval_start(&mut self, samples: usize, train_loss: f64) {
+        if let Some(ml) = self.out.as_mut() {
+            ml.event_with("train_loss", train_loss, json!({"samples_count": samples}));
+            ml.end("block_stop", json!({"samples_count": samples}));
+            ml.start("eval_start", json!({"samples_count": samples}));
+        }
+    }
+
+    /// The evaluation's result.
+    pub fn eval_stop(&mut self, samples: usize, eval_loss: f64) {
+        if let Some(ml) = self.out.as_mut() {
+            ml.event_with("eval_accuracy", eval_loss, json!({"samples_count": samples}));
+            ml.end("eval_stop", json!({"samples_count": samples}));
+        }
+    }
+
+    /// The run ends; `in_block` closes the open training block first.
+    pub fn run_stop(&mut self, samples: usize, status: &str, in_block: bool) {
+        if let Some(ml) = self.out.as_mut() {
+            if in_block {
+                ml.end("block_stop", json!({"samples_count": samples}));
+            }
+            ml.end("run_stop", json!({"samples_count": samples, "status": status}));
+        }
+    }
+}

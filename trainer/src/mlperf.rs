@@ -216,35 +216,48 @@ impl Score {
 ///
 /// A run that fails (NaN, I/O) is reported and the next one starts: the rules allow one
 /// non-converged run in a set, and the score says whether this set is valid.
-pub fn run_many(config: &Config, config_name: &str, runs: usize, out: &Path) -> anyhow::Result<Score> {
+pub fn run_many(
+    config: &Config,
+    config_name: &str,
+    runs: usize,
+    out: &Path,
+    dist: &crate::dist::Dist,
+) -> anyhow::Result<Option<Score>> {
     ensure!(runs >= 1, "--runs must be at least 1");
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    ensure!(
-        result_files(out)?.is_empty(),
-        "{} already holds result_<n>.txt files; use a new --out directory so that runs are not mixed",
-        out.display()
-    );
+    // Every rank trains; rank 0 alone writes and scores.
+    let main = dist.is_main();
+    if main {
+        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+        ensure!(
+            result_files(out)?.is_empty(),
+            "{} already holds result_<n>.txt files; use a new --out directory so that runs are not mixed",
+            out.display()
+        );
+    }
     for i in 0..runs {
         let mut c = config.clone();
         c.run.seed = config.run.seed.wrapping_add(i as u64);
         c.run.dir = out.join(format!("run_{i}"));
         info!(run = i, seed = c.run.seed, dir = %c.run.dir.display(), "mlperf run {}/{runs}", i + 1);
-        let log = match crate::train::run(&c, config_name) {
+        let log = match crate::train::run(&c, config_name, dist) {
             Ok(outcome) => outcome.result_log,
             Err(e) => {
                 error!(run = i, "run failed: {e:#}");
                 c.run.dir.join("result_0.txt")
             }
         };
-        if log.is_file() {
+        if main && log.is_file() {
             let bytes = std::fs::read(&log).with_context(|| format!("cannot read {}", log.display()))?;
             write_atomic(&out.join(format!("result_{i}.txt")), &bytes)?;
         }
     }
+    if !main {
+        return Ok(None);
+    }
     if runs < 3 {
         bail!("{runs} runs done in {}; scoring needs at least 3", out.display());
     }
-    score_dir(out)
+    score_dir(out).map(Some)
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ pub struct Moments {
 }
 
 /// AdamW state over named parameters.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct AdamW {
     /// Hyperparameters.
     pub config: OptimConfig,

@@ -30,6 +30,16 @@ use crate::optim::{AdamW, Moments};
 /// Checkpoint format version written in `state.json`.
 const FORMAT: u32 = 1;
 
+/// Everything of a run in progress that is not a model weight: counters and optimizer state
+/// (the FP8 scaling state lives in the model's layers and is saved with it).
+#[derive(Debug, Clone)]
+pub struct TrainState {
+    /// Counters and data position.
+    pub progress: Progress,
+    /// AdamW moments and step.
+    pub optim: AdamW,
+}
+
 /// The counters of a run in progress.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Progress {
@@ -83,9 +93,8 @@ pub fn checkpoint_dir(run_dir: &Path) -> PathBuf {
 pub fn save(
     run_dir: &Path,
     config_toml: &str,
-    progress: &Progress,
+    state: &TrainState,
     model: &mut LlamaForCausalLM,
-    optim: &AdamW,
     adapter: Option<(&LoraSpec, &str)>,
 ) -> anyhow::Result<PathBuf> {
     let tmp = run_dir.join(".resume.tmp");
@@ -98,7 +107,7 @@ pub fn save(
     let mut moments = Vec::new();
     for (name, p) in model.trainable_params_mut() {
         let (shape, values) = llora_model::checkpoint::tensor_f32(&p.flat());
-        if let Some(m) = optim.state.get(&name) {
+        if let Some(m) = state.optim.state.get(&name) {
             moments.push((format!("{name}.exp_avg"), shape.clone(), llora_model::checkpoint::tensor_f32(&m.m).1));
             moments.push((format!("{name}.exp_avg_sq"), shape.clone(), llora_model::checkpoint::tensor_f32(&m.v).1));
         }
@@ -114,9 +123,9 @@ pub fn save(
     if let Some((spec, base)) = adapter {
         save_peft_adapter(model, spec, &tmp.join("adapter"), base)?;
     }
-    let state = StateFile { format: FORMAT, progress: progress.clone(), optimizer_step: optim.step };
+    let file = StateFile { format: FORMAT, progress: state.progress.clone(), optimizer_step: state.optim.step };
     // state.json last: a directory with it is complete.
-    write_atomic(&tmp.join("state.json"), serde_json::to_string_pretty(&state)?.as_bytes())?;
+    write_atomic(&tmp.join("state.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
     if old.exists() {
         std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
     }
@@ -165,11 +174,18 @@ pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
 }
 
 impl Checkpoint {
-    /// Puts the saved parameters into `model` and the moments into `optim`.
+    /// Puts the saved parameters and FP8 scales into `model`, the counters and moments into `state`.
     ///
     /// Every trainable parameter must be in the checkpoint with its size, and every saved
     /// tensor must belong to a parameter: anything else means another model or adapter layout.
-    pub fn restore(&mut self, model: &mut LlamaForCausalLM, optim: &mut AdamW, device: &Device) -> anyhow::Result<()> {
+    pub fn restore(
+        &mut self,
+        model: &mut LlamaForCausalLM,
+        state: &mut TrainState,
+        device: &Device,
+    ) -> anyhow::Result<()> {
+        state.progress = self.progress.clone();
+        let optim = &mut state.optim;
         let file = self.dir.join("params.safetensors");
         let flat = |(shape, values): (Vec<usize>, Vec<f32>)| -> Tensor<1> {
             let n = shape.iter().product::<usize>();

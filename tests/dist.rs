@@ -1,0 +1,278 @@
+//! Data parallelism end to end on the CPU (c10d Gloo): ranks launched by the venv's torchrun, or
+//! by hand with the launcher variables (as srun sets them), checked against a single process.
+
+mod common;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{llora, llora_command, mllog, random_base_config, root, text};
+
+/// `torchrun --standalone --nproc-per-node 2 --no-python llora ARGS` (a free port of its own).
+fn torchrun(args: &[&str]) -> Output {
+    let torchrun = root().join(".venv/bin/torchrun");
+    assert!(torchrun.is_file(), "{} missing: run ./scripts/setup.sh", torchrun.display());
+    let cmd = llora_command(&root(), args);
+    // llora_command's program is llora with the test's extra arguments; run it under torchrun.
+    let inner: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+    let bin = cmd.get_program().to_owned();
+    let mut run = Command::new(&torchrun);
+    run.args(["--standalone", "--nproc-per-node", "2", "--no-python"]).arg(bin).args(&inner);
+    run.current_dir(root()).env_clear();
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            run.env(k, v);
+        }
+    }
+    run.output().expect("run torchrun")
+}
+
+/// A free TCP port on the loopback interface.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `llora ARGS` as rank `rank` of 2, with the variables srun or any launcher sets; rank 0
+/// serves the TCPStore on `port`.
+fn rank_command(rank: usize, port: u16, args: &[&str]) -> Command {
+    let mut cmd = llora_command(&root(), args);
+    cmd.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string());
+    cmd
+}
+
+fn sets(pairs: &[String]) -> Vec<String> {
+    pairs.iter().flat_map(|s| ["--set".to_string(), s.clone()]).collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn eval_losses(run_dir: &Path) -> Vec<f64> {
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["eval_loss"].as_f64())
+        .collect()
+}
+
+fn adapter(run_dir: &Path) -> Vec<u8> {
+    let f = run_dir.join("adapter/adapter_model.safetensors");
+    std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
+}
+
+/// The issue's first check: the demo job (pre-trained base, LoRA with dropout 0.1, GBS 8) on two
+/// ranks under torchrun ends with bitwise the adapters of one process, the same eval losses, and
+/// exactly one result log, which the official checker passes. The eval set (32 samples in
+/// batches of 3: 11 batches) does not divide over the ranks.
+#[test]
+fn two_ranks_under_torchrun_match_one_process_and_pass_the_checker() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let common = |run: &Path| {
+        sets(&[
+            format!("model.path=\"{}\"", base.display()),
+            format!("run.dir=\"{}\"", run.display()),
+            "eval.batch_size=3".into(),
+            "logging.progress=\"never\"".into(),
+        ])
+    };
+    let mut args = vec!["train".to_string()];
+    args.extend(common(&one));
+    let out = llora(&strs(&args));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success() && stdout.contains("status: success"), "one process:\n{stdout}\n{stderr}");
+
+    let mut args = vec!["train".to_string()];
+    args.extend(common(&two));
+    let out = torchrun(&strs(&args));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "torchrun:\n{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("status: success").count(), 1, "rank 0 alone reports:\n{stdout}");
+    assert!(stderr.contains("data-parallel group ready") && stderr.contains("world=2"), "{stderr}");
+
+    assert!(adapter(&one) == adapter(&two), "adapters of 2 ranks differ from one process's");
+    let (a, b) = (eval_losses(&one), eval_losses(&two));
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-12 * x.abs(), "eval loss {x} vs {y}");
+    }
+    let logs: Vec<PathBuf> = std::fs::read_dir(&two)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("result_"))
+        .collect();
+    assert_eq!(logs, [two.join("result_0.txt")], "exactly one result log");
+    let lines = mllog(&logs[0]);
+    assert_eq!(lines.iter().filter(|l| l["key"] == "run_start").count(), 1);
+    let accum = lines.iter().find(|l| l["key"] == "gradient_accumulation_steps").unwrap();
+    assert_eq!(accum["value"], 4, "GBS 8 over 2 ranks of micro-batch 1");
+    let check = root().join("../shared/mlperf/check.sh");
+    let res = Command::new("bash").arg(&check).arg(&logs[0]).output().unwrap();
+    let (c_out, c_err) = text(&res);
+    assert!(res.status.success(), "official checker rejected the 2-rank log:\n{c_out}\n{c_err}");
+}
+
+/// An eval set of 5 samples in batches of 2 (3 batches: 2 on rank 0, 1 on rank 1, one short)
+/// gives the single process's eval loss on 2 ranks.
+#[test]
+fn uneven_eval_set_gives_the_same_loss_on_one_and_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = |name: &str| -> Vec<String> {
+        let mut args = vec!["train".to_string(), config.clone()];
+        args.extend(sets(&[
+            format!("run.dir=\"{}\"", dir.path().join(name).display()),
+            "schedule.max_steps=1".into(),
+            "eval.every_samples=8".into(),
+            "eval.target_loss=0.001".into(),
+            "eval.batch_size=2".into(),
+            "data.synthetic.train_samples=16".into(),
+            "data.synthetic.eval_samples=5".into(),
+            "data.max_seq_len=128".into(),
+        ]));
+        args
+    };
+    let _ = llora(&strs(&run("one")));
+    let _ = torchrun(&strs(&run("two")));
+    let (a, b) = (eval_losses(&dir.path().join("one")), eval_losses(&dir.path().join("two")));
+    assert_eq!((a.len(), b.len()), (1, 1), "one evaluation each: {a:?} {b:?}");
+    assert!((a[0] - b[0]).abs() <= 1e-12 * a[0], "eval loss {} on one process, {} on two ranks", a[0], b[0]);
+}
+
+fn checkpoint_step(run_dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(run_dir.join("resume/state.json")).ok()?;
+    serde_json::from_str::<serde_json::Value>(&text).ok()?["progress"]["step"].as_u64()
+}
+
+/// SIGKILL rank 1 of a 2-rank run: rank 0 exits non-zero within 60 s naming rank 1, its last
+/// checkpoint is intact, and the job resumed from it under torchrun ends with the adapters of an
+/// uninterrupted single-process run.
+#[test]
+fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let args = |run: &Path| -> Vec<String> {
+        let mut a = vec!["train".to_string(), config.clone()];
+        a.extend(sets(&[
+            format!("run.dir=\"{}\"", run.display()),
+            "schedule.max_steps=12".into(),
+            "eval.every_samples=32".into(),
+            "eval.target_loss=0.001".into(),
+            "data.synthetic.train_samples=64".into(),
+            "data.synthetic.eval_samples=4".into(),
+            "data.max_seq_len=128".into(),
+            "run.checkpoint_every=1".into(),
+            "dist.timeout_s=30".into(),
+        ]));
+        a
+    };
+    let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
+    let _ = llora(&strs(&args(&whole)));
+    assert!(whole.join("adapter/adapter_model.safetensors").is_file());
+
+    let port = free_port();
+    let a = args(&killed);
+    let mut r0 = rank_command(0, port, &strs(&a)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let mut r1 = rank_command(1, port, &strs(&a)).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    while checkpoint_step(&killed).is_none_or(|s| s < 3) {
+        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank ended before step 3");
+        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint of step 3 after 5 minutes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r1.kill().unwrap(); // SIGKILL
+    r1.wait().unwrap();
+    let killed_at = Instant::now();
+    let out = loop {
+        if r0.try_wait().unwrap().is_some() {
+            break r0.wait_with_output().unwrap();
+        }
+        if killed_at.elapsed() > Duration::from_secs(60) {
+            r0.kill().unwrap();
+            panic!("rank 0 still running 60 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "rank 0 must fail: {stderr}");
+    assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    let at = checkpoint_step(&killed).expect("the last checkpoint is intact");
+    assert!(at < 12, "the run had finished before the kill");
+
+    // The same checkpoint also resumes on one process (the data order is global).
+    let single = dir.path().join("single");
+    let copy = Command::new("cp").arg("-r").arg(&killed).arg(&single).status().unwrap();
+    assert!(copy.success());
+
+    let out = torchrun(&["train", "--resume", killed.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("samples: 96"), "resumed from step {at}:\n{stdout}\n{stderr}");
+    assert!(adapter(&whole) == adapter(&killed), "adapters differ after a kill at step {at} and a 2-rank resume");
+    let out = llora(&["train", "--resume", single.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("samples: 96"), "1-process resume:\n{stdout}\n{stderr}");
+    assert!(adapter(&whole) == adapter(&single), "adapters differ after a 2-rank checkpoint resumed on 1 process");
+}
+
+/// Ranks started with different configs refuse to start, naming the ranks and the keys.
+#[test]
+fn ranks_with_different_configs_refuse_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = format!("run.dir=\"{}\"", dir.path().join("run").display());
+    let base = ["train", &config, "--set", &run, "--set", "dist.timeout_s=20"];
+    let port = free_port();
+    let r0 = rank_command(0, port, &base).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let mut other = base.to_vec();
+    other.extend(["--set", "optim.lr=0.002"]);
+    let r1 = rank_command(1, port, &other).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    for (rank, child) in [(0, r0), (1, r1)] {
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "rank {rank} started: {stderr}");
+        assert!(stderr.contains("ranks [1]") && stderr.contains("optim.lr"), "rank {rank}:\n{stderr}");
+    }
+    assert!(!dir.path().join("run/metrics.jsonl").exists(), "no step may run");
+}
+
+/// The NCCL half of the c10d shim is compiled into the default build (checked here, on any
+/// machine); on a machine with two CUDA devices a 2-rank NCCL run must also match one process.
+/// Elsewhere the run part reports itself skipped. It has never run on a GPU.
+#[test]
+fn nccl_path_is_built_and_runs_where_there_are_gpus() {
+    assert!(llora_trainer::dist::nccl_compiled(), "the default build must compile the NCCL path (scripts/setup.sh)");
+    let gpus = tch::Cuda::device_count();
+    if gpus < 2 {
+        eprintln!("SKIPPED: NCCL run needs 2 CUDA devices, this machine has {gpus}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = |name: &str| -> Vec<String> {
+        let mut args = vec!["train".to_string(), config.clone()];
+        args.extend(sets(&[
+            format!("run.dir=\"{}\"", dir.path().join(name).display()),
+            "run.device=\"cuda\"".into(),
+            "schedule.max_steps=4".into(),
+            "eval.every_samples=16".into(),
+            "eval.target_loss=0.001".into(),
+            "data.synthetic.train_samples=64".into(),
+            "data.max_seq_len=128".into(),
+        ]));
+        args
+    };
+    let _ = llora(&strs(&run("one")));
+    let out = torchrun(&strs(&run("two")));
+    assert!(text(&out).1.contains("backend=nccl"), "{}", text(&out).1);
+    let (a, b) = (eval_losses(&dir.path().join("one")), eval_losses(&dir.path().join("two")));
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "eval loss {x} vs {y}");
+    }
+}

@@ -1,0 +1,301 @@
+//! PyTorch's c10d process groups (Gloo for CPU tensors, NCCL for CUDA tensors) through the C++
+//! shim beside this file (`c10d_shim.cpp`, built by `trainer/build.rs`).
+//!
+//! Buffers cross as host slices: a Gloo collective runs in place on the slice (a LibTorch
+//! tensor over its memory, no copy); an NCCL one copies it to this rank's GPU and back.
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::{Backend, Collective, DistError, ReduceOp, World};
+
+unsafe extern "C" {
+    fn llora_c10d_new(
+        host: *const c_char,
+        port: u16,
+        is_server: c_int,
+        rank: c_int,
+        world: c_int,
+        backend: c_int,
+        timeout_ms: i64,
+        err: *mut *mut c_char,
+    ) -> *mut c_void;
+    fn llora_c10d_free_group(g: *mut c_void);
+    fn llora_c10d_free(s: *mut c_char);
+    fn llora_c10d_all_reduce(g: *mut c_void, t: *mut torch_sys::C_tensor, op: c_int, err: *mut *mut c_char) -> c_int;
+    fn llora_c10d_broadcast(g: *mut c_void, t: *mut torch_sys::C_tensor, root: c_int, err: *mut *mut c_char) -> c_int;
+    fn llora_c10d_all_gather(
+        g: *mut c_void,
+        out: *mut torch_sys::C_tensor,
+        input: *mut torch_sys::C_tensor,
+        world: c_int,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_c10d_barrier(g: *mut c_void, err: *mut *mut c_char) -> c_int;
+    fn llora_c10d_store_set(
+        g: *mut c_void,
+        key: *const c_char,
+        data: *const u8,
+        len: usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_c10d_store_get(
+        g: *mut c_void,
+        key: *const c_char,
+        data: *mut *mut u8,
+        len: *mut usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_c10d_store_add(
+        g: *mut c_void,
+        key: *const c_char,
+        delta: i64,
+        value: *mut i64,
+        err: *mut *mut c_char,
+    ) -> c_int;
+}
+
+/// The shim's group handle; c10d's store and process groups are thread-safe.
+struct Handle(*mut c_void);
+// SAFETY: the handle is only used through the shim, whose c10d objects lock internally
+// (TCPStore serialises its client operations; a process group takes one caller at a time, and
+// llora's collectives are all issued by the training thread).
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created by llora_c10d_new, freed once.
+        unsafe { llora_c10d_free_group(self.0) }
+    }
+}
+
+/// Turns the shim's (status, message) into a Result.
+fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
+    if ok != 0 {
+        return Ok(());
+    }
+    if err.is_null() {
+        return Err("c10d failed without a message".into());
+    }
+    // SAFETY: the shim wrote a NUL-terminated malloc'd string.
+    let msg = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
+    unsafe { llora_c10d_free(err) };
+    Err(msg)
+}
+
+/// A c10d process group with its store, and a heartbeat that tells which rank was lost.
+pub struct ProcessGroup {
+    handle: Arc<Handle>,
+    world: World,
+    backend: Backend,
+    device: tch::Device,
+    heartbeat: Duration,
+    stop: Arc<AtomicBool>,
+}
+
+impl ProcessGroup {
+    /// Joins the group of `world` (TCPStore at its master address, server or client by the
+    /// launcher's rule) on `backend`; collectives fail after `timeout`.
+    pub fn new(world: &World, backend: Backend, timeout: Duration) -> Result<Self, DistError> {
+        let host = CString::new(world.master_addr.clone())
+            .map_err(|_| DistError::setup(world, "MASTER_ADDR contains a NUL byte".into()))?;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: valid C string; err receives a malloc'd message on failure.
+        let g = unsafe {
+            llora_c10d_new(
+                host.as_ptr(),
+                world.master_port,
+                c_int::from(world.serves_store()),
+                world.rank as c_int,
+                world.size as c_int,
+                c_int::from(backend == Backend::Nccl),
+                timeout.as_millis() as i64,
+                &mut err,
+            )
+        };
+        if g.is_null() {
+            let msg = check(0, err).unwrap_err();
+            return Err(DistError::setup(
+                world,
+                format!("cannot join the {backend} group at {}:{}: {msg}", world.master_addr, world.master_port),
+            ));
+        }
+        let device = match backend {
+            Backend::Gloo => tch::Device::Cpu,
+            Backend::Nccl => tch::Device::Cuda(world.local_rank),
+        };
+        let pg = Self {
+            handle: Arc::new(Handle(g)),
+            world: world.clone(),
+            backend,
+            device,
+            heartbeat: Duration::from_millis(500),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        pg.start_heartbeat();
+        Ok(pg)
+    }
+
+    /// Bumps this rank's counter in the store every `heartbeat`, so that after a failed
+    /// collective the survivors can tell which ranks stopped beating.
+    fn start_heartbeat(&self) {
+        let (handle, stop, every) = (self.handle.clone(), self.stop.clone(), self.heartbeat);
+        let key = CString::new(format!("heartbeat/{}", self.world.rank)).expect("no NUL");
+        std::thread::Builder::new()
+            .name("llora-heartbeat".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let (mut v, mut err) = (0i64, std::ptr::null_mut());
+                    // SAFETY: live handle (the Arc keeps it), valid key.
+                    let ok = unsafe { llora_c10d_store_add(handle.0, key.as_ptr(), 1, &mut v, &mut err) };
+                    if check(ok, err).is_err() {
+                        return; // The store is gone; a collective will say so.
+                    }
+                    std::thread::sleep(every);
+                }
+            })
+            .expect("spawn the heartbeat thread");
+    }
+
+    fn counter(&self, rank: usize) -> Result<i64, String> {
+        let key = CString::new(format!("heartbeat/{rank}")).expect("no NUL");
+        let (mut v, mut err) = (0i64, std::ptr::null_mut());
+        // SAFETY: live handle, valid key.
+        let ok = unsafe { llora_c10d_store_add(self.handle.0, key.as_ptr(), 0, &mut v, &mut err) };
+        check(ok, err).map(|()| v)
+    }
+
+    /// The ranks whose heartbeat stopped: counters read twice, four beats apart. When the
+    /// store itself is unreachable, its server is what was lost (rank 0 outside torchrun).
+    fn lost_ranks(&self) -> Vec<usize> {
+        let others: Vec<usize> = (0..self.world.size).filter(|&r| r != self.world.rank).collect();
+        let Ok(before) = others.iter().map(|&r| self.counter(r)).collect::<Result<Vec<_>, _>>() else {
+            return if self.world.agent_store { vec![] } else { vec![0] };
+        };
+        std::thread::sleep(self.heartbeat * 4);
+        let Ok(after) = others.iter().map(|&r| self.counter(r)).collect::<Result<Vec<_>, _>>() else {
+            return if self.world.agent_store { vec![] } else { vec![0] };
+        };
+        others.iter().zip(before.iter().zip(&after)).filter(|(_, (b, a))| a == b).map(|(&r, _)| r).collect()
+    }
+
+    fn fail(&self, op: &'static str, message: String) -> DistError {
+        DistError::Collective { op, rank: self.world.rank, world: self.world.size, lost: self.lost_ranks(), message }
+    }
+
+    /// Runs `f` on a LibTorch tensor over `buf` (in place on the CPU; through the GPU for NCCL).
+    fn with_tensor<T: tch::kind::Element + Copy>(
+        &self,
+        buf: &mut [T],
+        op: &'static str,
+        f: impl FnOnce(*mut torch_sys::C_tensor, &mut *mut c_char) -> c_int,
+    ) -> Result<(), DistError> {
+        let mut err = std::ptr::null_mut();
+        let ok = match self.device {
+            tch::Device::Cpu => {
+                let n = buf.len() as i64;
+                // SAFETY: the tensor views `buf`, which outlives it (dropped at the end of this arm).
+                let t =
+                    unsafe { tch::Tensor::from_blob(buf.as_mut_ptr() as *const u8, &[n], &[1], T::KIND, self.device) };
+                f(t.as_ptr() as *mut _, &mut err)
+            }
+            device => {
+                let t = tch::Tensor::from_slice(buf).to_device(device);
+                let ok = f(t.as_ptr() as *mut _, &mut err);
+                if ok != 0 {
+                    t.to_device(tch::Device::Cpu).copy_data(buf, buf.len());
+                }
+                ok
+            }
+        };
+        check(ok, err).map_err(|m| self.fail(op, m))
+    }
+
+    fn all_reduce<T: tch::kind::Element + Copy>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), DistError> {
+        let h = self.handle.0;
+        let code = match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Max => 1,
+        };
+        // SAFETY: live handle and tensor.
+        self.with_tensor(buf, "all_reduce", |t, err| unsafe { llora_c10d_all_reduce(h, t, code, err) })
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Collective for ProcessGroup {
+    fn rank(&self) -> usize {
+        self.world.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.size
+    }
+
+    fn backend(&self) -> &'static str {
+        match self.backend {
+            Backend::Gloo => "c10d Gloo",
+            Backend::Nccl => "c10d NCCL",
+        }
+    }
+
+    fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), DistError> {
+        self.all_reduce(buf, op)
+    }
+
+    fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> Result<(), DistError> {
+        self.all_reduce(buf, op)
+    }
+
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), DistError> {
+        let h = self.handle.0;
+        // SAFETY: live handle and tensor.
+        self.with_tensor(buf, "broadcast", |t, err| unsafe { llora_c10d_broadcast(h, t, root as c_int, err) })
+    }
+
+    fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError> {
+        let mut out = vec![0f64; x.len() * self.world.size];
+        let input = tch::Tensor::from_slice(x).to_device(self.device);
+        let (h, world) = (self.handle.0, self.world.size as c_int);
+        // SAFETY: live handle and tensors; `out` holds world × x.len() values.
+        self.with_tensor(&mut out, "all_gather", |o, err| unsafe {
+            llora_c10d_all_gather(h, o, input.as_ptr() as *mut _, world, err)
+        })?;
+        Ok(out)
+    }
+
+    fn barrier(&self) -> Result<(), DistError> {
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handle.
+        let ok = unsafe { llora_c10d_barrier(self.handle.0, &mut err) };
+        check(ok, err).map_err(|m| self.fail("barrier", m))
+    }
+
+    fn publish(&self, key: &str, value: &[u8]) -> Result<(), DistError> {
+        let k = CString::new(key).expect("keys have no NUL");
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handle, valid key and slice.
+        let ok = unsafe { llora_c10d_store_set(self.handle.0, k.as_ptr(), value.as_ptr(), value.len(), &mut err) };
+        check(ok, err).map_err(|m| self.fail("store set", m))
+    }
+
+    fn fetch(&self, key: &str) -> Result<Vec<u8>, DistError> {
+        let k = CString::new(key).expect("keys have no NUL");
+        let (mut data, mut len, mut err) = (std::ptr::null_mut(), 0usize, std::ptr::null_mut());
+        // SAFETY: live handle, valid key; the shim mallocs `data` on success.
+        let ok = unsafe { llora_c10d_store_get(self.handle.0, k.as_ptr(), &mut data, &mut len, &mut err) };
+        check(ok, err).map_err(|m| self.fail("store get", m))?;
+        // SAFETY: `len` bytes at `data`, malloc'd by the shim and freed here.
+        let v = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        unsafe { llora_c10d_free(data as *mut c_char) };
+        Ok(v)
+    }
+}

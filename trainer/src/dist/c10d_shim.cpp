@@ -1,0 +1,170 @@
+// A C ABI over PyTorch's c10d (TCPStore, ProcessGroupGloo, ProcessGroupNCCL) for llora's Rust
+// side (trainer/src/dist/c10d.rs). Built by trainer/build.rs with the `cc` crate against the
+// venv's libtorch, as tch builds its own wrapper.
+//
+// Every entry point catches C++ exceptions and returns them as a message (c10d throws when a
+// peer's connection closes or an operation times out), so a failing collective is a Rust
+// error, never an abort. Messages are malloc'd; the caller frees them with llora_c10d_free.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#ifdef LLORA_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace {
+
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::chrono::milliseconds timeout;
+};
+
+char* dup(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
+  return out;
+}
+
+// Runs `f`; on a C++ exception stores its message in *err and returns false.
+template <typename F>
+bool guarded(char** err, F&& f) {
+  try {
+    f();
+    return true;
+  } catch (const std::exception& e) {
+    if (err != nullptr) *err = dup(e.what());
+  } catch (...) {
+    if (err != nullptr) *err = dup("unknown C++ exception");
+  }
+  return false;
+}
+
+void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+  // wait() rethrows the collective's failure; a false return means the timeout passed.
+  if (!work->wait(timeout)) throw std::runtime_error("collective timed out");
+}
+
+}  // namespace
+
+extern "C" {
+
+// The backend of a new group: 0 = Gloo (CPU tensors), 1 = NCCL (CUDA tensors).
+// `is_server`: this process serves the TCPStore (rank 0 without torchrun's agent store).
+void* llora_c10d_new(const char* host, uint16_t port, int is_server, int rank, int world, int backend,
+                     int64_t timeout_ms, char** err) {
+  Group* group = nullptr;
+  guarded(err, [&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = is_server != 0;
+    opts.numWorkers = std::nullopt;  // torchrun's agent store has its own; do not wait here.
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    // A prefix keeps llora's keys apart from torchrun's rendezvous keys in the agent store.
+    auto store = c10::make_intrusive<c10d::PrefixStore>("llora", tcp);
+    c10::intrusive_ptr<c10d::Backend> pg;
+    if (backend == 0) {
+      auto o = c10d::ProcessGroupGloo::Options::create(timeout);
+      // As torch.distributed does: GLOO_SOCKET_IFNAME picks the interface (multi-node hosts
+      // whose hostname resolves to the wrong one); else the hostname's address or loopback.
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      o->devices.push_back(ifname != nullptr && *ifname != '\0'
+                               ? c10d::ProcessGroupGloo::createDeviceForInterface(std::string(ifname))
+                               : c10d::ProcessGroupGloo::createDefaultDevice());
+      pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, o);
+    } else {
+#ifdef LLORA_WITH_NCCL
+      auto o = c10d::ProcessGroupNCCL::Options::create();
+      o->timeout = timeout;
+      pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, o);
+#else
+      throw std::runtime_error("this llora was built without NCCL (no CUDA headers at build time)");
+#endif
+    }
+    group = new Group{store, pg, timeout};
+  });
+  return group;
+}
+
+void llora_c10d_free_group(void* g) { delete static_cast<Group*>(g); }
+
+void llora_c10d_free(char* s) { std::free(s); }
+
+// In-place all-reduce of one tensor; op 0 = sum, 1 = max.
+int llora_c10d_all_reduce(void* g, at::Tensor* t, int op, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] {
+    std::vector<at::Tensor> ts{*t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == 1 ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+    o.timeout = group->timeout;
+    wait(group->backend->allreduce(ts, o), group->timeout);
+  });
+}
+
+// In-place broadcast of one tensor from `root`.
+int llora_c10d_broadcast(void* g, at::Tensor* t, int root, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] {
+    std::vector<at::Tensor> ts{*t};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = group->timeout;
+    wait(group->backend->broadcast(ts, o), group->timeout);
+  });
+}
+
+// Gathers `in` of every rank into `out`, whose first dimension is world × in's.
+int llora_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* in, int world, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] {
+    std::vector<at::Tensor> outs = out->chunk(world, 0);
+    std::vector<std::vector<at::Tensor>> outputs{outs};
+    std::vector<at::Tensor> inputs{*in};
+    c10d::AllgatherOptions o;
+    o.timeout = group->timeout;
+    wait(group->backend->allgather(outputs, inputs, o), group->timeout);
+  });
+}
+
+int llora_c10d_barrier(void* g, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] {
+    c10d::BarrierOptions o;
+    o.timeout = group->timeout;
+    wait(group->backend->barrier(o), group->timeout);
+  });
+}
+
+// Store: set a key (bytes), get one (waits up to the group's timeout), add to a counter.
+int llora_c10d_store_set(void* g, const char* key, const uint8_t* data, size_t len, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] { group->store->set(std::string(key), std::vector<uint8_t>(data, data + len)); });
+}
+
+int llora_c10d_store_get(void* g, const char* key, uint8_t** data, size_t* len, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] {
+    auto v = group->store->get(std::string(key));
+    *data = static_cast<uint8_t*>(std::malloc(v.size() + 1));
+    if (!v.empty()) std::memcpy(*data, v.data(), v.size());
+    *len = v.size();
+  });
+}
+
+int llora_c10d_store_add(void* g, const char* key, int64_t delta, int64_t* value, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] { *value = group->store->add(std::string(key), delta); });
+}
+
+}  // extern "C"

@@ -1,0 +1,459 @@
+//! Data parallelism: one process per device, launched by torchrun or SLURM, talking through
+//! PyTorch's c10d (the engine under DDP, FSDP and DeepSpeed) rather than a home-made one.
+//!
+//! [`World::from_env`] reads who this process is from the launcher's variables; [`init`] joins
+//! the process group (Gloo on CPU, NCCL on CUDA; `c10d.rs` and the C++ shim beside it) and
+//! refuses to start when ranks were given different configs. The trainer only sees
+//! [`Collective`]: a single process uses the identity [`SingleProcess`].
+
+mod c10d;
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tracing::info;
+
+/// Which launcher set the world up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// No launcher variables: one process.
+    Single,
+    /// torchrun (or any launcher that sets `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`).
+    Torchrun,
+    /// `srun`: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`.
+    Slurm,
+}
+
+/// This process's place among the data-parallel ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct World {
+    /// Global rank, `0..size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Rank on this node: the CUDA device index for `run.device = "cuda"`.
+    pub local_rank: usize,
+    /// Ranks on this node.
+    pub local_size: usize,
+    /// Host of the TCPStore.
+    pub master_addr: String,
+    /// Port of the TCPStore.
+    pub master_port: u16,
+    /// torchrun's agent already serves the store (`TORCHELASTIC_USE_AGENT_STORE=True`): every
+    /// rank, rank 0 included, is a client.
+    pub agent_store: bool,
+    /// Who launched us.
+    pub launcher: Launcher,
+}
+
+impl World {
+    /// One process, no store.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            size: 1,
+            local_rank: 0,
+            local_size: 1,
+            master_addr: String::new(),
+            master_port: 0,
+            agent_store: false,
+            launcher: Launcher::Single,
+        }
+    }
+
+    /// The world the launcher describes in `env` (torchrun's variables first, then SLURM's),
+    /// or a single process; `config` supplies the master address and port SLURM does not.
+    pub fn from_env(env: impl Fn(&str) -> Option<String>, config: &DistConfig) -> Result<Self, String> {
+        let num = |key: &str| -> Result<Option<usize>, String> {
+            env(key).map(|v| v.trim().parse::<usize>().map_err(|_| format!("{key}={v:?} is not a number"))).transpose()
+        };
+        let (launcher, rank, size, local_rank, local_size) = if let Some(rank) = num("RANK")? {
+            let size = num("WORLD_SIZE")?.ok_or("RANK is set but WORLD_SIZE is not")?;
+            let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
+            let local_size = num("LOCAL_WORLD_SIZE")?.unwrap_or(size);
+            (Launcher::Torchrun, rank, size, local_rank, local_size)
+        } else if let Some(rank) = num("SLURM_PROCID")? {
+            let size = num("SLURM_NTASKS")?.ok_or("SLURM_PROCID is set but SLURM_NTASKS is not")?;
+            let local_rank = num("SLURM_LOCALID")?.unwrap_or(0);
+            let local_size = env("SLURM_NTASKS_PER_NODE")
+                .and_then(|v| v.split(['(', ',']).next().and_then(|n| n.parse().ok()))
+                .unwrap_or(size);
+            (Launcher::Slurm, rank, size, local_rank, local_size)
+        } else {
+            return Ok(Self::single());
+        };
+        if size == 0 || rank >= size {
+            return Err(format!("rank {rank} is not in 0..{size} (world size from the {launcher:?} variables)"));
+        }
+        if size == 1 {
+            return Ok(Self { launcher, ..Self::single() });
+        }
+        let master_addr = env("MASTER_ADDR").or_else(|| config.master_addr.clone()).ok_or_else(|| {
+            "MASTER_ADDR is not set: export it (e.g. the first host of `scontrol show hostnames \
+             $SLURM_JOB_NODELIST`) or set dist.master_addr"
+                .to_string()
+        })?;
+        let master_port = match env("MASTER_PORT") {
+            Some(p) => p.trim().parse().map_err(|_| format!("MASTER_PORT={p:?} is not a port number"))?,
+            None => config.master_port,
+        };
+        let agent_store = env("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True");
+        Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, launcher })
+    }
+
+    /// Whether this process serves the TCPStore (torch's `_create_c10d_store` rule).
+    pub fn serves_store(&self) -> bool {
+        self.rank == 0 && !self.agent_store
+    }
+
+    /// Nodes in the job.
+    pub fn nodes(&self) -> usize {
+        self.size.div_ceil(self.local_size.max(1))
+    }
+}
+
+/// The collective backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// c10d's Gloo: CPU tensors (what the tests run).
+    Gloo,
+    /// c10d's NCCL: CUDA tensors.
+    Nccl,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Gloo => "gloo",
+            Self::Nccl => "nccl",
+        })
+    }
+}
+
+/// `dist.backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendChoice {
+    /// NCCL on CUDA devices, Gloo on the CPU.
+    Auto,
+    /// Always Gloo.
+    Gloo,
+    /// Always NCCL.
+    Nccl,
+}
+
+/// `[dist]`: how ranks find and talk to each other (only used with more than one rank).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// `"auto"` (NCCL on CUDA, Gloo on CPU), `"gloo"` or `"nccl"`.
+    pub backend: BackendChoice,
+    /// A collective that has not completed after this many seconds fails the run (a hung
+    /// peer); a dead peer fails the next collective at once.
+    pub timeout_s: u64,
+    /// TCPStore host when the launcher does not export `MASTER_ADDR` (SLURM).
+    pub master_addr: Option<String>,
+    /// TCPStore port when the launcher does not export `MASTER_PORT`.
+    pub master_port: u16,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self { backend: BackendChoice::Auto, timeout_s: 600, master_addr: None, master_port: 29500 }
+    }
+}
+
+/// A reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Elementwise sum.
+    Sum,
+    /// Elementwise maximum.
+    Max,
+}
+
+/// A failed collective or set-up, naming this rank and, when known, the lost ones.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// Joining the group failed.
+    #[error("rank {rank} of {world}: {message}")]
+    Setup {
+        /// This rank.
+        rank: usize,
+        /// World size.
+        world: usize,
+        /// What went wrong.
+        message: String,
+    },
+    /// A collective failed (a peer died, hung past `dist.timeout_s`, or the store is gone).
+    #[error("{op} failed on rank {rank} of {world}: {}; c10d said: {message}", lost_text(lost))]
+    Collective {
+        /// The operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// World size.
+        world: usize,
+        /// Ranks whose heartbeat stopped.
+        lost: Vec<usize>,
+        /// c10d's message.
+        message: String,
+    },
+    /// Ranks were started with different configs.
+    #[error("{0}")]
+    ConfigMismatch(String),
+}
+
+fn lost_text(lost: &[usize]) -> String {
+    match lost {
+        [] => "no rank's heartbeat stopped (a peer hung or the network failed)".into(),
+        [r] => format!("lost rank {r} (its heartbeat stopped)"),
+        rs => format!("lost ranks {rs:?} (their heartbeats stopped)"),
+    }
+}
+
+impl DistError {
+    fn setup(world: &World, message: String) -> Self {
+        Self::Setup { rank: world.rank, world: world.size, message }
+    }
+}
+
+/// The collective operations the trainer needs, on host buffers.
+pub trait Collective: Send + Sync {
+    /// This process's rank in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of data-parallel ranks.
+    fn world_size(&self) -> usize;
+    /// What carries the collectives, for logs.
+    fn backend(&self) -> &'static str;
+    /// Replaces `buf` by its elementwise reduction over all ranks (same length on every rank).
+    fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), DistError>;
+    /// As [`Collective::all_reduce_f32`], in f64 (sums of losses and token counts).
+    fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> Result<(), DistError>;
+    /// Replaces `buf` by `root`'s.
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), DistError>;
+    /// Every rank's `x`, concatenated in rank order.
+    fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError>;
+    /// Returns when every rank has called it.
+    fn barrier(&self) -> Result<(), DistError>;
+    /// Puts `value` under `key` in the job's key-value store.
+    fn publish(&self, key: &str, value: &[u8]) -> Result<(), DistError>;
+    /// The value under `key`, waiting (up to the timeout) until a rank publishes it.
+    fn fetch(&self, key: &str) -> Result<Vec<u8>, DistError>;
+}
+
+/// One process, one rank: every collective is the identity.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleProcess;
+
+impl Collective for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn backend(&self) -> &'static str {
+        "none (single process)"
+    }
+    fn all_reduce_f32(&self, _: &mut [f32], _: ReduceOp) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_reduce_f64(&self, _: &mut [f64], _: ReduceOp) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn broadcast_f32(&self, _: &mut [f32], _: usize) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError> {
+        Ok(x.to_vec())
+    }
+    fn barrier(&self) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn publish(&self, _: &str, _: &[u8]) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn fetch(&self, key: &str) -> Result<Vec<u8>, DistError> {
+        Err(DistError::Setup { rank: 0, world: 1, message: format!("no store in a single process (key {key})") })
+    }
+}
+
+/// Whether this build has the NCCL half of the c10d shim (CUDA headers found at build time).
+pub fn nccl_compiled() -> bool {
+    cfg!(llora_nccl)
+}
+
+/// This process's world and its collectives.
+pub struct Dist {
+    /// Who we are.
+    pub world: World,
+    /// How we talk.
+    pub comm: Box<dyn Collective>,
+}
+
+impl Dist {
+    /// A single process.
+    pub fn single() -> Self {
+        Self { world: World::single(), comm: Box::new(SingleProcess) }
+    }
+
+    /// Rank 0 writes the run's files; the others compute the same steps silently.
+    pub fn is_main(&self) -> bool {
+        self.world.rank == 0
+    }
+}
+
+/// Joins the world the environment describes; `cuda` says whether the run's device is a GPU
+/// (NCCL under `dist.backend = "auto"`).
+pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
+    let world = World::from_env(|k| std::env::var(k).ok(), config).map_err(anyhow::Error::msg)?;
+    if world.size == 1 {
+        return Ok(Dist { world, comm: Box::new(SingleProcess) });
+    }
+    let backend = match config.backend {
+        BackendChoice::Auto if cuda => Backend::Nccl,
+        BackendChoice::Auto | BackendChoice::Gloo => Backend::Gloo,
+        BackendChoice::Nccl => Backend::Nccl,
+    };
+    anyhow::ensure!(
+        backend == Backend::Gloo || nccl_compiled(),
+        "dist.backend = nccl, but this llora was built without NCCL (run ./scripts/setup.sh, then rebuild)"
+    );
+    let pg = c10d::ProcessGroup::new(&world, backend, Duration::from_secs(config.timeout_s))?;
+    if world.rank == 0 {
+        info!(
+            world = world.size,
+            nodes = world.nodes(),
+            per_node = world.local_size,
+            backend = %backend,
+            launcher = ?world.launcher,
+            store = %format!("{}:{}", world.master_addr, world.master_port),
+            "data-parallel group ready"
+        );
+    }
+    Ok(Dist { world, comm: Box::new(pg) })
+}
+
+/// Every rank publishes its resolved config; each compares it with rank 0's, and all learn
+/// which ranks differ. A mismatch is an error on every rank naming the ranks and the keys.
+pub fn check_same_config(comm: &dyn Collective, config_toml: &str) -> Result<(), DistError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let rank = comm.rank();
+    if rank == 0 {
+        comm.publish("config/0", config_toml.as_bytes())?;
+    }
+    let reference = String::from_utf8_lossy(&comm.fetch("config/0")?).into_owned();
+    let keys = differing_keys(&reference, config_toml);
+    if !keys.is_empty() {
+        comm.publish(&format!("config-diff/{rank}"), keys.join(", ").as_bytes())?;
+    }
+    let flags = comm.all_gather_f64(&[f64::from(u8::from(!keys.is_empty()))])?;
+    let bad: Vec<usize> = flags.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
+    if bad.is_empty() {
+        return Ok(());
+    }
+    let detail: Vec<String> = bad
+        .iter()
+        .map(|r| {
+            let keys = comm.fetch(&format!("config-diff/{r}")).map(|k| String::from_utf8_lossy(&k).into_owned());
+            format!("rank {r}: {}", keys.unwrap_or_else(|_| "?".into()))
+        })
+        .collect();
+    Err(DistError::ConfigMismatch(format!(
+        "ranks {bad:?} were started with a config different from rank 0's (every rank must run the same \
+         config and --set overrides); differing keys: {}",
+        detail.join("; ")
+    )))
+}
+
+/// Dotted keys whose values differ between two TOML documents.
+fn differing_keys(a: &str, b: &str) -> Vec<String> {
+    fn flatten(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    flatten(&key, v, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    let parse = |s: &str| {
+        let mut out = std::collections::BTreeMap::new();
+        if let Ok(v) = toml::from_str::<toml::Value>(s) {
+            flatten("", &v, &mut out);
+        }
+        out
+    };
+    let (a, b) = (parse(a), parse(b));
+    let mut keys: Vec<String> = a.keys().chain(b.keys()).filter(|k| a.get(*k) != b.get(*k)).cloned().collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let vars = [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "16"),
+            ("LOCAL_RANK", "3"),
+            ("LOCAL_WORLD_SIZE", "8"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29400"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ];
+        let w = World::from_env(env(&vars), &DistConfig::default()).unwrap();
+        assert_eq!((w.rank, w.size, w.local_rank, w.nodes()), (3, 16, 3, 2));
+        assert_eq!((w.master_addr.as_str(), w.master_port, w.agent_store), ("node0", 29400, true));
+        assert!(!w.serves_store());
+        // Without the agent store, rank 0 serves it.
+        let vars = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        assert!(World::from_env(env(&vars), &DistConfig::default()).unwrap().serves_store());
+    }
+
+    #[test]
+    fn slurm_variables_take_the_master_from_the_config() {
+        let vars =
+            [("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_NTASKS_PER_NODE", "4(x2)")];
+        let err = World::from_env(env(&vars), &DistConfig::default()).unwrap_err();
+        assert!(err.contains("MASTER_ADDR"), "{err}");
+        let config = DistConfig { master_addr: Some("n0".into()), ..Default::default() };
+        let w = World::from_env(env(&vars), &config).unwrap();
+        assert_eq!((w.rank, w.size, w.local_rank, w.local_size, w.master_port), (5, 8, 1, 4, 29500));
+        assert_eq!(w.launcher, Launcher::Slurm);
+    }
+
+    #[test]
+    fn no_launcher_is_one_process_and_bad_values_are_named() {
+        assert_eq!(World::from_env(env(&[]), &DistConfig::default()).unwrap(), World::single());
+        let err = World::from_env(env(&[("RANK", "x"), ("WORLD_SIZE", "2")]), &DistConfig::default()).unwrap_err();
+        assert!(err.contains("RANK=\"x\""), "{err}");
+        let err = World::from_env(env(&[("RANK", "2"), ("WORLD_SIZE", "2")]), &DistConfig::default()).unwrap_err();
+        assert!(err.contains("rank 2 is not in 0..2"), "{err}");
+    }
+
+    #[test]
+    fn differing_keys_are_listed() {
+        let a = "[optim]\nlr = 1.0\n[run]\nseed = 1\n";
+        let b = "[optim]\nlr = 2.0\n[run]\nseed = 1\nthreads = 1\n";
+        assert_eq!(differing_keys(a, b), ["optim.lr", "run.threads"]);
+        assert!(differing_keys(a, a).is_empty());
+    }
+}

@@ -1,0 +1,156 @@
+//! What a run shows and records: `metrics.jsonl`, the progress bar or log lines, and the
+//! SIGINT/SIGTERM flag the loop checks between steps. On data-parallel ranks other than 0 the
+//! first two are silent.
+
+use std::io::Write;
+
+use tracing::info;
+
+use crate::config::{Config, ProgressBar};
+
+/// `metrics.jsonl`: one JSON record per step and per evaluation, appended and flushed.
+pub struct Metrics {
+    /// None on ranks other than 0.
+    file: Option<std::fs::File>,
+    /// (samples, train loss) and (samples, eval loss), for the plot.
+    pub train: Vec<(f64, f64)>,
+    /// (samples, eval loss).
+    pub eval: Vec<(f64, f64)>,
+}
+
+impl Metrics {
+    /// Opens (or, resuming, appends to) `path` on rank 0; records nothing elsewhere.
+    pub fn open(path: &std::path::Path, append: bool, main_rank: bool) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        if !main_rank {
+            return Ok(Self { file: None, train: Vec::new(), eval: Vec::new() });
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(append)
+            .write(true)
+            .truncate(!append)
+            .open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(Self { file: Some(file), train: Vec::new(), eval: Vec::new() })
+    }
+
+    /// Appends one record.
+    pub fn write(&mut self, record: serde_json::Value) {
+        if let (Some(s), Some(l)) = (record["samples"].as_f64(), record["loss"].as_f64()) {
+            self.train.push((s, l));
+        }
+        if let (Some(s), Some(l)) = (record["samples"].as_f64(), record["eval_loss"].as_f64()) {
+            self.eval.push((s, l));
+        }
+        // Metrics are for people; a full disk must not end the run (the result log reports it).
+        if let Some(f) = self.file.as_mut() {
+            let _ = writeln!(f, "{record}");
+        }
+    }
+}
+
+/// Progress output: an indicatif bar on a terminal, periodic tracing lines otherwise.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    every: usize,
+}
+
+impl Progress {
+    /// A bar (or log lines) from step `start`; silent when not `main_rank`.
+    pub fn new(config: &Config, start: usize, main_rank: bool) -> Self {
+        use std::io::IsTerminal;
+        if !main_rank {
+            return Self { bar: None, every: usize::MAX };
+        }
+        let show = match config.logging.progress {
+            ProgressBar::Always => true,
+            ProgressBar::Never => false,
+            ProgressBar::Auto => std::io::stderr().is_terminal(),
+        };
+        let bar = show.then(|| {
+            let bar = indicatif::ProgressBar::new(config.schedule.max_steps as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{elapsed_precise} [{bar:30}] step {pos}/{len} {msg} ETA {eta}",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            bar.set_position(start as u64);
+            bar
+        });
+        Self { bar, every: config.logging.every_steps }
+    }
+
+    /// Shows a finished step.
+    pub fn step(&self, step: usize, samples: usize, loss: f64, lr: f64, grad_norm: f64, tok_s: f64) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step as u64);
+                bar.set_message(format!("samples {samples} loss {loss:.4} lr {lr:.2e} {tok_s:.0} tok/s"));
+            }
+            None if self.every != usize::MAX && (step.is_multiple_of(self.every) || step == 1) => {
+                info!(
+                    step,
+                    samples,
+                    loss = format!("{loss:.4}"),
+                    lr = format!("{lr:.2e}"),
+                    grad_norm = format!("{grad_norm:.3}"),
+                    tok_per_s = format!("{tok_s:.0}"),
+                    "train"
+                );
+            }
+            None => {}
+        }
+    }
+
+    /// Runs `f` (which logs) with the bar hidden, so lines do not tear it.
+    pub fn print<R>(&self, f: impl FnOnce() -> R) -> R {
+        match &self.bar {
+            Some(bar) => bar.suspend(f),
+            None => f(),
+        }
+    }
+
+    /// Clears the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// SIGINT/SIGTERM as a flag checked between steps; the handlers are removed on drop.
+pub struct StopSignal {
+    flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ids: Vec<signal_hook::SigId>,
+}
+
+impl StopSignal {
+    /// Installs the handlers.
+    pub fn install() -> anyhow::Result<Self> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut ids = Vec::new();
+        for sig in [SIGINT, SIGTERM] {
+            // A second signal while the checkpoint is being written exits at once (130).
+            ids.push(signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())?);
+            ids.push(signal_hook::flag::register(sig, flag.clone())?);
+        }
+        Ok(Self { flag, ids })
+    }
+
+    /// Whether SIGINT or SIGTERM arrived.
+    pub fn raised(&self) -> bool {
+        self.flag.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for StopSignal {
+    fn drop(&mut self) {
+        for id in self.ids.drain(..) {
+            signal_hook::low_level::unregister(id);
+        }
+    }
+}

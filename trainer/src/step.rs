@@ -1,0 +1,314 @@
+//! The components of one training step and of one evaluation pass, written for any number of
+//! data-parallel ranks (one rank is the identity [`SingleProcess`](crate::dist::SingleProcess)).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::bail;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use llora_data::Sample;
+use llora_data::batch::{Collated, Padding, eval_batches};
+use llora_model::{LlamaConfig, LlamaForCausalLM};
+use tracing::debug_span;
+
+use crate::dist::{Collective, ReduceOp};
+use crate::optim::{AdamW, clip_coefficient};
+
+/// One micro-batch on the device, with the seed of its dropout masks.
+pub struct MicroBatch {
+    /// `[batch, seq]` token ids.
+    pub ids: Tensor<2, Int>,
+    /// `[batch, seq]` labels (−100 = no loss).
+    pub labels: Tensor<2, Int>,
+    /// Reseeds the device's generator before the forward, when set.
+    pub seed: Option<u64>,
+}
+
+/// The dropout seed of micro-batch `micro` (its index in the global batch) of optimizer step
+/// `step`: the same sample sees the same masks on any rank and world size, and a resumed run
+/// needs no RNG state beyond the step number.
+pub fn dropout_seed(run_seed: u64, step: usize, micro: usize) -> u64 {
+    run_seed
+        .wrapping_mul(1_000_003)
+        .wrapping_add(step as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(micro as u64)
+}
+
+/// A collated micro-batch as device tensors.
+///
+/// # Shapes
+/// - output: (input_ids, labels), each `[batch, seq]`
+pub fn upload(c: Collated, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    (
+        Tensor::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), device),
+        Tensor::from_data(TensorData::new(c.labels, [c.batch, c.seq]), device),
+    )
+}
+
+/// One optimizer step over this rank's micro-batches of a global batch.
+///
+/// Each micro-batch's loss is its sum of token losses divided by `global_tokens`, the target
+/// tokens of the whole global batch (all ranks), so the summed gradient is that of the per-token
+/// mean over the global batch however it is split across micro-batches and ranks (not a mean of
+/// per-micro-batch means). The ranks' gradients are then summed in one flat f32 all-reduce, the
+/// FP8 amaxes max-reduced, and every rank clips by the same global L2 norm and takes the same
+/// AdamW step, so the adapters stay identical everywhere. Returns the loss, the pre-clip norm and
+/// where the time went; a non-finite loss or norm is an error and leaves the adapters untouched.
+pub fn train_step(
+    model: &mut LlamaForCausalLM,
+    optim: &mut AdamW,
+    comm: &dyn Collective,
+    micro_batches: Vec<MicroBatch>,
+    global_tokens: usize,
+    lr: f64,
+    clip_grad_norm: f64,
+) -> anyhow::Result<StepStats> {
+    // A batch with no target token has zero loss and zero gradient, not 0/0.
+    let norm = global_tokens.max(1) as f64;
+    let mut grads_acc: TreeSum<Vec<Tensor<1>>> = TreeSum::default();
+    let mut loss_acc: TreeSum<f64> = TreeSum::default();
+    let (mut forward_s, mut backward_s) = (0.0, 0.0);
+    for mb in micro_batches {
+        let t = Instant::now();
+        if let Some(seed) = mb.seed {
+            mb.ids.device().seed(seed);
+        }
+        let loss = {
+            let _span = debug_span!("forward").entered();
+            model.loss(mb.ids, mb.labels, true).loss_sum.sum().div_scalar(norm)
+        };
+        // Reading the loss waits for the forward (asynchronous devices), so the split is real.
+        loss_acc.push(loss.clone().into_scalar::<f32>() as f64, |a, b| a + b);
+        forward_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let _span = debug_span!("backward").entered();
+        let grads = loss.backward();
+        let g: Vec<Tensor<1>> = model
+            .trainable_params_mut()
+            .iter()
+            .map(|(_, p)| p.grad_flat(&grads).expect("every trainable parameter gets a gradient"))
+            .collect();
+        grads_acc.push(g, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
+        backward_s += t.elapsed().as_secs_f64();
+    }
+    let t = Instant::now();
+    let _span = debug_span!("optimizer").entered();
+    let grads = grads_acc.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
+    let grads = all_reduce_bucket(comm, grads)?;
+    let mut loss = [loss_acc.finish(|a, b| a + b).unwrap_or(0.0)];
+    comm.all_reduce_f64(&mut loss, ReduceOp::Sum)?;
+    let loss_sum = loss[0];
+    let total_norm = grads.iter().map(|g| g.clone().square().sum().into_scalar::<f32>() as f64).sum::<f64>().sqrt();
+    if !loss_sum.is_finite() || !total_norm.is_finite() {
+        bail!("loss {loss_sum} / gradient norm {total_norm} is not finite; run aborted");
+    }
+    let coef = clip_coefficient(total_norm, clip_grad_norm);
+    optim.begin_step();
+    for ((name, mut param), g) in model.trainable_params_mut().into_iter().zip(grads) {
+        optim.update(&name, &mut param, g.mul_scalar(coef), lr);
+    }
+    if comm.world_size() > 1 {
+        // Delayed scaling follows the global batch: every rank takes the largest amax any saw.
+        let mut amaxes = model.fp8_pending_amaxes();
+        if !amaxes.is_empty() {
+            comm.all_reduce_f32(&mut amaxes, ReduceOp::Max)?;
+            model.set_fp8_pending_amaxes(&amaxes);
+        }
+    }
+    model.update_fp8_scales();
+    Ok(StepStats {
+        loss: loss_sum,
+        grad_norm: total_norm,
+        forward_s,
+        backward_s,
+        optimizer_s: t.elapsed().as_secs_f64(),
+    })
+}
+
+/// A sum in a fixed binary tree over the order of its terms: ((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7)).
+///
+/// Floating-point addition is not associative, so a plain running sum over a rank's
+/// micro-batches, all-reduced, differs in the last bits from one process's running sum over all
+/// of them, and AdamW magnifies that in parameters whose gradients are near zero. With the tree,
+/// a rank's sum over its aligned block of 2^k micro-batches is exactly a subtree of the single
+/// process's sum, and the two-rank all-reduce (a + b) is its root: world 1 and world 2 give
+/// bitwise the same step (larger worlds reduce in the backend's own order).
+struct TreeSum<T> {
+    /// Partial sums with their tree level, levels strictly decreasing towards the top.
+    stack: Vec<(u32, T)>,
+}
+
+impl<T> Default for TreeSum<T> {
+    fn default() -> Self {
+        Self { stack: Vec::new() }
+    }
+}
+
+impl<T> TreeSum<T> {
+    /// Adds the next term, merging equal-level partial sums (left + right).
+    fn push(&mut self, x: T, add: impl Fn(T, T) -> T) {
+        let mut cur = (0u32, x);
+        while self.stack.last().is_some_and(|(level, _)| *level == cur.0) {
+            let (level, left) = self.stack.pop().expect("checked");
+            cur = (level + 1, add(left, cur.1));
+        }
+        self.stack.push(cur);
+    }
+
+    /// The total (None without terms); unequal partial sums are merged right to left.
+    fn finish(self, add: impl Fn(T, T) -> T) -> Option<T> {
+        self.stack.into_iter().map(|(_, x)| x).rev().reduce(|right, left| add(left, right))
+    }
+}
+
+/// Sums the ranks' gradients as one flat f32 bucket (one collective per step, not one per
+/// parameter); the identity on one rank.
+///
+/// # Shapes
+/// - grads: `[n_i]` each; output: the same
+fn all_reduce_bucket(comm: &dyn Collective, grads: Vec<Tensor<1>>) -> anyhow::Result<Vec<Tensor<1>>> {
+    if comm.world_size() == 1 || grads.is_empty() {
+        return Ok(grads);
+    }
+    let device = grads[0].device();
+    let sizes: Vec<usize> = grads.iter().map(|g| g.shape().num_elements()).collect();
+    let mut flat: Vec<f32> = Tensor::cat(grads, 0).into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+    comm.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
+    let n = flat.len();
+    let all = Tensor::<1>::from_data(TensorData::new(flat, [n]), &device);
+    let mut start = 0;
+    Ok(sizes
+        .into_iter()
+        .map(|len| {
+            let g = all.clone().narrow(0, start, len);
+            start += len;
+            g
+        })
+        .collect())
+}
+
+/// What one optimizer step gave and where its time went.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Mean target-token loss over the global batch.
+    pub loss: f64,
+    /// Global L2 norm of the gradients before clipping.
+    pub grad_norm: f64,
+    /// Seconds in forward passes (all micro-batches).
+    pub forward_s: f64,
+    /// Seconds in backward passes and gradient accumulation.
+    pub backward_s: f64,
+    /// Seconds in reduction, clipping and AdamW.
+    pub optimizer_s: f64,
+}
+
+/// An evaluation's losses over the whole set (all ranks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalLoss {
+    /// Mean over all target tokens.
+    pub per_token: f64,
+    /// Mean over samples of each sample's mean token loss.
+    pub per_sample: f64,
+    /// Target tokens evaluated.
+    pub tokens: usize,
+}
+
+/// Evaluation loss over `samples`, sharded across ranks: each rank evaluates every
+/// world-th batch of `batch_size` (prepared by `workers` threads) and the sums are all-reduced,
+/// so the result is the single process's for any world size, also when the set does not divide.
+pub fn evaluate(
+    model: &LlamaForCausalLM,
+    samples: &Arc<Vec<Sample>>,
+    batch_size: usize,
+    workers: usize,
+    padding: Padding,
+    device: &Device,
+    comm: &dyn Collective,
+) -> anyhow::Result<EvalLoss> {
+    // [sum of token losses, target tokens, sum of per-sample mean losses]
+    let mut sums = [0f64; 3];
+    let share = (comm.rank(), comm.world_size());
+    for batch in eval_batches(samples.clone(), batch_size, share, padding, workers) {
+        let (ids, labels) = upload(batch, device);
+        let out = model.loss(ids, labels, false);
+        let s: Vec<f32> = out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let t: Vec<f32> = out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        for (s, t) in s.iter().zip(&t) {
+            sums[0] += *s as f64;
+            sums[1] += *t as f64;
+            sums[2] += *s as f64 / (*t as f64).max(1.0);
+        }
+    }
+    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
+    Ok(EvalLoss {
+        per_token: sums[0] / sums[1].max(1.0),
+        per_sample: sums[2] / samples.len().max(1) as f64,
+        tokens: sums[1] as usize,
+    })
+}
+
+/// Model FLOPs of one training sequence of `len` tokens with the PaLM convention (attention
+/// counted non-causal): forward 2·N + 4·L·d·len per token; backward of frozen linears needs
+/// only input gradients (2·N), trainable ones weight gradients too (4·N), attention 8·L·d·len.
+pub fn train_flops(c: &LlamaConfig, len: usize, full: bool) -> f64 {
+    let n = (c.num_parameters() - c.vocab_size * c.hidden_size) as f64;
+    let attn = (c.num_hidden_layers * c.num_attention_heads * c.head_dim * len) as f64;
+    let per_token = if full { 6.0 * n } else { 4.0 * n } + 12.0 * attn;
+    per_token * len as f64
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
+    use super::*;
+    use crate::config::OptimConfig;
+    use crate::dist::SingleProcess;
+    use llora_model::LoraSpec;
+
+    /// The tree's association, written out by hand for 8 and 5 terms; a rank's block of 4 is
+    /// the left or right subtree of 8.
+    #[test]
+    fn tree_sum_associates_as_a_balanced_tree() {
+        let sum = |xs: &[&str]| {
+            let mut t = TreeSum::default();
+            for x in xs {
+                t.push(x.to_string(), |a, b| format!("({a}+{b})"));
+            }
+            t.finish(|a, b| format!("({a}+{b})")).unwrap()
+        };
+        let g: Vec<String> = (0..8).map(|i| format!("g{i}")).collect();
+        let g: Vec<&str> = g.iter().map(String::as_str).collect();
+        assert_eq!(sum(&g), "(((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7)))");
+        assert_eq!(format!("({}+{})", sum(&g[..4]), sum(&g[4..])), sum(&g));
+        assert_eq!(sum(&g[..5]), "(((g0+g1)+(g2+g3))+g4)");
+        assert_eq!(sum(&g[..1]), "g0");
+    }
+
+    /// A global batch whose labels are all -100 gives loss 0 and gradient norm 0, not 0/0.
+    #[test]
+    fn batch_without_targets_is_finite() {
+        let device = Device::libtorch().autodiff();
+        device.seed(1);
+        let config = LlamaConfig::preset("demo").unwrap();
+        let mut model = LlamaForCausalLM::random(&config, Some(&LoraSpec::default()), false, &device);
+        let mut optim = AdamW::new(OptimConfig::default());
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 13], [1, 4]), &device);
+        let labels = Tensor::<2, Int>::from_data(TensorData::new(vec![llora_data::IGNORE_INDEX; 4], [1, 4]), &device);
+        let s = train_step(
+            &mut model,
+            &mut optim,
+            &SingleProcess,
+            vec![MicroBatch { ids, labels, seed: None }],
+            0,
+            1e-3,
+            0.3,
+        )
+        .unwrap();
+        assert_eq!((s.loss, s.grad_norm), (0.0, 0.0));
+        for (name, p) in model.trainable_params_mut() {
+            let v = p.flat().into_data().convert::<f32>().to_vec::<f32>().unwrap();
+            assert!(v.iter().all(|x| x.is_finite()), "{name} is not finite");
+        }
+    }
+}
