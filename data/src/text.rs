@@ -1,11 +1,17 @@
 //! The raw-text path: SCROLLS GovReport report/summary pairs, tokenised with an HF
 //! `tokenizer.json` into MLPerf samples.
 //!
-//! MLPerf's template: `### Summarize the following text:\n {input}\n ### Summary:\n {output}</s>`,
-//! `<s>` once at the start, labels -100 on `<s>` and the prompt (everything up to and including
-//! `### Summary:\n `), the summary and `</s>` labelled. Prompt and summary are tokenised
-//! separately so the prompt/label boundary is exact. Samples longer than `max_seq_len` are
-//! dropped and counted, as MLPerf's preprocessing drops them.
+//! The MLPerf reference (mlcommons/training, `llama2_70b_lora/scripts/utils.py`,
+//! `create_datasets`) tokenises `### Summarize the following text:\n {input}\n ### Summary:\n
+//! {output}{eos}` with Llama 2's tokenizer (`<s>` first) and masks the labels of as many tokens
+//! as `<s>` + `### Summarize the following text:\n {input}\n ### Summary:\n` has. Here the
+//! prompt (that text) and the summary (`{output}</s>`) are tokenised separately, so the
+//! prompt/label boundary is exact by construction: `<s>`, the prompt's tokens (labels -100),
+//! the summary's tokens and `</s>` (labelled). With Llama 2's tokenizer this is token for token
+//! the reference's single encoding: its normaliser prepends the `▁` that the template's space
+//! after `Summary:\n` becomes, and no merge crosses the newline (`tests/tokenizer.rs` checks
+//! both against the tokenizer's own JS encoder). Samples longer than `max_seq_len` are dropped
+//! and counted, as the reference's `filter_function` drops them.
 
 use std::path::Path;
 
@@ -26,9 +32,10 @@ pub struct TextPair {
     pub output: String,
 }
 
-/// The prompt part of the template around a report.
+/// The prompt part of the template around a report (the space before the summary is the
+/// summary's own leading `▁`, see the module documentation).
 pub fn prompt_text(input: &str) -> String {
-    format!("### Summarize the following text:\n {input}\n ### Summary:\n ")
+    format!("### Summarize the following text:\n {input}\n ### Summary:\n")
 }
 
 /// The labelled part of the template: the summary and the end-of-sequence token.
@@ -94,31 +101,38 @@ pub struct Tokenized {
     pub dropped: Vec<usize>,
 }
 
+/// Pairs tokenised per batch: bounds memory (an `Encoding` keeps strings and offsets of every
+/// token, ~50 bytes each; all of GovReport at once would be ~10 GB) while each batch still
+/// spreads over every core.
+const ENCODE_CHUNK: usize = 256;
+
 /// Tokenises pairs with the MLPerf template (in parallel, through the tokenizers crate's
 /// batch encoding), `<s>` first, prompt labels -100; drops samples over `max_seq_len`.
 pub fn tokenize_pairs(tokenizer: &Tokenizer, pairs: &[TextPair], max_seq_len: usize) -> anyhow::Result<Tokenized> {
     let bos = token_id(tokenizer, "<s>")?;
     token_id(tokenizer, "</s>")?;
-    let prompts: Vec<String> = pairs.iter().map(|p| prompt_text(&p.input)).collect();
-    let targets: Vec<String> = pairs.iter().map(|p| target_text(&p.output)).collect();
     let enc = |texts: Vec<String>| tokenizer.encode_batch(texts, false).map_err(|e| anyhow::anyhow!("tokenising: {e}"));
-    let (prompts, targets) = (enc(prompts)?, enc(targets)?);
     let mut out = Tokenized { samples: Vec::with_capacity(pairs.len()), dropped: Vec::new() };
-    for (i, (p, t)) in prompts.iter().zip(&targets).enumerate() {
-        let n = 1 + p.get_ids().len() + t.get_ids().len();
-        if n > max_seq_len {
-            out.dropped.push(i);
-            continue;
+    for (c, chunk) in pairs.chunks(ENCODE_CHUNK).enumerate() {
+        let prompts = enc(chunk.iter().map(|p| prompt_text(&p.input)).collect())?;
+        let targets = enc(chunk.iter().map(|p| target_text(&p.output)).collect())?;
+        for (k, (p, t)) in prompts.iter().zip(&targets).enumerate() {
+            let i = c * ENCODE_CHUNK + k;
+            let n = 1 + p.get_ids().len() + t.get_ids().len();
+            if n > max_seq_len {
+                out.dropped.push(i);
+                continue;
+            }
+            ensure!(!t.get_ids().is_empty(), "pair {i}: the summary tokenises to nothing");
+            let mut ids = Vec::with_capacity(n);
+            ids.push(bos);
+            ids.extend_from_slice(p.get_ids());
+            let prompt_len = ids.len();
+            ids.extend_from_slice(t.get_ids());
+            let labels =
+                ids.iter().enumerate().map(|(j, &id)| if j < prompt_len { IGNORE_INDEX } else { id as i64 }).collect();
+            out.samples.push(Sample { input_ids: ids, labels });
         }
-        ensure!(!t.get_ids().is_empty(), "pair {i}: the summary tokenises to nothing");
-        let mut ids = Vec::with_capacity(n);
-        ids.push(bos);
-        ids.extend_from_slice(p.get_ids());
-        let prompt_len = ids.len();
-        ids.extend_from_slice(t.get_ids());
-        let labels =
-            ids.iter().enumerate().map(|(j, &id)| if j < prompt_len { IGNORE_INDEX } else { id as i64 }).collect();
-        out.samples.push(Sample { input_ids: ids, labels });
     }
     Ok(out)
 }

@@ -130,6 +130,26 @@ pub enum DataCommand {
     /// Loader throughput: training batches with each worker count, evaluation passes with each
     /// eval-worker count; prints a table.
     Bench(DataBenchArgs),
+    /// Tokenisation throughput of `data prepare` (MLPerf template, all cores) on a generated
+    /// English-like GovReport-sized text corpus; prints a table.
+    BenchTokenizer(TokenizerBenchArgs),
+}
+
+/// `llora data bench-tokenizer`.
+#[derive(Debug, Args)]
+pub struct TokenizerBenchArgs {
+    /// The tokenizer.json (e.g. Llama 2's, from scripts/llama2-tokenizer.sh).
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// Reports (GovReport's train split has ~17.5k).
+    #[arg(long, default_value_t = 17_000)]
+    pub docs: usize,
+    /// Words per report (GovReport's mean is ~9k).
+    #[arg(long, default_value_t = 9_000)]
+    pub words: usize,
+    /// Words per summary (GovReport's mean is ~550).
+    #[arg(long, default_value_t = 550)]
+    pub summary_words: usize,
 }
 
 /// `llora data bench`.
