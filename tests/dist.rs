@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{llora, llora_command, mllog, random_base_config, root, text};
+use common::{checkpoint_step, llora, llora_command, mllog, random_base_config, root, text};
 
 /// `torchrun --standalone --nproc-per-node 2 --no-python llora ARGS` (a free port of its own).
 fn torchrun(args: &[&str]) -> Output {
@@ -47,6 +47,15 @@ fn rank_command(rank: usize, port: u16, args: &[&str]) -> Command {
 
 fn sets(pairs: &[String]) -> Vec<String> {
     pairs.iter().flat_map(|s| ["--set".to_string(), s.clone()]).collect()
+}
+
+/// `train CONFIG` with `run.dir` and the short-run settings `extra` as `--set` pairs.
+fn train_args(config: &str, run_dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut pairs = vec![format!("run.dir=\"{}\"", run_dir.display())];
+    pairs.extend(extra.iter().map(|s| s.to_string()));
+    let mut args = vec!["train".to_string(), config.to_string()];
+    args.extend(sets(&pairs));
+    args
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -125,30 +134,21 @@ fn two_ranks_under_torchrun_match_one_process_and_pass_the_checker() {
 fn uneven_eval_set_gives_the_same_loss_on_one_and_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let run = |name: &str| -> Vec<String> {
-        let mut args = vec!["train".to_string(), config.clone()];
-        args.extend(sets(&[
-            format!("run.dir=\"{}\"", dir.path().join(name).display()),
-            "schedule.max_steps=1".into(),
-            "eval.every_samples=8".into(),
-            "eval.target_loss=0.001".into(),
-            "eval.batch_size=2".into(),
-            "data.synthetic.train_samples=16".into(),
-            "data.synthetic.eval_samples=5".into(),
-            "data.max_seq_len=128".into(),
-        ]));
-        args
-    };
+    let settings = [
+        "schedule.max_steps=1",
+        "eval.every_samples=8",
+        "eval.target_loss=0.001",
+        "eval.batch_size=2",
+        "data.synthetic.train_samples=16",
+        "data.synthetic.eval_samples=5",
+        "data.max_seq_len=128",
+    ];
+    let run = |name: &str| train_args(&config, &dir.path().join(name), &settings);
     let _ = llora(&strs(&run("one")));
     let _ = torchrun(&strs(&run("two")));
     let (a, b) = (eval_losses(&dir.path().join("one")), eval_losses(&dir.path().join("two")));
     assert_eq!((a.len(), b.len()), (1, 1), "one evaluation each: {a:?} {b:?}");
     assert!((a[0] - b[0]).abs() <= 1e-12 * a[0], "eval loss {} on one process, {} on two ranks", a[0], b[0]);
-}
-
-fn checkpoint_step(run_dir: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(run_dir.join("resume/state.json")).ok()?;
-    serde_json::from_str::<serde_json::Value>(&text).ok()?["progress"]["step"].as_u64()
 }
 
 /// SIGKILL rank 1 of a 2-rank run: rank 0 exits non-zero within 60 s naming rank 1, its last
@@ -158,21 +158,17 @@ fn checkpoint_step(run_dir: &Path) -> Option<u64> {
 fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let args = |run: &Path| -> Vec<String> {
-        let mut a = vec!["train".to_string(), config.clone()];
-        a.extend(sets(&[
-            format!("run.dir=\"{}\"", run.display()),
-            "schedule.max_steps=12".into(),
-            "eval.every_samples=32".into(),
-            "eval.target_loss=0.001".into(),
-            "data.synthetic.train_samples=64".into(),
-            "data.synthetic.eval_samples=4".into(),
-            "data.max_seq_len=128".into(),
-            "run.checkpoint_every=1".into(),
-            "dist.timeout_s=30".into(),
-        ]));
-        a
-    };
+    let settings = [
+        "schedule.max_steps=12",
+        "eval.every_samples=32",
+        "eval.target_loss=0.001",
+        "data.synthetic.train_samples=64",
+        "data.synthetic.eval_samples=4",
+        "data.max_seq_len=128",
+        "run.checkpoint_every=1",
+        "dist.timeout_s=30",
+    ];
+    let args = |run: &Path| train_args(&config, run, &settings);
     let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
     let _ = llora(&strs(&args(&whole)));
     assert!(whole.join("adapter/adapter_model.safetensors").is_file());
@@ -255,19 +251,15 @@ fn nccl_path_is_built_and_runs_where_there_are_gpus() {
     }
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let run = |name: &str| -> Vec<String> {
-        let mut args = vec!["train".to_string(), config.clone()];
-        args.extend(sets(&[
-            format!("run.dir=\"{}\"", dir.path().join(name).display()),
-            "run.device=\"cuda\"".into(),
-            "schedule.max_steps=4".into(),
-            "eval.every_samples=16".into(),
-            "eval.target_loss=0.001".into(),
-            "data.synthetic.train_samples=64".into(),
-            "data.max_seq_len=128".into(),
-        ]));
-        args
-    };
+    let settings = [
+        "run.device=\"cuda\"",
+        "schedule.max_steps=4",
+        "eval.every_samples=16",
+        "eval.target_loss=0.001",
+        "data.synthetic.train_samples=64",
+        "data.max_seq_len=128",
+    ];
+    let run = |name: &str| train_args(&config, &dir.path().join(name), &settings);
     let _ = llora(&strs(&run("one")));
     let out = torchrun(&strs(&run("two")));
     assert!(text(&out).1.contains("backend=nccl"), "{}", text(&out).1);

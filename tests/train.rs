@@ -35,7 +35,7 @@ const EXACTLY_ONCE: &[&str] = &[
     "config_filename",
 ];
 
-use common::{mllog, random_base_config};
+use common::{checkpoint_step, mllog, random_base_config};
 
 #[test]
 fn reaching_the_target_logs_an_mlperf_run() {
@@ -224,11 +224,6 @@ fn short_run_args(config: &str, run_dir: &std::path::Path) -> Vec<String> {
 
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
-}
-
-fn checkpoint_step(run_dir: &std::path::Path) -> Option<u64> {
-    let text = std::fs::read_to_string(run_dir.join("resume/state.json")).ok()?;
-    serde_json::from_str::<serde_json::Value>(&text).ok()?["progress"]["step"].as_u64()
 }
 
 /// The resume test: a run killed with SIGKILL at a random step and resumed from its

@@ -106,3 +106,9 @@ pub fn mllog(path: &Path) -> Vec<serde_json::Value> {
         .map(|j| serde_json::from_str(j).expect("every MLLOG line is JSON"))
         .collect()
 }
+
+/// The step of the checkpoint in `run_dir/resume`, if one is complete.
+pub fn checkpoint_step(run_dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(run_dir.join("resume/state.json")).ok()?;
+    serde_json::from_str::<serde_json::Value>(&text).ok()?["progress"]["step"].as_u64()
+}
