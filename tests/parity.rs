@@ -12,7 +12,7 @@ mod common;
 
 use llora_trainer::config::{OptimConfig, ScheduleConfig};
 use llora_trainer::optim::{AdamW, lr_at};
-use llora_trainer::step::{MicroBatch, StepStats, train_step};
+use llora_trainer::step::{MicroBatch, StepOptions, StepStats, train_step};
 use std::process::Command;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -361,8 +361,7 @@ fn training_steps_match_torch_adamw() {
             &llora_trainer::dist::SingleProcess,
             vec![MicroBatch { ids, labels, seed: None }],
             n_tokens,
-            lr,
-            optim_cfg.clip_grad_norm,
+            StepOptions { lr, clip_grad_norm: optim_cfg.clip_grad_norm, recompute_layers: 0 },
         )
         .unwrap();
         let ref_loss = fx.json["losses"][k - 1].as_f64().unwrap();

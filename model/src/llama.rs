@@ -183,6 +183,31 @@ impl DecoderLayer {
     }
 }
 
+/// Dropout seeds per decoder block of one forward pass: one draw from the device's generator
+/// (which the trainer seeds per micro-batch), then block k reseeds the generator from it and k.
+/// A block's masks then do not depend on what ran before it, so a recomputed block draws the
+/// same masks again.
+#[derive(Debug, Clone, Copy)]
+struct BlockSeeds(Option<u64>);
+
+impl BlockSeeds {
+    /// A base seed for a training pass on a LibTorch device (None otherwise: no reseeding).
+    fn draw(device: &Device, train: bool) -> Self {
+        if !train || tch_device(device).is_none() {
+            return Self(None);
+        }
+        let base = tch::Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu)).int64_value(&[0]) as u64;
+        Self(Some(base))
+    }
+
+    /// Reseeds the generator for block `k`.
+    fn seed(self, device: &Device, k: usize) {
+        if let Some(base) = self.0 {
+            device.seed(base.wrapping_add((k as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        }
+    }
+}
+
 /// Llama causal language model with (optional) LoRA adapters.
 #[derive(Module, Debug)]
 pub struct LlamaForCausalLM {
@@ -210,11 +235,82 @@ impl LlamaForCausalLM {
         let device = input_ids.device();
         let c = &self.config;
         let (cos, sin) = rope_tables(s, c.head_dim, c.rope_theta, &device);
+        let blocks = BlockSeeds::draw(&device, train);
         let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), input_ids);
-        for layer in &self.layers {
+        for (k, layer) in self.layers.iter().enumerate() {
+            blocks.seed(&device, k);
             x = layer.forward(x, cos.clone(), sin.clone(), train);
         }
         self.norm.forward(x)
+    }
+
+    /// Gradients of `loss_sum / norm` of a training micro-batch, with the first `recompute`
+    /// decoder blocks recomputed: a forward without autodiff keeps only each of those blocks'
+    /// input; the rest of the model runs with autodiff and backpropagates to the input of block
+    /// `recompute`; then each recomputed block, last first, runs its forward again from its
+    /// saved input and backpropagates the gradient it receives (as the gradient of
+    /// `sum(y · g)`). Dropout masks are drawn from a seed per block and FP8 scales change only
+    /// between steps, so the second forward is the first one: results equal the plain
+    /// backward's. Returns the loss value and one `Gradients` per segment; every trainable
+    /// parameter's gradient is in exactly one of them.
+    ///
+    /// # Shapes
+    /// - input_ids, labels: `[batch, seq]`
+    pub fn recomputed_backward(
+        &self,
+        input_ids: Tensor<2, Int>,
+        labels: Tensor<2, Int>,
+        norm: f64,
+        recompute: usize,
+    ) -> (f64, Vec<burn::tensor::Gradients>) {
+        let n = recompute.min(self.layers.len());
+        let [_, s] = input_ids.dims();
+        let device = input_ids.device();
+        let c = &self.config;
+        let (cos, sin) = rope_tables(s, c.head_dim, c.rope_theta, &device);
+        let blocks = BlockSeeds::draw(&device, true);
+        // Forward without a graph through the recomputed blocks, keeping their inputs.
+        let inner = self.valid();
+        let (cos_i, sin_i) = (cos.clone().inner(), sin.clone().inner());
+        let mut x = burn::tensor::module::embedding(inner.embed_tokens.val(), input_ids.clone().inner());
+        let mut saved = Vec::with_capacity(n);
+        for (k, layer) in inner.layers.iter().enumerate().take(n) {
+            saved.push(x.clone());
+            blocks.seed(&device, k);
+            x = layer.forward(x, cos_i.clone(), sin_i.clone(), true);
+        }
+        drop(inner);
+        // The rest with autodiff, from block n's input.
+        let top_in = Tensor::from_inner(x).require_grad();
+        let mut h = top_in.clone();
+        for (k, layer) in self.layers.iter().enumerate().skip(n) {
+            blocks.seed(&device, k);
+            h = layer.forward(h, cos.clone(), sin.clone(), true);
+        }
+        let loss = crate::loss::target_rows_loss(self.norm.forward(h), self.lm_head.val(), labels)
+            .loss_sum
+            .sum()
+            .div_scalar(norm);
+        let value = loss.clone().into_scalar::<f32>() as f64;
+        let grads = loss.backward();
+        let mut g = top_in.grad(&grads);
+        let mut out = vec![grads];
+        // Each recomputed block, last first.
+        for k in (0..n).rev() {
+            let Some(upstream) = g.take() else { break };
+            let input = Tensor::from_inner(saved.pop().expect("one input per block")).require_grad();
+            blocks.seed(&device, k);
+            let y = self.layers[k].forward(input.clone(), cos.clone(), sin.clone(), true);
+            let grads = (y * Tensor::from_inner(upstream)).sum().backward();
+            g = input.grad(&grads);
+            out.push(grads);
+        }
+        // A trainable embedding (full fine-tuning) takes the gradient of block 0's input.
+        if let Some(upstream) = g.filter(|_| self.embed_tokens.val().is_require_grad()) {
+            let emb = burn::tensor::module::embedding(self.embed_tokens.val(), input_ids);
+            out.push((emb * Tensor::from_inner(upstream)).sum().backward());
+        }
+        (value, out)
     }
 
     /// Logits over the vocabulary.

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use crate::cli::BenchArgs;
 use crate::config::OptimConfig;
 use crate::optim::AdamW;
-use crate::step::{MicroBatch, train_step};
+use crate::step::{MicroBatch, StepOptions, train_step};
 
 /// Matmul FLOPs of one LoRA step (forward + backward) with the peer's FLOP model
 /// (`flop_model()` in peer_lora_bench.py), so GFLOP/s are comparable: frozen weights cost
@@ -216,7 +216,9 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
             .collect();
         let (c0, t0) = (cpu_seconds(), Instant::now());
         let _ = llora_model::precision::take_saved_bytes();
-        let s = train_step(&mut model, &mut optim, dist.comm.as_ref(), mine, targets, args.lr, args.max_grad_norm)?;
+        let opts =
+            StepOptions { lr: args.lr, clip_grad_norm: args.max_grad_norm, recompute_layers: args.recompute_layers };
+        let s = train_step(&mut model, &mut optim, dist.comm.as_ref(), mine, targets, opts)?;
         saved_bytes = llora_model::precision::take_saved_bytes();
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         loss = s.loss;
@@ -259,7 +261,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     breakdown.remove("flops_per_step");
     Ok(json!({
         "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
-        "accum": args.accum, "world": dist.world.size, "collectives": dist.comm.backend(),
+        "accum": args.accum, "world": dist.world.size, "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
         // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
         "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),

@@ -286,6 +286,9 @@ pub struct BenchArgs {
     /// launcher's ranks, `--steps` times after `--warmup` (the 70B's LoRA gradients: 44.6 M).
     #[arg(long, default_value_t = 0)]
     pub allreduce_values: usize,
+    /// Decoder blocks whose activations are recomputed in backward (`train.recompute_layers`).
+    #[arg(long, default_value_t = 0)]
+    pub recompute_layers: usize,
     /// Timed steps.
     #[arg(long, default_value_t = 10)]
     pub steps: usize,

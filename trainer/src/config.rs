@@ -313,6 +313,10 @@ pub struct TrainConfig {
     /// (global_batch_size / (micro_batch_size × ranks) micro-batches per rank and step; the
     /// number of ranks is the launcher's, see `[dist]`).
     pub micro_batch_size: usize,
+    /// Decoder blocks, from the first, that keep only their input in forward and run their
+    /// forward again in backward (activation recomputation): 0 = none; the number of layers or
+    /// more = all. Same masks and FP8 scales, so the same results, for less memory.
+    pub recompute_layers: usize,
     /// Warm-up forward+backward passes on random tokens before `run_start` (kernel selection,
     /// allocator growth, as NVIDIA's and AMD's submissions do); they touch neither the dataset
     /// nor the adapters.
@@ -321,7 +325,7 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        Self { global_batch_size: 8, micro_batch_size: 1, warmup_batches: 0 }
+        Self { global_batch_size: 8, micro_batch_size: 1, recompute_layers: 0, warmup_batches: 0 }
     }
 }
 

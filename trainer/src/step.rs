@@ -46,6 +46,55 @@ pub fn upload(c: Collated, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) 
     )
 }
 
+/// The knobs of one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOptions {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// Global gradient-norm clip (0 = none).
+    pub clip_grad_norm: f64,
+    /// Decoder blocks, from the first, whose activations are recomputed in backward (0 = none).
+    pub recompute_layers: usize,
+}
+
+/// One micro-batch's loss (`loss_sum / norm`) and the flattened gradients of every trainable
+/// parameter, in `trainable_params_mut` order, with the first `recompute` blocks recomputed
+/// ([`LlamaForCausalLM::recomputed_backward`]); also the forward and backward seconds.
+pub fn micro_batch_grads(
+    model: &mut LlamaForCausalLM,
+    mb: MicroBatch,
+    norm: f64,
+    recompute: usize,
+) -> (f64, Vec<Tensor<1>>, f64, f64) {
+    let t = Instant::now();
+    if let Some(seed) = mb.seed {
+        mb.ids.device().seed(seed);
+    }
+    let (loss, grads, forward_s) = if recompute > 0 {
+        // Forward and backward interleave block by block: all of it counts as backward.
+        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, norm, recompute);
+        (loss, grads, 0.0)
+    } else {
+        let loss = {
+            let _span = debug_span!("forward").entered();
+            model.loss(mb.ids, mb.labels, true).loss_sum.sum().div_scalar(norm)
+        };
+        // Reading the loss waits for the forward (asynchronous devices), so the split is real.
+        let value = loss.clone().into_scalar::<f32>() as f64;
+        let forward_s = t.elapsed().as_secs_f64();
+        let _span = debug_span!("backward").entered();
+        (value, vec![loss.backward()], forward_s)
+    };
+    let g: Vec<Tensor<1>> = model
+        .trainable_params_mut()
+        .iter()
+        .map(|(name, p)| {
+            grads.iter().find_map(|gr| p.grad_flat(gr)).unwrap_or_else(|| panic!("{name} got no gradient"))
+        })
+        .collect();
+    (loss, g, forward_s, t.elapsed().as_secs_f64() - forward_s)
+}
+
 /// One optimizer step over this rank's micro-batches of a global batch.
 ///
 /// Each micro-batch's loss is its sum of token losses divided by `global_tokens`, the target
@@ -61,8 +110,7 @@ pub fn train_step(
     comm: &dyn Collective,
     micro_batches: Vec<MicroBatch>,
     global_tokens: usize,
-    lr: f64,
-    clip_grad_norm: f64,
+    opts: StepOptions,
 ) -> anyhow::Result<StepStats> {
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
@@ -70,28 +118,13 @@ pub fn train_step(
     let mut loss_acc: TreeSum<f64> = TreeSum::default();
     let (mut forward_s, mut backward_s) = (0.0, 0.0);
     for mb in micro_batches {
-        let t = Instant::now();
-        if let Some(seed) = mb.seed {
-            mb.ids.device().seed(seed);
-        }
-        let loss = {
-            let _span = debug_span!("forward").entered();
-            model.loss(mb.ids, mb.labels, true).loss_sum.sum().div_scalar(norm)
-        };
-        // Reading the loss waits for the forward (asynchronous devices), so the split is real.
-        loss_acc.push(loss.clone().into_scalar::<f32>() as f64, |a, b| a + b);
-        forward_s += t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let _span = debug_span!("backward").entered();
-        let grads = loss.backward();
-        let g: Vec<Tensor<1>> = model
-            .trainable_params_mut()
-            .iter()
-            .map(|(_, p)| p.grad_flat(&grads).expect("every trainable parameter gets a gradient"))
-            .collect();
+        let (loss, g, f, b) = micro_batch_grads(model, mb, norm, opts.recompute_layers);
+        loss_acc.push(loss, |a, b| a + b);
         grads_acc.push(g, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
-        backward_s += t.elapsed().as_secs_f64();
+        forward_s += f;
+        backward_s += b;
     }
+    let (lr, clip_grad_norm) = (opts.lr, opts.clip_grad_norm);
     let t = Instant::now();
     let _span = debug_span!("optimizer").entered();
     let grads = grads_acc.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
@@ -285,6 +318,59 @@ mod tests {
         assert_eq!(sum(&g[..1]), "g0");
     }
 
+    /// The recompute check: loss and every LoRA gradient with all 4 blocks (and with 2)
+    /// recomputed equal the plain backward's, with dropout on, in fp32 and in FP8 with FP8
+    /// activations.
+    #[test]
+    fn recomputed_blocks_give_the_plain_gradients() {
+        use llora_model::precision::{Compute, PrecisionSpec};
+        let device = Device::libtorch().autodiff();
+        for (compute, fp8_activations) in [(Compute::Fp32, false), (Compute::Fp8, true)] {
+            device.seed(3);
+            let config = LlamaConfig::preset("demo").unwrap();
+            let spec = LoraSpec { dropout: 0.1, ..LoraSpec::default() };
+            let mut model = LlamaForCausalLM::random(&config, Some(&spec), false, &device);
+            let precision = PrecisionSpec { compute, fp8_activations, ..PrecisionSpec::default() };
+            model.set_precision(&precision).unwrap();
+            // B starts at zero (PEFT's init): give it values so that every gradient is non-trivial.
+            for (name, mut p) in model.trainable_params_mut() {
+                if name.contains("lora_B") {
+                    let n = p.flat().shape().num_elements();
+                    p.set_flat(Tensor::random(
+                        [n],
+                        burn::tensor::Distribution::Normal(0.0, 0.02),
+                        &device.clone().inner(),
+                    ));
+                }
+            }
+            let ids: Vec<i64> = (0..2 * 48).map(|i| (i * 37 % 500) as i64 + 3).collect();
+            let labels: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| if i % 48 < 20 { -100 } else { t }).collect();
+            let mb = || MicroBatch {
+                ids: Tensor::from_data(TensorData::new(ids.clone(), [2, 48]), &device),
+                labels: Tensor::from_data(TensorData::new(labels.clone(), [2, 48]), &device),
+                seed: Some(11),
+            };
+            let (loss0, plain, _, _) = micro_batch_grads(&mut model, mb(), 40.0, 0);
+            for recompute in [4, 2] {
+                let (loss, grads, _, _) = micro_batch_grads(&mut model, mb(), 40.0, recompute);
+                assert!((loss - loss0).abs() <= 1e-6 * loss0.abs(), "{compute:?} r{recompute}: loss {loss} vs {loss0}");
+                for (k, (a, b)) in plain.iter().zip(&grads).enumerate() {
+                    let (a, b) = (a.to_data().to_vec::<f32>().unwrap(), b.to_data().to_vec::<f32>().unwrap());
+                    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    assert!(scale > 0.0, "{compute:?}: gradient {k} is zero");
+                    let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                    assert!(
+                        diff <= 1e-6 * scale,
+                        "{compute:?} r{recompute}: gradient {k} differs by {diff:e} (scale {scale:e})"
+                    );
+                }
+            }
+            // And dropout is really on: another seed gives other gradients.
+            let (_, other, _, _) = micro_batch_grads(&mut model, MicroBatch { seed: Some(12), ..mb() }, 40.0, 0);
+            assert!(plain.iter().zip(&other).any(|(a, b)| a.to_data() != b.to_data()), "dropout had no effect");
+        }
+    }
+
     /// A global batch whose labels are all -100 gives loss 0 and gradient norm 0, not 0/0.
     #[test]
     fn batch_without_targets_is_finite() {
@@ -301,8 +387,7 @@ mod tests {
             &SingleProcess,
             vec![MicroBatch { ids, labels, seed: None }],
             0,
-            1e-3,
-            0.3,
+            StepOptions { lr: 1e-3, clip_grad_norm: 0.3, recompute_layers: 0 },
         )
         .unwrap();
         assert_eq!((s.loss, s.grad_norm), (0.0, 0.0));

@@ -30,7 +30,7 @@ use crate::mllog::{RunLog, now_ms};
 use crate::observe::{Metrics, Progress, StopSignal};
 use crate::optim::{AdamW, lr_at};
 use crate::resume::{self, Checkpoint, TrainState};
-use crate::step::{MicroBatch, StepStats, dropout_seed, evaluate, train_flops, train_step, upload};
+use crate::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_flops, train_step, upload};
 
 /// `run_stop`'s status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -295,8 +295,12 @@ impl<'a> Trainer<'a> {
             })
             .collect();
         let t_step = Instant::now();
-        let clip = config.optim.clip_grad_norm;
-        let stats = train_step(&mut self.model, &mut self.state.optim, comm, micro, batch.target_tokens, lr, clip)
+        let opts = StepOptions {
+            lr,
+            clip_grad_norm: config.optim.clip_grad_norm,
+            recompute_layers: config.train.recompute_layers,
+        };
+        let stats = train_step(&mut self.model, &mut self.state.optim, comm, micro, batch.target_tokens, opts)
             .and_then(|s| {
                 // Ranks stop together, after the same step, or their collectives would not match.
                 let mut stop = [f64::from(u8::from(self.stop.raised()))];
