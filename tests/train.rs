@@ -177,9 +177,11 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
             base.join("config.json").is_file() && base.join("model.safetensors").is_file(),
             "pre-trained base not saved"
         );
+        // The last summary line is the LoRA run's (the first fp32 run also prints the
+        // pre-training run's before it).
         let n: u64 = stdout
-            .split("samples: ")
-            .nth(1)
+            .rsplit("samples: ")
+            .next()
             .and_then(|r| r.split_whitespace().next())
             .and_then(|n| n.parse().ok())
             .unwrap();
