@@ -16,6 +16,7 @@ use llora_trainer::step::{MicroBatch, StepOptions, StepStats, train_step};
 use std::process::Command;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use llora_model::BuildOptions;
 use llora_model::checkpoint::{HfCheckpoint, load_peft_adapter};
 use llora_model::loss::causal_lm_loss;
 use safetensors::SafeTensors;
@@ -107,7 +108,7 @@ fn check_parity(dir: &Path) {
     let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
     let ckpt = HfCheckpoint::open(dir).unwrap();
-    let mut model = ckpt.load_model(None, false, &device).unwrap();
+    let mut model = ckpt.load_model(&BuildOptions::default(), &device).unwrap();
     let spec = load_peft_adapter(&mut model, dir, &device).unwrap();
     assert_eq!(spec.dropout, 0.0, "parity fixtures must be made with --lora-dropout 0");
 
@@ -115,7 +116,7 @@ fn check_parity(dir: &Path) {
     let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
     let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
 
-    let hidden = model.hidden(ids, true);
+    let hidden = model.hidden(ids, true).unwrap();
     let final_norm = &fx.expected["step1.hidden.final_norm"];
     let err = rel_err(&values(hidden.clone()), &final_norm.1);
     eprintln!("{}: final hidden relative error {err:e}", dir.display());
@@ -238,7 +239,7 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     device.seed(3);
     let spec = llora_model::LoraSpec { dropout: 0.0, ..Default::default() };
     let ckpt = HfCheckpoint::open(&base).unwrap();
-    let mut model = ckpt.load_model(Some(&spec), false, &device).unwrap();
+    let mut model = ckpt.load_model(&BuildOptions { lora: Some(&spec), ..Default::default() }, &device).unwrap();
     // B starts at zero (PEFT's init), which would make any adapter look right: randomise it.
     for (_, adapter) in model.adapters_mut() {
         let shape = adapter.b.shape();
@@ -255,7 +256,7 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     let fx = load_fixture(&base);
     let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
     let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
-    let ours = values(model.forward(ids.clone(), false));
+    let ours = values(model.forward(ids.clone(), false).unwrap());
 
     // The fixture directory also holds PEFT's own adapter, which transformers would load with
     // the base; give PEFT a directory with the base model alone.
@@ -278,9 +279,9 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     eprintln!("llora adapter in PEFT: logits relative error {err:e}");
     assert!(err <= 1e-4, "logits through PEFT differ: {err:e}");
 
-    let mut reloaded = ckpt.load_model(None, false, &device).unwrap();
+    let mut reloaded = ckpt.load_model(&BuildOptions::default(), &device).unwrap();
     load_peft_adapter(&mut reloaded, &adapter_dir, &device).unwrap();
-    assert_eq!(values(reloaded.forward(ids, false)), ours, "reloaded adapter changes the logits");
+    assert_eq!(values(reloaded.forward(ids, false).unwrap()), ours, "reloaded adapter changes the logits");
 
     // `llora export --merged`: transformers alone, on the merged checkpoint, gives PEFT's logits.
     let merged = out_dir.path().join("merged");
@@ -343,7 +344,7 @@ fn training_steps_match_torch_adamw() {
     );
     let fx = load_fixture(&dir);
     let device = Device::libtorch().autodiff();
-    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(None, false, &device).unwrap();
+    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     load_peft_adapter(&mut model, &dir, &device).unwrap();
     let optim_cfg = OptimConfig::default(); // lr 4e-4, wd 1e-4, betas (0.9, 0.999), eps 1e-8, clip 0.3: the fixture's
     let schedule = ScheduleConfig { max_steps: 1_000_000, warmup_steps: 0 }; // constant lr, as the fixture
@@ -461,7 +462,7 @@ fn saved_hf_checkpoint_loads_in_transformers() {
     );
     let fx = load_fixture(&dir);
     let device = Device::libtorch();
-    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(None, false, &device).unwrap();
+    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let (base, adapter) = (tmp.path().join("base"), tmp.path().join("adapter"));
     llora_model::checkpoint::save_hf_checkpoint(&mut model, &base).unwrap();

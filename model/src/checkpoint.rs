@@ -15,7 +15,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorView};
 
 use crate::config::LlamaConfig;
-use crate::llama::{LlamaForCausalLM, ParamMut, WeightSource};
+use crate::llama::{BuildOptions, LlamaForCausalLM, ParamMut, WeightSource};
 use crate::lora::{LoraAdapter, LoraSpec};
 
 /// One memory-mapped safetensors file with its parsed header.
@@ -58,6 +58,17 @@ impl Shard {
                 "tensor {name} in {}: dtype {other:?} is not supported (expected F32, BF16 or F16)",
                 self.path.display()
             ),
+        };
+        // The pages just read count in this process's RSS until dropped; a 70B load would
+        // otherwise hold the whole checkpoint resident (in the page cache they stay).
+        // SAFETY: the mapping is read-only and private; dropped pages are read again from the
+        // file if touched, and nothing borrows these bytes any more.
+        let _ = unsafe {
+            self.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                8 + self.header_len + start,
+                end - start,
+            )
         };
         Ok(TensorData::new(values, expected.to_vec()))
     }
@@ -141,15 +152,27 @@ impl HfCheckpoint {
         self.shards[*shard].read_f32(name, expected)
     }
 
-    /// Builds the model from this checkpoint with fresh adapters from `lora`.
-    pub fn load_model(
-        &self,
-        lora: Option<&LoraSpec>,
-        trainable: bool,
-        device: &Device,
-    ) -> anyhow::Result<LlamaForCausalLM> {
+    /// Elements of the checkpoint's largest tensor (its f32 copy is what loading holds at most
+    /// besides the stored weights).
+    pub fn largest_tensor_elements(&self) -> usize {
+        self.shards
+            .iter()
+            .flat_map(|s| s.meta.tensors().into_values())
+            .map(|i| i.shape.iter().product())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of the checkpoint's safetensors files.
+    pub fn file_bytes(&self) -> usize {
+        self.shards.iter().map(|s| s.mmap.len()).sum()
+    }
+
+    /// Builds the model from this checkpoint as `opts` asks (see [`LlamaForCausalLM::build`]:
+    /// tensors are read one at a time from the mapped files and converted to their storage).
+    pub fn load_model(&self, opts: &BuildOptions<'_>, device: &Device) -> anyhow::Result<LlamaForCausalLM> {
         let mut source = WeightSource::new(device, |name: &str, shape: &[usize]| self.read(name, shape));
-        LlamaForCausalLM::build(&self.config, lora, trainable, device, &mut source)
+        LlamaForCausalLM::build(&self.config, opts, device, &mut source)
             .with_context(|| format!("loading the model from {}", self.dir.display()))
     }
 }

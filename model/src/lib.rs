@@ -10,7 +10,8 @@ pub mod llama;
 pub mod lora;
 pub mod loss;
 pub mod precision;
+pub mod shard;
 
 pub use config::LlamaConfig;
-pub use llama::LlamaForCausalLM;
+pub use llama::{BuildOptions, LlamaForCausalLM};
 pub use lora::{LoraAdapter, LoraLinear, LoraSpec};

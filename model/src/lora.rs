@@ -17,7 +17,7 @@ use std::sync::Arc;
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
-use crate::precision::{Compute, LinearQuant, PrecisionSpec, quant_linear};
+use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, quant_linear};
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
 #[derive(Module, Debug)]
@@ -132,6 +132,17 @@ impl LoraLinear {
         Self { weight, lora: None, quant: None }
     }
 
+    /// A frozen layer whose weight is already stored in reduced precision or sharded
+    /// (`weight` is then an empty placeholder on `device`).
+    pub fn from_stored(stored: FrozenWeight, spec: &PrecisionSpec, device: &Device) -> Self {
+        let placeholder = Tensor::<2>::zeros([0, stored.dims()[1]], device);
+        Self {
+            weight: Param::from_tensor(placeholder).set_require_grad(false),
+            lora: None,
+            quant: Some(Arc::new(LinearQuant::new(*spec, Some(stored)))),
+        }
+    }
+
     /// Attaches an adapter.
     pub fn with_adapter(mut self, adapter: LoraAdapter) -> Self {
         self.lora = Some(adapter);
@@ -150,7 +161,7 @@ impl LoraLinear {
     pub fn base_weight(&self) -> Tensor<2> {
         match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
             Some(stored) => {
-                let w = stored.dequantize();
+                let w = stored.whole().dequantize();
                 let values = Vec::<f32>::try_from(&w.flatten(0, -1)).expect("f32 weight");
                 Tensor::from_data(TensorData::new(values, self.dims()), &self.weight.device())
             }
@@ -180,14 +191,12 @@ impl LoraLinear {
             return;
         }
         let frozen = !self.weight.is_require_grad();
-        let stores = matches!(spec.compute, Compute::Bf16) || (spec.compute == Compute::Fp8 && spec.fp8_weights);
-        let stored = if frozen && stores && self.quant.as_ref().is_none_or(|q| q.stored.is_none()) {
+        let stored = if frozen && spec.stores_frozen_weights() && self.quant.as_ref().is_none_or(|q| q.stored.is_none())
+        {
             let w = self.weight.val();
-            let [out, inp] = self.dims();
             let values = w.to_data().convert::<f32>().into_vec::<f32>().expect("f32 weight");
             let device = crate::precision::tch_device(&w.device()).expect("reduced precision needs a LibTorch device");
-            let t = tch::Tensor::from_slice(&values).reshape([out as i64, inp as i64]).to_device(device);
-            LinearQuant::store_weight(spec, &t)
+            LinearQuant::store_weight(spec, &values, self.dims(), device).map(FrozenWeight::Whole)
         } else {
             self.quant.as_ref().and_then(|q| q.stored.clone())
         };

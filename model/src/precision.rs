@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 use crate::fp8::{AmaxSpec, DelayedScaling, Fp8Format, Fp8Tensor, amax_tch, dequantize_tch, quantize_tch};
+use crate::shard::WeightShard;
 
 /// The number format of the linear layers' GEMM inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -101,6 +102,11 @@ impl PrecisionSpec {
         Ok(())
     }
 
+    /// Whether frozen base weights are kept in reduced precision (bf16, or FP8 + scale).
+    pub fn stores_frozen_weights(&self) -> bool {
+        self.compute == Compute::Bf16 || (self.compute == Compute::Fp8 && self.fp8_weights)
+    }
+
     /// How the SwiGLU inputs are stored for backward.
     pub fn activation_storage(&self) -> Storage {
         match (self.fp8_activations, self.compute) {
@@ -132,9 +138,11 @@ pub fn take_saved_bytes() -> usize {
     SAVED_BYTES.swap(0, Ordering::Relaxed)
 }
 
-/// A frozen weight held in reduced precision instead of f32.
+/// A frozen weight held outside Burn's parameter: in reduced precision, or (sharded) in f32.
 #[derive(Debug, Clone)]
 pub enum StoredWeight {
+    /// f32 (the whole weight of a sharded f32 layer while gathered).
+    F32(TchTensor),
     /// bf16 copy.
     Bf16(TchTensor),
     /// E4M3 codes and the inverse of the scale.
@@ -145,6 +153,7 @@ impl StoredWeight {
     /// The f32 weight the stored one stands for.
     pub fn dequantize(&self) -> tch::Tensor {
         match self {
+            Self::F32(w) => w.tensor.shallow_clone(),
             Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
             Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
         }
@@ -153,6 +162,7 @@ impl StoredWeight {
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match self {
+            Self::F32(w) => w.tensor.numel() * 4,
             Self::Bf16(w) => w.tensor.numel() * 2,
             Self::Fp8(q, _) => q.tensor.numel() + 4,
         }
@@ -161,10 +171,45 @@ impl StoredWeight {
     /// `[out, in]`.
     pub fn dims(&self) -> [usize; 2] {
         let t = match self {
-            Self::Bf16(w) | Self::Fp8(w, _) => &w.tensor,
+            Self::F32(w) | Self::Bf16(w) | Self::Fp8(w, _) => &w.tensor,
         };
         let s = t.size();
         [s[0] as usize, s[1] as usize]
+    }
+}
+
+/// Where a layer's frozen weight lives when not in its Burn parameter.
+#[derive(Debug, Clone)]
+pub enum FrozenWeight {
+    /// The whole weight on this rank.
+    Whole(StoredWeight),
+    /// This rank's slice; gathered around the block's forward and backward.
+    Sharded(Arc<WeightShard>),
+}
+
+impl FrozenWeight {
+    /// The whole weight (for a sharded one: while gathered).
+    pub fn whole(&self) -> StoredWeight {
+        match self {
+            Self::Whole(w) => w.clone(),
+            Self::Sharded(s) => s.whole(),
+        }
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Self::Whole(w) => w.dims(),
+            Self::Sharded(s) => s.dims(),
+        }
+    }
+
+    /// Bytes this rank holds (outside a gather).
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Whole(w) => w.bytes(),
+            Self::Sharded(s) => s.local_bytes(),
+        }
     }
 }
 
@@ -197,8 +242,24 @@ pub struct LinearQuant {
     pub spec: PrecisionSpec,
     /// The delayed-scaling states.
     pub scales: Mutex<LinearScales>,
-    /// The frozen weight in reduced precision, when it is stored so.
-    pub stored: Option<StoredWeight>,
+    /// The frozen weight, when it is kept here (reduced precision, or sharded) rather than in
+    /// the layer's parameter.
+    pub stored: Option<FrozenWeight>,
+}
+
+/// Elements converted at a time when storing a weight (16 MB of f32).
+const CONVERT_CHUNK: usize = 1 << 22;
+
+/// `max |x|` of host values, NaN if any is NaN (as [`amax_tch`]).
+fn host_amax(values: &[f32]) -> f32 {
+    let mut amax = 0.0f32;
+    for &x in values {
+        if x.is_nan() {
+            return f32::NAN;
+        }
+        amax = amax.max(x.abs());
+    }
+    amax
 }
 
 /// A scale for a tensor of the given amax: recorded during training, looked up otherwise.
@@ -240,21 +301,59 @@ impl SavedInput {
 
 impl LinearQuant {
     /// A fresh state; `stored` is the frozen weight in reduced precision, if any.
-    pub fn new(spec: PrecisionSpec, stored: Option<StoredWeight>) -> Self {
+    pub fn new(spec: PrecisionSpec, stored: Option<FrozenWeight>) -> Self {
         Self { spec, scales: Mutex::new(LinearScales::new()), stored }
     }
 
-    /// Stores a frozen `[out, in]` f32 weight as `spec` asks (bf16 for bf16 compute, E4M3 with
-    /// its exact amax for FP8 weights); `None` when it stays in f32.
-    pub fn store_weight(spec: &PrecisionSpec, w: &tch::Tensor) -> Option<StoredWeight> {
-        match spec.compute {
-            Compute::Bf16 => Some(StoredWeight::Bf16(TchTensor::new(w.to_kind(Kind::BFloat16)))),
+    /// Stores a frozen `[out, in]` f32 weight, given as host values, as `spec` asks (bf16 for
+    /// bf16 compute, E4M3 with its exact amax for FP8 weights) on `device`; `None` when it
+    /// stays in f32. Rows are converted a few MB at a time, so the only full-size buffers are
+    /// `values` and the result (what loading a checkpoint can afford at 70B).
+    pub fn store_weight(
+        spec: &PrecisionSpec,
+        values: &[f32],
+        dims: [usize; 2],
+        device: tch::Device,
+    ) -> Option<StoredWeight> {
+        Self::store_weight_in_chunks(spec, values, dims, device, CONVERT_CHUNK)
+    }
+
+    /// [`Self::store_weight`] converting about `chunk` elements (whole rows) at a time.
+    fn store_weight_in_chunks(
+        spec: &PrecisionSpec,
+        values: &[f32],
+        dims: [usize; 2],
+        device: tch::Device,
+        chunk: usize,
+    ) -> Option<StoredWeight> {
+        let (kind, scale) = match spec.compute {
+            Compute::Bf16 => (Kind::BFloat16, 1.0),
             Compute::Fp8 if spec.fp8_weights => {
-                let q = Fp8Tensor::quantize_current(w, Fp8Format::E4M3);
-                Some(StoredWeight::Fp8(TchTensor::new(q.data), q.scale_inv))
+                let amax = host_amax(values);
+                let scale = crate::fp8::scale_for_amax(amax, Fp8Format::E4M3.max(), 0).unwrap_or(1.0);
+                (Fp8Format::E4M3.kind(), scale)
             }
-            _ => None,
+            _ => return None,
+        };
+        let [out, inp] = dims;
+        assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
+        let stored = tch::Tensor::empty([out as i64, inp as i64], (kind, device));
+        let rows = (chunk / inp.max(1)).max(1);
+        for r0 in (0..out).step_by(rows) {
+            let n = rows.min(out - r0);
+            let src = tch::Tensor::from_slice(&values[r0 * inp..(r0 + n) * inp])
+                .reshape([n as i64, inp as i64])
+                .to_device(device);
+            let converted = match kind {
+                Kind::BFloat16 => src.to_kind(Kind::BFloat16),
+                _ => quantize_tch(&src, scale, Fp8Format::E4M3),
+            };
+            stored.narrow(0, r0 as i64, n as i64).copy_(&converted);
         }
+        Some(match kind {
+            Kind::BFloat16 => StoredWeight::Bf16(TchTensor::new(stored)),
+            _ => StoredWeight::Fp8(TchTensor::new(stored), 1.0 / scale),
+        })
     }
 
     /// Ends a step: every amax recorded since the last update joins its history.
@@ -268,9 +367,13 @@ impl LinearQuant {
 
     /// The weight as the GEMMs use it (dequantised/rounded), and the scale it took.
     fn compute_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> (tch::Tensor, f32) {
-        if let Some(stored) = &self.stored {
-            return (stored.dequantize(), 1.0);
-        }
+        let whole = self.stored.as_ref().map(FrozenWeight::whole);
+        let w = match &whole {
+            // A sharded f32 weight goes through the compute format as a parameter would.
+            Some(StoredWeight::F32(t)) => &t.tensor,
+            Some(stored) => return (stored.dequantize(), 1.0),
+            None => w,
+        };
         match self.spec.compute {
             Compute::Fp32 => (w.shallow_clone(), 1.0),
             Compute::Bf16 => (bf16_round(w), 1.0),
@@ -741,6 +844,11 @@ mod tests {
         let y = linear.forward(x.clone().unsqueeze::<3>(), true).squeeze::<2>();
         let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);
         assert_close(&host(&y.inner()), &matmul_t(&xq, &wq, 3, 20, 12), "y");
+
+        // Converted two rows at a time: the same codes and scale as in one piece.
+        let spec = fp8_spec(true, true);
+        let chunked = LinearQuant::store_weight_in_chunks(&spec, &wh, [12, 20], tch::Device::Cpu, 40).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&chunked.dequantize().flatten(0, -1)).unwrap(), wq);
 
         let mut bf = LoraLinear::new(w, false);
         bf.set_precision(&PrecisionSpec { compute: Compute::Bf16, ..Default::default() });

@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use burn::tensor::Device;
-use llora_model::LlamaConfig;
 use llora_model::checkpoint::{HfCheckpoint, safetensors_bytes};
+use llora_model::{BuildOptions, LlamaConfig};
 
 fn micro() -> LlamaConfig {
     LlamaConfig {
@@ -71,7 +71,7 @@ fn write_sharded(dir: &Path, t: &[(String, Vec<usize>, Vec<f32>)]) {
 
 fn load_err(dir: &Path) -> String {
     let device = Device::libtorch();
-    match HfCheckpoint::open(dir).and_then(|c| c.load_model(None, false, &device)) {
+    match HfCheckpoint::open(dir).and_then(|c| c.load_model(&BuildOptions::default(), &device)) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => format!("{e:#}"),
     }
@@ -83,8 +83,8 @@ fn sharded_and_single_file_load_the_same_weights() {
     let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     write_single(one.path(), &tensors(&micro()));
     write_sharded(two.path(), &tensors(&micro()));
-    let a = HfCheckpoint::open(one.path()).unwrap().load_model(None, false, &device).unwrap();
-    let b = HfCheckpoint::open(two.path()).unwrap().load_model(None, false, &device).unwrap();
+    let a = HfCheckpoint::open(one.path()).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    let b = HfCheckpoint::open(two.path()).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     // The o_proj weight was written as the constant 0.06 (the 6th tensor).
     let o = a.layers[0].self_attn.o_proj.weight.val().into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
     assert!(o.iter().all(|&x| x == 0.06f32), "{o:?}");

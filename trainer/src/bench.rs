@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use llora_model::{LlamaConfig, LlamaForCausalLM, LoraSpec};
+use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
@@ -125,8 +125,51 @@ fn random_batch(
 /// JSON record on rank 0 (None on the others).
 pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     let dist = crate::dist::init(&crate::dist::DistConfig::default(), args.device.is_cuda())?;
-    let record = if args.allreduce_values > 0 { allreduce(args, &dist)? } else { train(args, &dist)? };
+    let record = match &args.load {
+        Some(dir) => load(args, dir)?,
+        None if args.allreduce_values > 0 => allreduce(args, &dist)?,
+        None => train(args, &dist)?,
+    };
     Ok(dist.is_main().then_some(record))
+}
+
+/// Resident set size of this process now, in MB (`VmRSS`).
+fn rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? / 1024.0)
+}
+
+/// Loads a checkpoint in the asked precision and compares the peak RSS with the loading bound.
+fn load(args: &BenchArgs, dir: &std::path::Path) -> anyhow::Result<Value> {
+    let device = args.device.init(args.threads)?;
+    // The runtime's own memory (LibTorch's libraries and allocator) before any weight.
+    drop(Tensor::<1>::zeros([1], &device));
+    let baseline = rss_mb().unwrap_or(0.0);
+    let t = Instant::now();
+    let ckpt = llora_model::checkpoint::HfCheckpoint::open(dir)?;
+    let precision = crate::config::PrecisionConfig {
+        compute: args.precision,
+        fp8_activations: args.fp8_activations,
+        fp8_weights: args.fp8_weights,
+        ..Default::default()
+    }
+    .spec();
+    let model = ckpt.load_model(&BuildOptions { precision: Some(precision), ..Default::default() }, &device)?;
+    let load_s = t.elapsed().as_secs_f64();
+    let mb = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    let stored = mb(model.base_weight_bytes());
+    let largest = mb(ckpt.largest_tensor_elements() * 4);
+    let peak = peak_rss_mb().unwrap_or(f64::NAN);
+    let bound = baseline + stored + largest;
+    let r1 = |x: f64| (x * 10.0).round() / 10.0;
+    Ok(json!({
+        "load": dir.display().to_string(), "dtype": precision.compute.name(), "fp8_weights": args.fp8_weights,
+        "checkpoint_mb": r1(mb(ckpt.file_bytes())), "parameters": model.config.num_parameters(),
+        "baseline_rss_mb": r1(baseline), "stored_weights_mb": r1(stored), "largest_tensor_f32_mb": r1(largest),
+        "bound_mb": r1(bound), "peak_rss_mb": r1(peak), "peak_over_bound": (peak / bound * 1000.0).round() / 1000.0,
+        "load_s": (load_s * 100.0).round() / 100.0, "threads": args.device.effective_threads(args.threads),
+    }))
 }
 
 /// Median time of an f32 sum all-reduce of `--allreduce-values` values.
@@ -171,7 +214,6 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         dropout: args.lora_dropout,
         targets: args.targets.split(',').map(str::to_string).collect(),
     };
-    let mut model = LlamaForCausalLM::random(&config, Some(&spec), false, &train_device);
     let precision = crate::config::PrecisionConfig {
         compute: args.precision,
         fp8_activations: args.fp8_activations,
@@ -179,7 +221,16 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         ..Default::default()
     }
     .spec();
-    model.set_precision(&precision)?;
+    let mut model = LlamaForCausalLM::random(
+        &config,
+        &BuildOptions {
+            lora: Some(&spec),
+            trainable: false,
+            precision: Some(precision),
+            sharding: dist.sharding(args.shard_frozen_weights),
+        },
+        &train_device,
+    )?;
     // Base-weight bytes of one decoder layer as stored (f32, bf16 or FP8 + scale).
     let weight_bytes: usize = model
         .named_linears()

@@ -286,6 +286,14 @@ pub struct BenchArgs {
     /// launcher's ranks, `--steps` times after `--warmup` (the 70B's LoRA gradients: 44.6 M).
     #[arg(long, default_value_t = 0)]
     pub allreduce_values: usize,
+    /// Instead of training steps, load this HF checkpoint directory in `--precision` (and
+    /// `--fp8-weights`) and report the peak RSS of loading against its bound: the runtime's
+    /// RSS before loading + the weights as stored + the largest tensor in f32.
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Shard the frozen weights over the launcher's ranks (`train.shard_frozen_weights`).
+    #[arg(long)]
+    pub shard_frozen_weights: bool,
     /// Decoder blocks whose activations are recomputed in backward (`train.recompute_layers`).
     #[arg(long, default_value_t = 0)]
     pub recompute_layers: usize,

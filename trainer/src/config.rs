@@ -317,6 +317,11 @@ pub struct TrainConfig {
     /// forward again in backward (activation recomputation): 0 = none; the number of layers or
     /// more = all. Same masks and FP8 scales, so the same results, for less memory.
     pub recompute_layers: usize,
+    /// ZeRO-3 for the frozen base: each data-parallel rank keeps 1/ranks of every frozen linear
+    /// weight (in its storage dtype) and all-gathers a block's weights for its forward and
+    /// again for its backward. LoRA weights, AdamW state, norms, embedding and LM head stay
+    /// replicated. Same results as unsharded.
+    pub shard_frozen_weights: bool,
     /// Warm-up forward+backward passes on random tokens before `run_start` (kernel selection,
     /// allocator growth, as NVIDIA's and AMD's submissions do); they touch neither the dataset
     /// nor the adapters.
@@ -325,7 +330,13 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        Self { global_batch_size: 8, micro_batch_size: 1, recompute_layers: 0, warmup_batches: 0 }
+        Self {
+            global_batch_size: 8,
+            micro_batch_size: 1,
+            recompute_layers: 0,
+            shard_frozen_weights: false,
+            warmup_batches: 0,
+        }
     }
 }
 

@@ -65,19 +65,19 @@ pub fn micro_batch_grads(
     mb: MicroBatch,
     norm: f64,
     recompute: usize,
-) -> (f64, Vec<Tensor<1>>, f64, f64) {
+) -> anyhow::Result<(f64, Vec<Tensor<1>>, f64, f64)> {
     let t = Instant::now();
     if let Some(seed) = mb.seed {
         mb.ids.device().seed(seed);
     }
-    let (loss, grads, forward_s) = if recompute > 0 {
+    let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
         // Forward and backward interleave block by block: all of it counts as backward.
-        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, norm, recompute);
+        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, norm, recompute)?;
         (loss, grads, 0.0)
     } else {
         let loss = {
             let _span = debug_span!("forward").entered();
-            model.loss(mb.ids, mb.labels, true).loss_sum.sum().div_scalar(norm)
+            model.loss(mb.ids, mb.labels, true)?.loss_sum.sum().div_scalar(norm)
         };
         // Reading the loss waits for the forward (asynchronous devices), so the split is real.
         let value = loss.clone().into_scalar::<f32>() as f64;
@@ -92,7 +92,7 @@ pub fn micro_batch_grads(
             grads.iter().find_map(|gr| p.grad_flat(gr)).unwrap_or_else(|| panic!("{name} got no gradient"))
         })
         .collect();
-    (loss, g, forward_s, t.elapsed().as_secs_f64() - forward_s)
+    Ok((loss, g, forward_s, t.elapsed().as_secs_f64() - forward_s))
 }
 
 /// One optimizer step over this rank's micro-batches of a global batch.
@@ -118,7 +118,7 @@ pub fn train_step(
     let mut loss_acc: TreeSum<f64> = TreeSum::default();
     let (mut forward_s, mut backward_s) = (0.0, 0.0);
     for mb in micro_batches {
-        let (loss, g, f, b) = micro_batch_grads(model, mb, norm, opts.recompute_layers);
+        let (loss, g, f, b) = micro_batch_grads(model, mb, norm, opts.recompute_layers)?;
         loss_acc.push(loss, |a, b| a + b);
         grads_acc.push(g, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
         forward_s += f;
@@ -262,15 +262,26 @@ pub fn evaluate(
     // [sum of token losses, target tokens, sum of per-sample mean losses]
     let mut sums = [0f64; 3];
     let share = (comm.rank(), comm.world_size());
+    let mut mine = 0;
     for batch in eval_batches(samples.clone(), batch_size, share, padding, workers) {
+        mine += 1;
         let (ids, labels) = upload(batch, device);
-        let out = model.loss(ids, labels, false);
+        let out = model.loss(ids, labels, false)?;
         let s: Vec<f32> = out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         let t: Vec<f32> = out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         for (s, t) in s.iter().zip(&t) {
             sums[0] += *s as f64;
             sums[1] += *t as f64;
             sums[2] += *s as f64 / (*t as f64).max(1.0);
+        }
+    }
+    // Sharded weights are gathered by every rank for every forward: a rank with fewer batches
+    // runs one-token forwards (discarded) until it has joined as many gathers as rank 0.
+    let most = samples.len().div_ceil(batch_size.max(1)).div_ceil(comm.world_size());
+    if model.is_sharded() {
+        for _ in mine..most {
+            let token = Tensor::<2, Int>::zeros([1, 1], device);
+            model.loss(token.clone(), token, false)?;
         }
     }
     comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
@@ -297,7 +308,7 @@ mod tests {
     use super::*;
     use crate::config::OptimConfig;
     use crate::dist::SingleProcess;
-    use llora_model::LoraSpec;
+    use llora_model::{BuildOptions, LoraSpec};
 
     /// The tree's association, written out by hand for 8 and 5 terms; a rank's block of 4 is
     /// the left or right subtree of 8.
@@ -334,9 +345,13 @@ mod tests {
             device.seed(3);
             let config = LlamaConfig::preset("demo").unwrap();
             let spec = LoraSpec { dropout: 0.1, ..LoraSpec::default() };
-            let mut model = LlamaForCausalLM::random(&config, Some(&spec), false, &device);
             let precision = PrecisionSpec { compute, fp8_activations, ..PrecisionSpec::default() };
-            model.set_precision(&precision).unwrap();
+            let mut model = LlamaForCausalLM::random(
+                &config,
+                &BuildOptions { lora: Some(&spec), precision: Some(precision), ..Default::default() },
+                &device,
+            )
+            .unwrap();
             // B starts at zero (PEFT's init): give it values so that every gradient is non-trivial.
             for (name, mut p) in model.trainable_params_mut() {
                 if name.contains("lora_B") {
@@ -355,9 +370,9 @@ mod tests {
                 labels: Tensor::from_data(TensorData::new(labels.clone(), [2, 48]), &device),
                 seed: Some(11),
             };
-            let (loss0, plain, _, _) = micro_batch_grads(&mut model, mb(), 40.0, 0);
+            let (loss0, plain, _, _) = micro_batch_grads(&mut model, mb(), 40.0, 0).unwrap();
             for recompute in [4, 2] {
-                let (loss, grads, _, _) = micro_batch_grads(&mut model, mb(), 40.0, recompute);
+                let (loss, grads, _, _) = micro_batch_grads(&mut model, mb(), 40.0, recompute).unwrap();
                 assert!((loss - loss0).abs() <= 1e-6 * loss0.abs(), "{compute:?} r{recompute}: loss {loss} vs {loss0}");
                 for (k, (a, b)) in plain.iter().zip(&grads).enumerate() {
                     let (a, b) = (a.to_data().to_vec::<f32>().unwrap(), b.to_data().to_vec::<f32>().unwrap());
@@ -371,7 +386,8 @@ mod tests {
                 }
             }
             // And dropout is really on: another seed gives other gradients.
-            let (_, other, _, _) = micro_batch_grads(&mut model, MicroBatch { seed: Some(12), ..mb() }, 40.0, 0);
+            let (_, other, _, _) =
+                micro_batch_grads(&mut model, MicroBatch { seed: Some(12), ..mb() }, 40.0, 0).unwrap();
             assert!(plain.iter().zip(&other).any(|(a, b)| a.to_data() != b.to_data()), "dropout had no effect");
         }
     }
@@ -383,7 +399,12 @@ mod tests {
         let device = Device::libtorch().autodiff();
         device.seed(1);
         let config = LlamaConfig::preset("demo").unwrap();
-        let mut model = LlamaForCausalLM::random(&config, Some(&LoraSpec::default()), false, &device);
+        let mut model = LlamaForCausalLM::random(
+            &config,
+            &BuildOptions { lora: Some(&LoraSpec::default()), ..Default::default() },
+            &device,
+        )
+        .unwrap();
         let mut optim = AdamW::new(OptimConfig::default());
         let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 13], [1, 4]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(vec![llora_data::IGNORE_INDEX; 4], [1, 4]), &device);

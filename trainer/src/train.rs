@@ -20,7 +20,8 @@ use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
 use llora_data::prefetch::Prefetched;
 use llora_data::synth::{Synth, SynthConfig};
 use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint, save_peft_adapter};
-use llora_model::{LlamaConfig, LlamaForCausalLM, LoraSpec};
+use llora_model::shard::Sharding;
+use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use serde_json::{Value, json};
 use tracing::{debug_span, info};
 
@@ -210,11 +211,13 @@ impl<'a> Trainer<'a> {
         };
         let train_device = device.clone().autodiff();
         train_device.seed(config.run.seed);
-        let mut model = load_model(config, &spec, &train_device)?;
-        model.set_precision(&config.precision.spec())?;
+        let sharding = dist.sharding(config.train.shard_frozen_weights);
+        let mut model = load_model(config, &spec, sharding, &train_device)?;
         info!(
             base_parameters = model.config.num_parameters(),
             lora_parameters = model.num_lora_parameters(),
+            base_weight_mb = model.base_weight_bytes() >> 20,
+            frozen_weights = if model.is_sharded() { "sharded" } else { "replicated" },
             "model ready"
         );
         let mut state = TrainState { progress: resume::Progress::default(), optim: AdamW::new(config.optim.clone()) };
@@ -223,7 +226,7 @@ impl<'a> Trainer<'a> {
             None => {
                 // Warm-up passes must not leave amaxes of random tokens in the scaling state.
                 let scales = model.fp8_scales();
-                warm_up(&model, config, &train_device);
+                warm_up(&model, config, &train_device)?;
                 model.set_fp8_scales(&scales)?;
             }
         }
@@ -584,9 +587,19 @@ fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
 }
 
 /// The base model with adapters, from a checkpoint or a preset.
-fn load_model(config: &Config, spec: &LoraSpec, device: &Device) -> anyhow::Result<LlamaForCausalLM> {
+fn load_model(
+    config: &Config,
+    spec: &LoraSpec,
+    sharding: Option<Sharding>,
+    device: &Device,
+) -> anyhow::Result<LlamaForCausalLM> {
     let full = config.model.trainable == Trainable::All;
-    let lora = (!full).then_some(spec);
+    let opts = BuildOptions {
+        lora: (!full).then_some(spec),
+        trainable: full,
+        precision: Some(config.precision.spec()),
+        sharding,
+    };
     match &config.model.path {
         Some(path) => {
             let ckpt = HfCheckpoint::open(path).with_context(|| format!("model.path = {}", path.display()))?;
@@ -609,11 +622,11 @@ fn load_model(config: &Config, spec: &LoraSpec, device: &Device) -> anyhow::Resu
                     got.num_key_value_heads
                 );
             }
-            ckpt.load_model(lora, full, device)
+            ckpt.load_model(&opts, device)
         }
         None => {
             let preset = config.model.preset.as_deref().expect("validated: path or preset");
-            Ok(LlamaForCausalLM::random(&LlamaConfig::preset(preset)?, lora, full, device))
+            LlamaForCausalLM::random(&LlamaConfig::preset(preset)?, &opts, device)
         }
     }
 }
@@ -656,7 +669,7 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
 pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     let device = args.device.init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
-    let mut model = ckpt.load_model(None, false, &device)?;
+    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
     if let Some(adapter) = &args.adapter {
         llora_model::checkpoint::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
@@ -689,7 +702,7 @@ pub fn export_merged(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
     );
     let device = llora_model::device::DeviceSpec::Cpu.init(0)?;
     let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
-    let mut model = ckpt.load_model(None, false, &device)?;
+    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
     let spec = llora_model::checkpoint::load_peft_adapter(&mut model, &args.adapter, &device)
         .with_context(|| format!("loading the adapter {}", args.adapter.display()))?;
     let merged = model.adapters().len();
@@ -715,7 +728,7 @@ pub struct Interrupted {
 
 /// Forward + backward passes on random tokens of the run's shape, then the gradients are
 /// dropped: the adapters, the optimizer and the data order are untouched.
-fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) {
+fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) -> anyhow::Result<()> {
     let (b, s) = (config.train.micro_batch_size, config.data.max_seq_len);
     for _ in 0..config.train.warmup_batches {
         let ids = Tensor::<2, Int>::random(
@@ -724,7 +737,9 @@ fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) {
             device,
         );
         let labels = ids.clone();
-        let loss = model.loss(ids, labels, true).loss_sum.sum();
-        drop(loss.backward());
+        // The step's own path (block-wise when recomputing or sharded), so the warm-up
+        // allocates what the steps will.
+        drop(model.recomputed_backward(ids, labels, 1.0, config.train.recompute_layers)?);
     }
+    Ok(())
 }

@@ -272,6 +272,17 @@ impl Collective for ProcessGroup {
         Ok(out)
     }
 
+    fn all_gather_bytes(&self, shard: &tch::Tensor) -> Result<tch::Tensor, DistError> {
+        let out =
+            tch::Tensor::empty([shard.numel() as i64 * self.world.size as i64], (tch::Kind::Uint8, shard.device()));
+        let (h, world) = (self.handle.0, self.world.size as c_int);
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handle and tensors; `out` holds world × shard's bytes.
+        let ok = unsafe { llora_c10d_all_gather(h, out.as_ptr() as *mut _, shard.as_ptr() as *mut _, world, &mut err) };
+        check(ok, err).map_err(|m| self.fail("all_gather", m))?;
+        Ok(out)
+    }
+
     fn barrier(&self) -> Result<(), DistError> {
         let mut err = std::ptr::null_mut();
         // SAFETY: live handle.

@@ -9,6 +9,7 @@
 mod c10d;
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -236,6 +237,9 @@ pub trait Collective: Send + Sync {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), DistError>;
     /// Every rank's `x`, concatenated in rank order.
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError>;
+    /// Every rank's `shard` (1-D `u8`, the same length everywhere), concatenated in rank order,
+    /// on the shard's device: in place on the device for Gloo (CPU) and NCCL (CUDA).
+    fn all_gather_bytes(&self, shard: &tch::Tensor) -> Result<tch::Tensor, DistError>;
     /// Returns when every rank has called it.
     fn barrier(&self) -> Result<(), DistError>;
     /// Puts `value` under `key` in the job's key-value store.
@@ -270,6 +274,9 @@ impl Collective for SingleProcess {
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError> {
         Ok(x.to_vec())
     }
+    fn all_gather_bytes(&self, shard: &tch::Tensor) -> Result<tch::Tensor, DistError> {
+        Ok(shard.shallow_clone())
+    }
     fn barrier(&self) -> Result<(), DistError> {
         Ok(())
     }
@@ -286,18 +293,38 @@ pub fn nccl_compiled() -> bool {
     cfg!(llora_nccl)
 }
 
+/// The data-parallel group as the model's weight gatherer (`train.shard_frozen_weights`).
+pub struct WeightGatherer(pub Arc<dyn Collective>);
+
+impl llora_model::shard::WeightGather for WeightGatherer {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_gather_bytes(&self, shard: &tch::Tensor) -> anyhow::Result<tch::Tensor> {
+        Ok(self.0.all_gather_bytes(shard)?)
+    }
+}
+
 /// This process's world and its collectives.
 pub struct Dist {
     /// Who we are.
     pub world: World,
     /// How we talk.
-    pub comm: Box<dyn Collective>,
+    pub comm: Arc<dyn Collective>,
 }
 
 impl Dist {
     /// A single process.
     pub fn single() -> Self {
-        Self { world: World::single(), comm: Box::new(SingleProcess) }
+        Self { world: World::single(), comm: Arc::new(SingleProcess) }
+    }
+
+    /// The frozen-weight sharding over this group, when `shard` asks for it.
+    pub fn sharding(&self, shard: bool) -> Option<llora_model::shard::Sharding> {
+        shard.then(|| llora_model::shard::Sharding { gather: Arc::new(WeightGatherer(self.comm.clone())) })
     }
 
     /// Rank 0 writes the run's files; the others compute the same steps silently.
@@ -311,7 +338,7 @@ impl Dist {
 pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
     let world = World::from_env(|k| std::env::var(k).ok(), config).map_err(anyhow::Error::msg)?;
     if world.size == 1 {
-        return Ok(Dist { world, comm: Box::new(SingleProcess) });
+        return Ok(Dist { world, comm: Arc::new(SingleProcess) });
     }
     let backend = match config.backend {
         BackendChoice::Auto if cuda => Backend::Nccl,
@@ -334,7 +361,7 @@ pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
             "data-parallel group ready"
         );
     }
-    Ok(Dist { world, comm: Box::new(pg) })
+    Ok(Dist { world, comm: Arc::new(pg) })
 }
 
 /// Every rank publishes its resolved config; each compares it with rank 0's, and all learn

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Memory of loading and of sharded frozen weights; prints two tables.
+# 1. Loading: a random 2.0 GB bf16 checkpoint (scripts/make-bf16-checkpoint.py, kept in
+#    ~/.cache/llora/bf16-2g) loaded into FP8 and into bf16 storage by `llora bench --load`:
+#    peak RSS against the bound (runtime RSS before loading + weights as stored + the largest
+#    tensor in f32).
+# 2. Sharding: `llora bench` on 2 ranks (torchrun, Gloo) with frozen weights replicated and
+#    sharded: base weight bytes per layer on each rank, peak RSS of rank 0, final loss (equal).
+#   ./scripts/bench-memory.sh
+#   SHARD_SHAPES="small:512:fp32" ./scripts/bench-memory.sh   # preset:seq:precision
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh >&2
+cargo build --release --quiet --bin llora
+export OMP_WAIT_POLICY=PASSIVE
+ckpt=${LLORA_BENCH_CHECKPOINT:-$HOME/.cache/llora/bf16-2g}
+if [ ! -f "$ckpt/model.safetensors.index.json" ]; then
+  echo "# writing a 2.0 GB bf16 checkpoint to $ckpt" >&2
+  mkdir -p "$ckpt"
+  .venv/bin/python scripts/make-bf16-checkpoint.py "$ckpt" 18
+fi
+out=$(mktemp)
+for p in "--precision fp8 --fp8-weights" "--precision bf16" "--precision fp32"; do
+  echo "# load $p" >&2
+  # shellcheck disable=SC2086
+  ./target/release/llora bench --load "$ckpt" $p --threads 2 2>/dev/null | tail -1 >>"$out"
+done
+shapes=(${SHARD_SHAPES:-small:512:fp32 llama2-70b-1layer:512:fp8})
+for shape in "${shapes[@]}"; do
+  IFS=: read -r preset seq precision <<<"$shape"
+  extra=()
+  [ "$precision" = fp8 ] && extra=(--precision fp8 --fp8-weights --fp8-activations)
+  for shard in "" --shard-frozen-weights; do
+    echo "# $preset s$seq $precision ${shard:-replicated} on 2 ranks" >&2
+    .venv/bin/torchrun --standalone --nproc-per-node 2 --no-python ./target/release/llora bench --preset "$preset" \
+      --seq-len "$seq" --threads 1 --warmup 1 --steps 2 "${extra[@]}" $shard 2>/dev/null | tail -1 \
+      | python3 -c "import json,sys; d=json.load(sys.stdin); d['sharded']=bool('$shard'); print(json.dumps(d))" >>"$out"
+  done
+done
+python3 - "$out" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+print("| load into | checkpoint MB | baseline RSS MB | stored weights MB | largest tensor f32 MB | bound MB | peak RSS MB | peak / bound | load s |")
+print("|---|---|---|---|---|---|---|---|---|")
+for r in (r for r in rows if "load" in r):
+    kind = r["dtype"] + (" + FP8 weights" if r["fp8_weights"] else "")
+    print(f'| {kind} | {r["checkpoint_mb"]:.0f} | {r["baseline_rss_mb"]:.0f} | {r["stored_weights_mb"]:.0f} | {r["largest_tensor_f32_mb"]:.0f} | {r["bound_mb"]:.0f} | {r["peak_rss_mb"]:.0f} | {r["peak_over_bound"]:.3f} | {r["load_s"]:.1f} |')
+print()
+print("| shape (2 ranks) | frozen weights | base weight MB per layer per rank | peak RSS MB rank 0 | step s median | final loss |")
+print("|---|---|---|---|---|---|")
+for r in (r for r in rows if "load" not in r):
+    kind = "sharded" if r["sharded"] else "replicated"
+    dtype = r["dtype"] + (" + FP8 weights" if r["fp8_weights"] else "")
+    print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {kind} | {r["base_weight_bytes_per_layer"] / 2**20:.1f} | {r["peak_rss_mb"]:.0f} | {r["step_s_median"]:.2f} | {r["final_loss"]} |')
+PY
+rm -f "$out"
