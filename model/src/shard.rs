@@ -104,6 +104,11 @@ impl WeightShard {
         self.dims
     }
 
+    /// Whether the weight lives in host memory.
+    pub fn on_cpu(&self) -> bool {
+        self.local.tensor.device() == tch::Device::Cpu
+    }
+
     /// Bytes this rank holds.
     pub fn local_bytes(&self) -> usize {
         self.local.tensor.numel()

@@ -133,6 +133,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     Ok(dist.is_main().then_some(record))
 }
 
+/// The precision `--precision`, `--fp8-activations` and `--fp8-weights` ask for.
+fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
+    crate::config::PrecisionConfig {
+        compute: args.precision,
+        fp8_activations: args.fp8_activations,
+        fp8_weights: args.fp8_weights,
+        ..Default::default()
+    }
+    .spec()
+}
+
 /// Resident set size of this process now, in MB (`VmRSS`).
 fn rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -148,13 +159,7 @@ fn load(args: &BenchArgs, dir: &std::path::Path) -> anyhow::Result<Value> {
     let baseline = rss_mb().unwrap_or(0.0);
     let t = Instant::now();
     let ckpt = llora_model::checkpoint::HfCheckpoint::open(dir)?;
-    let precision = crate::config::PrecisionConfig {
-        compute: args.precision,
-        fp8_activations: args.fp8_activations,
-        fp8_weights: args.fp8_weights,
-        ..Default::default()
-    }
-    .spec();
+    let precision = precision_spec(args);
     let model = ckpt.load_model(&BuildOptions { precision: Some(precision), ..Default::default() }, &device)?;
     let load_s = t.elapsed().as_secs_f64();
     let mb = |bytes: usize| bytes as f64 / (1 << 20) as f64;
@@ -214,13 +219,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         dropout: args.lora_dropout,
         targets: args.targets.split(',').map(str::to_string).collect(),
     };
-    let precision = crate::config::PrecisionConfig {
-        compute: args.precision,
-        fp8_activations: args.fp8_activations,
-        fp8_weights: args.fp8_weights,
-        ..Default::default()
-    }
-    .spec();
+    let precision = precision_spec(args);
     let mut model = LlamaForCausalLM::random(
         &config,
         &BuildOptions {
