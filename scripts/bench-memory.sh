@@ -6,8 +6,12 @@
 #    tensor in f32).
 # 2. Sharding: `llora bench` on 2 ranks (torchrun, Gloo) with frozen weights replicated and
 #    sharded: base weight bytes per layer on each rank, peak RSS of rank 0, final loss (equal).
+# 3. The planner: `llora plan`'s prediction (`planned_peak_mb`) against the measured peak RSS
+#    (and the allocator's peak of live bytes) on the PLAN_SHAPES.
 #   ./scripts/bench-memory.sh
 #   SHARD_SHAPES="small:512:fp32" ./scripts/bench-memory.sh   # preset:seq:precision
+#   PLAN_SHAPES="tiny:1024:fp32:0:1" ./scripts/bench-memory.sh  # preset:seq:precision:recompute:ranks[s]
+#   SECTIONS=plan ./scripts/bench-memory.sh                  # any of load,shard,plan
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh >&2
@@ -20,13 +24,21 @@ if [ ! -f "$ckpt/model.safetensors.index.json" ]; then
   .venv/bin/python scripts/make-bf16-checkpoint.py "$ckpt" 18
 fi
 out=$(mktemp)
-for p in "--precision fp8 --fp8-weights" "--precision bf16" "--precision fp32"; do
+sections=${SECTIONS:-load,shard,plan}
+precision_args() {
+  case $1 in
+    fp8) echo --precision fp8 --fp8-weights --fp8-activations ;;
+    bf16) echo --precision bf16 ;;
+    *) echo --precision fp32 ;;
+  esac
+}
+[[ $sections == *load* ]] && for p in "--precision fp8 --fp8-weights" "--precision bf16" "--precision fp32"; do
   echo "# load $p" >&2
   # shellcheck disable=SC2086
   ./target/release/llora bench --load "$ckpt" $p --threads 2 2>/dev/null | tail -1 >>"$out"
 done
 shapes=(${SHARD_SHAPES:-small:512:fp32 llama2-70b-1layer:512:fp8})
-for shape in "${shapes[@]}"; do
+[[ $sections == *shard* ]] && for shape in "${shapes[@]}"; do
   IFS=: read -r preset seq precision <<<"$shape"
   extra=()
   [ "$precision" = fp8 ] && extra=(--precision fp8 --fp8-weights --fp8-activations)
@@ -36,6 +48,21 @@ for shape in "${shapes[@]}"; do
       --seq-len "$seq" --threads 1 --warmup 1 --steps 2 "${extra[@]}" $shard 2>/dev/null | tail -1 \
       | python3 -c "import json,sys; d=json.load(sys.stdin); d['sharded']=bool('$shard'); print(json.dumps(d))" >>"$out"
   done
+done
+plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 small:1024:bf16:0:1 small:4096:fp32:8:1 small:1024:fp32:0:2s \
+  llama2-70b-1layer:2048:fp32:0:1 llama2-70b-1layer:1024:fp8:0:1})
+[[ $sections == *plan* ]] && for shape in "${plan_shapes[@]}"; do
+  IFS=: read -r preset seq precision recompute ranks <<<"$shape"
+  # shellcheck disable=SC2207
+  extra=($(precision_args "$precision") --recompute-layers "$recompute")
+  echo "# plan vs measured: $shape" >&2
+  if [ "${ranks%s}" = 1 ]; then
+    ./target/release/llora bench --preset "$preset" --seq-len "$seq" --threads 2 --warmup 1 --steps 1 "${extra[@]}" 2>/dev/null | tail -1
+  else
+    shard=(); [ "${ranks: -1}" = s ] && shard=(--shard-frozen-weights)
+    .venv/bin/torchrun --standalone --nproc-per-node "${ranks%s}" --no-python ./target/release/llora bench --preset "$preset" \
+      --seq-len "$seq" --threads 1 --warmup 1 --steps 1 "${extra[@]}" "${shard[@]}" 2>/dev/null | tail -1
+  fi | python3 -c "import json,sys; d=json.load(sys.stdin); d['plan_row']=True; d['sharded']='$shape'.endswith('s'); print(json.dumps(d))" >>"$out"
 done
 python3 - "$out" <<'PY'
 import json, sys
@@ -48,9 +75,16 @@ for r in (r for r in rows if "load" in r):
 print()
 print("| shape (2 ranks) | frozen weights | base weight MB per layer per rank | peak RSS MB rank 0 | step s median | final loss |")
 print("|---|---|---|---|---|---|")
-for r in (r for r in rows if "load" not in r):
+for r in (r for r in rows if "load" not in r and "plan_row" not in r):
     kind = "sharded" if r["sharded"] else "replicated"
     dtype = r["dtype"] + (" + FP8 weights" if r["fp8_weights"] else "")
     print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {kind} | {r["base_weight_bytes_per_layer"] / 2**20:.1f} | {r["peak_rss_mb"]:.0f} | {r["step_s_median"]:.2f} | {r["final_loss"]} |')
+print()
+print("| shape | ranks | recomputed blocks | planned peak MB | measured peak RSS MB | planned / measured | live-bytes peak MB | step s |")
+print("|---|---|---|---|---|---|---|---|")
+for r in (r for r in rows if "plan_row" in r):
+    dtype = r["dtype"] + (" + FP8 weights and activations" if r["fp8_weights"] else "")
+    ranks = f'{r["world"]}' + (" sharded" if r["sharded"] else "")
+    print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {ranks} | {r["recompute_layers"]} | {r["planned_peak_mb"]:.0f} | {r["peak_rss_mb"]:.0f} | {r["planned_peak_mb"] / r["peak_rss_mb"]:.3f} | {r["peak_heap_in_use_mb"]:.0f} | {r["step_s_median"]:.2f} |')
 PY
 rm -f "$out"

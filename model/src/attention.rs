@@ -101,9 +101,8 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
 /// As [`attention`].
 pub fn attention_with(kernel: AttentionKernel, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, causal: bool) -> Tensor<4> {
     let group = q.dims()[1] / k.dims()[1];
-    let k = repeat_kv(k, group);
-    let v = repeat_kv(v, group);
     match kernel {
+        // The fused op repeats K/V itself, so that backward keeps them at KV heads.
         AttentionKernel::TorchFused => Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::fused_attention(
             q.into_dispatch(),
             k.into_dispatch(),
@@ -111,6 +110,7 @@ pub fn attention_with(kernel: AttentionKernel, q: Tensor<4>, k: Tensor<4>, v: Te
             causal,
         )),
         AttentionKernel::Generic => {
+            let (k, v) = (repeat_kv(k, group), repeat_kv(v, group));
             let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: causal };
             burn::tensor::module::attention(q, k, v, None, None, options)
         }
@@ -120,13 +120,39 @@ pub fn attention_with(kernel: AttentionKernel, q: Tensor<4>, k: Tensor<4>, v: Te
 /// Backend extension: fused attention where the backend has a kernel for it.
 #[backend_extension(Autodiff, LibTorch)]
 pub trait FusedAttentionBackend: Backend {
-    /// Attention over equal head counts, scale 1/√hd, causal or not.
+    /// Attention with scale 1/√hd, causal or not; K/V may have fewer heads than Q (grouped).
     fn fused_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self>;
+}
+
+/// Repeats each KV head `group` times (a copy: the kernels take equal head counts).
+///
+/// # Shapes
+/// - x: `[batch, kv_heads, seq, head_dim]`
+/// - output: `[batch, kv_heads · group, seq, head_dim]`
+fn repeat_heads(x: &tch::Tensor, group: i64) -> tch::Tensor {
+    if group == 1 {
+        return x.shallow_clone();
+    }
+    let [b, kv, s, hd] = x.size()[..] else { unreachable!("4-D attention input") };
+    x.unsqueeze(2).expand([b, kv, group, s, hd], false).reshape([b, kv * group, s, hd])
+}
+
+/// The gradient of [`repeat_heads`]: each KV head's sum over its group.
+///
+/// # Shapes
+/// - g: `[batch, kv_heads · group, seq, head_dim]`
+/// - output: `[batch, kv_heads, seq, head_dim]`
+fn sum_heads(g: tch::Tensor, group: i64) -> tch::Tensor {
+    if group == 1 {
+        return g;
+    }
+    let [b, h, s, hd] = g.size()[..] else { unreachable!("4-D attention gradient") };
+    g.reshape([b, h / group, group, s, hd]).sum_dim_intlist([2i64].as_slice(), false, tch::Kind::Float)
 }
 
 /// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
@@ -141,6 +167,8 @@ struct Saved {
 
 /// LibTorch's fused forward for the tensors' device.
 fn torch_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
+    let group = q.size()[1] / k.size()[1];
+    let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
     if q.device().is_cuda() {
         let (out, lse, seed, offset) = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(
             q,
@@ -167,8 +195,24 @@ fn torch_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool
     }
 }
 
-/// LibTorch's fused backward: (dq, dk, dv) for the upstream gradient `grad`.
+/// LibTorch's fused backward: (dq, dk, dv) for the upstream gradient `grad`, dk and dv at
+/// K/V's head count (K and V repeated again here, their gradients summed over each group).
 fn torch_backward(
+    grad: &tch::Tensor,
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    saved: &Saved,
+    causal: bool,
+) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
+    let group = q.size()[1] / k.size()[1];
+    let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
+    let (dq, dk, dv) = equal_heads_backward(grad, q, &k, &v, saved, causal)?;
+    Ok((dq, sum_heads(dk, group), sum_heads(dv, group)))
+}
+
+/// [`torch_backward`] for equal head counts.
+fn equal_heads_backward(
     grad: &tch::Tensor,
     q: &tch::Tensor,
     k: &tch::Tensor,

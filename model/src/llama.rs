@@ -228,7 +228,7 @@ impl DecoderLayer {
             // On the CPU the gathered weights (and Gloo's staging copies) live on glibc's heap,
             // which llora never trims (device.rs): return them, or they stay resident. Costs
             // ~70 ms a block on the small preset; GPU memory is the caching allocator's.
-            release_free_heap();
+            crate::device::release_free_memory();
         }
     }
 }
@@ -922,18 +922,7 @@ impl<'a> WeightSource<'a> {
             StoredWeight::F32(TchTensor::new(t))
         });
         drop(values);
-        release_free_heap();
+        crate::device::release_free_memory();
         Ok(stored)
-    }
-}
-
-/// Returns the allocator's free pages to the OS. Loading interleaves long-lived stored weights
-/// with short-lived f32 buffers on glibc's heap, whose holes then stay resident: measured on a
-/// 2 GB bf16 checkpoint loaded into FP8, 1 GB of the heap's 2 GB was free but resident.
-fn release_free_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases memory glibc already considers free.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }

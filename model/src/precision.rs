@@ -611,16 +611,26 @@ impl Backward<LibTorch, 2> for SwigluBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [node_gate, node_up] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
-        let (gate, up) = (ops.state.0.get(), ops.state.1.get());
+        // At most four `[tokens, I]` tensors live at once besides the kept inputs (grad, σ, one
+        // gradient, one temporary): at 70B and 8192 tokens each is 0.94 GB, and the plain
+        // expressions kept eight alive (Rust drops a statement's temporaries at its end). The
+        // in-place steps round exactly as the expressions did.
+        let gate = ops.state.0.get();
         let sig = gate.sigmoid();
-        let silu = &gate * &sig;
         if let Some(node) = node_up {
+            let silu = &gate * &sig;
             grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * &silu));
         }
         if let Some(node) = node_gate {
-            // d silu / d gate = σ(g)·(1 + g·(1 − σ(g))).
-            let dsilu = &sig * (1.0 + &gate * (1.0 - &sig));
-            grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * up * dsilu));
+            // d silu / d gate = σ(g)·(1 + g·(1 − σ(g))), then times grad·up.
+            let mut dgate: tch::Tensor = 1.0 - &sig;
+            let _ = dgate.g_mul_(&gate);
+            let _ = dgate.g_add_scalar_(1.0);
+            let _ = dgate.g_mul_(&sig);
+            drop(sig);
+            let grad_up = &grad.tensor * ops.state.1.get();
+            let _ = dgate.g_mul_(&grad_up);
+            grads.register::<LibTorch>(node.id, TchTensor::new(dgate));
         }
     }
 }

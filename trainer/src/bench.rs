@@ -144,6 +144,37 @@ fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
     .spec()
 }
 
+/// The largest [`llora_model::device::heap_in_use_bytes`] seen by a thread sampling it every
+/// millisecond while the sampler lives: the memory tensors occupied at the step's peak, which
+/// the RSS high-water mark overstates by what glibc keeps of freed heap blocks.
+struct HeapPeak {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<usize>>,
+}
+
+impl HeapPeak {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peak = 0;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(llora_model::device::heap_in_use_bytes().unwrap_or(0));
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            peak
+        });
+        Self { stop, thread: Some(thread) }
+    }
+
+    /// Stops sampling and returns the peak in MB.
+    fn finish(mut self) -> f64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let peak = self.thread.take().and_then(|t| t.join().ok()).unwrap_or(0);
+        peak as f64 / (1 << 20) as f64
+    }
+}
+
 /// Resident set size of this process now, in MB (`VmRSS`).
 fn rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -211,6 +242,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     let device = args.device.init(args.threads)?;
     let train_device = device.clone().autodiff();
     train_device.seed(args.seed);
+    let rss_before_build = rss_mb();
     let t_build = Instant::now();
     let config = LlamaConfig::preset(&args.preset)?;
     let spec = LoraSpec {
@@ -220,6 +252,21 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         targets: args.targets.split(',').map(str::to_string).collect(),
     };
     let precision = precision_spec(args);
+    let plan = crate::plan::budget(&crate::plan::Shape {
+        model: config.clone(),
+        lora_rank: spec.rank,
+        lora_dropout: spec.dropout,
+        lora_targets: spec.targets.clone(),
+        precision,
+        micro_batch: args.batch,
+        seq_len: args.seq_len,
+        // random_batch: the second half of each row, but its last position, has a target.
+        target_fraction: (args.seq_len - args.seq_len / 2 - 1) as f64 / args.seq_len as f64,
+        recompute_layers: args.recompute_layers,
+        shard_frozen_weights: args.shard_frozen_weights,
+        world: dist.world.size,
+        target: if args.device.is_cuda() { crate::plan::Target::Cuda } else { crate::plan::Target::Cpu },
+    });
     let mut model = LlamaForCausalLM::random(
         &config,
         &BuildOptions {
@@ -239,6 +286,8 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         .sum();
     let build_s = t_build.elapsed().as_secs_f64();
     let rss_after_build = peak_rss_mb();
+    let heap_after_build = llora_model::device::heap_in_use_bytes().unwrap_or(0) as f64 / (1 << 20) as f64;
+    let heap_peak = HeapPeak::start();
     let mut optim = AdamW::new(OptimConfig {
         lr: args.lr,
         weight_decay: args.weight_decay,
@@ -292,6 +341,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
             dc / dt
         );
     }
+    let heap_peak = heap_peak.finish();
     // Other processes' share of the machine during the timed steps: a noisy bench says so.
     let others = window.and_then(|(ps0, pc0, pw0)| {
         let (ps0, ps1) = (ps0?, proc_stat()?);
@@ -324,7 +374,11 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "fwd_s_median": r4(quantile(&fwd_s, 0.5)), "bwd_s_median": r4(quantile(&bwd_s, 0.5)), "opt_s_median": r4(quantile(&opt_s, 0.5)),
         "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
         "peak_rss_mb": peak_rss_mb().map(|x| (x * 10.0).round() / 10.0),
+        "planned_peak_mb": (plan.peak / (1 << 20) as f64 * 10.0).round() / 10.0,
+        "rss_before_build_mb": rss_before_build.map(|x| (x * 10.0).round() / 10.0),
         "rss_hwm_after_build_mb": rss_after_build.map(|x| (x * 10.0).round() / 10.0),
+        "heap_in_use_after_build_mb": (heap_after_build * 10.0).round() / 10.0,
+        "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "final_loss": (loss * 1e5).round() / 1e5,

@@ -51,6 +51,9 @@ pub enum Command {
     /// Time LoRA training steps of a preset on random tokens (the peer benchmark's recipe and
     /// JSON fields); prints one JSON line last.
     Bench(BenchArgs),
+    /// The memory one rank needs for a config, before anything is allocated, and the cheapest
+    /// recipe that fits a device (`--device-memory`).
+    Plan(PlanArgs),
     /// Draw the loss curves of several runs on one SVG plot and print each run's samples to
     /// the target (e.g. fp32 against fp8).
     Plot(PlotArgs),
@@ -263,6 +266,47 @@ pub struct MlperfRunArgs {
     /// Results directory.
     #[arg(long)]
     pub out: PathBuf,
+}
+
+/// `llora plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The config and overrides.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Data-parallel ranks (default: the launcher's WORLD_SIZE, else 1).
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// Memory of one device (or of the host for `run.device = "cpu"`), e.g. `80GiB`, `141GB`.
+    #[arg(long, value_parser = parse_bytes)]
+    pub device_memory: Option<f64>,
+    /// Print one JSON object instead of the tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Bytes from `80GiB`, `141GB`, `512MiB`, `2.5TiB` or a plain number of bytes.
+pub fn parse_bytes(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| format!("{s:?} is not a size like 80GiB or 141GB"))?;
+    let scale = match unit.trim() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "K" | "KiB" => 1024.0,
+        "M" | "MiB" => 1024f64.powi(2),
+        "G" | "GiB" => 1024f64.powi(3),
+        "T" | "TiB" => 1024f64.powi(4),
+        u => return Err(format!("unknown unit {u:?} in {s:?}: use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")),
+    };
+    if !(n > 0.0 && n.is_finite()) {
+        return Err(format!("{s:?}: the size must be positive"));
+    }
+    Ok(n * scale)
 }
 
 /// `llora bench`: defaults are `shared/bench/peer_lora_bench.py`'s.

@@ -9,6 +9,7 @@ pub mod mllog;
 pub mod mlperf;
 pub mod observe;
 pub mod optim;
+pub mod plan;
 pub mod plot;
 pub mod resume;
 pub mod step;

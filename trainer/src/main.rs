@@ -94,6 +94,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Export(args) => llora_trainer::train::export_merged(&args),
+        Command::Plan(args) => llora_trainer::plan::plan_command(&args),
         Command::Plot(args) => llora_trainer::plot::plot_command(&args),
         Command::Bench(args) => {
             // Under a launcher only rank 0 prints and appends the record.

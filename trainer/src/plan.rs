@@ -1,0 +1,563 @@
+//! `llora plan`: the memory one rank needs for a run, worked out from the config before
+//! anything is allocated, and the cheapest recipe that fits a device.
+//!
+//! Every term is derived from what llora's code allocates (the tensors each op keeps for
+//! backward, the temporaries of the largest backward op), not fitted to measurements; `llora
+//! bench` prints the plan of each run next to its measured peak (`planned_peak_mb`), and
+//! `scripts/bench-memory.sh` tabulates the two (docs/memory.md).
+
+use llora_model::LlamaConfig;
+use llora_model::precision::{Compute, PrecisionSpec};
+use serde_json::{Value, json};
+
+/// CPU: the process's resident memory before the model exists (LibTorch's libraries, the
+/// allocator, the thread pools), measured with `llora bench` on LibTorch 2.9 (x86-64, 1-2
+/// threads: 365-367 MB).
+const CPU_RUNTIME_BYTES: f64 = 366.0 * MB;
+/// CUDA: the context, cuBLAS/cuDNN workspaces and NCCL buffers a rank holds on its device
+/// (NVIDIA's usual 1-2 GB; not measured here: no GPU on this project's machines).
+const CUDA_RUNTIME_BYTES: f64 = 2.0 * GB;
+/// CUDA: what the caching allocator holds beyond live tensors at the peak (a margin, untested).
+const CUDA_FRAGMENTATION: f64 = 0.05;
+/// Bytes of logits one chunk of the fused LM-head cross-entropy holds (`loss.rs`).
+const LCE_CHUNK_BYTES: f64 = 32.0 * MB;
+
+const MB: f64 = (1u64 << 20) as f64;
+const GB: f64 = (1u64 << 30) as f64;
+
+/// Where the run's tensors live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Host memory: the plan is the process's peak RSS.
+    Cpu,
+    /// One GPU per rank: the plan is the device memory at the peak.
+    Cuda,
+}
+
+/// Everything about a run that decides its memory.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    /// Architecture.
+    pub model: LlamaConfig,
+    /// Adapter rank r.
+    pub lora_rank: usize,
+    /// Adapter dropout probability.
+    pub lora_dropout: f64,
+    /// Adapted module names (`q_proj`, …, `qkv_proj`).
+    pub lora_targets: Vec<String>,
+    /// Numerics.
+    pub precision: PrecisionSpec,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Fraction of positions that have a target (1 for the MLPerf data's worst case).
+    pub target_fraction: f64,
+    /// `train.recompute_layers`.
+    pub recompute_layers: usize,
+    /// `train.shard_frozen_weights`.
+    pub shard_frozen_weights: bool,
+    /// Data-parallel ranks.
+    pub world: usize,
+    /// Host or GPU.
+    pub target: Target,
+}
+
+/// One tensor (or group) in a per-token-per-block list, with its bytes per token.
+#[derive(Debug, Clone)]
+pub struct Kept {
+    /// What it is.
+    pub name: String,
+    /// Bytes per token.
+    pub bytes: f64,
+    /// Which backward reads it.
+    pub why: &'static str,
+}
+
+/// One line of a rank's memory budget.
+#[derive(Debug, Clone)]
+pub struct Line {
+    /// What it is.
+    pub name: &'static str,
+    /// Bytes.
+    pub bytes: f64,
+    /// How it was counted.
+    pub note: String,
+}
+
+/// A rank's memory at the run's peak.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    /// The terms, which add up to `peak`.
+    pub lines: Vec<Line>,
+    /// Their sum: the predicted peak (CPU: RSS; CUDA: device memory).
+    pub peak: f64,
+}
+
+/// The adapted linears of a block: (name, input width, which input they share).
+fn adapted(s: &Shape) -> Vec<(&'static str, usize, &'static str)> {
+    let c = &s.model;
+    let (d, qd, i) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size);
+    let t = |n: &str| s.lora_targets.iter().any(|x| x == n);
+    let fused = c.fused_qkv || t("qkv_proj");
+    let mut out = Vec::new();
+    if fused {
+        if t("qkv_proj") || t("q_proj") || t("k_proj") || t("v_proj") {
+            out.push(("qkv_proj", d, "attn_in"));
+        }
+    } else {
+        for n in ["q_proj", "k_proj", "v_proj"] {
+            if t(n) {
+                out.push((n, d, "attn_in"));
+            }
+        }
+    }
+    if t("o_proj") {
+        out.push(("o_proj", qd, "attn_out"));
+    }
+    for n in ["gate_proj", "up_proj"] {
+        if t(n) {
+            out.push((n, d, "mlp_in"));
+        }
+    }
+    if t("down_proj") {
+        out.push(("down_proj", i, "mlp_hidden"));
+    }
+    out
+}
+
+/// Bytes per element of a tensor saved for a GEMM's weight gradient (and of SwiGLU's inputs).
+fn saved_elem(p: &PrecisionSpec) -> f64 {
+    match (p.fp8_activations, p.compute) {
+        (true, _) => 1.0,
+        (false, Compute::Bf16) => 2.0,
+        _ => 4.0,
+    }
+}
+
+/// Bytes per element of a frozen linear weight as stored.
+fn weight_elem(p: &PrecisionSpec) -> f64 {
+    match p.compute {
+        Compute::Bf16 => 2.0,
+        Compute::Fp8 if p.fp8_weights => 1.0,
+        _ => 4.0,
+    }
+}
+
+/// What llora keeps for backward per token of one decoder block (a middle block: block 0's
+/// input needs no gradient), op by op as the code does it.
+pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
+    let c = &s.model;
+    let (d, h, kv, hd, i) =
+        (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
+    let (qd, kvd) = ((h * hd) as f64, (kv * hd) as f64);
+    let a = saved_elem(&s.precision);
+    let r = s.lora_rank as f64;
+    let f = |x: usize| x as f64;
+    let mut out = vec![
+        Kept {
+            name: "block input".into(),
+            bytes: 4.0 * f(d),
+            why: "RMSNorm before attention (Burn's composite keeps x)",
+        },
+        Kept { name: "residual after attention".into(), bytes: 4.0 * f(d), why: "RMSNorm before the MLP" },
+        Kept { name: "norm statistics".into(), bytes: 24.0, why: "1/rms and its intermediates, 3 per norm" },
+        Kept {
+            name: "q, k, v after RoPE, attention output".into(),
+            bytes: 4.0 * (2.0 * qd + 2.0 * kvd),
+            why: "fused attention backward (K/V at their own head count)",
+        },
+        Kept { name: "attention log-sum-exp".into(), bytes: 4.0 * f(h), why: "fused attention backward" },
+        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * f(i) * a, why: "SwiGLU backward" },
+    ];
+    let mut shared_f32 = Vec::new();
+    for (name, n_in, input) in adapted(s) {
+        let n = f(n_in);
+        if s.lora_dropout > 0.0 {
+            out.push(Kept { name: format!("{name} dropout mask"), bytes: n, why: "dropout backward (bool mask)" });
+            out.push(Kept {
+                name: format!("{name} adapter input"),
+                bytes: n * a,
+                why: "LoRA A gradient (the dropped-out input, one per adapter)",
+            });
+        } else if a < 4.0 {
+            out.push(Kept { name: format!("{name} adapter input"), bytes: n * a, why: "LoRA A gradient" });
+        } else if !shared_f32.contains(&input) && input != "attn_out" {
+            // An f32 input without dropout is the tensor itself, kept once for all its adapters
+            // (the attention output is kept by attention already).
+            shared_f32.push(input);
+            out.push(Kept { name: format!("{name} adapter input"), bytes: n * 4.0, why: "LoRA A gradient" });
+        }
+        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * a, why: "LoRA B gradient" });
+    }
+    out
+}
+
+/// The least a LoRA backward of one block must keep per token with the same numerics (f32
+/// residual stream and attention, GEMM inputs in the run's activation storage), each tensor
+/// once: dropout masks are redrawn from a per-block seed, K/V stay at their head count, the
+/// attention output doubles as o_proj's adapter input, and nothing cheap to recompute from
+/// the kept tensors (norm outputs) is stored.
+pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
+    let c = &s.model;
+    let (d, h, kv, hd, i) =
+        (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
+    let (qd, kvd) = ((h * hd) as f64, (kv * hd) as f64);
+    let a = saved_elem(&s.precision);
+    let r = s.lora_rank as f64;
+    let f = |x: usize| x as f64;
+    let mut out = vec![
+        Kept { name: "block input + 1/rms".into(), bytes: 4.0 * f(d) + 4.0, why: "RMSNorm before attention" },
+        Kept {
+            name: "residual after attention + 1/rms".into(),
+            bytes: 4.0 * f(d) + 4.0,
+            why: "RMSNorm before the MLP",
+        },
+        Kept {
+            name: "q, k, v after RoPE, attention output, log-sum-exp".into(),
+            bytes: 4.0 * (2.0 * qd + 2.0 * kvd) + 4.0 * f(h),
+            why: "attention backward; the output is also o_proj's adapter input",
+        },
+        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * f(i) * a, why: "SwiGLU backward" },
+    ];
+    let mut inputs = Vec::new();
+    for (name, n_in, input) in adapted(s) {
+        if input != "attn_out" && !inputs.contains(&input) {
+            inputs.push(input);
+            out.push(Kept {
+                name: format!("{input} (adapter input, once)"),
+                bytes: f(n_in) * a,
+                why: "LoRA A gradients (masks redrawn from the seed)",
+            });
+        }
+        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * a, why: "LoRA B gradient" });
+    }
+    out
+}
+
+/// Total bytes per token of a list.
+pub fn per_token(list: &[Kept]) -> f64 {
+    list.iter().map(|k| k.bytes).sum()
+}
+
+/// Linear weight elements of one decoder block, and the largest one.
+fn block_linears(c: &LlamaConfig) -> (f64, f64) {
+    let (d, qd, kvd, i) =
+        (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
+    let sizes = [d * qd, d * kvd, d * kvd, qd * d, d * i, d * i, i * d];
+    (sizes.iter().sum::<usize>() as f64, *sizes.iter().max().unwrap() as f64)
+}
+
+/// LoRA parameters of the model.
+fn lora_params(s: &Shape) -> f64 {
+    let c = &s.model;
+    let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+    let per_block: usize = adapted(s)
+        .iter()
+        .map(|(name, n_in, _)| {
+            let n_out = match *name {
+                "qkv_proj" => qd + 2 * kvd,
+                "q_proj" => qd,
+                "k_proj" | "v_proj" => kvd,
+                "o_proj" | "down_proj" => c.hidden_size,
+                _ => c.intermediate_size,
+            };
+            s.lora_rank * (n_in + n_out)
+        })
+        .sum();
+    (per_block * c.num_hidden_layers) as f64
+}
+
+/// The memory one rank of the run `s` needs at its peak, term by term.
+pub fn budget(s: &Shape) -> Budget {
+    let c = &s.model;
+    let (d, l, v, i) = (c.hidden_size as f64, c.num_hidden_layers, c.vocab_size as f64, c.intermediate_size as f64);
+    let t = (s.micro_batch * s.seq_len) as f64;
+    let world = s.world.max(1) as f64;
+    let p = &s.precision;
+    let (block_elems, largest) = block_linears(c);
+    let w = weight_elem(p);
+    let sharded = s.shard_frozen_weights && s.world > 1;
+    let mut lines = Vec::new();
+    let mut add = |name, bytes: f64, note: String| lines.push(Line { name, bytes, note });
+    let runtime = match s.target {
+        Target::Cpu => CPU_RUNTIME_BYTES,
+        Target::Cuda => CUDA_RUNTIME_BYTES,
+    };
+    add("runtime", runtime, format!("{:?} runtime before the model", s.target));
+    let linear = block_elems * w * l as f64;
+    let (frozen, note) = if sharded {
+        (linear / world + block_elems * w, format!("{w} B/elem, 1/{} of every block + one block gathered", s.world))
+    } else {
+        (linear, format!("{w} B/elem, replicated"))
+    };
+    add("frozen linear weights", frozen, note);
+    add("embedding, LM head, norms", (2.0 * v * d + (2 * l + 1) as f64 * d) * 4.0, "f32, replicated".into());
+    let n_lora = lora_params(s);
+    // Parameter, its gradient, the flat gradient the step reduces, AdamW's two moments.
+    add("LoRA weights, gradients, AdamW", n_lora * 4.0 * 5.0, format!("{n_lora} parameters x 5 f32"));
+    let kept = per_token(&kept_per_token(s)) * t;
+    let n = s.recompute_layers.min(l);
+    // Kept at the top of backward: the blocks with a graph (block 0's input needs no
+    // gradient), each recomputed block's input, and the recomputed block being backpropagated.
+    let untracked_input = n == 0 && !sharded;
+    let graphs = (l - n) as f64 * kept - if untracked_input { 4.0 * d * t } else { 0.0 };
+    let recompute = if n > 0 { n as f64 * 4.0 * d * t + kept } else { 0.0 };
+    add("saved activations", graphs + recompute, format!("{} blocks kept, {n} recomputed", l - n));
+    let rows = (t * s.target_fraction).ceil();
+    // The final norm's input and output rows, the loss's dh rows, one chunk of logits.
+    let head = 4.0 * d * (2.0 * t + rows) + LCE_CHUNK_BYTES.min(rows * v * 4.0);
+    add("final norm and loss", head, format!("{rows} target rows"));
+    // The largest backward op: SwiGLU's, with four [tokens, I] f32 tensors live (see
+    // precision.rs), plus f32 copies of its inputs when they are stored smaller, plus the
+    // residual-stream gradient; or the GEMM before it with its weight dequantised to f32.
+    let copies = if saved_elem(p) < 4.0 { 2.0 } else { 0.0 };
+    let swiglu = (4.0 + copies) * t * i * 4.0;
+    // The MLP GEMM: its input and output, and its weight dequantised (or FP8-rounded) to f32.
+    let gemm = t * (i + d) * 4.0 + if w < 4.0 || p.compute == Compute::Fp8 { largest * 4.0 } else { 0.0 };
+    let note = if swiglu >= gemm { "SwiGLU backward temporaries" } else { "MLP GEMM with its f32 weight" };
+    add("backward workspace", swiglu.max(gemm) + 2.0 * t * d * 4.0, note.into());
+    let mut peak: f64 = lines.iter().map(|x| x.bytes).sum();
+    if s.target == Target::Cuda {
+        let margin = (peak - runtime) * CUDA_FRAGMENTATION;
+        lines.push(Line { name: "allocator margin", bytes: margin, note: "5% of tensors (caching allocator)".into() });
+        peak += margin;
+    }
+    Budget { lines, peak }
+}
+
+/// The cheapest recipe for `s` that fits in `device_bytes`: no sharding and the fewest
+/// recomputed blocks first, then sharding with the fewest. None if nothing fits.
+pub fn cheapest_recipe(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
+    let l = s.model.num_hidden_layers;
+    let shard_options: &[bool] = if s.world > 1 { &[false, true] } else { &[false] };
+    for &shard in shard_options {
+        for n in 0..=l {
+            let cand = Shape { recompute_layers: n, shard_frozen_weights: shard, ..s.clone() };
+            let b = budget(&cand);
+            if b.peak <= device_bytes {
+                return Some((cand, b));
+            }
+        }
+    }
+    None
+}
+
+/// The plan as JSON: the budget, the per-token lists and, with a device size, the recipe.
+pub fn to_json(s: &Shape, device_bytes: Option<f64>) -> Value {
+    let b = budget(s);
+    let mb = |x: f64| (x / MB * 10.0).round() / 10.0;
+    let kept = kept_per_token(s);
+    let min = minimum_per_token(s);
+    let list =
+        |l: &[Kept]| l.iter().map(|k| json!({"tensor": k.name, "bytes": k.bytes, "why": k.why})).collect::<Vec<_>>();
+    let mut out = json!({
+        "world": s.world, "micro_batch": s.micro_batch, "seq_len": s.seq_len,
+        "recompute_layers": s.recompute_layers, "shard_frozen_weights": s.shard_frozen_weights,
+        "peak_mb": mb(b.peak),
+        "budget": b.lines.iter().map(|x| json!({"term": x.name, "mb": mb(x.bytes), "note": x.note})).collect::<Vec<_>>(),
+        "kept_bytes_per_token_per_block": per_token(&kept), "kept": list(&kept),
+        "minimum_bytes_per_token_per_block": per_token(&min), "minimum": list(&min),
+        "kept_over_minimum": (per_token(&kept) / per_token(&min) * 1000.0).round() / 1000.0,
+    });
+    if let Some(dev) = device_bytes {
+        out["device_mb"] = mb(dev).into();
+        out["fits"] = (b.peak <= dev).into();
+        out["cheapest"] = match cheapest_recipe(s, dev) {
+            Some((c, cb)) => {
+                json!({"recompute_layers": c.recompute_layers, "shard_frozen_weights": c.shard_frozen_weights, "peak_mb": mb(cb.peak)})
+            }
+            None => Value::Null,
+        };
+    }
+    out
+}
+
+/// The run a config describes, on `world` ranks.
+pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<Shape> {
+    let model = match (&config.model.path, &config.model.preset) {
+        (Some(path), _) if path.join("config.json").exists() => {
+            llora_model::checkpoint::HfCheckpoint::open(path)
+                .map_err(|e| e.context(format!("model.path = {}", path.display())))?
+                .config
+        }
+        (_, Some(preset)) => LlamaConfig::preset(preset)?,
+        (Some(path), None) => {
+            anyhow::bail!("model.path {} has no config.json and model.preset is not set", path.display())
+        }
+        (None, None) => anyhow::bail!("set model.path or model.preset"),
+    };
+    Ok(Shape {
+        model,
+        lora_rank: config.lora.rank,
+        lora_dropout: config.lora.dropout,
+        lora_targets: config.lora.targets.clone(),
+        precision: config.precision.spec(),
+        micro_batch: config.train.micro_batch_size,
+        seq_len: config.data.max_seq_len,
+        // Every position may have a target (the plan must hold for the worst batch).
+        target_fraction: 1.0,
+        recompute_layers: config.train.recompute_layers,
+        shard_frozen_weights: config.train.shard_frozen_weights,
+        world,
+        target: if config.run.device.is_cuda() { Target::Cuda } else { Target::Cpu },
+    })
+}
+
+/// `llora plan`: prints the budget, the kept-vs-minimum activations and the cheapest recipe.
+pub fn plan_command(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
+    let config = crate::config::Config::load(args.config.config.as_deref(), &args.config.overrides)?;
+    let env_world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok());
+    let world = args.world.or(env_world).unwrap_or(1);
+    anyhow::ensure!(world >= 1, "--world must be at least 1");
+    let shape = shape_of(&config, world)?;
+    if args.json {
+        println!("{}", to_json(&shape, args.device_memory));
+        return Ok(());
+    }
+    print!("{}", report(&shape, args.device_memory));
+    Ok(())
+}
+
+/// The human-readable plan.
+fn report(s: &Shape, device: Option<f64>) -> String {
+    use std::fmt::Write;
+    let b = budget(s);
+    let c = &s.model;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "# {} layers, d {}, {} tokens per micro-batch, {} {}, {} rank(s), recompute_layers {}, shard_frozen_weights {}",
+        c.num_hidden_layers,
+        c.hidden_size,
+        s.micro_batch * s.seq_len,
+        s.precision.compute.name(),
+        match (s.precision.fp8_weights, s.precision.fp8_activations) {
+            (true, true) => "+ FP8 weights and activations",
+            (true, false) => "+ FP8 weights",
+            (false, true) => "+ FP8 activations",
+            _ => "",
+        },
+        s.world,
+        s.recompute_layers,
+        s.shard_frozen_weights
+    );
+    let _ = writeln!(o, "| term | MB per rank | how |\n|---|---|---|");
+    for l in &b.lines {
+        let _ = writeln!(o, "| {} | {:.0} | {} |", l.name, l.bytes / MB, l.note);
+    }
+    let _ = writeln!(
+        o,
+        "| **peak** | **{:.0}** | {} |",
+        b.peak / MB,
+        match s.target {
+            Target::Cpu => "process RSS",
+            Target::Cuda => "device memory",
+        }
+    );
+    let (kept, min) = (kept_per_token(s), minimum_per_token(s));
+    let _ = writeln!(
+        o,
+        "\nsaved activations per token per block: llora keeps {:.0} B, the minimum is {:.0} B ({:.2}x)",
+        per_token(&kept),
+        per_token(&min),
+        per_token(&kept) / per_token(&min)
+    );
+    let _ = writeln!(o, "| minimum keeps | B per token | for |\n|---|---|---|");
+    for k in &min {
+        let _ = writeln!(o, "| {} | {:.0} | {} |", k.name, k.bytes, k.why);
+    }
+    if let Some(dev) = device {
+        let verdict = if b.peak <= dev { "fits" } else { "does NOT fit" };
+        let _ = writeln!(o, "\nthis recipe needs {:.1} GiB of {:.1} GiB: {verdict}", b.peak / GB, dev / GB);
+        match cheapest_recipe(s, dev) {
+            Some((r, rb)) => {
+                let _ = writeln!(
+                    o,
+                    "cheapest recipe that fits: train.recompute_layers = {}, train.shard_frozen_weights = {} ({:.1} GiB)",
+                    r.recompute_layers,
+                    r.shard_frozen_weights,
+                    rb.peak / GB
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    o,
+                    "no recipe fits: every block recomputed{} still needs more; use more ranks, FP8 weights \
+                     (precision.compute = \"fp8\", precision.fp8_weights = true) or shorter sequences",
+                    if s.world > 1 { " with sharded frozen weights" } else { "" }
+                );
+            }
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The MLPerf job's block (70B, fused qkv + o adapters, r 16, dropout 0.1, FP8 weights and
+    /// activations), one 8192-token sequence.
+    fn mlperf(world: usize, recompute: usize, shard: bool) -> Shape {
+        Shape {
+            model: LlamaConfig { fused_qkv: true, ..LlamaConfig::llama2_70b() },
+            lora_rank: 16,
+            lora_dropout: 0.1,
+            lora_targets: vec!["qkv_proj".into(), "o_proj".into()],
+            precision: PrecisionSpec {
+                compute: Compute::Fp8,
+                fp8_weights: true,
+                fp8_activations: true,
+                ..Default::default()
+            },
+            micro_batch: 1,
+            seq_len: 8192,
+            target_fraction: 1.0,
+            recompute_layers: recompute,
+            shard_frozen_weights: shard,
+            world,
+            target: Target::Cuda,
+        }
+    }
+
+    /// Per-token bytes worked out by hand from the ops (d 8192, q 8192, kv 1024, I 28672, H 64).
+    #[test]
+    fn kept_and_minimum_bytes_match_the_hand_count() {
+        let s = mlperf(8, 0, false);
+        // x 4·8192 + h 4·8192 + norm stats 24 + q,k,v,out 4·(2·8192 + 2·1024) + lse 4·64
+        // + gate/up 2·28672·1 + (mask 8192 + input 8192 + bottleneck 16) for qkv and for o.
+        let kept = 32768.0 + 32768.0 + 24.0 + 73728.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 8192.0 + 16.0);
+        assert_eq!(per_token(&kept_per_token(&s)), kept);
+        // x and h with 1/rms, attention tensors + lse, gate/up, the adapters' input once, two
+        // bottlenecks.
+        let min = 2.0 * 32772.0 + (73728.0 + 256.0) + 57344.0 + 8192.0 + 32.0;
+        assert_eq!(per_token(&minimum_per_token(&s)), min);
+    }
+
+    /// More recomputed blocks and sharding each lower the peak; the recipe search returns the
+    /// first that fits, which is no cheaper than needed.
+    #[test]
+    fn recipes_are_monotone_and_the_cheapest_is_the_first_that_fits() {
+        let peak = |n, shard| budget(&mlperf(8, n, shard)).peak;
+        assert!(peak(0, false) > peak(40, false) && peak(40, false) > peak(80, false));
+        assert!(peak(80, false) > peak(80, true));
+        let dev = 80.0 * GB;
+        let (r, b) = cheapest_recipe(&mlperf(8, 0, false), dev).expect("sharded + recompute fits 80 GiB");
+        assert!(r.shard_frozen_weights && b.peak <= dev);
+        assert!(peak(r.recompute_layers - 1, true) > dev, "one block fewer would fit too");
+        // 288 GiB holds the replicated FP8 replica with every activation.
+        let (r, _) = cheapest_recipe(&mlperf(8, 0, false), 288.0 * GB).unwrap();
+        assert_eq!((r.recompute_layers, r.shard_frozen_weights), (0, false));
+    }
+
+    #[test]
+    fn device_sizes_parse_with_units() {
+        use crate::cli::parse_bytes;
+        assert_eq!(parse_bytes("80GiB").unwrap(), 80.0 * GB);
+        assert_eq!(parse_bytes("141GB").unwrap(), 141e9);
+        assert_eq!(parse_bytes("512 MiB").unwrap(), 512.0 * MB);
+        assert!(parse_bytes("80 gigs").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("-1GiB").is_err());
+    }
+}
