@@ -225,9 +225,10 @@ impl DecoderLayer {
         let on_cpu = shards.first().is_some_and(|s| s.on_cpu());
         shards.into_iter().for_each(WeightShard::release);
         if on_cpu {
-            // On the CPU the gathered weights (and Gloo's staging copies) live on glibc's heap,
-            // which llora never trims (device.rs): return them, or they stay resident. Costs
-            // ~70 ms a block on the small preset; GPU memory is the caching allocator's.
+            // On the CPU the gathered weights (and Gloo's staging copies) come from the
+            // allocator, which keeps freed pages (device.rs): return them, or they stay
+            // resident (measured with glibc's malloc; costs ~70 ms a block on the small preset).
+            // GPU memory is the caching allocator's.
             crate::device::release_free_memory();
         }
     }

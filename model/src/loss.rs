@@ -130,9 +130,9 @@ pub trait FusedLossBackend: Backend {
     fn linear_cross_entropy(h: FloatTensor<Self>, w: FloatTensor<Self>, targets: Arc<Vec<i64>>) -> FloatTensor<Self>;
 }
 
-/// Bytes of logits one chunk of [`lce_forward`] materialises: just under glibc's largest mmap
-/// threshold (set in `device.rs`), so the buffer is reused heap memory, not fresh pages
-/// faulted in every step (262 rows at a 32k vocabulary). Each chunk's GEMMs repack the whole
+/// Bytes of logits one chunk of [`lce_forward`] materialises (262 rows at a 32k vocabulary):
+/// chosen under glibc's mmap threshold, when llora used glibc's malloc, so the buffer was reused
+/// memory rather than fresh pages faulted in every step (`llora plan` counts one chunk). Each chunk's GEMMs repack the whole
 /// LM head, so chunks must not be much smaller (16 MB chunks made tiny s512 8% slower).
 const LCE_CHUNK_BYTES: usize = (32 << 20) - (64 << 10);
 

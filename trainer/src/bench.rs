@@ -146,7 +146,7 @@ fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
 
 /// The largest [`llora_model::device::heap_in_use_bytes`] seen by a thread sampling it every
 /// millisecond while the sampler lives: the memory tensors occupied at the step's peak, which
-/// the RSS high-water mark overstates by what glibc keeps of freed heap blocks.
+/// the RSS high-water mark adds the runtime's libraries and what the allocator keeps of freed memory.
 struct HeapPeak {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<usize>>,
