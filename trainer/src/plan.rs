@@ -144,35 +144,51 @@ fn weight_elem(p: &PrecisionSpec) -> f64 {
     }
 }
 
+/// A block's widths as f64, for per-token byte counts: hidden d, query heads h, q and kv
+/// widths, MLP width i, saved-activation bytes per element a, adapter rank r.
+struct Widths {
+    d: f64,
+    h: f64,
+    qd: f64,
+    kvd: f64,
+    i: f64,
+    a: f64,
+    r: f64,
+}
+
+fn widths(s: &Shape) -> Widths {
+    let c = &s.model;
+    let f = |x: usize| x as f64;
+    Widths {
+        d: f(c.hidden_size),
+        h: f(c.num_attention_heads),
+        qd: f(c.num_attention_heads * c.head_dim),
+        kvd: f(c.num_key_value_heads * c.head_dim),
+        i: f(c.intermediate_size),
+        a: saved_elem(&s.precision),
+        r: s.lora_rank as f64,
+    }
+}
+
 /// What llora keeps for backward per token of one decoder block (a middle block: block 0's
 /// input needs no gradient), op by op as the code does it.
 pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
-    let c = &s.model;
-    let (d, h, kv, hd, i) =
-        (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
-    let (qd, kvd) = ((h * hd) as f64, (kv * hd) as f64);
-    let a = saved_elem(&s.precision);
-    let r = s.lora_rank as f64;
-    let f = |x: usize| x as f64;
+    let Widths { d, h, qd, kvd, i, a, r } = widths(s);
     let mut out = vec![
-        Kept {
-            name: "block input".into(),
-            bytes: 4.0 * f(d),
-            why: "RMSNorm before attention (Burn's composite keeps x)",
-        },
-        Kept { name: "residual after attention".into(), bytes: 4.0 * f(d), why: "RMSNorm before the MLP" },
+        Kept { name: "block input".into(), bytes: 4.0 * d, why: "RMSNorm before attention (Burn's composite keeps x)" },
+        Kept { name: "residual after attention".into(), bytes: 4.0 * d, why: "RMSNorm before the MLP" },
         Kept { name: "norm statistics".into(), bytes: 24.0, why: "1/rms and its intermediates, 3 per norm" },
         Kept {
             name: "q, k, v after RoPE, attention output".into(),
             bytes: 4.0 * (2.0 * qd + 2.0 * kvd),
             why: "fused attention backward (K/V at their own head count)",
         },
-        Kept { name: "attention log-sum-exp".into(), bytes: 4.0 * f(h), why: "fused attention backward" },
-        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * f(i) * a, why: "SwiGLU backward" },
+        Kept { name: "attention log-sum-exp".into(), bytes: 4.0 * h, why: "fused attention backward" },
+        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
     ];
     let mut shared_f32 = Vec::new();
     for (name, n_in, input) in adapted(s) {
-        let n = f(n_in);
+        let n = n_in as f64;
         if s.lora_dropout > 0.0 {
             out.push(Kept { name: format!("{name} dropout mask"), bytes: n, why: "dropout backward (bool mask)" });
             out.push(Kept {
@@ -199,26 +215,16 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
 /// attention output doubles as o_proj's adapter input, and nothing cheap to recompute from
 /// the kept tensors (norm outputs) is stored.
 pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
-    let c = &s.model;
-    let (d, h, kv, hd, i) =
-        (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size);
-    let (qd, kvd) = ((h * hd) as f64, (kv * hd) as f64);
-    let a = saved_elem(&s.precision);
-    let r = s.lora_rank as f64;
-    let f = |x: usize| x as f64;
+    let Widths { d, h, qd, kvd, i, a, r } = widths(s);
     let mut out = vec![
-        Kept { name: "block input + 1/rms".into(), bytes: 4.0 * f(d) + 4.0, why: "RMSNorm before attention" },
-        Kept {
-            name: "residual after attention + 1/rms".into(),
-            bytes: 4.0 * f(d) + 4.0,
-            why: "RMSNorm before the MLP",
-        },
+        Kept { name: "block input + 1/rms".into(), bytes: 4.0 * d + 4.0, why: "RMSNorm before attention" },
+        Kept { name: "residual after attention + 1/rms".into(), bytes: 4.0 * d + 4.0, why: "RMSNorm before the MLP" },
         Kept {
             name: "q, k, v after RoPE, attention output, log-sum-exp".into(),
-            bytes: 4.0 * (2.0 * qd + 2.0 * kvd) + 4.0 * f(h),
+            bytes: 4.0 * (2.0 * qd + 2.0 * kvd) + 4.0 * h,
             why: "attention backward; the output is also o_proj's adapter input",
         },
-        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * f(i) * a, why: "SwiGLU backward" },
+        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
     ];
     let mut inputs = Vec::new();
     for (name, n_in, input) in adapted(s) {
@@ -226,7 +232,7 @@ pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
             inputs.push(input);
             out.push(Kept {
                 name: format!("{input} (adapter input, once)"),
-                bytes: f(n_in) * a,
+                bytes: n_in as f64 * a,
                 why: "LoRA A gradients (masks redrawn from the seed)",
             });
         }
