@@ -7,10 +7,12 @@
 # 2. Sharding: `llora bench` on 2 ranks (torchrun, Gloo) with frozen weights replicated and
 #    sharded: base weight bytes per layer on each rank, peak RSS of rank 0, final loss (equal).
 # 3. The planner: `llora plan`'s prediction (`planned_peak_mb`) against the measured peak RSS
-#    (and the allocator's peak of live bytes) on the PLAN_SHAPES.
+#    (and the allocator's peaks of live bytes and of resident pages) on the PLAN_SHAPES; a
+#    shape ending in ":purge" runs with jemalloc purging freed pages (MALLOC_CONF
+#    dirty_decay_ms:1000) instead of keeping them, llora's default.
 #   ./scripts/bench-memory.sh
 #   SHARD_SHAPES="small:512:fp32" ./scripts/bench-memory.sh   # preset:seq:precision
-#   PLAN_SHAPES="tiny:1024:fp32:0:1" ./scripts/bench-memory.sh  # preset:seq:precision:recompute:ranks[s]
+#   PLAN_SHAPES="tiny:1024:fp32:0:1" ./scripts/bench-memory.sh  # preset:seq:precision:recompute:ranks[s][:purge]
 #   SECTIONS=plan ./scripts/bench-memory.sh                  # any of load,shard,plan
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,20 +51,23 @@ shapes=(${SHARD_SHAPES:-small:512:fp32 llama2-70b-1layer:512:fp8})
       | python3 -c "import json,sys; d=json.load(sys.stdin); d['sharded']=bool('$shard'); print(json.dumps(d))" >>"$out"
   done
 done
-plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 small:1024:bf16:0:1 small:4096:fp32:8:1 small:1024:fp32:0:2s \
-  llama2-70b-1layer:2048:fp32:0:1 llama2-70b-1layer:1024:fp8:0:1})
+plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 small:1024:bf16:0:1 small:4096:fp32:8:1 small:8192:fp8:4:1 \
+  small:1024:fp32:0:2s llama2-70b-1layer:2048:fp32:0:1 llama2-70b-1layer:1024:fp8:0:1 llama2-70b-1layer:1024:fp8:0:1:purge})
 [[ $sections == *plan* ]] && for shape in "${plan_shapes[@]}"; do
-  IFS=: read -r preset seq precision recompute ranks <<<"$shape"
+  IFS=: read -r preset seq precision recompute ranks purge <<<"$shape"
+  malloc_conf=${MALLOC_CONF:-}; [ "$purge" = purge ] && malloc_conf=dirty_decay_ms:1000
   # shellcheck disable=SC2207
   extra=($(precision_args "$precision") --recompute-layers "$recompute")
   echo "# plan vs measured: $shape" >&2
   if [ "${ranks%s}" = 1 ]; then
-    ./target/release/llora bench --preset "$preset" --seq-len "$seq" --threads 2 --warmup 1 --steps 1 "${extra[@]}" 2>/dev/null | tail -1
+    MALLOC_CONF=$malloc_conf ./target/release/llora bench --preset "$preset" --seq-len "$seq" --threads 2 --warmup 1 \
+      --steps 1 "${extra[@]}" 2>/dev/null | tail -1
   else
     shard=(); [ "${ranks: -1}" = s ] && shard=(--shard-frozen-weights)
-    .venv/bin/torchrun --standalone --nproc-per-node "${ranks%s}" --no-python ./target/release/llora bench --preset "$preset" \
-      --seq-len "$seq" --threads 1 --warmup 1 --steps 1 "${extra[@]}" "${shard[@]}" 2>/dev/null | tail -1
-  fi | python3 -c "import json,sys; d=json.load(sys.stdin); d['plan_row']=True; d['sharded']='$shape'.endswith('s'); print(json.dumps(d))" >>"$out"
+    MALLOC_CONF=$malloc_conf .venv/bin/torchrun --standalone --nproc-per-node "${ranks%s}" --no-python \
+      ./target/release/llora bench --preset "$preset" --seq-len "$seq" --threads 1 --warmup 1 --steps 1 "${extra[@]}" \
+      "${shard[@]}" 2>/dev/null | tail -1
+  fi | python3 -c "import json,sys; d=json.load(sys.stdin); d['plan_row']=True; d['sharded']='$ranks'.endswith('s'); d['purge']='$purge'=='purge'; print(json.dumps(d))" >>"$out"
 done
 python3 - "$out" <<'PY'
 import json, sys
@@ -80,11 +85,12 @@ for r in (r for r in rows if "load" not in r and "plan_row" not in r):
     dtype = r["dtype"] + (" + FP8 weights" if r["fp8_weights"] else "")
     print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {kind} | {r["base_weight_bytes_per_layer"] / 2**20:.1f} | {r["peak_rss_mb"]:.0f} | {r["step_s_median"]:.2f} | {r["final_loss"]} |')
 print()
-print("| shape | ranks | recomputed blocks | planned peak MB | measured peak RSS MB | planned / measured | live-bytes peak MB | step s |")
-print("|---|---|---|---|---|---|---|---|")
+print("| shape | ranks | recomputed blocks | planned peak MB | measured peak RSS MB | planned / measured | live-bytes peak MB | allocator-resident peak MB | step s |")
+print("|---|---|---|---|---|---|---|---|---|")
 for r in (r for r in rows if "plan_row" in r):
     dtype = r["dtype"] + (" + FP8 weights and activations" if r["fp8_weights"] else "")
+    dtype += " (allocator purging)" if r["purge"] else ""
     ranks = f'{r["world"]}' + (" sharded" if r["sharded"] else "")
-    print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {ranks} | {r["recompute_layers"]} | {r["planned_peak_mb"]:.0f} | {r["peak_rss_mb"]:.0f} | {r["planned_peak_mb"] / r["peak_rss_mb"]:.3f} | {r["peak_heap_in_use_mb"]:.0f} | {r["step_s_median"]:.2f} |')
+    print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {ranks} | {r["recompute_layers"]} | {r["planned_peak_mb"]:.0f} | {r["peak_rss_mb"]:.0f} | {r["planned_peak_mb"] / r["peak_rss_mb"]:.3f} | {r["peak_heap_in_use_mb"]:.0f} | {r["peak_heap_resident_mb"]:.0f} | {r["step_s_median"]:.2f} |')
 PY
 rm -f "$out"

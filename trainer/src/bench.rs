@@ -9,6 +9,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use llora_model::device::HeapBytes;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -144,12 +145,13 @@ fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
     .spec()
 }
 
-/// The largest [`llora_model::device::heap_in_use_bytes`] seen by a thread sampling it every
-/// millisecond while the sampler lives: the memory tensors occupied at the step's peak, which
-/// the RSS high-water mark adds the runtime's libraries and what the allocator keeps of freed memory.
+/// The largest [`llora_model::device::heap_bytes`] (in use, and allocator-resident) seen by a
+/// thread sampling them every millisecond while the sampler lives: the memory tensors
+/// occupied at the step's peak, and what the allocator held for them including freed memory
+/// it keeps; the RSS high-water mark adds the runtime's libraries to the latter.
 struct HeapPeak {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<usize>>,
+    thread: Option<std::thread::JoinHandle<HeapBytes>>,
 }
 
 impl HeapPeak {
@@ -157,9 +159,11 @@ impl HeapPeak {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            let mut peak = 0;
+            let mut peak = HeapBytes::default();
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                peak = peak.max(llora_model::device::heap_in_use_bytes().unwrap_or(0));
+                let now = llora_model::device::heap_bytes().unwrap_or_default();
+                peak.in_use = peak.in_use.max(now.in_use);
+                peak.resident = peak.resident.max(now.resident);
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             peak
@@ -167,11 +171,12 @@ impl HeapPeak {
         Self { stop, thread: Some(thread) }
     }
 
-    /// Stops sampling and returns the peak in MB.
-    fn finish(mut self) -> f64 {
+    /// Stops sampling and returns the peaks in MB: (in use, allocator-resident).
+    fn finish(mut self) -> (f64, f64) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let peak = self.thread.take().and_then(|t| t.join().ok()).unwrap_or(0);
-        peak as f64 / (1 << 20) as f64
+        let peak = self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default();
+        let mb = |b: usize| b as f64 / (1 << 20) as f64;
+        (mb(peak.in_use), mb(peak.resident))
     }
 }
 
@@ -286,7 +291,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         .sum();
     let build_s = t_build.elapsed().as_secs_f64();
     let rss_after_build = peak_rss_mb();
-    let heap_after_build = llora_model::device::heap_in_use_bytes().unwrap_or(0) as f64 / (1 << 20) as f64;
+    let heap_after_build = llora_model::device::heap_bytes().unwrap_or_default().in_use as f64 / (1 << 20) as f64;
     let heap_peak = HeapPeak::start();
     let mut optim = AdamW::new(OptimConfig {
         lr: args.lr,
@@ -341,7 +346,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
             dc / dt
         );
     }
-    let heap_peak = heap_peak.finish();
+    let (heap_peak, heap_resident_peak) = heap_peak.finish();
     // Other processes' share of the machine during the timed steps: a noisy bench says so.
     let others = window.and_then(|(ps0, pc0, pw0)| {
         let (ps0, ps1) = (ps0?, proc_stat()?);
@@ -379,6 +384,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "rss_hwm_after_build_mb": rss_after_build.map(|x| (x * 10.0).round() / 10.0),
         "heap_in_use_after_build_mb": (heap_after_build * 10.0).round() / 10.0,
         "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
+        "peak_heap_resident_mb": (heap_resident_peak * 10.0).round() / 10.0,
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "final_loss": (loss * 1e5).round() / 1e5,

@@ -190,7 +190,7 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
     for (name, n_in, input) in adapted(s) {
         let n = n_in as f64;
         if s.lora_dropout > 0.0 {
-            out.push(Kept { name: format!("{name} dropout mask"), bytes: n, why: "dropout backward (bool mask)" });
+            // The mask is redrawn from its seed in backward (model/src/dropout.rs).
             out.push(Kept {
                 name: format!("{name} adapter input"),
                 bytes: n * a,
@@ -532,8 +532,9 @@ mod tests {
     fn kept_and_minimum_bytes_match_the_hand_count() {
         let s = mlperf(8, 0, false);
         // x 4·8192 + h 4·8192 + norm stats 24 + q,k,v,out 4·(2·8192 + 2·1024) + lse 4·64
-        // + gate/up 2·28672·1 + (mask 8192 + input 8192 + bottleneck 16) for qkv and for o.
-        let kept = 32768.0 + 32768.0 + 24.0 + 73728.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 8192.0 + 16.0);
+        // + gate/up 2·28672·1 + (dropped-out input 8192 + bottleneck 16) for qkv and for o (the
+        // dropout masks are redrawn, not kept).
+        let kept = 32768.0 + 32768.0 + 24.0 + 73728.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 16.0);
         assert_eq!(per_token(&kept_per_token(&s)), kept);
         // x and h with 1/rms, attention tensors + lse, gate/up, the adapters' input once, two
         // bottlenecks.
