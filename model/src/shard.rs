@@ -4,7 +4,9 @@
 //! (f32, bf16, or FP8 codes whose scale every rank computed from the whole tensor while
 //! loading). A decoder block's weights are all-gathered just before the block runs and freed
 //! after; the block-wise step ([`crate::LlamaForCausalLM::recomputed_backward`]) gathers them
-//! again for the block's backward. LoRA weights, norms, the embedding and the LM head stay
+//! again for the block's backward. The next block's gather is started before this one
+//! computes (c10d runs it on Gloo's worker threads or NCCL's stream), so at most two blocks
+//! are whole at once. LoRA weights, norms, the embedding and the LM head stay
 //! replicated.
 //!
 //! ```text
@@ -25,9 +27,26 @@ pub trait WeightGather: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks the weights are sharded over.
     fn world(&self) -> usize;
-    /// Every rank's `shard` (a 1-D `u8` tensor, the same length on every rank), concatenated
-    /// in rank order, on the shard's device.
-    fn all_gather_bytes(&self, shard: &tch::Tensor) -> anyhow::Result<tch::Tensor>;
+    /// Starts gathering every rank's `shard` (a 1-D `u8` tensor, the same length on every
+    /// rank), concatenated in rank order, on the shard's device; returns without waiting.
+    /// Every rank starts its gathers in the same order.
+    fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> anyhow::Result<Box<dyn PendingGather>>;
+}
+
+/// A gather in flight.
+pub trait PendingGather: Send {
+    /// The gathered bytes, once every rank's have arrived.
+    fn wait(self: Box<Self>) -> anyhow::Result<tch::Tensor>;
+}
+
+/// Where a sharded weight's whole copy is.
+enum Slot {
+    /// Not gathered.
+    Empty,
+    /// Being gathered (prefetched while the previous block computes).
+    Pending(Box<dyn PendingGather>),
+    /// Gathered.
+    Ready(StoredWeight),
 }
 
 /// A gatherer and the model's place in it; cloned into every sharded layer.
@@ -73,8 +92,18 @@ pub struct WeightShard {
     /// Bytes of the whole weight.
     bytes: usize,
     sharding: Sharding,
-    /// The whole weight between [`Self::gather`] and [`Self::release`].
-    gathered: Mutex<Option<StoredWeight>>,
+    /// The whole weight between [`Self::prefetch`] or [`Self::gather`] and [`Self::release`].
+    gathered: Mutex<Slot>,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Empty => "Empty",
+            Self::Pending(_) => "Pending",
+            Self::Ready(_) => "Ready",
+        })
+    }
 }
 
 impl WeightShard {
@@ -96,7 +125,14 @@ impl WeightShard {
         if len > 0 {
             local.narrow(0, 0, len as i64).copy_(&bytes_of.narrow(0, start as i64, len as i64));
         }
-        Self { local: TchTensor::new(local), dims, kind, bytes, sharding: sharding.clone(), gathered: Mutex::new(None) }
+        Self {
+            local: TchTensor::new(local),
+            dims,
+            kind,
+            bytes,
+            sharding: sharding.clone(),
+            gathered: Mutex::new(Slot::Empty),
+        }
     }
 
     /// `[out, in]` of the whole weight.
@@ -104,26 +140,36 @@ impl WeightShard {
         self.dims
     }
 
-    /// Whether the weight lives in host memory.
-    pub fn on_cpu(&self) -> bool {
-        self.local.tensor.device() == tch::Device::Cpu
-    }
-
     /// Bytes this rank holds.
     pub fn local_bytes(&self) -> usize {
         self.local.tensor.numel()
     }
 
-    /// All-gathers the whole weight (a no-op while it is gathered).
+    /// Starts gathering the whole weight without waiting (a no-op when it is gathered or
+    /// being gathered): the next block's gather runs while this one computes.
+    pub fn prefetch(&self) -> anyhow::Result<()> {
+        let mut slot = self.gathered.lock().unwrap();
+        if matches!(*slot, Slot::Empty) {
+            *slot = Slot::Pending(self.sharding.gather.start_all_gather_bytes(&self.local.tensor)?);
+        }
+        Ok(())
+    }
+
+    /// Makes the whole weight available: waits for a prefetched gather, or gathers now.
     pub fn gather(&self) -> anyhow::Result<()> {
         let mut slot = self.gathered.lock().unwrap();
-        if slot.is_some() {
-            return Ok(());
-        }
-        let all = self.sharding.gather.all_gather_bytes(&self.local.tensor)?;
+        let pending = match std::mem::replace(&mut *slot, Slot::Empty) {
+            Slot::Ready(w) => {
+                *slot = Slot::Ready(w);
+                return Ok(());
+            }
+            Slot::Pending(p) => p,
+            Slot::Empty => self.sharding.gather.start_all_gather_bytes(&self.local.tensor)?,
+        };
+        let all = pending.wait()?;
         let [out, inp] = self.dims;
         let whole = all.narrow(0, 0, self.bytes as i64).view_dtype(self.kind.tch_kind()).view([out as i64, inp as i64]);
-        *slot = Some(match self.kind {
+        *slot = Slot::Ready(match self.kind {
             ShardKind::F32 => StoredWeight::F32(TchTensor::new(whole)),
             ShardKind::Bf16 => StoredWeight::Bf16(TchTensor::new(whole)),
             ShardKind::Fp8(scale_inv) => StoredWeight::Fp8(TchTensor::new(whole), scale_inv),
@@ -131,15 +177,24 @@ impl WeightShard {
         Ok(())
     }
 
-    /// Frees the whole weight (a backward through this layer needs it gathered again).
+    /// Frees the whole weight (a backward through this layer needs it gathered again); a
+    /// gather still in flight is waited for first (its buffer is in use until it ends).
     pub fn release(&self) {
-        *self.gathered.lock().unwrap() = None;
+        let old = std::mem::replace(&mut *self.gathered.lock().unwrap(), Slot::Empty);
+        if let Slot::Pending(p) = old {
+            // Reached only when a step ends before using a prefetched block (an error, which is
+            // the one to report).
+            let _ = p.wait();
+        }
     }
 
     /// The whole weight; it must be gathered.
     pub fn whole(&self) -> StoredWeight {
-        self.gathered.lock().unwrap().clone().unwrap_or_else(|| {
-            panic!("a sharded weight {:?} was used outside its block's gather (llora bug)", self.dims)
-        })
+        match &*self.gathered.lock().unwrap() {
+            Slot::Ready(w) => w.clone(),
+            slot => {
+                panic!("a sharded weight {:?} was used outside its block's gather ({slot:?}; llora bug)", self.dims)
+            }
+        }
     }
 }

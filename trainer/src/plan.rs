@@ -293,7 +293,12 @@ pub fn budget(s: &Shape) -> Budget {
     add("runtime", runtime, format!("{:?} runtime before the model", s.target));
     let linear = block_elems * w * l as f64;
     let (frozen, note) = if sharded {
-        (linear / world + block_elems * w, format!("{w} B/elem, 1/{} of every block + one block gathered", s.world))
+        // The block that runs and the next one, whose gather is in flight meanwhile.
+        let gathered = l.min(2);
+        (
+            linear / world + gathered as f64 * block_elems * w,
+            format!("{w} B/elem, 1/{} of every block + {gathered} block(s) gathered", s.world),
+        )
     } else {
         (linear, format!("{w} B/elem, replicated"))
     };

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::{Backend, Collective, DistError, ReduceOp, World};
+use super::{Backend, Collective, DistError, PendingBytes, ReduceOp, World};
 
 unsafe extern "C" {
     fn llora_c10d_new(
@@ -26,13 +26,15 @@ unsafe extern "C" {
     fn llora_c10d_free(s: *mut c_char);
     fn llora_c10d_all_reduce(g: *mut c_void, t: *mut torch_sys::C_tensor, op: c_int, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_broadcast(g: *mut c_void, t: *mut torch_sys::C_tensor, root: c_int, err: *mut *mut c_char) -> c_int;
-    fn llora_c10d_all_gather(
+    fn llora_c10d_all_gather_start(
         g: *mut c_void,
         out: *mut torch_sys::C_tensor,
         input: *mut torch_sys::C_tensor,
         world: c_int,
         err: *mut *mut c_char,
-    ) -> c_int;
+    ) -> *mut c_void;
+    fn llora_c10d_work_wait(w: *mut c_void, err: *mut *mut c_char) -> c_int;
+    fn llora_c10d_work_free(w: *mut c_void);
     fn llora_c10d_barrier(g: *mut c_void, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_store_set(
         g: *mut c_void,
@@ -69,6 +71,40 @@ impl Drop for Handle {
     fn drop(&mut self) {
         // SAFETY: created by llora_c10d_new, freed once.
         unsafe { llora_c10d_free_group(self.0) }
+    }
+}
+
+/// A collective the shim started and nobody has waited on yet.
+pub struct Work {
+    ptr: *mut c_void,
+    /// Keeps the group alive while its collective runs.
+    _group: Arc<Handle>,
+}
+// SAFETY: the work object is c10d's, waited on and freed through the shim from one thread at
+// a time (it moves with the pending gather, which is not shared).
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Waits for the collective; the shim's message on failure.
+    fn wait(self) -> Result<(), String> {
+        let mut err = std::ptr::null_mut();
+        // SAFETY: a live work handle; `self` is consumed, so waited once, then freed by Drop.
+        let ok = unsafe { llora_c10d_work_wait(self.ptr, &mut err) };
+        check(ok, err)
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // SAFETY: created by llora_c10d_all_gather_start and freed once. A work dropped without
+        // a wait (an error unwound past it) is waited on first: its tensors must outlive it.
+        unsafe {
+            let mut err = std::ptr::null_mut();
+            if llora_c10d_work_wait(self.ptr, &mut err) == 0 && !err.is_null() {
+                llora_c10d_free(err);
+            }
+            llora_c10d_work_free(self.ptr);
+        }
     }
 }
 
@@ -265,21 +301,46 @@ impl Collective for ProcessGroup {
         let mut out = vec![0f64; x.len() * self.world.size];
         let input = tch::Tensor::from_slice(x).to_device(self.device);
         let (h, world) = (self.handle.0, self.world.size as c_int);
-        // SAFETY: live handle and tensors; `out` holds world × x.len() values.
+        // SAFETY: live handle and tensors; `out` holds world × x.len() values and outlives the
+        // wait, after which the handle is freed.
         self.with_tensor(&mut out, "all_gather", |o, err| unsafe {
-            llora_c10d_all_gather(h, o, input.as_ptr() as *mut _, world, err)
+            let w = llora_c10d_all_gather_start(h, o, input.as_ptr() as *mut _, world, err);
+            if w.is_null() {
+                return 0;
+            }
+            let ok = llora_c10d_work_wait(w, err);
+            llora_c10d_work_free(w);
+            ok
         })?;
         Ok(out)
     }
 
-    fn all_gather_bytes(&self, shard: &tch::Tensor) -> Result<tch::Tensor, DistError> {
+    fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> Result<PendingBytes, DistError> {
         let out =
             tch::Tensor::empty([shard.numel() as i64 * self.world.size as i64], (tch::Kind::Uint8, shard.device()));
-        let (h, world) = (self.handle.0, self.world.size as c_int);
         let mut err = std::ptr::null_mut();
-        // SAFETY: live handle and tensors; `out` holds world × shard's bytes.
-        let ok = unsafe { llora_c10d_all_gather(h, out.as_ptr() as *mut _, shard.as_ptr() as *mut _, world, &mut err) };
-        check(ok, err).map_err(|m| self.fail("all_gather", m))?;
+        // SAFETY: live handle and tensors; `out` holds world × shard's bytes. The shim keeps
+        // references to both tensors until the work is freed.
+        let ptr = unsafe {
+            llora_c10d_all_gather_start(
+                self.handle.0,
+                out.as_ptr() as *mut _,
+                shard.as_ptr() as *mut _,
+                self.world.size as c_int,
+                &mut err,
+            )
+        };
+        if ptr.is_null() {
+            return Err(self.fail("all_gather", check(0, err).unwrap_err()));
+        }
+        Ok(PendingBytes { out, work: Some(Work { ptr, _group: self.handle.clone() }) })
+    }
+
+    fn wait_all_gather_bytes(&self, pending: PendingBytes) -> Result<tch::Tensor, DistError> {
+        let PendingBytes { out, work } = pending;
+        if let Some(work) = work {
+            work.wait().map_err(|m| self.fail("all_gather", m))?;
+        }
         Ok(out)
     }
 

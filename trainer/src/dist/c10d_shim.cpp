@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -124,18 +125,41 @@ int llora_c10d_broadcast(void* g, at::Tensor* t, int root, char** err) {
   });
 }
 
-// Gathers `in` of every rank into `out`, whose first dimension is world × in's.
-int llora_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* in, int world, char** err) {
+// An all-gather in flight: c10d's work and the tensors it writes and reads, kept alive until
+// the caller has waited on it (llora_c10d_work_wait) and freed it (llora_c10d_work_free).
+struct Pending {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::chrono::milliseconds timeout;
+  std::vector<std::vector<at::Tensor>> outputs;
+  std::vector<at::Tensor> inputs;
+};
+
+// Starts gathering `in` of every rank into `out`, whose first dimension is world × in's, and
+// returns at once (Gloo runs it on its worker threads, NCCL on its stream); null on failure.
+void* llora_c10d_all_gather_start(void* g, at::Tensor* out, at::Tensor* in, int world, char** err) {
   auto* group = static_cast<Group*>(g);
-  return guarded(err, [&] {
-    std::vector<at::Tensor> outs = out->chunk(world, 0);
-    std::vector<std::vector<at::Tensor>> outputs{outs};
-    std::vector<at::Tensor> inputs{*in};
+  Pending* pending = nullptr;
+  guarded(err, [&] {
+    auto p = std::make_unique<Pending>();
+    p->outputs = {out->chunk(world, 0)};
+    p->inputs = {*in};
+    p->timeout = group->timeout;
     c10d::AllgatherOptions o;
     o.timeout = group->timeout;
-    wait(group->backend->allgather(outputs, inputs, o), group->timeout);
+    p->work = group->backend->allgather(p->outputs, p->inputs, o);
+    pending = p.release();
   });
+  return pending;
 }
+
+// Waits for a started collective (on NCCL: makes the current stream wait for it).
+int llora_c10d_work_wait(void* w, char** err) {
+  auto* p = static_cast<Pending*>(w);
+  return guarded(err, [&] { wait(p->work, p->timeout); });
+}
+
+// Frees a collective's handle; it must have been waited on.
+void llora_c10d_work_free(void* w) { delete static_cast<Pending*>(w); }
 
 int llora_c10d_barrier(void* g, char** err) {
   auto* group = static_cast<Group*>(g);

@@ -237,15 +237,26 @@ pub trait Collective: Send + Sync {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), DistError>;
     /// Every rank's `x`, concatenated in rank order.
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError>;
-    /// Every rank's `shard` (1-D `u8`, the same length everywhere), concatenated in rank order,
-    /// on the shard's device: in place on the device for Gloo (CPU) and NCCL (CUDA).
-    fn all_gather_bytes(&self, shard: &tch::Tensor) -> Result<tch::Tensor, DistError>;
+    /// Starts gathering every rank's `shard` (1-D `u8`, the same length everywhere),
+    /// concatenated in rank order, on the shard's device (in place on the device for Gloo and
+    /// NCCL), and returns without waiting: the caller computes meanwhile. Every rank must start
+    /// its gathers in the same order.
+    fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> Result<PendingBytes, DistError>;
+    /// The gathered bytes of a started gather, once it has finished.
+    fn wait_all_gather_bytes(&self, pending: PendingBytes) -> Result<tch::Tensor, DistError>;
     /// Returns when every rank has called it.
     fn barrier(&self) -> Result<(), DistError>;
     /// Puts `value` under `key` in the job's key-value store.
     fn publish(&self, key: &str, value: &[u8]) -> Result<(), DistError>;
     /// The value under `key`, waiting (up to the timeout) until a rank publishes it.
     fn fetch(&self, key: &str) -> Result<Vec<u8>, DistError>;
+}
+
+/// An all-gather in flight: the tensor it writes, and c10d's work (none when nothing is in
+/// flight). Dropping it without [`Collective::wait_all_gather_bytes`] still waits for it.
+pub struct PendingBytes {
+    out: tch::Tensor,
+    work: Option<c10d::Work>,
 }
 
 /// One process, one rank: every collective is the identity.
@@ -274,8 +285,11 @@ impl Collective for SingleProcess {
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError> {
         Ok(x.to_vec())
     }
-    fn all_gather_bytes(&self, shard: &tch::Tensor) -> Result<tch::Tensor, DistError> {
-        Ok(shard.shallow_clone())
+    fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> Result<PendingBytes, DistError> {
+        Ok(PendingBytes { out: shard.shallow_clone(), work: None })
+    }
+    fn wait_all_gather_bytes(&self, pending: PendingBytes) -> Result<tch::Tensor, DistError> {
+        Ok(pending.out)
     }
     fn barrier(&self) -> Result<(), DistError> {
         Ok(())
@@ -303,8 +317,23 @@ impl llora_model::shard::WeightGather for WeightGatherer {
     fn world(&self) -> usize {
         self.0.world_size()
     }
-    fn all_gather_bytes(&self, shard: &tch::Tensor) -> anyhow::Result<tch::Tensor> {
-        Ok(self.0.all_gather_bytes(shard)?)
+    fn start_all_gather_bytes(
+        &self,
+        shard: &tch::Tensor,
+    ) -> anyhow::Result<Box<dyn llora_model::shard::PendingGather>> {
+        Ok(Box::new(Gathering { comm: self.0.clone(), pending: self.0.start_all_gather_bytes(shard)? }))
+    }
+}
+
+/// A weight gather in flight on the data-parallel group.
+struct Gathering {
+    comm: Arc<dyn Collective>,
+    pending: PendingBytes,
+}
+
+impl llora_model::shard::PendingGather for Gathering {
+    fn wait(self: Box<Self>) -> anyhow::Result<tch::Tensor> {
+        Ok(self.comm.wait_all_gather_bytes(self.pending)?)
     }
 }
 
