@@ -172,7 +172,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// more than its live peak: the FP8 70B layer at s1024 peaks at 5.7 GB RSS for 4.5 GB of
 /// tensors, 4.7 GB with purging on, but its step takes 25 s instead of 20 (page faults).
 /// A `MALLOC_CONF` that sets a decay (e.g. `MALLOC_CONF=dirty_decay_ms:1000`) is left in
-/// effect, for who prefers the smaller RSS.
+/// effect, for users who prefer the smaller RSS.
 fn keep_freed_memory() {
     if std::env::var("MALLOC_CONF").is_ok_and(|c| c.contains("decay_ms")) {
         return;
