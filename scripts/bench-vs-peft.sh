@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llora against the peer (PyTorch + HF transformers + PEFT, ../shared/bench/peer_lora_bench.py)
+# llora against the peer (PyTorch + HF transformers + PEFT, scripts/peer/step_bench.py)
 # on identical LoRA training shapes: fp32, 2 threads, batch 1, runs alternating A B A B so that
 # machine noise hits both. Prints one table (step time median/min/max over all timed steps of
 # all rounds, tokens/s, GFLOP/s by the peer's FLOP model, peak RSS, llora/peer ratios), then one
@@ -12,8 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --parity >&2
 cargo build --release --quiet --bin llora
-peer=../shared/bench/peer_lora_bench.py
-[[ -f $peer ]] || { echo "bench-vs-peft: $peer missing (shared/ must be beside the repository)" >&2; exit 1; }
+peer=scripts/peer/step_bench.py
 shapes=(${SHAPES:-tiny:512:3:10 tiny:2048:2:5 small:1024:2:5 llama2-70b-1layer:1024:1:3})
 rounds=${ROUNDS:-2}
 out=$(mktemp)

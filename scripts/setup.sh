@@ -7,7 +7,9 @@
 #   - the headers the c10d shim (trainer/src/dist/) compiles against: Debian's libgloo-dev (the
 #     torch wheel lacks gloo's headers; installed with apt-get when missing and we are root) and
 #     two header-only CUDA wheels for its NCCL half (nvidia-cuda-nvcc-cu12, nvidia-cuda-cccl-cu12);
-#   - with --parity: transformers, peft and safetensors, for the HF/PEFT parity tests.
+#   - the official MLPerf compliance checker (mlperf-logging), which `llora mlperf check` runs;
+#   - with --parity: transformers, peft, safetensors and pyarrow, for the HF/PEFT parity tests
+#     and the PyTorch + PEFT peer (scripts/peer/).
 # Running it again reuses what is already right and only repairs what is not.
 #
 # Usage: scripts/setup.sh [--parity] [--quiet]
@@ -19,15 +21,18 @@ TORCH_VERSION=2.9.0
 # Header-only wheels that ProcessGroupNCCL.hpp needs besides torch's own nvidia-* wheels
 # (crt/host_config.h, nv/target); versions of torch 2.9.0's CUDA 12.8.
 NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90)
-# Versions the parity fixtures were made and checked with (shared/bench/README.md).
-PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy)
+# Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
+# the peer's time-to-train job (scripts/peer/ttt.py).
+PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow)
+# The official MLPerf Training compliance checker behind `llora mlperf check`.
+CHECKER_PKG=mlperf-logging==4.1.68
 WANT_PARITY=0
 QUIET=0
 for arg in "$@"; do
   case "$arg" in
     --parity) WANT_PARITY=1 ;;
     --quiet) QUIET=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -91,8 +96,13 @@ if ! "$VPY" -c 'import importlib.util as u, os, sys; d = os.path.dirname(u.find_
   pip_install --no-deps "${NCCL_HEADER_PKGS[@]}"
 fi
 
+if ! "$VPY" -c 'import mlperf_logging.compliance_checker' >/dev/null 2>&1; then
+  say "installing the MLPerf compliance checker: $CHECKER_PKG"
+  pip_install "$CHECKER_PKG"
+fi
+
 if [[ $WANT_PARITY == 1 ]]; then
-  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy' >/dev/null 2>&1; then
+  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow' >/dev/null 2>&1; then
     say "installing parity-test packages: ${PARITY_PKGS[*]}"
     pip_install "${PARITY_PKGS[@]}"
   else

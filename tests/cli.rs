@@ -34,7 +34,8 @@ fn config_show_prints_overrides() {
 
 #[test]
 fn mlperf_config_has_the_benchmark_values() {
-    // Values typed in from shared/docs/mlperf-llama2-70b-lora.md, not from our own defaults.
+    // Values typed in from the benchmark's rules (MLCommons training_policies and the reference
+    // implementation's hyper-parameters), not from our own defaults.
     let out = llora(&["config", "show", "configs/llama2-70b-mlperf.toml"]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
@@ -141,11 +142,11 @@ fn data_synth_prepare_inspect_round_trip() {
     );
 }
 
-/// Published MLPerf Training scores (minutes) of the reference result folders, typed in from
-/// shared/docs/mlperf-llama2-70b-lora.md.
+/// Published MLPerf Training scores (minutes) of the result folders kept in tests/data (their
+/// README names the MLCommons repositories they come from).
 #[test]
 fn mlperf_score_reproduces_the_published_scores() {
-    let root = common::root().join("../shared/mlperf/reference-results");
+    let root = common::root().join("tests/data/mlperf-results");
     for (dir, published) in [
         ("v5.1-AMD-MI355X_EPYC_9575F_pytorch", 10.18),
         ("v5.1-NVIDIA-theia_ngpu8_ngc25.09_nemo", 5.97),
@@ -153,7 +154,7 @@ fn mlperf_score_reproduces_the_published_scores() {
         ("v4.0-NVIDIA-h200_ngc24.04_nemo", 24.69),
     ] {
         let path = root.join(dir);
-        assert!(path.is_dir(), "{} missing: this test needs shared/ beside the repository", path.display());
+        assert!(path.is_dir(), "{} missing", path.display());
         let out = llora(&["mlperf", "score", path.to_str().unwrap()]);
         let (stdout, stderr) = text(&out);
         assert!(out.status.success(), "{dir}: {stderr}");

@@ -122,10 +122,8 @@ fn two_ranks_under_torchrun_match_one_process_and_pass_the_checker() {
     assert_eq!(lines.iter().filter(|l| l["key"] == "run_start").count(), 1);
     let accum = lines.iter().find(|l| l["key"] == "gradient_accumulation_steps").unwrap();
     assert_eq!(accum["value"], 4, "GBS 8 over 2 ranks of micro-batch 1");
-    let check = root().join("../shared/mlperf/check.sh");
-    let res = Command::new("bash").arg(&check).arg(&logs[0]).output().unwrap();
-    let (c_out, c_err) = text(&res);
-    assert!(res.status.success(), "official checker rejected the 2-rank log:\n{c_out}\n{c_err}");
+    let (passed, said) = common::mlperf_check(&logs[0]);
+    assert!(passed, "official checker rejected the 2-rank log:\n{said}");
 }
 
 /// An eval set of 5 samples in batches of 2 (3 batches: 2 on rank 0, 1 on rank 1, one short)

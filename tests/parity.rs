@@ -1,7 +1,7 @@
 #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
 //! Numerical parity with HF transformers + PEFT.
 //!
-//! Fixtures come from `shared/bench/peer_lora_bench.py --check` (HF `LlamaForCausalLM` + PEFT
+//! Fixtures come from `scripts/peer/fixtures.py` (HF `LlamaForCausalLM` + PEFT
 //! LoRA, random init, fixed seeds), run here with the project venv's Python so that what we
 //! compare against is computed by the reference libraries, not by llora.
 
@@ -32,10 +32,9 @@ fn python() -> PathBuf {
     py
 }
 
-/// Generates (once per build dir) a fixture with the peer script and returns its directory.
+/// Generates (once per build dir) a fixture with the peer's fixture maker and returns its directory.
 fn fixture(name: &str, args: &[&str]) -> PathBuf {
-    let script = repo_root().join("../shared/bench/peer_lora_bench.py");
-    assert!(script.is_file(), "{} missing: the parity tests need shared/ beside the repository", script.display());
+    let script = repo_root().join("scripts/peer/fixtures.py");
     // Tests run in parallel and share fixtures: generate each one once.
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -45,11 +44,11 @@ fn fixture(name: &str, args: &[&str]) -> PathBuf {
         let _ = std::fs::remove_dir_all(&dir);
         let out = Command::new(python())
             .arg(&script)
-            .args(["--check", "--check-dir"])
+            .arg("--out")
             .arg(&dir)
             .args(args)
             .output()
-            .expect("run peer_lora_bench.py");
+            .expect("run scripts/peer/fixtures.py");
         assert!(
             out.status.success(),
             "fixture generation failed:\n{}\n{}",
@@ -174,20 +173,7 @@ fn check_parity(dir: &Path) {
 fn multi_head_matches_hf_peft() {
     let dir = fixture(
         "tiny-s64-b2",
-        &[
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "64",
-            "--batch",
-            "2",
-            "--lora-dropout",
-            "0",
-            "--lora-b-init",
-            "normal",
-            "--check-steps",
-            "1",
-        ],
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
     );
     check_parity(&dir);
 }
@@ -196,20 +182,7 @@ fn multi_head_matches_hf_peft() {
 fn grouped_query_matches_hf_peft() {
     let dir = fixture(
         "tiny-gqa-s96-b2",
-        &[
-            "--preset",
-            "tiny-gqa",
-            "--seq-len",
-            "96",
-            "--batch",
-            "2",
-            "--lora-dropout",
-            "0",
-            "--lora-b-init",
-            "normal",
-            "--check-steps",
-            "1",
-        ],
+        &["--preset", "tiny-gqa", "--seq-len", "96", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
     );
     check_parity(&dir);
 }
@@ -220,35 +193,14 @@ fn grouped_query_matches_hf_peft() {
 fn llora_adapter_loads_in_peft_with_equal_logits() {
     let base = fixture(
         "tiny-s64-b2",
-        &[
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "64",
-            "--batch",
-            "2",
-            "--lora-dropout",
-            "0",
-            "--lora-b-init",
-            "normal",
-            "--check-steps",
-            "1",
-        ],
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
     );
     let device = Device::libtorch();
     device.seed(3);
     let spec = llora_model::LoraSpec { dropout: 0.0, ..Default::default() };
     let ckpt = HfCheckpoint::open(&base).unwrap();
     let mut model = ckpt.load_model(&BuildOptions { lora: Some(&spec), ..Default::default() }, &device).unwrap();
-    // B starts at zero (PEFT's init), which would make any adapter look right: randomise it.
-    for (_, adapter) in model.adapters_mut() {
-        let shape = adapter.b.shape();
-        adapter.b = burn::module::Param::from_tensor(Tensor::random(
-            shape,
-            burn::tensor::Distribution::Normal(0.0, 0.05),
-            &device,
-        ));
-    }
+    randomise_b(&mut model, &device);
     let out_dir = tempfile::tempdir().unwrap();
     let adapter_dir = out_dir.path().join("adapter");
     llora_model::checkpoint::save_peft_adapter(&model, &spec, &adapter_dir, base.to_str().unwrap()).unwrap();
@@ -257,24 +209,8 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
     let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
     let ours = values(model.forward(ids.clone(), false).unwrap());
-
-    // The fixture directory also holds PEFT's own adapter, which transformers would load with
-    // the base; give PEFT a directory with the base model alone.
-    let base_only = out_dir.path().join("base");
-    std::fs::create_dir(&base_only).unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(base.join(f), base_only.join(f)).unwrap();
-    }
-    let peft_out = out_dir.path().join("peft.safetensors");
-    let status = Command::new(python())
-        .arg(repo_root().join("scripts/peft_forward.py"))
-        .args([&base_only, &adapter_dir, &base.join("batch.safetensors"), &peft_out])
-        .status()
-        .unwrap();
-    assert!(status.success(), "peft_forward.py failed");
-    let peft = read_all(&peft_out);
-    let peft_logits: Vec<f32> =
-        peft["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let base_only = base_only_copy(&base, out_dir.path());
+    let peft_logits = peft_logits(&base_only, &adapter_dir, &base, out_dir.path());
     let err = rel_err(&ours, &peft_logits);
     eprintln!("llora adapter in PEFT: logits relative error {err:e}");
     assert!(err <= 1e-4, "logits through PEFT differ: {err:e}");
@@ -327,20 +263,7 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
 fn training_steps_match_torch_adamw() {
     let dir = fixture(
         "tiny-s64-b2-3steps",
-        &[
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "64",
-            "--batch",
-            "2",
-            "--lora-dropout",
-            "0",
-            "--lora-b-init",
-            "normal",
-            "--check-steps",
-            "3",
-        ],
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"],
     );
     let fx = load_fixture(&dir);
     let device = Device::libtorch().autodiff();
@@ -386,20 +309,7 @@ fn training_steps_match_torch_adamw() {
 fn eval_command_reports_the_hf_peft_loss() {
     let dir = fixture(
         "tiny-s64-b2",
-        &[
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "64",
-            "--batch",
-            "2",
-            "--lora-dropout",
-            "0",
-            "--lora-b-init",
-            "normal",
-            "--check-steps",
-            "1",
-        ],
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
     );
     let fx = load_fixture(&dir);
     let s = fx.input_ids.0[1];
@@ -445,20 +355,7 @@ fn eval_command_reports_the_hf_peft_loss() {
 fn saved_hf_checkpoint_loads_in_transformers() {
     let dir = fixture(
         "tiny-s64-b2",
-        &[
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "64",
-            "--batch",
-            "2",
-            "--lora-dropout",
-            "0",
-            "--lora-b-init",
-            "normal",
-            "--check-steps",
-            "1",
-        ],
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
     );
     let fx = load_fixture(&dir);
     let device = Device::libtorch();
@@ -484,4 +381,40 @@ fn saved_hf_checkpoint_loads_in_transformers() {
         ((loss - reference) / reference).abs() <= 1e-6,
         "transformers on llora's checkpoint: {loss} vs {reference}"
     );
+}
+
+/// B starts at zero (PEFT's init), which would make any adapter look right: randomise it.
+fn randomise_b(model: &mut llora_model::LlamaForCausalLM, device: &Device) {
+    for (_, adapter) in model.adapters_mut() {
+        let shape = adapter.b.shape();
+        adapter.b = burn::module::Param::from_tensor(Tensor::random(
+            shape,
+            burn::tensor::Distribution::Normal(0.0, 0.05),
+            device,
+        ));
+    }
+}
+
+/// The fixture's base model alone in `tmp/base` (the fixture directory also holds PEFT's own
+/// adapter, which transformers would load with the base).
+fn base_only_copy(fixture: &Path, tmp: &Path) -> PathBuf {
+    let dir = tmp.join("base");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+    }
+    dir
+}
+
+/// Logits of the fixture's batch through transformers + PEFT (`PeftModel.from_pretrained`, so
+/// PEFT's own key matching runs) on `base` with `adapter`.
+fn peft_logits(base: &Path, adapter: &Path, fixture: &Path, tmp: &Path) -> Vec<f32> {
+    let out = tmp.join("peft.safetensors");
+    let status = Command::new(python())
+        .arg(repo_root().join("scripts/peft_forward.py"))
+        .args([base, adapter, &fixture.join("batch.safetensors"), &out])
+        .status()
+        .unwrap();
+    assert!(status.success(), "peft_forward.py failed");
+    read_all(&out)["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }

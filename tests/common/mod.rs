@@ -112,3 +112,10 @@ pub fn checkpoint_step(run_dir: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(run_dir.join("resume/state.json")).ok()?;
     serde_json::from_str::<serde_json::Value>(&text).ok()?["progress"]["step"].as_u64()
 }
+
+/// `llora mlperf check LOG`: the official MLPerf compliance checker's verdict and what it printed.
+pub fn mlperf_check(log: &Path) -> (bool, String) {
+    let out = llora(&["mlperf", "check", log.to_str().expect("utf-8 path")]);
+    let (stdout, stderr) = text(&out);
+    (out.status.success(), format!("{stdout}\n{stderr}"))
+}

@@ -1,5 +1,5 @@
 //! `llora bench`: timed LoRA training steps of a preset on random tokens, with the recipe and
-//! the JSON fields of `shared/bench/peer_lora_bench.py` (PyTorch + HF transformers + PEFT), so
+//! the JSON fields of the peer `scripts/peer/step_bench.py` (PyTorch + HF transformers + PEFT), so
 //! that the two can be compared line by line (`scripts/bench-vs-peft.sh`).
 //!
 //! Recipe, as the peer's: random base, LoRA r 16 / α 32 / dropout 0.1 on q,k,v,o, AdamW
@@ -20,7 +20,7 @@ use crate::optim::AdamW;
 use crate::step::{MicroBatch, StepOptions, train_step};
 
 /// Matmul FLOPs of one LoRA step (forward + backward) with the peer's FLOP model
-/// (`flop_model()` in peer_lora_bench.py), so GFLOP/s are comparable: frozen weights cost
+/// (`flop_model()` in scripts/peer/recipe.py), so GFLOP/s are comparable: frozen weights cost
 /// 2·T·N forward and 2·T·N backward (no weight gradient; layer 0's q/k/v input gradient is
 /// skipped), adapters 6·T per parameter, causal attention half of 12·B·S²·H·hd·L.
 pub fn flop_model(c: &LlamaConfig, batch: usize, seq: usize, rank: usize) -> Value {

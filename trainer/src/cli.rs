@@ -252,6 +252,15 @@ pub enum MlperfCommand {
         /// Directory with `result_<n>.txt` (and optionally `scaling.json`).
         dir: PathBuf,
     },
+    /// Run the official MLPerf Training compliance checker (mlperf-logging 4.1.68) on one
+    /// result log; exit 0 only when it reports SUCCESS. Installs the checker on first use.
+    Check {
+        /// The result log (`:::MLLOG` lines).
+        log: PathBuf,
+        /// The training ruleset to check against.
+        #[arg(long, default_value = crate::compliance::DEFAULT_RULESET)]
+        ruleset: String,
+    },
 }
 
 /// `llora mlperf run`.
@@ -309,7 +318,7 @@ pub fn parse_bytes(s: &str) -> Result<f64, String> {
     Ok(n * scale)
 }
 
-/// `llora bench`: defaults are `shared/bench/peer_lora_bench.py`'s.
+/// `llora bench`: defaults are the peer's (`scripts/peer/step_bench.py`).
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Model preset (random weights): tiny, tiny-gqa, small, llama2-70b-1layer, ...

@@ -450,11 +450,14 @@ pub struct MlperfConfig {
     pub platform: String,
     /// `submission_division`: `"closed"` or `"open"`.
     pub division: Division,
+    /// After `run_stop`, run the official compliance checker on the result log (`llora mlperf
+    /// check`); a rejected log fails the run.
+    pub check: bool,
 }
 
 impl Default for MlperfConfig {
     fn default() -> Self {
-        Self { org: "llora".into(), platform: "cpu".into(), division: Division::Closed }
+        Self { org: "llora".into(), platform: "cpu".into(), division: Division::Closed, check: false }
     }
 }
 
@@ -853,7 +856,7 @@ mod tests {
 
     #[test]
     fn defaults_are_the_mlperf_reference_hyperparameters() {
-        // Values from shared/docs/mlperf-llama2-70b-lora.md, typed in independently.
+        // Values from the benchmark's rules and reference hyper-parameters, typed in independently.
         let c = Config::default();
         assert_eq!((c.lora.rank, c.lora.alpha, c.lora.dropout), (16, 32.0, 0.1));
         assert_eq!((c.optim.lr, c.optim.betas, c.optim.eps), (4e-4, [0.9, 0.999], 1e-8));

@@ -2,6 +2,7 @@
 #![recursion_limit = "256"] // serde_json::json! of the bench record
 pub mod bench;
 pub mod cli;
+pub mod compliance;
 pub mod config;
 pub mod data_cmd;
 pub mod dist;

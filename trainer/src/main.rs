@@ -83,6 +83,17 @@ fn run(command: Command) -> anyhow::Result<()> {
             println!("{}", score.json());
             Ok(())
         }
+        Command::Mlperf { command: MlperfCommand::Check { log, ruleset } } => {
+            let verdict = llora_trainer::compliance::check(&log, &ruleset)?;
+            print!("{}", verdict.output);
+            anyhow::ensure!(
+                verdict.passed,
+                "{}: the MLPerf compliance checker (training ruleset {ruleset}) rejected this log",
+                log.display()
+            );
+            println!("PASS: {} (training ruleset {ruleset})", log.display());
+            Ok(())
+        }
         Command::Mlperf { command: MlperfCommand::Run(args) } => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());

@@ -479,6 +479,16 @@ impl<'a> Trainer<'a> {
             ttt / 60.0,
             if self.resumed { " (resumed: includes the interruption)" } else { "" }
         );
+        if self.config.mlperf.check {
+            let verdict = crate::compliance::check(&self.result_log, crate::compliance::DEFAULT_RULESET)?;
+            anyhow::ensure!(
+                verdict.passed,
+                "{}: the MLPerf compliance checker rejected the result log:\n{}",
+                self.result_log.display(),
+                verdict.output
+            );
+            info!(result_log = %self.result_log.display(), "the MLPerf compliance checker accepts the result log");
+        }
         Ok(outcome)
     }
 }
