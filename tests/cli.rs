@@ -58,9 +58,20 @@ fn fails_naming(args: &[&str], needles: &[&str]) {
     let out = llora(args);
     let (_, stderr) = text(&out);
     assert!(!out.status.success(), "{args:?} should fail");
+    // 1 is llora's error exit; a panic exits 101 (or aborts), which is never a clear error.
+    assert_eq!(out.status.code(), Some(1), "{args:?} did not fail cleanly:\n{stderr}");
     for n in needles {
         assert!(stderr.contains(n), "{args:?}: stderr lacks {n:?}:\n{stderr}");
     }
+}
+
+/// Issue #29: a LoRA target that matches no module is refused before anything runs (it used
+/// to give a model without adapters that panicked in backward).
+#[test]
+fn lora_targets_matching_nothing_are_refused() {
+    let bench = ["bench", "--preset", "tiny", "--seq-len", "16", "--warmup", "0", "--steps", "1", "--targets"];
+    fails_naming(&[&bench[..], &["foo"]].concat(), &["\"foo\"", "q_proj"]);
+    fails_naming(&[&bench[..], &["o_proj,lm_head"]].concat(), &["\"lm_head\""]);
 }
 
 #[test]

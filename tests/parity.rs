@@ -418,3 +418,127 @@ fn peft_logits(base: &Path, adapter: &Path, fixture: &Path, tmp: &Path) -> Vec<f
     assert!(status.success(), "peft_forward.py failed");
     read_all(&out)["logits"].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
+
+fn gqa_fixture() -> PathBuf {
+    fixture(
+        "tiny-gqa-s96-b2",
+        &["--preset", "tiny-gqa", "--seq-len", "96", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
+    )
+}
+
+/// `lora.targets` of configs/llama2-70b-mlperf.toml, read from the file.
+fn mlperf_config_targets() -> Vec<String> {
+    let text = std::fs::read_to_string(repo_root().join("configs/llama2-70b-mlperf.toml")).unwrap();
+    let config: toml::Table = toml::from_str(&text).unwrap();
+    config["lora"]["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
+}
+
+/// Short module names (`q_proj`) that carry an adapter in layer `l`.
+fn adapted_in_layer(model: &llora_model::LlamaForCausalLM, l: usize) -> Vec<String> {
+    let prefix = format!("base_model.model.model.layers.{l}.");
+    model
+        .adapters()
+        .into_iter()
+        .filter(|(n, _)| n.starts_with(&prefix))
+        .map(|(n, _)| n.rsplit('.').next().unwrap().to_string())
+        .collect()
+}
+
+/// Issue #29: the 70B MLPerf config's targets (`qkv_proj`, `o_proj`, named for the
+/// reference's fused checkpoint) on a GQA checkpoint that stores q, k and v apart (the usual
+/// HF layout) adapt q, k, v and o in every layer, the saved adapter_config.json says so, and
+/// PEFT loads that adapter onto the same base with the same logits.
+#[test]
+fn mlperf_targets_on_separate_projections_adapt_q_k_v_and_o() {
+    let base = gqa_fixture();
+    let targets = mlperf_config_targets();
+    assert_eq!(targets, ["qkv_proj", "o_proj"], "the config this test is about");
+    let device = Device::libtorch();
+    device.seed(5);
+    let spec = llora_model::LoraSpec { dropout: 0.0, targets, ..Default::default() };
+    let ckpt = HfCheckpoint::open(&base).unwrap();
+    let mut model = ckpt.load_model(&BuildOptions { lora: Some(&spec), ..Default::default() }, &device).unwrap();
+    for l in 0..model.config.num_hidden_layers {
+        assert_eq!(adapted_in_layer(&model, l), ["q_proj", "k_proj", "v_proj", "o_proj"], "layer {l}");
+    }
+    randomise_b(&mut model, &device);
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = tmp.path().join("adapter");
+    llora_model::checkpoint::save_peft_adapter(&model, &spec, &adapter, "base").unwrap();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(saved["target_modules"], serde_json::json!(["q_proj", "k_proj", "v_proj", "o_proj"]));
+    let fx = load_fixture(&base);
+    let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
+    let ours = values(model.forward(ids, false).unwrap());
+    let theirs = peft_logits(&base_only_copy(&base, tmp.path()), &adapter, &base, tmp.path());
+    let err = rel_err(&ours, &theirs);
+    assert!(err <= 1e-4, "qkv_proj/o_proj adapters through PEFT: logits differ by {err:e}");
+}
+
+/// The fused layout (one `qkv_proj` per layer, rows q then k then v, as the MLPerf reference's
+/// converted checkpoint), made from the GQA fixture: the MLPerf targets put adapters on qkv_proj
+/// and o_proj, and a training step runs with the loss of the separate-projection model (B
+/// starts at zero, so both compute the base model). Targets that name no module of a fused
+/// checkpoint (the default q/k/v) or of any Llama (`foo`) are refused naming the module.
+#[test]
+fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
+    let fixture_dir = gqa_fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let fused = tmp.path().join("fused");
+    std::fs::create_dir(&fused).unwrap();
+    std::fs::copy(fixture_dir.join("config.json"), fused.join("config.json")).unwrap();
+    let tensors = read_all(&fixture_dir.join("model.safetensors"));
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, (shape, bytes, _)) in &tensors {
+        if name.contains(".k_proj.") || name.contains(".v_proj.") {
+            continue;
+        }
+        if let Some(prefix) = name.strip_suffix("q_proj.weight") {
+            let part = |p: &str| &tensors[&format!("{prefix}{p}.weight")];
+            let (q, k, v) = (part("q_proj"), part("k_proj"), part("v_proj"));
+            let rows = q.0[0] + k.0[0] + v.0[0];
+            let bytes = [q.1.as_slice(), &k.1, &v.1].concat();
+            out.push((format!("{prefix}qkv_proj.weight"), vec![rows, q.0[1]], bytes));
+        } else {
+            out.push((name.clone(), shape.clone(), bytes.clone()));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = out
+        .iter()
+        .map(|(n, s, b)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &fused.join("model.safetensors")).unwrap();
+
+    let device = Device::libtorch().autodiff();
+    let fx = load_fixture(&fixture_dir);
+    let n_tokens = fx.json["n_target_tokens"].as_u64().unwrap() as usize;
+    let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+    let step_loss = |dir: &Path, targets: Vec<String>| -> anyhow::Result<(f64, Vec<String>)> {
+        let spec = llora_model::LoraSpec { dropout: 0.0, targets, ..Default::default() };
+        let opts = BuildOptions { lora: Some(&spec), ..Default::default() };
+        let mut model = HfCheckpoint::open(dir)?.load_model(&opts, &device)?;
+        let adapted = adapted_in_layer(&model, 0);
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
+        let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
+        let mut optim = AdamW::new(OptimConfig::default());
+        let opts = StepOptions { lr: 4e-4, clip_grad_norm: 0.3, recompute_layers: 0 };
+        let batch = vec![MicroBatch { ids, labels, seed: None }];
+        let stats = train_step(&mut model, &mut optim, &llora_trainer::dist::SingleProcess, batch, n_tokens, opts)?;
+        Ok((stats.loss, adapted))
+    };
+    let mlperf = mlperf_config_targets();
+    let (fused_loss, adapted) = step_loss(&fused, mlperf.clone()).unwrap();
+    assert_eq!(adapted, ["qkv_proj", "o_proj"]);
+    let (separate_loss, _) = step_loss(&fixture_dir, mlperf).unwrap();
+    assert!(fused_loss.is_finite() && (fused_loss - separate_loss).abs() <= 1e-5, "{fused_loss} vs {separate_loss}");
+
+    let default = llora_model::LoraSpec::default().targets;
+    let err = format!("{:#}", step_loss(&fused, default).unwrap_err());
+    assert!(err.contains("\"q_proj\"") && err.contains("target \"qkv_proj\""), "{err}");
+    let err = format!("{:#}", step_loss(&fixture_dir, vec!["foo".into()]).unwrap_err());
+    assert!(err.contains("\"foo\"") && err.contains("o_proj"), "{err}");
+}

@@ -260,6 +260,15 @@ pub fn save_peft_adapter(
         tensors.push((format!("{name}.lora_B.weight"), sb, vb));
     }
     ensure!(!tensors.is_empty(), "the model has no adapters to save");
+    // The modules that carry adapters, not the names asked for: `qkv_proj` on a checkpoint with
+    // separate projections was adapted as q/k/v_proj, and PEFT must look for those.
+    let mut modules: Vec<String> = Vec::new();
+    for (name, _) in model.adapters() {
+        let short = name.rsplit('.').next().unwrap_or_default().to_string();
+        if !modules.contains(&short) {
+            modules.push(short);
+        }
+    }
     let config = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -267,7 +276,7 @@ pub fn save_peft_adapter(
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": spec.targets,
+        "target_modules": modules,
         "bias": "none",
         "fan_in_fan_out": false,
         "inference_mode": true,

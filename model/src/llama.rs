@@ -481,7 +481,16 @@ impl LlamaForCausalLM {
         let (d, i, v, hd) = (c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim);
         let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let BuildOptions { lora, trainable, precision, sharding } = opts;
-        let (lora, trainable) = (*lora, *trainable);
+        let trainable = *trainable;
+        // The targets as this checkpoint's modules: a name that matches nothing is an error here,
+        // not a model without adapters that fails in backward.
+        let resolved = lora.map(|s| s.for_layout(c.fused_qkv)).transpose()?;
+        if let (Some(asked), Some(got)) = (lora, &resolved)
+            && asked.targets != got.targets
+        {
+            tracing::info!(asked = ?asked.targets, adapted = ?got.targets, "LoRA targets resolved for this checkpoint's layout");
+        }
+        let lora = resolved.as_ref();
         if let Some(spec) = precision {
             spec.validate().map_err(anyhow::Error::msg)?;
         }

@@ -75,10 +75,49 @@ impl Default for LoraSpec {
     }
 }
 
+/// Module names a LoRA target may be: the Llama projections, `qkv_proj` on fused-QKV checkpoints.
+pub const TARGET_MODULES: &[&str] =
+    &["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
 impl LoraSpec {
     /// Whether module `name` (e.g. `q_proj`) is a target.
     pub fn targets(&self, name: &str) -> bool {
         self.targets.iter().any(|t| t == name)
+    }
+
+    /// The targets as modules of a checkpoint whose attention input projection is fused
+    /// (`qkv_proj`) or not (`q_proj`, `k_proj`, `v_proj`).
+    ///
+    /// `qkv_proj` on separate projections becomes `q_proj`, `k_proj`, `v_proj`: the MLPerf
+    /// configs name the fused module of the reference's converted checkpoint, and on the usual
+    /// HF layout (Llama-2-70b-hf) they mean "adapt q, k and v" (PEFT would otherwise refuse a
+    /// name that matches nothing). The reverse cannot be mapped: one adapter on the fused
+    /// weight is not three on its parts, so q/k/v targets on a fused checkpoint are refused,
+    /// as is any name that is no module of the model. Never silently drops a target.
+    pub fn for_layout(&self, fused_qkv: bool) -> anyhow::Result<LoraSpec> {
+        anyhow::ensure!(!self.targets.is_empty(), "lora.targets is empty: name at least one module");
+        let mut targets: Vec<String> = Vec::new();
+        for t in &self.targets {
+            anyhow::ensure!(
+                TARGET_MODULES.contains(&t.as_str()),
+                "lora target {t:?} is no module of a Llama model: expected some of {}",
+                TARGET_MODULES.join(", ")
+            );
+            let parts: Vec<&str> = match (t.as_str(), fused_qkv) {
+                ("qkv_proj", false) => vec!["q_proj", "k_proj", "v_proj"],
+                ("q_proj" | "k_proj" | "v_proj", true) => anyhow::bail!(
+                    "lora target {t:?}: this checkpoint stores q, k and v as one fused qkv_proj, which has no {t}; \
+                     target \"qkv_proj\" (one adapter on the fused projection, as the MLPerf reference does)"
+                ),
+                (name, _) => vec![name],
+            };
+            for p in parts {
+                if !targets.iter().any(|x| x == p) {
+                    targets.push(p.to_string());
+                }
+            }
+        }
+        Ok(LoraSpec { targets, ..self.clone() })
     }
 }
 
@@ -239,4 +278,30 @@ impl LoraLinear {
 /// - output: `[batch, seq, out]`
 pub fn linear_t(x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
     burn::tensor::module::linear(x, w.transpose(), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(targets: &[&str]) -> LoraSpec {
+        LoraSpec { targets: targets.iter().map(|t| t.to_string()).collect(), ..LoraSpec::default() }
+    }
+
+    #[test]
+    fn targets_resolve_to_the_checkpoint_layout_or_are_refused() {
+        // The MLPerf config on separate projections: q, k, v take qkv_proj's place, in order.
+        let got = spec(&["qkv_proj", "o_proj"]).for_layout(false).unwrap();
+        assert_eq!(got.targets, ["q_proj", "k_proj", "v_proj", "o_proj"]);
+        // Named twice (explicitly and through qkv_proj): once.
+        let got = spec(&["q_proj", "qkv_proj", "down_proj"]).for_layout(false).unwrap();
+        assert_eq!(got.targets, ["q_proj", "k_proj", "v_proj", "down_proj"]);
+        // Fused: qkv_proj stays, q/k/v parts cannot be adapted alone.
+        assert_eq!(spec(&["qkv_proj", "o_proj"]).for_layout(true).unwrap().targets, ["qkv_proj", "o_proj"]);
+        let err = spec(&["q_proj", "v_proj"]).for_layout(true).unwrap_err().to_string();
+        assert!(err.contains("\"q_proj\"") && err.contains("qkv_proj"), "{err}");
+        for bad in [&["foo"][..], &["o_proj", "lm_head"], &[]] {
+            assert!(spec(bad).for_layout(false).is_err(), "{bad:?} accepted");
+        }
+    }
 }

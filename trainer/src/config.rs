@@ -200,8 +200,7 @@ impl Default for LoraConfig {
 }
 
 /// Module names `lora.targets` accepts (`qkv_proj` on fused-QKV checkpoints).
-pub const LORA_TARGETS: &[&str] =
-    &["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+pub const LORA_TARGETS: &[&str] = llora_model::lora::TARGET_MODULES;
 
 /// `[data]`: the datasets and their loaders.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
