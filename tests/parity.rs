@@ -542,3 +542,99 @@ fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
     let err = format!("{:#}", step_loss(&fixture_dir, vec!["foo".into()]).unwrap_err());
     assert!(err.contains("\"foo\"") && err.contains("o_proj"), "{err}");
 }
+
+/// Every module LoRA can target in a Llama block.
+const ALL_TARGETS: &str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+
+/// cos(a, b) in f64.
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    dot / (norm(a) * norm(b)).max(1e-300)
+}
+
+/// Issue #22, bf16 made real: on a GQA checkpoint with adapters on every target, llora's bf16
+/// (bf16 weights, activations and GEMMs; f32 adapters, norm statistics, softmax and loss)
+/// against HF transformers + PEFT run in bf16 (the same base rounded to bf16, PEFT's f32
+/// adapters), both measured from HF's fp32 run: the loss no further from fp32 than twice PEFT's
+/// bf16 distance (+1e-4 relative), every LoRA gradient's cosine with fp32's ≥ 0.999, and the
+/// gradients as a whole within 1.25x PEFT's bf16 distance from fp32's (see the bound below).
+#[test]
+fn bf16_matches_hf_peft_in_bf16() {
+    let dir = fixture(
+        "tiny-gqa-s96-b2-all-bf16",
+        &[
+            "--preset",
+            "tiny-gqa",
+            "--seq-len",
+            "96",
+            "--batch",
+            "2",
+            "--lora-b",
+            "normal",
+            "--steps",
+            "1",
+            "--targets",
+            ALL_TARGETS,
+            "--bf16-twin",
+        ],
+    );
+    let fx = load_fixture(&dir);
+    let device = Device::libtorch().autodiff();
+    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    load_peft_adapter(&mut model, &dir, &device).unwrap();
+    let bf16 =
+        llora_model::precision::PrecisionSpec { compute: llora_model::precision::Compute::Bf16, ..Default::default() };
+    model.set_precision(&bf16).unwrap();
+    let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
+    let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
+    // Really bf16: the hidden states, and 2 bytes per frozen weight.
+    assert_eq!(model.hidden(ids.clone(), false).unwrap().dtype(), burn::tensor::DType::BF16);
+    let (_, q) = &model.named_linears()[0];
+    assert_eq!(q.base_weight_bytes(), 2 * q.dims()[0] * q.dims()[1]);
+
+    let sums = model.loss(ids, labels, true).unwrap();
+    let tokens = sums.tokens.clone().sum().into_scalar::<f32>();
+    let loss = sums.loss_sum.sum().div_scalar(tokens);
+    let ours = loss.clone().into_scalar::<f32>() as f64;
+    let fp32 = fx.json["losses"][0].as_f64().unwrap();
+    let peft = fx.json["bf16_loss"].as_f64().unwrap();
+    eprintln!("loss: fp32 {fp32}, PEFT bf16 {peft} ({:+e}), llora bf16 {ours} ({:+e})", peft - fp32, ours - fp32);
+    assert!(
+        (ours - fp32).abs() <= 2.0 * (peft - fp32).abs() + 1e-4 * fp32.abs(),
+        "bf16 loss {ours} is further from fp32 {fp32} than twice PEFT's bf16 {peft}"
+    );
+
+    let grads = loss.backward();
+    let (mut all_ours, mut all_peft, mut all_fp32) = (Vec::new(), Vec::new(), Vec::new());
+    let mut worst = f64::INFINITY;
+    for (name, adapter) in model.adapters() {
+        for (which, param) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
+            let key = format!("{name}.{which}.weight");
+            let ours = values(param.val().grad(&grads).unwrap_or_else(|| panic!("no gradient for {key}")));
+            let fp32 = &fx.expected[&format!("step1.grad.{key}")].1;
+            let peft = &fx.expected[&format!("bf16.step1.grad.{key}")].1;
+            let cos = cosine(&ours, fp32);
+            if std::env::var_os("LLORA_PARITY_VERBOSE").is_some() {
+                eprintln!("{key}: llora {cos:.7} PEFT {:.7}", cosine(peft, fp32));
+            }
+            worst = worst.min(cos);
+            assert!(cos >= 0.999, "{key}: cosine with fp32 {cos}");
+            all_ours.extend(ours);
+            all_peft.extend_from_slice(peft);
+            all_fp32.extend_from_slice(fp32);
+        }
+    }
+    assert_eq!(all_fp32.len(), model.num_lora_parameters());
+    let (ours, peft) = (cosine(&all_ours, &all_fp32), cosine(&all_peft, &all_fp32));
+    eprintln!("LoRA gradients, cosine with fp32: llora bf16 {ours:.7} (worst tensor {worst:.7}), PEFT bf16 {peft:.7}");
+    // Not "no worse" yet: on four seeds llora's 1 − cosine is 1.03-1.12x PEFT's (0.9999576 vs
+    // 0.9999609 here). The gap is in what reaches attention, not in the kernel (the same CPU
+    // flash kernel gives HF's output for the same inputs; upcasting llora's attention to f32
+    // closes it), nor in the adapters (f32, summed as PEFT sums them) or the loss; not found.
+    assert!(
+        1.0 - ours <= 1.25 * (1.0 - peft),
+        "llora's bf16 gradients (cosine {ours}) are much further from fp32 than PEFT's ({peft})"
+    );
+}

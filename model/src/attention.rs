@@ -152,7 +152,9 @@ fn sum_heads(g: tch::Tensor, group: i64) -> tch::Tensor {
         return g;
     }
     let [b, h, s, hd] = g.size()[..] else { unreachable!("4-D attention gradient") };
-    g.reshape([b, h / group, group, s, hd]).sum_dim_intlist([2i64].as_slice(), false, tch::Kind::Float)
+    // Summed in f32 (a bf16 sum over the group would round at every add), returned in g's dtype.
+    let kind = g.kind();
+    g.reshape([b, h / group, group, s, hd]).sum_dim_intlist([2i64].as_slice(), false, tch::Kind::Float).to_kind(kind)
 }
 
 /// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
@@ -165,9 +167,16 @@ struct Saved {
     philox: Option<(tch::Tensor, tch::Tensor)>,
 }
 
+/// Whether the device's kernel takes K/V with fewer heads than Q itself. torch's CPU flash
+/// attention does (forward and backward: dK and dV accumulate over each group in f32 inside the
+/// kernel, and no repeated copy of K/V exists); CUDA's memory-efficient kernel does not.
+fn native_gqa(device: tch::Device) -> bool {
+    !device.is_cuda()
+}
+
 /// LibTorch's fused forward for the tensors' device.
 fn torch_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
-    let group = q.size()[1] / k.size()[1];
+    let group = if native_gqa(q.device()) { 1 } else { q.size()[1] / k.size()[1] };
     let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
     if q.device().is_cuda() {
         let (out, lse, seed, offset) = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(
@@ -205,13 +214,13 @@ fn torch_backward(
     saved: &Saved,
     causal: bool,
 ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
-    let group = q.size()[1] / k.size()[1];
+    let group = if native_gqa(q.device()) { 1 } else { q.size()[1] / k.size()[1] };
     let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
     let (dq, dk, dv) = equal_heads_backward(grad, q, &k, &v, saved, causal)?;
     Ok((dq, sum_heads(dk, group), sum_heads(dv, group)))
 }
 
-/// [`torch_backward`] for equal head counts.
+/// [`torch_backward`] for the head counts the kernel takes.
 fn equal_heads_backward(
     grad: &tch::Tensor,
     q: &tch::Tensor,

@@ -134,8 +134,13 @@ impl Fp8Format {
 /// dtype of `format` (NaN stays NaN).
 pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
     let max = f64::from(format.max());
-    // In place: one f32 temporary, not two (a 70B MLP weight is 0.94 GB in f32).
-    let mut scaled = x * f64::from(scale);
+    // In place: one f32 temporary, not two (a 70B MLP weight is 0.94 GB in f32). A bf16 input
+    // is scaled in f32: scaling in bf16 would round once before the FP8 cast rounds again.
+    let mut scaled = if x.kind() == tch::Kind::Float {
+        x * f64::from(scale)
+    } else {
+        x.to_kind(tch::Kind::Float) * f64::from(scale)
+    };
     let _ = scaled.clamp_(-max, max);
     scaled.to_kind(format.kind())
 }

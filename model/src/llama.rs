@@ -5,7 +5,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
-use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::attention::causal_attention;
 use crate::config::LlamaConfig;
@@ -35,11 +35,14 @@ impl RmsNorm {
     /// # Shapes
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
+    ///
+    /// In the input's dtype; a bf16 input is normalised in f32 and cast back before the gain,
+    /// as HF's `LlamaRMSNorm` does (mean(x²) in bf16 would lose the small channels).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        // Activations are f32 everywhere today; bf16 activations (issue #6) must upcast here,
-        // as HF does, because mean(x²) in bf16 loses the small channels.
+        let dtype = x.dtype();
+        let x = x.cast(DType::F32);
         let inv_rms = x.clone().square().mean_dim(2).add_scalar(self.eps).sqrt().recip();
-        x * inv_rms * self.weight.val().unsqueeze::<3>()
+        (x * inv_rms).cast(dtype) * self.weight.val().cast(dtype).unsqueeze::<3>()
     }
 }
 
@@ -66,6 +69,17 @@ pub fn rope_tables(seq: usize, head_dim: usize, theta: f64, device: &Device) -> 
     }
     let shape = [1, 1, seq, head_dim];
     (Tensor::from_data(TensorData::new(cos, shape), device), Tensor::from_data(TensorData::new(sin, shape), device))
+}
+
+/// The token embeddings of `ids` in the activations' dtype `dtype` (a bf16 embedding table is
+/// read as stored; an f32 one is cast after the lookup).
+///
+/// # Shapes
+/// - weights: `[V, d]`
+/// - ids: `[batch, seq]`
+/// - output: `[batch, seq, d]`
+pub fn embed(weights: Tensor<2>, ids: Tensor<2, Int>, dtype: DType) -> Tensor<3> {
+    burn::tensor::module::embedding(weights, ids).cast(dtype)
 }
 
 /// `x·cos + rotate_half(x)·sin`, with `rotate_half(x) = cat(-x[hd/2:], x[:hd/2])`.
@@ -290,6 +304,10 @@ pub struct LlamaForCausalLM {
     /// Architecture.
     #[module(skip)]
     pub config: LlamaConfig,
+    /// The dtype of the hidden states between the blocks (f32, or bf16 for bf16/FP8 compute;
+    /// [`PrecisionSpec::activation_dtype`]).
+    #[module(skip)]
+    pub activations: DType,
 }
 
 impl LlamaForCausalLM {
@@ -304,10 +322,9 @@ impl LlamaForCausalLM {
     pub fn hidden(&self, input_ids: Tensor<2, Int>, train: bool) -> anyhow::Result<Tensor<3>> {
         let [_, s] = input_ids.dims();
         let device = input_ids.device();
-        let c = &self.config;
-        let (cos, sin) = rope_tables(s, c.head_dim, c.rope_theta, &device);
+        let (cos, sin) = self.rope(s, &device);
         let blocks = BlockSeeds::draw(&device, train);
-        let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), input_ids);
+        let mut x = embed(self.embed_tokens.val(), input_ids, self.activations);
         for (k, layer) in self.layers.iter().enumerate() {
             blocks.seed(&device, k);
             layer.gather(k)?;
@@ -316,6 +333,16 @@ impl LlamaForCausalLM {
             layer.release();
         }
         Ok(self.norm.forward(x))
+    }
+
+    /// RoPE tables for `seq` positions, computed in f32 and cast to the activations' dtype
+    /// (as HF's rotary embedding returns them).
+    ///
+    /// # Shapes
+    /// - output: (cos, sin), each `[1, 1, seq, head_dim]`
+    fn rope(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let (cos, sin) = rope_tables(seq, self.config.head_dim, self.config.rope_theta, device);
+        (cos.cast(self.activations), sin.cast(self.activations))
     }
 
     /// Starts gathering block k's sharded weights, if there is a block k.
@@ -364,12 +391,11 @@ impl LlamaForCausalLM {
         let split = if self.is_sharded() { self.layers.len() } else { n };
         let [_, s] = input_ids.dims();
         let device = input_ids.device();
-        let c = &self.config;
-        let (cos, sin) = rope_tables(s, c.head_dim, c.rope_theta, &device);
+        let (cos, sin) = self.rope(s, &device);
         let blocks = BlockSeeds::draw(&device, true);
         let inner = self.valid();
         let (cos_i, sin_i) = (cos.clone().inner(), sin.clone().inner());
-        let mut x = burn::tensor::module::embedding(inner.embed_tokens.val(), input_ids.clone().inner());
+        let mut x = embed(inner.embed_tokens.val(), input_ids.clone().inner(), self.activations);
         let mut segments = Vec::with_capacity(split);
         for k in 0..split {
             blocks.seed(&device, k);
@@ -429,7 +455,7 @@ impl LlamaForCausalLM {
         }
         // A trainable embedding (full fine-tuning) takes the gradient of block 0's input.
         if let Some(upstream) = g.filter(|_| self.embed_tokens.val().is_require_grad()) {
-            let emb = burn::tensor::module::embedding(self.embed_tokens.val(), input_ids);
+            let emb = embed(self.embed_tokens.val(), input_ids, self.activations);
             out.push((emb * Tensor::from_inner(upstream)).sum().backward());
         }
         Ok((value, out))
@@ -441,7 +467,10 @@ impl LlamaForCausalLM {
     /// - input_ids: `[batch, seq]`
     /// - output: `[batch, seq, V]`
     pub fn forward(&self, input_ids: Tensor<2, Int>, train: bool) -> anyhow::Result<Tensor<3>> {
-        Ok(crate::lora::linear_t(self.hidden(input_ids, train)?, self.lm_head.val()))
+        let hidden = self.hidden(input_ids, train)?;
+        // In the activations' dtype, then f32 (as HF's loss upcasts them).
+        let head = self.lm_head.val().cast(hidden.dtype());
+        Ok(crate::lora::linear_t(hidden, head).cast(DType::F32))
     }
 
     /// Loss sums of a batch (see [`crate::loss::target_rows_loss`]): the LM head runs only on
@@ -582,6 +611,7 @@ impl LlamaForCausalLM {
             norm: norm(weights, "model.norm.weight", d, c.rms_norm_eps, trainable)?,
             lm_head: Param::from_tensor(lm_head).set_require_grad(trainable),
             config: c.clone(),
+            activations: DType::F32,
         };
         if let Some(spec) = precision {
             model.set_precision(spec)?;
@@ -672,6 +702,15 @@ impl LlamaForCausalLM {
         }
         for layer in &mut self.layers {
             layer.mlp.storage = spec.activation_storage();
+        }
+        self.activations = spec.activation_dtype();
+        // A frozen embedding and LM head are read in the activations' dtype: keep them so
+        // (HF's bf16 model holds them in bf16 too), rather than casting 2·V·d values per step.
+        for table in [&mut self.embed_tokens, &mut self.lm_head] {
+            if !table.is_require_grad() && table.val().dtype() != self.activations {
+                let cast = table.val().cast(self.activations).set_require_grad(false);
+                *table = Param::initialized(table.id, cast);
+            }
         }
         Ok(())
     }
@@ -765,14 +804,16 @@ impl LlamaForCausalLM {
         }
     }
 
-    /// Bytes of the base weights as held (linear weights in their storage dtype, the rest f32).
+    /// Bytes of the base weights as held (linear weights, embedding and head in their storage
+    /// dtype, norms f32).
     pub fn base_weight_bytes(&self) -> usize {
         let linears: usize = self.named_linears().iter().map(|(_, l)| l.base_weight_bytes()).sum();
         let norms: usize =
             self.layers.iter().map(|l| 2 * l.input_layernorm.weight.shape().num_elements()).sum::<usize>()
                 + self.norm.weight.shape().num_elements();
-        let head = if self.config.tie_word_embeddings { 0 } else { self.lm_head.shape().num_elements() };
-        linears + 4 * (norms + self.embed_tokens.shape().num_elements() + head)
+        let table = |p: &Param<Tensor<2>>| p.shape().num_elements() * p.val().dtype().size();
+        let head = if self.config.tie_word_embeddings { 0 } else { table(&self.lm_head) };
+        linears + 4 * norms + table(&self.embed_tokens) + head
     }
 
     /// Trainable adapter parameters (A and B of every adapter).

@@ -246,7 +246,8 @@ impl LoraLinear {
         }
         self.quant = Some(Arc::new(LinearQuant::new(*spec, stored)));
         if let Some(a) = &mut self.lora {
-            a.quant = Some([Arc::new(LinearQuant::new(*spec, None)), Arc::new(LinearQuant::new(*spec, None))]);
+            let adapters = spec.for_adapters();
+            a.quant = Some([Arc::new(LinearQuant::new(adapters, None)), Arc::new(LinearQuant::new(adapters, None))]);
         }
     }
 
@@ -261,7 +262,17 @@ impl LoraLinear {
             None => linear_t(x.clone(), self.weight.val()),
         };
         match &self.lora {
-            Some(adapter) => base + adapter.forward(x, train),
+            Some(adapter) => {
+                let update = adapter.forward(x, train);
+                let dtype = base.dtype();
+                if update.dtype() == dtype {
+                    base + update
+                } else {
+                    // An f32 adapter on a bf16 layer: summed in f32 and rounded once, as PEFT
+                    // adds its f32 adapter's output to the bf16 result.
+                    (base.cast(update.dtype()) + update).cast(dtype)
+                }
+            }
             None => base,
         }
     }

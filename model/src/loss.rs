@@ -75,7 +75,7 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2,
     let tokens = Tensor::<1>::from_data(TensorData::new(counts.clone(), [b]), &device);
     if rows.is_empty() {
         // Zero loss that still reaches every parameter, so each gets a (zero) gradient.
-        let zero = hidden.sum().mul_scalar(0.0);
+        let zero = hidden.sum().cast(burn::tensor::DType::F32).mul_scalar(0.0);
         return LossSums { loss_sum: zero.expand([b]), tokens };
     }
     let n = rows.len();
@@ -88,7 +88,9 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2,
             Arc::new(targets),
         ))
     } else {
-        cross_entropy(selected.matmul(lm_head.transpose()), targets)
+        // The logits in the activations' dtype, the loss in f32 (HF's `logits.float()`).
+        let head = lm_head.cast(selected.dtype());
+        cross_entropy(selected.matmul(head.transpose()).cast(burn::tensor::DType::F32), targets)
     };
     // Per-sample sums as a [b, n] 0/1 matrix times the row losses (rows are in sample order).
     let mut owner = vec![0f32; b * n];
@@ -139,7 +141,11 @@ const LCE_CHUNK_BYTES: usize = (32 << 20) - (64 << 10);
 /// Cross-entropy of `h·Wᵀ` against `targets`, a chunk of rows at a time, so the `[rows,
 /// vocab]` logits never exist whole. With `want_dh`, each chunk's gradient with respect to h
 /// (`(softmax − one-hot)·W`, for an upstream gradient of 1) is computed while its logits are
-/// at hand; backward only scales it per row. Returns (losses `[rows]`, dh `[rows, d]`).
+/// at hand; backward only scales it per row. Returns (losses `[rows]` f32, dh `[rows, d]` in
+/// h's dtype).
+///
+/// For bf16 h the GEMMs run in bf16 (W cast when it is not stored so) and the softmax in f32,
+/// as HF computes `lm_head(h).float()` and its cross-entropy.
 fn lce_forward(h: &tch::Tensor, w: &tch::Tensor, targets: &[i64], want_dh: bool) -> (tch::Tensor, Option<tch::Tensor>) {
     let chunk = (LCE_CHUNK_BYTES / (4 * w.size()[0] as usize)).max(1) as i64;
     lce_forward_chunked(h, w, targets, want_dh, chunk)
@@ -155,6 +161,7 @@ fn lce_forward_chunked(
     let n = h.size()[0];
     let chunk = chunk.min(n.max(1));
     let t_all = tch::Tensor::from_slice(targets).to_device(h.device());
+    let w = &w.to_kind(h.kind());
     let wt = w.tr();
     let (mut losses, mut dhs) = (Vec::new(), Vec::new());
     let mut start = 0;
@@ -163,7 +170,7 @@ fn lce_forward_chunked(
         // One [len, vocab] buffer, worked on in place: logits → exp(logits − max) → softmax
         // → softmax − one-hot (torch's logsumexp would allocate a second one and the
         // softmax would take a second exp pass).
-        let mut p = h.narrow(0, start, len).mm(&wt);
+        let mut p = h.narrow(0, start, len).mm(&wt).to_kind(tch::Kind::Float);
         let t = t_all.narrow(0, start, len).unsqueeze(1);
         let picked = p.gather(1, &t, false);
         let max = p.amax([-1i64].as_slice(), true);
@@ -173,7 +180,7 @@ fn lce_forward_chunked(
         if want_dh {
             let _ = p.g_div_(&sum);
             let _ = p.scatter_add_(1, &t, &(-tch::Tensor::ones([len, 1], (p.kind(), p.device()))));
-            dhs.push(p.mm(w));
+            dhs.push(p.to_kind(w.kind()).mm(w));
         }
         start += len;
     }
@@ -192,7 +199,10 @@ impl Backward<LibTorch, 2> for LinearCrossEntropyBackward {
         assert!(node_w.is_none(), "linear_cross_entropy is only used with a frozen weight");
         let grad = grads.consume::<LibTorch>(&ops.node);
         if let Some(node) = node_h {
-            grads.register::<LibTorch>(node.id, TchTensor::new(&ops.state.tensor * grad.tensor.unsqueeze(1)));
+            // Scaled in f32, returned in h's dtype.
+            let dh = &ops.state.tensor;
+            let scaled = dh.to_kind(tch::Kind::Float) * grad.tensor.unsqueeze(1);
+            grads.register::<LibTorch>(node.id, TchTensor::new(scaled.to_kind(dh.kind())));
         }
     }
 }

@@ -49,7 +49,7 @@ pub enum Compute {
     /// f32 everywhere.
     #[default]
     Fp32,
-    /// GEMM inputs rounded to bf16 (f32 accumulation); frozen weights stored in bf16.
+    /// bf16 activations and bf16 GEMMs (f32 accumulation); frozen weights stored in bf16.
     Bf16,
     /// E4M3 forward / E5M2 backward GEMM inputs with delayed scaling.
     Fp8,
@@ -100,6 +100,29 @@ impl PrecisionSpec {
             return Err(format!("precision.amax_margin must be in 0..=16, got {}", self.amax.margin));
         }
         Ok(())
+    }
+
+    /// The dtype of the activations between the linear layers: f32 for `fp32`; bf16 for
+    /// `bf16` and `fp8` (FP8 is the GEMM operands' format, not the activations', as in
+    /// Transformer Engine: its GEMMs take bf16 in and give bf16 out).
+    pub fn activation_dtype(&self) -> burn::tensor::DType {
+        match self.compute {
+            Compute::Fp32 => burn::tensor::DType::F32,
+            Compute::Bf16 | Compute::Fp8 => burn::tensor::DType::BF16,
+        }
+    }
+
+    /// The precision of a layer's LoRA adapter GEMMs. Adapters are rank-r GEMMs (under 1% of
+    /// a step's FLOPs) on f32 master weights that change every step:
+    /// - `bf16`: f32 GEMMs on the upcast bf16 input, as PEFT runs its f32 adapters on a bf16
+    ///   model (its default `autocast_adapter_dtype`): bf16 GEMMs there measurably moved the
+    ///   gradients further from fp32's than PEFT's (cosine 0.99995 vs 0.99996, tests/parity.rs),
+    ///   for no speed that matters;
+    /// - `fp8`: bf16 GEMMs, as NeMo/Transformer Engine and the MLPerf reference run them (FP8
+    ///   with delayed scales would buy nothing at rank 16).
+    pub fn for_adapters(&self) -> PrecisionSpec {
+        let compute = if self.compute == Compute::Fp8 { Compute::Bf16 } else { Compute::Fp32 };
+        PrecisionSpec { compute, fp8_weights: false, ..*self }
     }
 
     /// Whether frozen base weights are kept in reduced precision (bf16, or FP8 + scale).
@@ -274,15 +297,11 @@ fn scale_of(state: &mut DelayedScaling, amax: f32, spec: &AmaxSpec, train: bool)
     }
 }
 
-fn bf16_round(x: &tch::Tensor) -> tch::Tensor {
-    x.to_kind(Kind::BFloat16).to_kind(Kind::Float)
-}
-
 /// What a linear layer keeps of its input for the weight gradient.
 #[derive(Debug, Clone)]
 enum SavedInput {
-    /// As it came (f32), to be rounded again in backward.
-    F32(TchTensor),
+    /// As it came (f32 or bf16 activations), to be quantised again in backward.
+    AsIs(TchTensor),
     /// bf16.
     Bf16(TchTensor),
     /// E4M3 codes and the inverse scale.
@@ -292,8 +311,7 @@ enum SavedInput {
 impl SavedInput {
     fn bytes(&self) -> usize {
         match self {
-            Self::F32(t) => t.tensor.numel() * 4,
-            Self::Bf16(t) => t.tensor.numel() * 2,
+            Self::AsIs(t) | Self::Bf16(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
             Self::Fp8(t, _) => t.tensor.numel() + 4,
         }
     }
@@ -365,18 +383,28 @@ impl LinearQuant {
         s.grad.update(&spec);
     }
 
-    /// The weight as the GEMMs use it (dequantised/rounded), and the scale it took.
+    /// The dtype of the GEMM operands: bf16 for bf16 compute; f32 otherwise (FP8 is emulated
+    /// on f32 values of the quantised operands).
+    fn operand_kind(&self) -> Kind {
+        if self.spec.compute == Compute::Bf16 { Kind::BFloat16 } else { Kind::Float }
+    }
+
+    /// The weight as the GEMMs use it, and the scale it took: f32, bf16 (as stored, or an f32
+    /// parameter cast), or FP8 dequantised to f32.
     fn compute_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> (tch::Tensor, f32) {
         let whole = self.stored.as_ref().map(FrozenWeight::whole);
         let w = match &whole {
             // A sharded f32 weight goes through the compute format as a parameter would.
             Some(StoredWeight::F32(t)) => &t.tensor,
+            Some(StoredWeight::Bf16(t)) if self.spec.compute == Compute::Bf16 => {
+                return (t.tensor.shallow_clone(), 1.0);
+            }
             Some(stored) => return (stored.dequantize(), 1.0),
             None => w,
         };
         match self.spec.compute {
             Compute::Fp32 => (w.shallow_clone(), 1.0),
-            Compute::Bf16 => (bf16_round(w), 1.0),
+            Compute::Bf16 => (w.to_kind(Kind::BFloat16), 1.0),
             Compute::Fp8 => {
                 let s = scale.unwrap_or_else(|| {
                     let mut st = self.scales.lock().unwrap();
@@ -407,20 +435,26 @@ impl LinearQuant {
                 let q = quantize_tch(&x2, s, Fp8Format::E4M3);
                 let xd = dequantize_tch(&q, 1.0 / s);
                 let saved = keep_input.then(|| {
-                    if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::F32(x_in.clone()) }
+                    if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::AsIs(x_in.clone()) }
                 });
                 (xd, saved.map(|sv| (sv, s)))
             }
             compute => {
-                let xd = if compute == Compute::Bf16 { bf16_round(&x2) } else { x2.shallow_clone() };
+                // bf16: the GEMM takes bf16 operands (a no-op cast for bf16 activations) and
+                // returns bf16, accumulating in f32 inside the kernel. fp32 on bf16 activations
+                // (an adapter of a bf16 layer) upcasts them, as PEFT does.
+                let xd = x2.to_kind(self.operand_kind());
                 let saved = keep_input.then(|| {
                     if fp8_store {
                         let q = Fp8Tensor::quantize_current(&x2, Fp8Format::E4M3);
                         SavedInput::Fp8(TchTensor::new(q.data), q.scale_inv)
+                    } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
+                        // The activation itself: no copy.
+                        SavedInput::Bf16(x_in.clone())
                     } else if compute == Compute::Bf16 {
-                        SavedInput::Bf16(TchTensor::new(x2.to_kind(Kind::BFloat16)))
+                        SavedInput::Bf16(TchTensor::new(xd.shallow_clone()))
                     } else {
-                        SavedInput::F32(x_in.clone())
+                        SavedInput::AsIs(x_in.clone())
                     }
                 });
                 (xd, saved.map(|sv| (sv, 1.0)))
@@ -428,21 +462,28 @@ impl LinearQuant {
         };
         let mut out_size = size.clone();
         *out_size.last_mut().unwrap() = wd.size()[0];
-        let y = xd.matmul(&wd.tr()).reshape(&out_size);
+        // bf16 and f32 GEMMs give their operands' dtype; FP8's (emulated in f32) gives the
+        // activations' dtype, as `_scaled_mm` gives bf16.
+        let mut y = xd.matmul(&wd.tr()).reshape(&out_size);
+        if self.spec.compute == Compute::Fp8 {
+            y = y.to_kind(x.kind());
+        }
         LinearForward { y, saved, w_scale }
     }
 
-    /// The saved input as the weight-gradient GEMM uses it, `[N, in]`.
+    /// The saved input as the weight-gradient GEMM uses it, `[N, in]`, in f32: weight
+    /// gradients are f32 GEMMs on the (bf16- or FP8-valued) operands, as PEFT computes its f32
+    /// adapters' gradients; one operand of an adapter's is rank-wide, so this costs little.
     fn input_for_backward(&self, saved: &SavedInput, in_scale: f32) -> tch::Tensor {
         match saved {
-            SavedInput::F32(x) => {
+            SavedInput::AsIs(x) => {
                 let x = x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]);
                 match self.spec.compute {
                     Compute::Fp8 => dequantize_tch(&quantize_tch(&x, in_scale, Fp8Format::E4M3), 1.0 / in_scale),
-                    _ => x,
+                    _ => x.to_kind(Kind::Float),
                 }
             }
-            SavedInput::Bf16(x) => x.tensor.to_kind(Kind::Float),
+            SavedInput::Bf16(x) => x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]).to_kind(Kind::Float),
             SavedInput::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
         }
     }
@@ -460,18 +501,21 @@ impl LinearQuant {
         let d_out = *g.size().last().unwrap();
         let g2 = g.reshape([-1, d_out]);
         let gd = match self.spec.compute {
-            Compute::Fp32 => g2,
-            Compute::Bf16 => bf16_round(&g2),
+            Compute::Fp32 | Compute::Bf16 => g2.to_kind(self.operand_kind()),
             Compute::Fp8 => {
                 let s = self.scales.lock().unwrap().grad.observe(amax_tch(&g2), &self.spec.amax);
                 dequantize_tch(&quantize_tch(&g2, s, Fp8Format::E5M2), 1.0 / s)
             }
         };
+        // Each gradient in its tensor's dtype: dx in the activations', dW in the parameter's.
         let dx = want_dx
             .then(|| self.compute_weight(w, Some(st.w_scale), true).0)
-            .map(|wd| gd.matmul(&wd).reshape(&st.x_size));
+            .map(|wd| gd.matmul(&wd).reshape(&st.x_size).to_kind(st.x_kind));
         let dw = match (&st.saved, want_dw) {
-            (Some((saved, in_scale)), true) => Some(gd.tr().matmul(&self.input_for_backward(saved, *in_scale))),
+            (Some((saved, in_scale)), true) => {
+                let x = self.input_for_backward(saved, *in_scale);
+                Some(gd.to_kind(Kind::Float).tr().matmul(&x).to_kind(w.kind()))
+            }
             _ => None,
         };
         (dx, dw)
@@ -546,6 +590,7 @@ struct LinearState {
     saved: Option<(SavedInput, f32)>,
     w_scale: f32,
     x_size: Vec<i64>,
+    x_kind: Kind,
 }
 
 #[derive(Debug)]
@@ -571,7 +616,9 @@ impl Backward<LibTorch, 2> for QuantLinearBackward {
 /// What one tensor saved by SwiGLU became.
 #[derive(Debug, Clone)]
 enum Kept {
+    /// As computed, or cast to bf16.
     Plain(TchTensor),
+    /// E4M3 codes and the inverse scale.
     Fp8(TchTensor, f32),
 }
 
@@ -587,10 +634,11 @@ impl Kept {
         }
     }
 
-    fn get(&self) -> tch::Tensor {
+    /// The tensor in `kind` (the activations' dtype).
+    fn get(&self, kind: Kind) -> tch::Tensor {
         match self {
-            Self::Plain(t) => t.tensor.to_kind(Kind::Float),
-            Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+            Self::Plain(t) => t.tensor.to_kind(kind),
+            Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv).to_kind(kind),
         }
     }
 
@@ -611,26 +659,18 @@ impl Backward<LibTorch, 2> for SwigluBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [node_gate, node_up] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
-        // At most four `[tokens, I]` tensors live at once besides the kept inputs (grad, σ, one
-        // gradient, one temporary): at 70B and 8192 tokens each is 0.94 GB, and the plain
-        // expressions kept eight alive (Rust drops a statement's temporaries at its end). The
-        // in-place steps round exactly as the expressions did.
-        let gate = ops.state.0.get();
-        let sig = gate.sigmoid();
+        // Gradients in the activations' dtype, computed as torch's autograd does for
+        // `silu(gate) * up`: torch's `silu_backward` kernel (f32 math inside, one pass). At most
+        // three `[tokens, I]` tensors live at once besides the kept inputs (at 70B and 8192
+        // tokens each is 0.47 GB in bf16).
+        let kind = grad.tensor.kind();
+        let gate = ops.state.0.get(kind);
         if let Some(node) = node_up {
-            let silu = &gate * &sig;
-            grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * &silu));
+            grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * gate.silu()));
         }
         if let Some(node) = node_gate {
-            // d silu / d gate = σ(g)·(1 + g·(1 − σ(g))), then times grad·up.
-            let mut dgate: tch::Tensor = 1.0 - &sig;
-            let _ = dgate.g_mul_(&gate);
-            let _ = dgate.g_add_scalar_(1.0);
-            let _ = dgate.g_mul_(&sig);
-            drop(sig);
-            let grad_up = &grad.tensor * ops.state.1.get();
-            let _ = dgate.g_mul_(&grad_up);
-            grads.register::<LibTorch>(node.id, TchTensor::new(dgate));
+            let grad_up = &grad.tensor * ops.state.1.get(kind);
+            grads.register::<LibTorch>(node.id, TchTensor::new(gate.silu_backward(&grad_up)));
         }
     }
 }
@@ -648,12 +688,12 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
         match QuantLinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
-                let x_size = x.tensor.size();
+                let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
                 let fwd = quant.forward(&x, &w.tensor, train, w_trainable);
                 if let Some((saved, _)) = &fwd.saved {
                     SAVED_BYTES.fetch_add(saved.bytes(), Ordering::Relaxed);
                 }
-                let state = LinearState { quant, w, saved: fwd.saved, w_scale: fwd.w_scale, x_size };
+                let state = LinearState { quant, w, saved: fwd.saved, w_scale: fwd.w_scale, x_size, x_kind };
                 prep.finish(state, TchTensor::new(fwd.y))
             }
             OpsKind::UnTracked(prep) => {

@@ -18,6 +18,10 @@ Writes into --out (CPU, f32 unless --dtype says otherwise):
   expected.json                      losses, grad_norm_total_preclip (what clip_grad_norm_
                                      returns), n_target_tokens, the recipe and the versions
 
+With --bf16-twin, the same base (rounded to bf16, as from_pretrained(dtype=bfloat16) loads it)
+and the same initial adapter also run step 1 in bf16 the way PEFT does it (adapters kept in
+f32): expected.safetensors gains bf16.step1.grad.<adapter>, expected.json bf16_loss.
+
 <adapter> is PEFT's on-disk name, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight.
 The loss is HF's: position t predicts labels[t+1], the mean over the batch's target tokens.
 The optimizer is torch.optim.AdamW (lr 4e-4, wd 1e-4) after clip_grad_norm_(0.3).
@@ -45,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--lora-b", default="zeros", choices=["zeros", "normal"],
                     help="zeros: PEFT's init (every A gradient is 0 at step 1); normal: B ~ N(0, 0.02²), "
                          "so that A and B both get gradients")
+    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
+    ap.add_argument("--bf16-twin", action="store_true", help="also record step 1 of the bf16 model (PEFT's bf16)")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--max-grad-norm", type=float, default=0.3)
@@ -67,12 +73,13 @@ def main(a):
     out.mkdir(parents=True, exist_ok=True)
     cfg = recipe.hf_config(a.preset, a.seq_len)
     base = recipe.random_model(cfg, a.dtype, a.seed)
-    save_file({k: v.detach().contiguous().clone() for k, v in base.state_dict().items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    base_state = {k: v.detach().contiguous().clone() for k, v in base.state_dict().items()}
+    save_file(base_state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.to_json_file(str(out / "config.json"))
 
     # Dropout off: the fixtures compare deterministic arithmetic.
-    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0)
+    targets = a.targets.split(",")
+    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0, targets)
     model.train()
     on_disk = lambda n: n.replace(".default.", ".")  # noqa: E731  (PEFT drops the adapter name on save)
     named = [(on_disk(n), p) for n, p in model.named_parameters() if p.requires_grad]
@@ -89,6 +96,8 @@ def main(a):
 
     ids, labels = recipe.random_batch(torch.Generator().manual_seed(a.seed + 1), a.batch, a.seq_len, cfg.vocab_size)
     save_file({"input_ids": ids, "labels": labels}, str(out / "batch.safetensors"))
+    expected = {}
+    bf16_loss = bf16_step1(cfg, base_state, adapter, ids, labels, a, targets, expected) if a.bf16_twin else None
 
     hf = model.base_model.model
     hidden = {}
@@ -98,7 +107,7 @@ def main(a):
 
     params = [p for _, p in named]
     optim = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
-    expected, losses, norms = {}, [], []
+    losses, norms = [], []
     for k in range(1, a.steps + 1):
         result = model(input_ids=ids, labels=labels, use_cache=False)
         if k == 1:
@@ -128,14 +137,37 @@ def main(a):
     save_file(expected, str(out / "expected.safetensors"), metadata={"format": "pt"})
     summary = {
         "losses": losses, "grad_norm_total_preclip": norms, "n_target_tokens": int((labels[:, 1:] != -100).sum()),
-        "preset": a.preset, "seq_len": a.seq_len, "batch": a.batch, "dtype": a.dtype, "seed": a.seed, "steps": a.steps,
-        "lora": {"r": a.lora_r, "alpha": a.lora_alpha, "dropout": 0.0, "targets": recipe.ATTENTION_TARGETS, "b_init": a.lora_b},
+        "bf16_loss": bf16_loss, "preset": a.preset, "seq_len": a.seq_len, "batch": a.batch, "dtype": a.dtype, "seed": a.seed, "steps": a.steps,
+        "lora": {"r": a.lora_r, "alpha": a.lora_alpha, "dropout": 0.0, "targets": targets, "b_init": a.lora_b},
         "optim": {"name": "torch.optim.AdamW", "lr": a.lr, "weight_decay": a.weight_decay, "betas": [0.9, 0.999],
                   "eps": 1e-8, "max_grad_norm": a.max_grad_norm},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
     }
     (out / "expected.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({"out": str(out), "losses": losses, "grad_norm_total_preclip": norms}))
+
+
+def bf16_step1(cfg, base_state, adapter, ids, labels, a, targets, expected):
+    """Step 1's loss and LoRA gradients of the bf16 model: the f32 base cast to bf16, the same
+    initial adapter, which PEFT keeps in f32 (autocast_adapter_dtype). Returns the loss."""
+    import torch
+    from peft import set_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+    import recipe
+
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(base_state)
+    model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets)
+    set_peft_model_state_dict(model, adapter)
+    model.train()
+    result = model(input_ids=ids, labels=labels, use_cache=False)
+    result.loss.backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.dtype == torch.float32, f"PEFT keeps adapters in f32, {n} is {p.dtype}"
+            expected[f"bf16.step1.grad.{n.replace('.default.', '.')}"] = p.grad.detach().float().contiguous().clone()
+    print(f"# bf16 step 1: loss {float(result.loss):.6f}", file=sys.stderr)
+    return float(result.loss)
 
 
 if __name__ == "__main__":
