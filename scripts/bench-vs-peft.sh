@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # llora against the peer (PyTorch + HF transformers + PEFT, scripts/peer/step_bench.py)
-# on identical LoRA training shapes: fp32, 2 threads, batch 1, runs alternating A B A B so that
+# on identical LoRA training shapes: fp32 (or DTYPE=bf16: llora --precision bf16 against the peer
+# with its base in bf16 and PEFT's f32 adapters), 2 threads, batch 1, runs alternating A B A B so that
 # machine noise hits both. Prints one table (step time median/min/max over all timed steps of
 # all rounds, tokens/s, GFLOP/s by the peer's FLOP model, peak RSS, llora/peer ratios), then one
 # JSON line per shape.
 #
 #   ./scripts/bench-vs-peft.sh                       # all four shapes, 2 rounds
 #   ROUNDS=3 SHAPES="tiny:512" ./scripts/bench-vs-peft.sh
+#   DTYPE=bf16 ./scripts/bench-vs-peft.sh           # both in bf16
 # Takes ~15 minutes for the default set on 2 cores (the 70B layer dominates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,16 +17,17 @@ cargo build --release --quiet --bin llora
 peer=scripts/peer/step_bench.py
 shapes=(${SHAPES:-tiny:512:3:10 tiny:2048:2:5 small:1024:2:5 llama2-70b-1layer:1024:1:3})
 rounds=${ROUNDS:-2}
+dtype=${DTYPE:-fp32}
 out=$(mktemp)
 for shape in "${shapes[@]}"; do
   IFS=: read -r preset seq warm steps <<<"$shape"
   warm=${warm:-2}; steps=${steps:-5}
   for r in $(seq "$rounds"); do
     common=(--preset "$preset" --seq-len "$seq" --batch 1 --threads 2 --warmup "$warm" --steps "$steps")
-    echo "# $preset s$seq round $r: llora" >&2
-    ./target/release/llora bench "${common[@]}" --tag "llora" 2>/dev/null | tail -1 >>"$out"
+    echo "# $preset s$seq $dtype round $r: llora" >&2
+    ./target/release/llora bench "${common[@]}" --precision "$dtype" --tag "llora" 2>/dev/null | tail -1 >>"$out"
     echo "# $preset s$seq round $r: peer" >&2
-    .venv/bin/python "$peer" "${common[@]}" --dtype fp32 --tag "peer" 2>/dev/null | tail -1 >>"$out"
+    .venv/bin/python "$peer" "${common[@]}" --dtype "$dtype" --tag "peer" 2>/dev/null | tail -1 >>"$out"
   done
 done
 python3 - "$out" <<'PY'

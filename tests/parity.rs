@@ -304,14 +304,9 @@ fn training_steps_match_torch_adamw() {
     eprintln!("3 AdamW steps: worst LoRA weight relative error {worst:e}");
 }
 
-/// `llora eval` on HF's batch (written as MLPerf-schema parquet) prints HF + PEFT's loss.
-#[test]
-fn eval_command_reports_the_hf_peft_loss() {
-    let dir = fixture(
-        "tiny-s64-b2",
-        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
-    );
-    let fx = load_fixture(&dir);
+/// `llora eval` with `extra` arguments on a fixture's batch (written as MLPerf-schema
+/// parquet): the JSON it prints last.
+fn eval_fixture_batch(dir: &std::path::Path, fx: &Fixture, extra: &[&str]) -> serde_json::Value {
     let s = fx.input_ids.0[1];
     let rows: Vec<llora_data::Sample> = fx
         .input_ids
@@ -326,20 +321,45 @@ fn eval_command_reports_the_hf_peft_loss() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("batch.parquet");
     llora_data::parquet_io::write_parquet(&data, &rows).unwrap();
-    let out = common::llora(&[
-        "eval",
-        "--model",
-        dir.to_str().unwrap(),
-        "--adapter",
-        dir.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--batch-size",
-        "2",
-    ]);
+    let (dir, data) = (dir.to_str().unwrap(), data.to_str().unwrap());
+    let mut args = vec!["eval", "--model", dir, "--adapter", dir, "--data", data, "--batch-size", "2"];
+    args.extend(extra);
+    let out = common::llora(&args);
     let (stdout, stderr) = common::text(&out);
     assert!(out.status.success(), "{stderr}");
-    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+/// `llora eval --precision bf16` computes as bf16 training does: its loss is as close to the
+/// fp32 loss as HF + PEFT's in bf16 (the parity bound of `bf16_matches_hf_peft_in_bf16`);
+/// `--precision fp8 --fp8-weights` runs the FP8 GEMMs and stays within 2% of it.
+#[test]
+fn eval_command_computes_in_the_precision_asked() {
+    let dir = fixture("tiny-gqa-s96-b2-all-bf16", &BF16_FIXTURE_ARGS);
+    let fx = load_fixture(&dir);
+    let fp32 = fx.json["losses"][0].as_f64().unwrap();
+    let peft = fx.json["bf16_loss"].as_f64().unwrap();
+    let bf16 = eval_fixture_batch(&dir, &fx, &["--precision", "bf16"])["loss_per_token"].as_f64().unwrap();
+    assert!(
+        (bf16 - fp32).abs() <= 2.0 * (peft - fp32).abs() + 1e-4 * fp32.abs(),
+        "llora eval in bf16 {bf16} is further from fp32 {fp32} than twice PEFT's bf16 {peft}"
+    );
+    assert_ne!(bf16, eval_fixture_batch(&dir, &fx, &[])["loss_per_token"].as_f64().unwrap(), "bf16 ran as fp32");
+    let fp8 =
+        eval_fixture_batch(&dir, &fx, &["--precision", "fp8", "--fp8-weights"])["loss_per_token"].as_f64().unwrap();
+    assert!(((fp8 - fp32) / fp32).abs() <= 0.02, "FP8 eval {fp8} against fp32 {fp32}");
+    assert_ne!(fp8, bf16, "FP8 ran as bf16");
+}
+
+/// `llora eval` on HF's batch (written as MLPerf-schema parquet) prints HF + PEFT's loss.
+#[test]
+fn eval_command_reports_the_hf_peft_loss() {
+    let dir = fixture(
+        "tiny-s64-b2",
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
+    );
+    let fx = load_fixture(&dir);
+    let last = eval_fixture_batch(&dir, &fx, &[]);
     let reference = fx.json["losses"][0].as_f64().unwrap();
     let ours = last["loss_per_token"].as_f64().unwrap();
     assert!(((ours - reference) / reference).abs() <= 1e-5, "llora eval {ours} vs HF+PEFT {reference}");
@@ -553,6 +573,24 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (norm(a) * norm(b)).max(1e-300)
 }
 
+/// The bf16 fixture: a GQA checkpoint with every LoRA target, HF + PEFT's fp32 step and its
+/// bf16 twin (model in bf16, adapters as PEFT keeps them).
+const BF16_FIXTURE_ARGS: [&str; 13] = [
+    "--preset",
+    "tiny-gqa",
+    "--seq-len",
+    "96",
+    "--batch",
+    "2",
+    "--lora-b",
+    "normal",
+    "--steps",
+    "1",
+    "--targets",
+    ALL_TARGETS,
+    "--bf16-twin",
+];
+
 /// Issue #22, bf16 made real: on a GQA checkpoint with adapters on every target, llora's bf16
 /// (bf16 weights, activations and GEMMs; f32 adapters, norm statistics, softmax and loss)
 /// against HF transformers + PEFT run in bf16 (the same base rounded to bf16, PEFT's f32
@@ -561,24 +599,7 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 /// gradients as a whole within 1.25x PEFT's bf16 distance from fp32's (see the bound below).
 #[test]
 fn bf16_matches_hf_peft_in_bf16() {
-    let dir = fixture(
-        "tiny-gqa-s96-b2-all-bf16",
-        &[
-            "--preset",
-            "tiny-gqa",
-            "--seq-len",
-            "96",
-            "--batch",
-            "2",
-            "--lora-b",
-            "normal",
-            "--steps",
-            "1",
-            "--targets",
-            ALL_TARGETS,
-            "--bf16-twin",
-        ],
-    );
+    let dir = fixture("tiny-gqa-s96-b2-all-bf16", &BF16_FIXTURE_ARGS);
     let fx = load_fixture(&dir);
     let device = Device::libtorch().autodiff();
     let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();

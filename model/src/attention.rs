@@ -191,16 +191,28 @@ fn torch_forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool
         )?;
         Ok(Saved { out, lse, philox: Some((seed, offset)) })
     } else {
+        let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
         let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
-            q,
-            k,
-            v,
+            &f(q),
+            &f(k),
+            &f(v),
             0.0,
             causal,
             None::<tch::Tensor>,
             None,
         )?;
-        Ok(Saved { out, lse, philox: None })
+        Ok(Saved { out: out.to_kind(q.kind()), lse, philox: None })
+    }
+}
+
+/// The dtype the CPU flash kernel gets `x` in: f32 for bf16 where torch has no fast bf16
+/// GEMMs (its blocks are GEMMs: 5x slower than f32 on an AVX2-only CPU, see
+/// `precision/bf16.rs`); the tensors kept for backward stay bf16.
+fn cpu_kernel_kind(x: &tch::Tensor) -> tch::Kind {
+    if x.kind() == tch::Kind::BFloat16 && !crate::precision::bf16::native_on_this_cpu() {
+        tch::Kind::Float
+    } else {
+        x.kind()
     }
 }
 
@@ -261,18 +273,22 @@ fn equal_heads_backward(
             )?;
             Ok((t(&dq), t(&dk), t(&dv)))
         }
-        None => tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
-            &grad,
-            q,
-            k,
-            v,
-            &saved.out,
-            &saved.lse,
-            0.0,
-            causal,
-            None::<tch::Tensor>,
-            None,
-        ),
+        None => {
+            let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
+            let (dq, dk, dv) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                &f(&grad),
+                &f(q),
+                &f(k),
+                &f(v),
+                &f(&saved.out),
+                &saved.lse,
+                0.0,
+                causal,
+                None::<tch::Tensor>,
+                None,
+            )?;
+            Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
+        }
     }
 }
 

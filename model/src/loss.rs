@@ -161,7 +161,10 @@ fn lce_forward_chunked(
     let n = h.size()[0];
     let chunk = chunk.min(n.max(1));
     let t_all = tch::Tensor::from_slice(targets).to_device(h.device());
-    let w = &w.to_kind(h.kind());
+    // The GEMMs' operands: the activations' dtype, or f32 for bf16 where torch has no fast bf16
+    // GEMM (precision/bf16.rs); the logits are f32 either way.
+    let kind = if h.kind() == tch::Kind::BFloat16 { crate::precision::bf16::gemm_kind(h.device()) } else { h.kind() };
+    let w = &w.to_kind(kind);
     let wt = w.tr();
     let (mut losses, mut dhs) = (Vec::new(), Vec::new());
     let mut start = 0;
@@ -170,7 +173,7 @@ fn lce_forward_chunked(
         // One [len, vocab] buffer, worked on in place: logits → exp(logits − max) → softmax
         // → softmax − one-hot (torch's logsumexp would allocate a second one and the
         // softmax would take a second exp pass).
-        let mut p = h.narrow(0, start, len).mm(&wt).to_kind(tch::Kind::Float);
+        let mut p = h.narrow(0, start, len).to_kind(kind).mm(&wt).to_kind(tch::Kind::Float);
         let t = t_all.narrow(0, start, len).unsqueeze(1);
         let picked = p.gather(1, &t, false);
         let max = p.amax([-1i64].as_slice(), true);
@@ -180,7 +183,7 @@ fn lce_forward_chunked(
         if want_dh {
             let _ = p.g_div_(&sum);
             let _ = p.scatter_add_(1, &t, &(-tch::Tensor::ones([len, 1], (p.kind(), p.device()))));
-            dhs.push(p.to_kind(w.kind()).mm(w));
+            dhs.push(p.to_kind(kind).mm(w).to_kind(h.kind()));
         }
         start += len;
     }

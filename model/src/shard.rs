@@ -113,7 +113,7 @@ impl WeightShard {
         let (tensor, kind) = match &whole {
             StoredWeight::F32(t) => (&t.tensor, ShardKind::F32),
             StoredWeight::Bf16(t) => (&t.tensor, ShardKind::Bf16),
-            StoredWeight::Fp8(t, scale_inv) => (&t.tensor, ShardKind::Fp8(*scale_inv)),
+            StoredWeight::Fp8 { codes, scale_inv, .. } => (&codes.tensor, ShardKind::Fp8(*scale_inv)),
         };
         let bytes_of = tensor.contiguous().view([-1]).view_dtype(Kind::Uint8);
         let bytes = bytes_of.size()[0] as usize;
@@ -172,7 +172,10 @@ impl WeightShard {
         *slot = Slot::Ready(match self.kind {
             ShardKind::F32 => StoredWeight::F32(TchTensor::new(whole)),
             ShardKind::Bf16 => StoredWeight::Bf16(TchTensor::new(whole)),
-            ShardKind::Fp8(scale_inv) => StoredWeight::Fp8(TchTensor::new(whole), scale_inv),
+            // The transpose the CUDA input-gradient GEMM needs is made as it runs.
+            ShardKind::Fp8(scale_inv) => {
+                StoredWeight::Fp8 { codes: TchTensor::new(whole), scale_inv, transposed: None }
+            }
         });
         Ok(())
     }

@@ -117,6 +117,13 @@ pub struct EvalArgs {
     /// Threads preparing evaluation batches (0 = on the evaluating thread).
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
+    /// Compute as training in this precision does (`fp32`, `bf16`, `fp8`); FP8 scales come
+    /// from each tensor's own amax (a PEFT adapter carries no delayed-scaling history).
+    #[arg(long, default_value = "fp32", value_parser = parse_compute)]
+    pub precision: llora_model::precision::Compute,
+    /// Keep frozen base weights as FP8 + scale (needs `--precision fp8`).
+    #[arg(long)]
+    pub fp8_weights: bool,
 }
 
 /// `llora data ...`.

@@ -552,7 +552,11 @@ fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'s
         ("lora_alpha", json!(config.lora.alpha)),
         ("target_accuracy", json!(config.eval.target_loss)),
         ("lowest_numerical_precision_in_linear", json!(config.precision.compute.name())),
-        ("lowest_numerical_precision_in_attn", json!("fp32")),
+        // Attention runs in the activations' dtype (softmax in f32 inside the kernel).
+        (
+            "lowest_numerical_precision_in_attn",
+            json!(if config.precision.compute == llora_model::precision::Compute::Fp32 { "fp32" } else { "bf16" }),
+        ),
         ("lowest_numerical_precision_in_comm", json!("fp32")),
         ("tensor_parallelism", json!(1)),
         ("pipeline_parallelism", json!(1)),
@@ -677,12 +681,26 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
 /// `llora eval`: loads a checkpoint (and adapter), evaluates a parquet file, prints the
 /// result as the last line, one JSON object.
 pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
+    let spec = llora_model::precision::PrecisionSpec {
+        compute: args.precision,
+        fp8_weights: args.fp8_weights,
+        ..Default::default()
+    };
+    anyhow::ensure!(
+        !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
+        "--fp8-weights needs --precision fp8 (it is {})",
+        args.precision.name()
+    );
     let device = args.device.init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
     let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
     if let Some(adapter) = &args.adapter {
         llora_model::checkpoint::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
+    }
+    // After the adapter: its weights load into f32 parameters, then everything switches.
+    if !spec.is_fp32() {
+        model.set_precision(&spec)?;
     }
     let opts = ReadOptions {
         vocab: model.config.vocab_size,

@@ -6,11 +6,12 @@
 //!   backward  dx = Q₅₂(g; s_g) · Q₄₃(W; s_w)         Q₅₂: E5M2
 //!             dW = Q₅₂(g; s_g)ᵀ · Q₄₃(x; sₓ)          (trainable W only: LoRA's A and B)
 //! ```
-//! Each scale comes from [`DelayedScaling`] (one per tensor role and layer). On the CPU the
-//! GEMMs run in f32 on the dequantised values, which is exactly what an FP8 GEMM with f32
-//! accumulation computes up to summation order; on CUDA sm_89+ the same quantised operands
-//! could go to torch's `_scaled_mm` (FP8 tensor cores) instead: llora does not do this yet,
-//! because no GPU is available to test it.
+//! Each scale comes from [`DelayedScaling`] (one per tensor role and layer). The frozen base
+//! layers' `y` and `dx` GEMMs run on torch's `_scaled_mm` ([`scaled_mm`]: FP8 tensor cores on
+//! CUDA sm_89+, oneDNN on the CPU), f32 accumulation, output in the activations' dtype. `dW`
+//! exists only for trainable weights (LoRA's, which run in bf16: [`PrecisionSpec::for_adapters`];
+//! an FP8 trainable weight, in tests, takes an f32 GEMM on the dequantised operands, which is
+//! what an FP8 GEMM with f32 accumulation computes up to summation order).
 //!
 //! What is stored, and in which dtype:
 //! - `compute = "fp8"`: a linear layer whose weight is trainable keeps its input for the
@@ -41,6 +42,10 @@ use tch::Kind;
 
 use crate::fp8::{AmaxSpec, DelayedScaling, Fp8Format, Fp8Tensor, amax_tch, dequantize_tch, quantize_tch};
 use crate::shard::WeightShard;
+use scaled_mm::{Fp8Operand, fp8_gemm};
+
+pub mod bf16;
+pub mod scaled_mm;
 
 /// The number format of the linear layers' GEMM inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -168,8 +173,18 @@ pub enum StoredWeight {
     F32(TchTensor),
     /// bf16 copy.
     Bf16(TchTensor),
-    /// E4M3 codes and the inverse of the scale.
-    Fp8(TchTensor, f32),
+    /// E4M3 codes `[out, in]` and the inverse of the scale.
+    Fp8 {
+        /// The codes, row-major.
+        codes: TchTensor,
+        /// `1 / scale`.
+        scale_inv: f32,
+        /// The codes transposed, `[in, out]` row-major, on CUDA: `_scaled_mm` there wants its
+        /// second operand column-major, which for the input-gradient GEMM `g · W` is this
+        /// tensor's transpose view. Kept rather than made at every backward (a 70B MLP
+        /// weight's transpose is 235 MB of copying per layer per step).
+        transposed: Option<TchTensor>,
+    },
 }
 
 impl StoredWeight {
@@ -178,7 +193,7 @@ impl StoredWeight {
         match self {
             Self::F32(w) => w.tensor.shallow_clone(),
             Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
-            Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+            Self::Fp8 { codes, scale_inv, .. } => dequantize_tch(&codes.tensor, *scale_inv),
         }
     }
 
@@ -187,14 +202,14 @@ impl StoredWeight {
         match self {
             Self::F32(w) => w.tensor.numel() * 4,
             Self::Bf16(w) => w.tensor.numel() * 2,
-            Self::Fp8(q, _) => q.tensor.numel() + 4,
+            Self::Fp8 { codes, transposed, .. } => codes.tensor.numel() * (1 + usize::from(transposed.is_some())) + 4,
         }
     }
 
     /// `[out, in]`.
     pub fn dims(&self) -> [usize; 2] {
         let t = match self {
-            Self::F32(w) | Self::Bf16(w) | Self::Fp8(w, _) => &w.tensor,
+            Self::F32(w) | Self::Bf16(w) | Self::Fp8 { codes: w, .. } => &w.tensor,
         };
         let s = t.size();
         [s[0] as usize, s[1] as usize]
@@ -370,7 +385,10 @@ impl LinearQuant {
         }
         Some(match kind {
             Kind::BFloat16 => StoredWeight::Bf16(TchTensor::new(stored)),
-            _ => StoredWeight::Fp8(TchTensor::new(stored), 1.0 / scale),
+            _ => {
+                let transposed = device.is_cuda().then(|| TchTensor::new(stored.tr().contiguous()));
+                StoredWeight::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
+            }
         })
     }
 
@@ -383,40 +401,58 @@ impl LinearQuant {
         s.grad.update(&spec);
     }
 
-    /// The dtype of the GEMM operands: bf16 for bf16 compute; f32 otherwise (FP8 is emulated
-    /// on f32 values of the quantised operands).
+    /// The dtype of the GEMM operands of fp32 and bf16 compute.
     fn operand_kind(&self) -> Kind {
         if self.spec.compute == Compute::Bf16 { Kind::BFloat16 } else { Kind::Float }
     }
 
-    /// The weight as the GEMMs use it, and the scale it took: f32, bf16 (as stored, or an f32
-    /// parameter cast), or FP8 dequantised to f32.
-    fn compute_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> (tch::Tensor, f32) {
-        let whole = self.stored.as_ref().map(FrozenWeight::whole);
-        let w = match &whole {
-            // A sharded f32 weight goes through the compute format as a parameter would.
-            Some(StoredWeight::F32(t)) => &t.tensor,
-            Some(StoredWeight::Bf16(t)) if self.spec.compute == Compute::Bf16 => {
-                return (t.tensor.shallow_clone(), 1.0);
-            }
-            Some(stored) => return (stored.dequantize(), 1.0),
-            None => w,
-        };
-        match self.spec.compute {
-            Compute::Fp32 => (w.shallow_clone(), 1.0),
-            Compute::Bf16 => (w.to_kind(Kind::BFloat16), 1.0),
-            Compute::Fp8 => {
-                let s = scale.unwrap_or_else(|| {
-                    let mut st = self.scales.lock().unwrap();
-                    scale_of(&mut st.weight, amax_tch(w), &self.spec.amax, train)
-                });
-                (dequantize_tch(&quantize_tch(w, s, Fp8Format::E4M3), 1.0 / s), s)
-            }
+    /// The weight as an fp32 or bf16 GEMM uses it: f32, or bf16 (as stored, or an f32
+    /// parameter cast).
+    fn compute_weight(&self, w: &tch::Tensor) -> tch::Tensor {
+        match self.stored.as_ref().map(FrozenWeight::whole) {
+            Some(StoredWeight::Bf16(t)) if self.spec.compute == Compute::Bf16 => t.tensor.shallow_clone(),
+            Some(stored) => stored.dequantize().to_kind(self.operand_kind()),
+            None => w.to_kind(self.operand_kind()),
         }
     }
 
+    /// `a · b` for fp32 and bf16 compute, in the operands' dtype: bf16 operands on torch's bf16
+    /// GEMM, or through f32 GEMMs where it has none ([`bf16`]).
+    fn gemm(&self, a: &tch::Tensor, b: &tch::Tensor) -> tch::Tensor {
+        let a = a.to_kind(self.operand_kind());
+        if self.operand_kind() == Kind::BFloat16 && !bf16::native_bf16_gemm(a.device()) {
+            bf16::mm_via_f32(&a, b, Kind::BFloat16)
+        } else {
+            a.matmul(b)
+        }
+    }
+
+    /// The weight as FP8 GEMMs use it: the stored E4M3 codes, or the weight quantised with
+    /// `scale` (the forward's, in backward) or, without one, its delayed scale.
+    fn fp8_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> Fp8Weight {
+        let whole = self.stored.as_ref().map(FrozenWeight::whole);
+        let w = match &whole {
+            Some(StoredWeight::Fp8 { codes, scale_inv, transposed }) => {
+                return Fp8Weight {
+                    codes: codes.tensor.shallow_clone(),
+                    transposed: transposed.as_ref().map(|t| t.tensor.shallow_clone()),
+                    scale_inv: *scale_inv,
+                    scale: 1.0,
+                };
+            }
+            // A sharded f32 (or bf16) weight is quantised as a parameter would be.
+            Some(StoredWeight::F32(t) | StoredWeight::Bf16(t)) => &t.tensor,
+            None => w,
+        };
+        let s = scale.unwrap_or_else(|| {
+            let mut st = self.scales.lock().unwrap();
+            scale_of(&mut st.weight, amax_tch(w), &self.spec.amax, train)
+        });
+        Fp8Weight { codes: quantize_tch(w, s, Fp8Format::E4M3), transposed: None, scale_inv: 1.0 / s, scale: s }
+    }
+
     /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
-    /// for the weight gradient.
+    /// for the weight gradient. The output is in the activations' dtype.
     fn forward(&self, x_in: &TchTensor, w: &tch::Tensor, train: bool, keep_input: bool) -> LinearForward {
         // Kept inputs are clones of `x_in` (sharing its storage count), never fresh wrappers:
         // burn-tch writes in place into storage it believes unique.
@@ -424,26 +460,31 @@ impl LinearQuant {
         let size = x.size();
         let d_in = *size.last().unwrap();
         let x2 = x.reshape([-1, d_in]);
-        let (wd, w_scale) = self.compute_weight(w, None, train);
         let fp8_store = self.spec.fp8_activations;
-        let (xd, saved) = match self.spec.compute {
+        let (y, saved, w_scale) = match self.spec.compute {
             Compute::Fp8 => {
                 let s = {
                     let mut st = self.scales.lock().unwrap();
                     scale_of(&mut st.input, amax_tch(&x2), &self.spec.amax, train)
                 };
                 let q = quantize_tch(&x2, s, Fp8Format::E4M3);
-                let xd = dequantize_tch(&q, 1.0 / s);
+                let wq = self.fp8_weight(w, None, train);
+                // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
+                let y = fp8_gemm(
+                    Fp8Operand { codes: &q, scale_inv: 1.0 / s },
+                    Fp8Operand { codes: &wq.codes.tr(), scale_inv: wq.scale_inv },
+                    x.kind(),
+                    true,
+                );
                 let saved = keep_input.then(|| {
                     if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::AsIs(x_in.clone()) }
                 });
-                (xd, saved.map(|sv| (sv, s)))
+                (y, saved.map(|sv| (sv, s)), wq.scale)
             }
             compute => {
                 // bf16: the GEMM takes bf16 operands (a no-op cast for bf16 activations) and
                 // returns bf16, accumulating in f32 inside the kernel. fp32 on bf16 activations
                 // (an adapter of a bf16 layer) upcasts them, as PEFT does.
-                let xd = x2.to_kind(self.operand_kind());
                 let saved = keep_input.then(|| {
                     if fp8_store {
                         let q = Fp8Tensor::quantize_current(&x2, Fp8Format::E4M3);
@@ -452,23 +493,18 @@ impl LinearQuant {
                         // The activation itself: no copy.
                         SavedInput::Bf16(x_in.clone())
                     } else if compute == Compute::Bf16 {
-                        SavedInput::Bf16(TchTensor::new(xd.shallow_clone()))
+                        SavedInput::Bf16(TchTensor::new(x2.to_kind(Kind::BFloat16)))
                     } else {
                         SavedInput::AsIs(x_in.clone())
                     }
                 });
-                (xd, saved.map(|sv| (sv, 1.0)))
+                // The GEMM gives its operands' dtype.
+                (self.gemm(&x2, &self.compute_weight(w).tr()), saved.map(|sv| (sv, 1.0)), 1.0)
             }
         };
         let mut out_size = size.clone();
-        *out_size.last_mut().unwrap() = wd.size()[0];
-        // bf16 and f32 GEMMs give their operands' dtype; FP8's (emulated in f32) gives the
-        // activations' dtype, as `_scaled_mm` gives bf16.
-        let mut y = xd.matmul(&wd.tr()).reshape(&out_size);
-        if self.spec.compute == Compute::Fp8 {
-            y = y.to_kind(x.kind());
-        }
-        LinearForward { y, saved, w_scale }
+        *out_size.last_mut().unwrap() = *y.size().last().unwrap();
+        LinearForward { y: y.reshape(&out_size), saved, w_scale }
     }
 
     /// The saved input as the weight-gradient GEMM uses it, `[N, in]`, in f32: weight
@@ -489,7 +525,8 @@ impl LinearQuant {
     }
 
     /// Backward: `(dx, dW)` for the output gradient `g`, each only when asked (layer 0's
-    /// input needs no gradient, a frozen weight neither).
+    /// input needs no gradient, a frozen weight neither). dx is in the activations' dtype, dW
+    /// in the parameter's.
     fn backward(
         &self,
         g: &tch::Tensor,
@@ -500,17 +537,31 @@ impl LinearQuant {
     ) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
         let d_out = *g.size().last().unwrap();
         let g2 = g.reshape([-1, d_out]);
-        let gd = match self.spec.compute {
-            Compute::Fp32 | Compute::Bf16 => g2.to_kind(self.operand_kind()),
+        let (dx, gd) = match self.spec.compute {
+            Compute::Fp32 | Compute::Bf16 => {
+                (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), g2.shallow_clone())
+            }
             Compute::Fp8 => {
                 let s = self.scales.lock().unwrap().grad.observe(amax_tch(&g2), &self.spec.amax);
-                dequantize_tch(&quantize_tch(&g2, s, Fp8Format::E5M2), 1.0 / s)
+                let q = quantize_tch(&g2, s, Fp8Format::E5M2);
+                // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
+                let dx = want_dx.then(|| {
+                    let wq = self.fp8_weight(w, Some(st.w_scale), true);
+                    let w_col = match &wq.transposed {
+                        Some(t) => t.tr(),
+                        None => wq.codes.tr().contiguous().tr(),
+                    };
+                    fp8_gemm(
+                        Fp8Operand { codes: &q, scale_inv: 1.0 / s },
+                        Fp8Operand { codes: &w_col, scale_inv: wq.scale_inv },
+                        st.x_kind,
+                        false,
+                    )
+                });
+                (dx, dequantize_tch(&q, 1.0 / s))
             }
         };
-        // Each gradient in its tensor's dtype: dx in the activations', dW in the parameter's.
-        let dx = want_dx
-            .then(|| self.compute_weight(w, Some(st.w_scale), true).0)
-            .map(|wd| gd.matmul(&wd).reshape(&st.x_size).to_kind(st.x_kind));
+        let dx = dx.map(|dx| dx.reshape(&st.x_size).to_kind(st.x_kind));
         let dw = match (&st.saved, want_dw) {
             (Some((saved, in_scale)), true) => {
                 let x = self.input_for_backward(saved, *in_scale);
@@ -520,6 +571,18 @@ impl LinearQuant {
         };
         (dx, dw)
     }
+}
+
+/// A weight as FP8 GEMMs take it.
+struct Fp8Weight {
+    /// E4M3 codes `[out, in]`, row-major.
+    codes: tch::Tensor,
+    /// The codes transposed and contiguous, when kept (see [`StoredWeight::Fp8`]).
+    transposed: Option<tch::Tensor>,
+    /// `1 / scale`.
+    scale_inv: f32,
+    /// The scale it was quantised with now (1 for stored codes: nothing to repeat).
+    scale: f32,
 }
 
 /// A forward's output and what its backward needs.
@@ -788,9 +851,12 @@ mod tests {
         for fp8_activations in [false, true] {
             let quant = Arc::new(LinearQuant::new(fp8_spec(fp8_activations, false), None));
             let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
+            let _ = scaled_mm::take_gemm_counts();
             let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
             let grads = (y.clone() * g0.clone()).sum().backward();
             let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
+            // y and dx ran on `_scaled_mm`; dW (a trainable FP8 weight) is emulated in f32.
+            assert_eq!(scaled_mm::take_gemm_counts(), (2, 0));
 
             let (xh, wh, gh) = (host(&x0), host(&w0), host(&g0));
             let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);
@@ -807,6 +873,40 @@ mod tests {
             let _ = take_saved_bytes();
             let _y = quant_linear(x0.clone().unsqueeze::<3>(), w0.clone().require_grad(), &quant, true);
             assert_eq!(take_saved_bytes(), if fp8_activations { n * k + 4 } else { n * k * 4 });
+        }
+    }
+
+    /// On bf16 activations (as training in FP8 runs them) the FP8 GEMMs write bf16: y and dx
+    /// are the emulated recipe's, rounded once to bf16.
+    #[test]
+    fn fp8_linear_on_bf16_activations_writes_bf16() {
+        use burn::tensor::DType;
+        let device = Device::libtorch().autodiff();
+        device.seed(4);
+        let (n, k, m) = (32, 48, 16);
+        let x0 = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.5), &device).cast(DType::BF16);
+        let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
+        let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device).cast(DType::BF16);
+        let quant = Arc::new(LinearQuant::new(fp8_spec(true, false), None));
+        let x = x0.clone().require_grad();
+        let y = quant_linear(x.clone().unsqueeze::<3>(), w0.clone(), &quant, true).squeeze::<2>();
+        assert_eq!(y.dtype(), DType::BF16);
+        let grads = (y.clone() * g0.clone()).sum().backward();
+        let dx = x.grad(&grads).unwrap();
+        assert_eq!(dx.dtype(), DType::BF16);
+        let f32_host = |t: Tensor<2>| host(&t.cast(DType::F32));
+        let (xh, wh, gh) = (f32_host(x0), host(&w0), f32_host(g0));
+        let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);
+        let wq = qdq(&wh, 448.0 / amax(&wh), Fp8Format::E4M3);
+        let gq = qdq(&gh, 57344.0 / amax(&gh), Fp8Format::E5M2);
+        for (got, want, what) in [
+            (f32_host(y.inner()), matmul_t(&xq, &wq, n, k, m), "y"),
+            (f32_host(dx), matmul_t(&gq, &transpose(&wq, m, k), n, m, k), "dx"),
+        ] {
+            // One bf16 rounding: within half an ulp (2^-9 relative) of each value.
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() <= b.abs() * 2f32.powi(-8) + 1e-30, "{what}: {a} against {b}");
+            }
         }
     }
 

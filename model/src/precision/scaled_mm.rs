@@ -1,0 +1,196 @@
+//! FP8 GEMMs on torch's `_scaled_mm`: FP8 tensor cores on CUDA (sm_89 and newer), oneDNN on
+//! the CPU. Both take FP8 codes and their per-tensor dequantisation scales, accumulate in f32
+//! and write the output dtype asked for (bf16 for bf16 activations).
+//!
+//! What torch refuses on CUDA, checked before calling so that the run goes on: dimensions that
+//! are not multiples of 16, two E5M2 operands, a first operand that is not row-major or a
+//! second that is not column-major, a GPU without FP8 tensor cores (torch's error). Those GEMMs
+//! fall back to f32 on the dequantised operands (the same values, so the same result up to
+//! summation order), are counted ([`take_gemm_counts`], reported by `llora bench`), and the
+//! first one is logged with its reason.
+
+use std::cell::Cell;
+use std::sync::Once;
+
+use tch::{Kind, Tensor};
+
+use crate::fp8::dequantize_tch;
+
+thread_local! {
+    /// FP8 GEMMs on this thread: through `_scaled_mm`, fallen back to f32. Per thread because
+    /// a step's forward and backward run on the thread that calls them.
+    static COUNTS: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+}
+static WARNED: Once = Once::new();
+
+/// One operand of an FP8 GEMM: E4M3 or E5M2 codes and `1 / scale` (what multiplies the codes
+/// back to values).
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Operand<'a> {
+    /// The codes.
+    pub codes: &'a Tensor,
+    /// The dequantisation factor.
+    pub scale_inv: f32,
+}
+
+/// FP8 GEMMs this thread ran since the last call: `(through _scaled_mm, fallen back to f32)`.
+pub fn take_gemm_counts() -> (usize, usize) {
+    COUNTS.take()
+}
+
+fn count(scaled: usize, fallback: usize) {
+    COUNTS.set({
+        let (a, b) = COUNTS.get();
+        (a + scaled, b + fallback)
+    });
+}
+
+/// Why torch's CUDA `_scaled_mm` would refuse `a · b`, if it would (the CPU kernel takes any
+/// shape and layout).
+fn refused_on_cuda(a: &Tensor, b: &Tensor) -> Option<String> {
+    let (sa, sb) = (a.size(), b.size());
+    if sa.iter().chain(&sb).any(|n| n % 16 != 0) {
+        return Some(format!("dimensions {sa:?} x {sb:?} are not all multiples of 16"));
+    }
+    if a.kind() == Kind::Float8e5m2 && b.kind() == Kind::Float8e5m2 {
+        return Some("both operands are E5M2".into());
+    }
+    if a.stride()[1] != 1 || b.stride()[0] != 1 {
+        return Some("the first operand must be row-major and the second column-major".into());
+    }
+    None
+}
+
+/// `(a · a.scale_inv) @ (b · b.scale_inv)` in `out`, accumulated in f32. `fast_accum` lets
+/// Hopper accumulate in the tensor cores' reduced-precision accumulator between promotions
+/// (Transformer Engine's choice for the forward GEMM; the gradient GEMMs do not).
+///
+/// # Shapes
+/// - a: `[m, k]` FP8, row-major
+/// - b: `[k, n]` FP8, column-major on CUDA (the transpose of a contiguous `[n, k]`)
+/// - output: `[m, n]` in `out`
+pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Tensor {
+    let device = a.codes.device();
+    let refused = if device.is_cuda() { refused_on_cuda(a.codes, b.codes) } else { None };
+    let refused = match refused {
+        Some(why) => why,
+        None => match scaled_mm(a, b, out, fast_accum) {
+            Ok(y) => {
+                count(1, 0);
+                return y;
+            }
+            Err(e) => e.to_string(),
+        },
+    };
+    count(0, 1);
+    WARNED.call_once(|| tracing::warn!("FP8 GEMM falls back to f32 on the dequantised operands: {refused}"));
+    dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv)).to_kind(out)
+}
+
+/// Elements of the second operand one CPU `_scaled_mm` call takes (64 MB in f32). torch's
+/// CPU kernel, on a CPU without FP8 units, converts its operands to f32 (measured: 2.0 GB of
+/// temporaries for one `[1024, 8192] x [8192, 28672]` call, whose FP8 weight is 235 MB), so
+/// the CPU calls it on column blocks of the second operand: each output column is still one
+/// whole dot product, only the temporaries shrink.
+const CPU_BLOCK_ELEMENTS: i64 = 1 << 24;
+
+/// `_scaled_mm` itself, on column blocks of `b` on the CPU.
+fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Result<Tensor, tch::TchError> {
+    let device = a.codes.device();
+    let (sa, sb) = (Tensor::from(a.scale_inv).to_device(device), Tensor::from(b.scale_inv).to_device(device));
+    let call = |b: &Tensor| a.codes.f_internal_scaled_mm(b, &sa, &sb, None::<Tensor>, None::<Tensor>, out, fast_accum);
+    let (k, n) = (b.codes.size()[0], b.codes.size()[1]);
+    if device.is_cuda() || k * n <= CPU_BLOCK_ELEMENTS {
+        return call(b.codes);
+    }
+    let cols = (CPU_BLOCK_ELEMENTS / k.max(1)).max(1);
+    let y = Tensor::f_empty([a.codes.size()[0], n], (out, device))?;
+    for j in (0..n).step_by(cols as usize) {
+        let c = cols.min(n - j);
+        y.narrow(1, j, c).f_copy_(&call(&b.codes.narrow(1, j, c))?)?;
+    }
+    Ok(y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fp8::{Fp8Format, quantize_tch};
+
+    /// `_scaled_mm` equals the f32 GEMM of the dequantised operands (f32 out: up to summation
+    /// order; bf16 out: that rounded once), for E4M3 x E4M3 and E5M2 x E4M3 (the dx GEMM), a
+    /// column-major second operand, and a shape CUDA would refuse.
+    #[test]
+    fn scaled_mm_equals_the_dequantised_gemm() {
+        tch::manual_seed(5);
+        // The last shape is cut into column blocks on the CPU.
+        for (m, k, n) in [(32, 64, 48), (7, 33, 5), (4, 4096, 4097 + (CPU_BLOCK_ELEMENTS / 4096))] {
+            for a_format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                let a = quantize_tch(&Tensor::randn([m, k], (Kind::Float, tch::Device::Cpu)), 8.0, a_format);
+                let w = quantize_tch(&Tensor::randn([n, k], (Kind::Float, tch::Device::Cpu)), 64.0, Fp8Format::E4M3);
+                let (a, b) =
+                    (Fp8Operand { codes: &a, scale_inv: 0.125 }, Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 });
+                let want = dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv));
+                let _ = take_gemm_counts();
+                let y = fp8_gemm(a, b, Kind::Float, false);
+                assert_eq!(take_gemm_counts(), (1, 0), "the CPU kernel ran");
+                let err = (&y - &want).abs().max().double_value(&[]);
+                let scale = want.abs().max().double_value(&[]);
+                assert!(err <= 1e-5 * scale, "{a_format:?} {m}x{k}x{n}: f32 out off by {err:e} of {scale:e}");
+                let y = fp8_gemm(a, b, Kind::BFloat16, true);
+                assert_eq!(y.kind(), Kind::BFloat16);
+                let err = (y.to_kind(Kind::Float) - &want).abs().max().double_value(&[]);
+                assert!(err <= scale / 256.0, "{a_format:?} {m}x{k}x{n}: bf16 out off by {err:e} of {scale:e}");
+            }
+        }
+    }
+
+    /// What CUDA refuses is named before calling it.
+    #[test]
+    fn cuda_refusals_are_named() {
+        let codes = |r, c, f: Fp8Format| quantize_tch(&Tensor::ones([r, c], (Kind::Float, tch::Device::Cpu)), 1.0, f);
+        let e4 = codes(32, 16, Fp8Format::E4M3);
+        assert_eq!(refused_on_cuda(&e4, &e4.tr()), None);
+        assert!(refused_on_cuda(&codes(8, 16, Fp8Format::E4M3), &e4.tr()).unwrap().contains("multiples of 16"));
+        let e5 = codes(32, 16, Fp8Format::E5M2);
+        assert!(refused_on_cuda(&codes(32, 32, Fp8Format::E5M2), &e5).unwrap().contains("E5M2"));
+        assert!(refused_on_cuda(&e4.tr(), &e4.tr()).unwrap().contains("row-major"));
+    }
+
+    /// On a CUDA device: `_scaled_mm` runs (no fallback) on the layer's layouts and equals the
+    /// dequantised GEMM. SKIPPED without one.
+    #[test]
+    fn scaled_mm_runs_on_cuda() {
+        if !tch::Cuda::is_available() {
+            eprintln!("SKIPPED: no CUDA device");
+            return;
+        }
+        let dev = tch::Device::Cuda(0);
+        let x = quantize_tch(&Tensor::randn([64, 128], (Kind::Float, dev)), 16.0, Fp8Format::E4M3);
+        let w = quantize_tch(&Tensor::randn([256, 128], (Kind::Float, dev)), 64.0, Fp8Format::E4M3);
+        let g = quantize_tch(&Tensor::randn([64, 256], (Kind::Float, dev)), 1024.0, Fp8Format::E5M2);
+        let _ = take_gemm_counts();
+        let y = fp8_gemm(
+            Fp8Operand { codes: &x, scale_inv: 1.0 / 16.0 },
+            Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 },
+            Kind::BFloat16,
+            true,
+        );
+        let w_col = w.tr().contiguous().tr();
+        let dx = fp8_gemm(
+            Fp8Operand { codes: &g, scale_inv: 1.0 / 1024.0 },
+            Fp8Operand { codes: &w_col, scale_inv: 1.0 / 64.0 },
+            Kind::BFloat16,
+            false,
+        );
+        assert_eq!(take_gemm_counts(), (2, 0), "a GEMM fell back on this GPU");
+        for (got, want) in [
+            (y, dequantize_tch(&x, 1.0 / 16.0).matmul(&dequantize_tch(&w, 1.0 / 64.0).tr())),
+            (dx, dequantize_tch(&g, 1.0 / 1024.0).matmul(&dequantize_tch(&w, 1.0 / 64.0))),
+        ] {
+            let err = (got.to_kind(Kind::Float) - &want).abs().max().double_value(&[]);
+            let scale = want.abs().max().double_value(&[]);
+            assert!(err <= scale / 128.0, "CUDA _scaled_mm off by {err:e} of {scale:e}");
+        }
+    }
+}
