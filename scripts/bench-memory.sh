@@ -51,8 +51,9 @@ shapes=(${SHARD_SHAPES:-small:512:fp32 llama2-70b-1layer:512:fp8})
       | python3 -c "import json,sys; d=json.load(sys.stdin); d['sharded']=bool('$shard'); print(json.dumps(d))" >>"$out"
   done
 done
-plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 small:1024:bf16:0:1 small:4096:fp32:8:1 small:8192:fp8:4:1 \
-  small:1024:fp32:0:2s llama2-70b-1layer:2048:fp32:0:1 llama2-70b-1layer:1024:fp8:0:1 llama2-70b-1layer:1024:fp8:0:1:purge})
+plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 tiny:1024:bf16:0:1 small:1024:bf16:0:1 small:2048:fp32:0:1 small:2048:bf16:0:1 \
+  small:4096:fp32:8:1 small:4096:bf16:8:1 small:8192:fp8:4:1 small:1024:fp32:0:2s llama2-70b-1layer:2048:fp32:0:1 \
+  llama2-70b-1layer:2048:bf16:0:1 llama2-70b-1layer:1024:fp8:0:1 llama2-70b-1layer:1024:fp8:0:1:purge})
 [[ $sections == *plan* ]] && for shape in "${plan_shapes[@]}"; do
   IFS=: read -r preset seq precision recompute ranks purge <<<"$shape"
   malloc_conf=${MALLOC_CONF:-}; [ "$purge" = purge ] && malloc_conf=dirty_decay_ms:1000
@@ -85,12 +86,12 @@ for r in (r for r in rows if "load" not in r and "plan_row" not in r):
     dtype = r["dtype"] + (" + FP8 weights" if r["fp8_weights"] else "")
     print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {kind} | {r["base_weight_bytes_per_layer"] / 2**20:.1f} | {r["peak_rss_mb"]:.0f} | {r["step_s_median"]:.2f} | {r["final_loss"]} |')
 print()
-print("| shape | ranks | recomputed blocks | planned peak MB | measured peak RSS MB | planned / measured | live-bytes peak MB | allocator-resident peak MB | step s |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| shape | ranks | recomputed blocks | planned peak MB | measured peak RSS MB | measured / planned (<= 1.05) | planned / measured (<= 1.15) | live-bytes peak MB | allocator-resident peak MB | step s |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for r in (r for r in rows if "plan_row" in r):
     dtype = r["dtype"] + (" + FP8 weights and activations" if r["fp8_weights"] else "")
     dtype += " (allocator purging)" if r["purge"] else ""
     ranks = f'{r["world"]}' + (" sharded" if r["sharded"] else "")
-    print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {ranks} | {r["recompute_layers"]} | {r["planned_peak_mb"]:.0f} | {r["peak_rss_mb"]:.0f} | {r["planned_peak_mb"] / r["peak_rss_mb"]:.3f} | {r["peak_heap_in_use_mb"]:.0f} | {r["peak_heap_resident_mb"]:.0f} | {r["step_s_median"]:.2f} |')
+    print(f'| {r["preset"]} s{r["seq_len"]} {dtype} | {ranks} | {r["recompute_layers"]} | {r["planned_peak_mb"]:.0f} | {r["peak_rss_mb"]:.0f} | {r["peak_rss_mb"] / r["planned_peak_mb"]:.3f} | {r["planned_peak_mb"] / r["peak_rss_mb"]:.3f} | {r["peak_heap_in_use_mb"]:.0f} | {r["peak_heap_resident_mb"]:.0f} | {r["step_s_median"]:.2f} |')
 PY
 rm -f "$out"

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_model::device::HeapBytes;
+use llora_model::precision::scaled_mm::take_gemm_counts;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -248,6 +249,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     let train_device = device.clone().autodiff();
     train_device.seed(args.seed);
     let rss_before_build = rss_mb();
+    let heap_before_build = llora_model::device::heap_bytes().unwrap_or_default().in_use as f64 / (1 << 20) as f64;
     let t_build = Instant::now();
     let config = LlamaConfig::preset(&args.preset)?;
     let spec = LoraSpec {
@@ -271,6 +273,8 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         shard_frozen_weights: args.shard_frozen_weights,
         world: dist.world.size,
         target: if args.device.is_cuda() { crate::plan::Target::Cuda } else { crate::plan::Target::Cpu },
+        threads: args.device.effective_threads(args.threads),
+        native_bf16_gemm: args.device.is_cuda() || llora_model::precision::bf16::native_on_this_cpu(),
     });
     let mut model = LlamaForCausalLM::random(
         &config,
@@ -304,6 +308,8 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     let mut loss = f64::NAN;
     let mut window = None;
     let mut saved_bytes = 0;
+    // FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
+    let mut fp8_gemms = (0, 0);
     for step in 0..args.warmup + args.steps {
         // Every rank draws the whole global batch from the same generator and trains its share,
         // so any world size sees the same data.
@@ -320,10 +326,12 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
             .collect();
         let (c0, t0) = (cpu_seconds(), Instant::now());
         let _ = llora_model::precision::take_saved_bytes();
+        let _ = take_gemm_counts();
         let opts =
             StepOptions { lr: args.lr, clip_grad_norm: args.max_grad_norm, recompute_layers: args.recompute_layers };
         let s = train_step(&mut model, &mut optim, dist.comm.as_ref(), mine, targets, opts)?;
         saved_bytes = llora_model::precision::take_saved_bytes();
+        fp8_gemms = take_gemm_counts();
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         loss = s.loss;
         if step + 1 == args.warmup.max(1) {
@@ -370,6 +378,8 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
         // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
         "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),
+        "fp8_gemms_scaled_mm": fp8_gemms.0,
+        "fp8_gemms_fallback": fp8_gemms.1,
         "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
         "impl": "llora (burn 0.22.1 + libtorch 2.9.0)", "attn_impl": format!("{:?}", llora_model::attention::AttentionKernel::for_device(&train_device)),
@@ -380,8 +390,10 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
         "peak_rss_mb": peak_rss_mb().map(|x| (x * 10.0).round() / 10.0),
         "planned_peak_mb": (plan.peak / (1 << 20) as f64 * 10.0).round() / 10.0,
+        "planned_mb": plan.lines.iter().map(|l| (l.name.to_string(), json!((l.bytes / (1 << 20) as f64 * 10.0).round() / 10.0))).collect::<serde_json::Map<_, _>>(),
         "rss_before_build_mb": rss_before_build.map(|x| (x * 10.0).round() / 10.0),
         "rss_hwm_after_build_mb": rss_after_build.map(|x| (x * 10.0).round() / 10.0),
+        "heap_in_use_before_build_mb": (heap_before_build * 10.0).round() / 10.0,
         "heap_in_use_after_build_mb": (heap_after_build * 10.0).round() / 10.0,
         "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
         "peak_heap_resident_mb": (heap_resident_peak * 10.0).round() / 10.0,

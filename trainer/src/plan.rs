@@ -19,6 +19,17 @@ const CPU_RUNTIME_BYTES: f64 = 366.0 * MB;
 const CUDA_RUNTIME_BYTES: f64 = 2.0 * GB;
 /// CUDA: what the caching allocator holds beyond live tensors at the peak (a margin, untested).
 const CUDA_FRAGMENTATION: f64 = 0.05;
+/// CPU: the packing buffers one thread's f32 GEMMs hold, which MKL's memory manager keeps
+/// after the first GEMM (measured with jemalloc's statistics over llora's GEMM shapes, d 256
+/// to 8192, 1-2 threads: 5-20 MB per thread on one thread, at most 36 MB per thread on two).
+/// bf16 GEMMs (oneDNN) keep none.
+const CPU_F32_GEMM_WORKSPACE: f64 = 36.0 * MB;
+/// CPU: the same when only the rank-r adapter GEMMs run in f32 (at most 20.4 MB per thread,
+/// for the `[r, d]` weight gradient at d 8192).
+const CPU_ADAPTER_GEMM_WORKSPACE: f64 = 21.0 * MB;
+/// Elements of a weight one CPU GEMM converts to f32 at a time: `_scaled_mm` on FP8 codes
+/// (`precision/scaled_mm.rs`) and bf16 GEMMs routed through f32 (`precision/bf16.rs`).
+const CPU_GEMM_BLOCK_ELEMENTS: f64 = (1u64 << 24) as f64;
 /// Bytes of logits one chunk of the fused LM-head cross-entropy holds (`loss.rs`).
 const LCE_CHUNK_BYTES: f64 = 32.0 * MB;
 
@@ -61,6 +72,11 @@ pub struct Shape {
     pub world: usize,
     /// Host or GPU.
     pub target: Target,
+    /// CPU threads of the rank's GEMMs (each holds its own GEMM workspace).
+    pub threads: usize,
+    /// Whether bf16 GEMMs run natively on the target; where not (an AVX2-only CPU), they run
+    /// in f32 on f32 copies of their bf16 operands (`precision/bf16.rs`).
+    pub native_bf16_gemm: bool,
 }
 
 /// One tensor (or group) in a per-token-per-block list, with its bytes per token.
@@ -126,9 +142,20 @@ fn adapted(s: &Shape) -> Vec<(&'static str, usize, &'static str)> {
     out
 }
 
+/// Bytes per element of the activations between the GEMMs (f32, or bf16 for bf16 and FP8).
+fn act_elem(p: &PrecisionSpec) -> f64 {
+    p.activation_dtype().size() as f64
+}
+
 /// Bytes per element of a tensor saved for a GEMM's weight gradient (and of SwiGLU's inputs).
 fn saved_elem(p: &PrecisionSpec) -> f64 {
-    match (p.fp8_activations, p.compute) {
+    if p.fp8_activations { 1.0 } else { act_elem(p) }
+}
+
+/// Bytes per element of an adapter's rank-wide bottleneck (A's output, B's saved input): the
+/// adapter GEMMs' output dtype (f32 for fp32 and bf16 compute, bf16 for FP8), or FP8.
+fn bottleneck_elem(p: &PrecisionSpec) -> f64 {
+    match (p.fp8_activations, p.for_adapters().compute) {
         (true, _) => 1.0,
         (false, Compute::Bf16) => 2.0,
         _ => 4.0,
@@ -145,14 +172,17 @@ fn weight_elem(p: &PrecisionSpec) -> f64 {
 }
 
 /// A block's widths as f64, for per-token byte counts: hidden d, query heads h, q and kv
-/// widths, MLP width i, saved-activation bytes per element a, adapter rank r.
+/// widths, MLP width i, activation bytes per element e, saved-activation bytes per element a,
+/// adapter bottleneck bytes per element b, adapter rank r.
 struct Widths {
     d: f64,
     h: f64,
     qd: f64,
     kvd: f64,
     i: f64,
+    e: f64,
     a: f64,
+    b: f64,
     r: f64,
 }
 
@@ -165,28 +195,37 @@ fn widths(s: &Shape) -> Widths {
         qd: f(c.num_attention_heads * c.head_dim),
         kvd: f(c.num_key_value_heads * c.head_dim),
         i: f(c.intermediate_size),
+        e: act_elem(&s.precision),
         a: saved_elem(&s.precision),
+        b: bottleneck_elem(&s.precision),
         r: s.lora_rank as f64,
     }
 }
 
 /// What llora keeps for backward per token of one decoder block (a middle block: block 0's
-/// input needs no gradient), op by op as the code does it.
+/// input needs no gradient), op by op as the code does it, one entry per tensor (the
+/// allocator rounds each one up on its own: [`allocated`]).
 pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
-    let Widths { d, h, qd, kvd, i, a, r } = widths(s);
-    let mut out = vec![
-        Kept { name: "block input".into(), bytes: 4.0 * d, why: "RMSNorm before attention (Burn's composite keeps x)" },
-        Kept { name: "residual after attention".into(), bytes: 4.0 * d, why: "RMSNorm before the MLP" },
-        Kept { name: "norm statistics".into(), bytes: 24.0, why: "1/rms and its intermediates, 3 per norm" },
-        Kept {
-            name: "q, k, v after RoPE, attention output".into(),
-            bytes: 4.0 * (2.0 * qd + 2.0 * kvd),
-            why: "fused attention backward (K/V at their own head count)",
-        },
-        Kept { name: "attention log-sum-exp".into(), bytes: 4.0 * h, why: "fused attention backward" },
-        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
-    ];
-    let mut shared_f32 = Vec::new();
+    let Widths { d, h, qd, kvd, i, e, a, b, r } = widths(s);
+    let k = |name: &str, bytes, why| Kept { name: name.into(), bytes, why };
+    let norm_in = "RMSNorm backward (Burn's composite keeps x in f32: the input, or its f32 upcast)";
+    let mut out = vec![k("block input", 4.0 * d, norm_in), k("residual after attention", 4.0 * d, norm_in)];
+    for norm in ["attention", "MLP"] {
+        for stat in ["mean square", "rsqrt", "1/rms"] {
+            out.push(Kept { name: format!("{norm} norm {stat}"), bytes: 4.0, why: "RMSNorm backward" });
+        }
+    }
+    let attn = "fused attention backward (K/V at their own head count)";
+    out.extend([
+        k("q after RoPE", e * qd, attn),
+        k("k after RoPE", e * kvd, attn),
+        k("v", e * kvd, attn),
+        k("attention output", e * qd, attn),
+        k("attention log-sum-exp", 4.0 * h, "fused attention backward"),
+        k("SwiGLU gate", i * a, "SwiGLU backward"),
+        k("SwiGLU up", i * a, "SwiGLU backward"),
+    ]);
+    let mut shared = Vec::new();
     for (name, n_in, input) in adapted(s) {
         let n = n_in as f64;
         if s.lora_dropout > 0.0 {
@@ -196,32 +235,33 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
                 bytes: n * a,
                 why: "LoRA A gradient (the dropped-out input, one per adapter)",
             });
-        } else if a < 4.0 {
-            out.push(Kept { name: format!("{name} adapter input"), bytes: n * a, why: "LoRA A gradient" });
-        } else if !shared_f32.contains(&input) && input != "attn_out" {
-            // An f32 input without dropout is the tensor itself, kept once for all its adapters
-            // (the attention output is kept by attention already).
-            shared_f32.push(input);
-            out.push(Kept { name: format!("{name} adapter input"), bytes: n * 4.0, why: "LoRA A gradient" });
+        } else if s.precision.fp8_activations {
+            out.push(Kept { name: format!("{name} adapter input"), bytes: n * a, why: "LoRA A gradient (FP8 copy)" });
+        } else if !shared.contains(&input) && input != "attn_out" {
+            // Without dropout the input is the activation itself, kept once for all its
+            // adapters (the attention output is kept by attention already).
+            shared.push(input);
+            out.push(Kept { name: format!("{name} adapter input"), bytes: n * e, why: "LoRA A gradient" });
         }
-        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * a, why: "LoRA B gradient" });
+        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
     }
     out
 }
 
-/// The least a LoRA backward of one block must keep per token with the same numerics (f32
-/// residual stream and attention, GEMM inputs in the run's activation storage), each tensor
+/// The least a LoRA backward of one block must keep per token with the same numerics (the
+/// residual stream and attention in the activations' dtype, with f32 1/rms, GEMM inputs in the
+/// run's activation storage), each tensor
 /// once: dropout masks are redrawn from a per-block seed, K/V stay at their head count, the
 /// attention output doubles as o_proj's adapter input, and nothing cheap to recompute from
 /// the kept tensors (norm outputs) is stored.
 pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
-    let Widths { d, h, qd, kvd, i, a, r } = widths(s);
+    let Widths { d, h, qd, kvd, i, e, a, b, r } = widths(s);
     let mut out = vec![
-        Kept { name: "block input + 1/rms".into(), bytes: 4.0 * d + 4.0, why: "RMSNorm before attention" },
-        Kept { name: "residual after attention + 1/rms".into(), bytes: 4.0 * d + 4.0, why: "RMSNorm before the MLP" },
+        Kept { name: "block input + 1/rms".into(), bytes: e * d + 4.0, why: "RMSNorm before attention" },
+        Kept { name: "residual after attention + 1/rms".into(), bytes: e * d + 4.0, why: "RMSNorm before the MLP" },
         Kept {
             name: "q, k, v after RoPE, attention output, log-sum-exp".into(),
-            bytes: 4.0 * (2.0 * qd + 2.0 * kvd) + 4.0 * h,
+            bytes: e * (2.0 * qd + 2.0 * kvd) + 4.0 * h,
             why: "attention backward; the output is also o_proj's adapter input",
         },
         Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
@@ -236,7 +276,7 @@ pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
                 why: "LoRA A gradients (masks redrawn from the seed)",
             });
         }
-        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * a, why: "LoRA B gradient" });
+        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
     }
     out
 }
@@ -246,12 +286,31 @@ pub fn per_token(list: &[Kept]) -> f64 {
     list.iter().map(|k| k.bytes).sum()
 }
 
-/// Linear weight elements of one decoder block, and the largest one.
-fn block_linears(c: &LlamaConfig) -> (f64, f64) {
+/// The bytes an allocation of `bytes` occupies. CPU: jemalloc's size classes, four per
+/// doubling, so a tensor takes up to 25% more than its bytes (the `small` preset's bf16 MLP
+/// weights, 5.5 MiB, take 6 MiB: 12 MB of its 15 MB heap above the weights' bytes after
+/// loading). CUDA: the caching allocator's 512-byte rounding (its larger block rounding is in
+/// the fragmentation margin).
+fn allocated(bytes: f64, target: Target) -> f64 {
+    if bytes <= 0.0 {
+        return 0.0;
+    }
+    let step = match target {
+        // Small classes (≤ 16 KiB) are 16-byte-spaced at worst; what matters are the large ones.
+        Target::Cpu if bytes > 16384.0 => (bytes - 1.0).log2().floor().exp2() / 4.0,
+        Target::Cpu => 16.0,
+        Target::Cuda => 512.0,
+    };
+    (bytes / step).ceil() * step
+}
+
+/// Elements of each linear weight of one decoder block, and of the largest one.
+fn block_linears(c: &LlamaConfig) -> (Vec<f64>, f64) {
     let (d, qd, kvd, i) =
         (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
-    let sizes = [d * qd, d * kvd, d * kvd, qd * d, d * i, d * i, i * d];
-    (sizes.iter().sum::<usize>() as f64, *sizes.iter().max().unwrap() as f64)
+    let sizes: Vec<f64> = [d * qd, d * kvd, d * kvd, qd * d, d * i, d * i, i * d].iter().map(|&x| x as f64).collect();
+    let largest = sizes.iter().cloned().fold(0.0, f64::max);
+    (sizes, largest)
 }
 
 /// LoRA parameters of the model.
@@ -274,16 +333,21 @@ fn lora_params(s: &Shape) -> f64 {
     (per_block * c.num_hidden_layers) as f64
 }
 
-/// The memory one rank of the run `s` needs at its peak, term by term.
+/// The memory one rank of the run `s` needs at its peak, term by term, each tensor as the
+/// allocator rounds it ([`allocated`]).
 pub fn budget(s: &Shape) -> Budget {
     let c = &s.model;
     let (d, l, v, i) = (c.hidden_size as f64, c.num_hidden_layers, c.vocab_size as f64, c.intermediate_size as f64);
     let t = (s.micro_batch * s.seq_len) as f64;
     let world = s.world.max(1) as f64;
     let p = &s.precision;
-    let (block_elems, largest) = block_linears(c);
-    let w = weight_elem(p);
+    let alloc = |bytes: f64| allocated(bytes, s.target);
+    let (weights, largest) = block_linears(c);
     let sharded = s.shard_frozen_weights && s.world > 1;
+    // FP8 weights kept whole on CUDA keep their transpose too (`_scaled_mm` wants the
+    // input-gradient GEMM's weight column-major: precision/mod.rs, `StoredWeight::Fp8`).
+    let transposed = s.target == Target::Cuda && p.compute == Compute::Fp8 && p.fp8_weights && !sharded;
+    let w = weight_elem(p) * if transposed { 2.0 } else { 1.0 };
     let mut lines = Vec::new();
     let mut add = |name, bytes: f64, note: String| lines.push(Line { name, bytes, note });
     let runtime = match s.target {
@@ -291,43 +355,91 @@ pub fn budget(s: &Shape) -> Budget {
         Target::Cuda => CUDA_RUNTIME_BYTES,
     };
     add("runtime", runtime, format!("{:?} runtime before the model", s.target));
-    let linear = block_elems * w * l as f64;
+    let block = |share: f64| weights.iter().map(|&n| alloc(n * w / share)).sum::<f64>();
     let (frozen, note) = if sharded {
         // The block that runs and the next one, whose gather is in flight meanwhile.
         let gathered = l.min(2);
         (
-            linear / world + gathered as f64 * block_elems * w,
+            l as f64 * block(world) + gathered as f64 * block(1.0),
             format!("{w} B/elem, 1/{} of every block + {gathered} block(s) gathered", s.world),
         )
     } else {
-        (linear, format!("{w} B/elem, replicated"))
+        let layouts = if transposed { " (both layouts)" } else { "" };
+        (l as f64 * block(1.0), format!("{w} B/elem{layouts}, replicated"))
     };
     add("frozen linear weights", frozen, note);
-    add("embedding, LM head, norms", (2.0 * v * d + (2 * l + 1) as f64 * d) * 4.0, "f32, replicated".into());
+    // Frozen tables are stored in the activations' dtype (llama.rs build); norms f32.
+    let e = act_elem(p);
+    add(
+        "embedding, LM head, norms",
+        2.0 * alloc(v * d * e) + (2 * l + 1) as f64 * alloc(d * 4.0),
+        format!("{e} B/elem tables, f32 norms, replicated"),
+    );
     let n_lora = lora_params(s);
     // Parameter, its gradient, the flat gradient the step reduces, AdamW's two moments.
     add("LoRA weights, gradients, AdamW", n_lora * 4.0 * 5.0, format!("{n_lora} parameters x 5 f32"));
-    let kept = per_token(&kept_per_token(s)) * t;
+    let kept: f64 = kept_per_token(s).iter().map(|k| alloc(k.bytes * t)).sum();
     let n = s.recompute_layers.min(l);
     // Kept at the top of backward: the blocks with a graph (block 0's input needs no
     // gradient), each recomputed block's input, and the recomputed block being backpropagated.
     let untracked_input = n == 0 && !sharded;
-    let graphs = (l - n) as f64 * kept - if untracked_input { 4.0 * d * t } else { 0.0 };
-    let recompute = if n > 0 { n as f64 * 4.0 * d * t + kept } else { 0.0 };
+    let graphs = (l - n) as f64 * kept - if untracked_input { alloc(4.0 * d * t) } else { 0.0 };
+    let recompute = if n > 0 { n as f64 * alloc(e * d * t) + kept } else { 0.0 };
     add("saved activations", graphs + recompute, format!("{} blocks kept, {n} recomputed", l - n));
     let rows = (t * s.target_fraction).ceil();
-    // The final norm's input and output rows, the loss's dh rows, one chunk of logits.
-    let head = 4.0 * d * (2.0 * t + rows) + LCE_CHUNK_BYTES.min(rows * v * 4.0);
-    add("final norm and loss", head, format!("{rows} target rows"));
-    // The largest backward op: SwiGLU's, with four [tokens, I] f32 tensors live (see
-    // precision.rs), plus f32 copies of its inputs when they are stored smaller, plus the
-    // residual-stream gradient; or the GEMM before it with its weight dequantised to f32.
-    let copies = if saved_elem(p) < 4.0 { 2.0 } else { 0.0 };
-    let swiglu = (4.0 + copies) * t * i * 4.0;
-    // The MLP GEMM: its input and output, and its weight dequantised (or FP8-rounded) to f32.
-    let gemm = t * (i + d) * 4.0 + if w < 4.0 || p.compute == Compute::Fp8 { largest * 4.0 } else { 0.0 };
-    let note = if swiglu >= gemm { "SwiGLU backward temporaries" } else { "MLP GEMM with its f32 weight" };
-    add("backward workspace", swiglu.max(gemm) + 2.0 * t * d * 4.0, note.into());
+    // The final norm's f32 input and its output, the loss's dh rows, one chunk of f32 logits
+    // (and the chunk's bf16 GEMM output it is upcast from).
+    let chunk = LCE_CHUNK_BYTES.min(rows * v * 4.0);
+    let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
+    // bf16 GEMMs routed through f32 upcast the LM head once per loss.
+    let upcast_gemms = e < 4.0 && !s.native_bf16_gemm;
+    let table = if upcast_gemms { alloc(v * d * 4.0) } else { 0.0 };
+    let head = alloc(4.0 * d * t) + alloc(e * d * t) + alloc(e * d * rows);
+    add("final norm and loss", head, format!("{rows} target rows kept for backward"));
+    let loss = chunk + table;
+    // The largest backward op: SwiGLU's, with four [tokens, I] activation-dtype tensors live
+    // (see precision.rs), plus, when gate and up are stored in FP8, their dequantised copies
+    // (and one f32 transient); or the MLP GEMM with its weight dequantised to f32 (FP8), or the
+    // f32 upcast of the widest adapter input (f32 adapters on bf16 activations). Plus the
+    // residual-stream gradient.
+    // torch's CPU `_scaled_mm` converts its operands to f32: the whole first operand and a
+    // column block of the second (scaled_mm.rs), with its transpose and f32 output.
+    let block = largest.min(CPU_GEMM_BLOCK_ELEMENTS);
+    let cpu_fp8 = if s.target == Target::Cpu { alloc(t * i * 4.0) + 3.0 * alloc(block * 4.0) } else { 0.0 };
+    let fp8_kept = if saved_elem(p) < e { 2.0 * alloc(e * t * i) + alloc(4.0 * t * i) } else { 0.0 };
+    let swiglu = 4.0 * alloc(e * t * i) + fp8_kept;
+    let widest_adapter = adapted(s).iter().map(|(_, n, _)| *n).max().unwrap_or(0) as f64;
+    let upcast = if p.compute == Compute::Bf16 { alloc(widest_adapter * t * 4.0) } else { 0.0 };
+    let gemm = match p.compute {
+        // `_scaled_mm`'s operands: the input's and gradient's FP8 codes, the weight's codes
+        // and (uncached) transposed codes.
+        Compute::Fp8 => alloc(t * i * e) + alloc(t * d * e) + alloc(t * i) + 2.0 * alloc(largest) + cpu_fp8,
+        // bf16 routed through f32 (precision/bf16.rs): the first operand in f32, a column
+        // block of the weight in f32 and its f32 output block.
+        Compute::Bf16 if upcast_gemms => {
+            alloc(t * i * e) + alloc(t * d * e) + alloc(t * i * 4.0) + 2.0 * alloc(block * 4.0)
+        }
+        _ => alloc(t * i * e) + alloc(t * d * e) + upcast,
+    };
+    // The loss's transients are gone when backward starts: the larger of the two counts.
+    let backward = swiglu.max(gemm) + 2.0 * alloc(t * d * e);
+    let note = if loss > backward {
+        "the loss: a chunk of logits".to_string() + if table > 0.0 { " and the LM head in f32" } else { "" }
+    } else if swiglu >= gemm {
+        "backward: SwiGLU's temporaries".into()
+    } else {
+        "backward: the MLP GEMM with its operands' copies".into()
+    };
+    add("loss or backward workspace", loss.max(backward), note);
+    if s.target == Target::Cpu {
+        // The big GEMMs run in f32 for fp32 compute and for the emulated FP8 recipe.
+        let (per_thread, which) = match p.compute {
+            Compute::Bf16 if s.native_bf16_gemm => (CPU_ADAPTER_GEMM_WORKSPACE, "the adapters' f32 GEMMs"),
+            _ => (CPU_F32_GEMM_WORKSPACE, "f32 GEMMs"),
+        };
+        let threads = s.threads.max(1);
+        add("GEMM workspace", per_thread * threads as f64, format!("MKL's buffers for {which}, {threads} thread(s)"));
+    }
     let mut peak: f64 = lines.iter().map(|x| x.bytes).sum();
     if s.target == Target::Cuda {
         let margin = (peak - runtime) * CUDA_FRAGMENTATION;
@@ -412,6 +524,11 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
         shard_frozen_weights: config.train.shard_frozen_weights,
         world,
         target: if config.run.device.is_cuda() { Target::Cuda } else { Target::Cpu },
+        threads: match config.run.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        },
+        native_bf16_gemm: config.run.device.is_cuda() || llora_model::precision::bf16::native_on_this_cpu(),
     })
 }
 
@@ -529,6 +646,8 @@ mod tests {
             shard_frozen_weights: shard,
             world,
             target: Target::Cuda,
+            threads: 1,
+            native_bf16_gemm: true,
         }
     }
 
@@ -536,14 +655,14 @@ mod tests {
     #[test]
     fn kept_and_minimum_bytes_match_the_hand_count() {
         let s = mlperf(8, 0, false);
-        // x 4·8192 + h 4·8192 + norm stats 24 + q,k,v,out 4·(2·8192 + 2·1024) + lse 4·64
-        // + gate/up 2·28672·1 + (dropped-out input 8192 + bottleneck 16) for qkv and for o (the
-        // dropout masks are redrawn, not kept).
-        let kept = 32768.0 + 32768.0 + 24.0 + 73728.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 16.0);
+        // x 4·8192 + h 4·8192 (the norms' f32 upcasts) + norm stats 24 + q,k,v,out in bf16
+        // 2·(2·8192 + 2·1024) + lse 4·64 + gate/up 2·28672·1 + (dropped-out input 8192 + FP8
+        // bottleneck 16) for qkv and for o (the dropout masks are redrawn, not kept).
+        let kept = 32768.0 + 32768.0 + 24.0 + 36864.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 16.0);
         assert_eq!(per_token(&kept_per_token(&s)), kept);
-        // x and h with 1/rms, attention tensors + lse, gate/up, the adapters' input once, two
-        // bottlenecks.
-        let min = 2.0 * 32772.0 + (73728.0 + 256.0) + 57344.0 + 8192.0 + 32.0;
+        // x and h in bf16 with f32 1/rms, attention tensors + lse, gate/up, the adapters' input
+        // once, two bottlenecks.
+        let min = 2.0 * (16384.0 + 4.0) + (36864.0 + 256.0) + 57344.0 + 8192.0 + 32.0;
         assert_eq!(per_token(&minimum_per_token(&s)), min);
     }
 
