@@ -280,3 +280,12 @@ fn plan_of_the_mlperf_job_names_a_recipe_that_fits() {
     let (_, stderr) = text(&out);
     assert!(!out.status.success() && stderr.contains("--device-memory") && stderr.contains("GiB"), "{stderr}");
 }
+
+/// A regular file given as `--model` is called a file, not a missing directory.
+#[test]
+fn a_file_given_as_model_is_named_as_a_file() {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let out = llora(&["eval", "--model", file.path().to_str().unwrap(), "--data", "absent.parquet"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success() && stderr.contains("is a file, not a checkpoint directory"), "{stderr}");
+}

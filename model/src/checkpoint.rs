@@ -86,10 +86,28 @@ pub struct HfCheckpoint {
     index: HashMap<String, usize>,
 }
 
+/// The path of a shard an index names, refused unless it is a file name or relative path that
+/// stays inside the checkpoint directory (no absolute path, no `..`, no symlink out of it): an
+/// index is input, and must not make llora open `/etc/passwd`.
+fn shard_path(dir: &Path, file: &str) -> anyhow::Result<PathBuf> {
+    use std::path::Component;
+    let rel = Path::new(file);
+    ensure!(
+        !file.is_empty() && rel.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)),
+        "shard {file:?} is not a path inside the model directory"
+    );
+    let path = dir.join(rel);
+    if let (Ok(real), Ok(root)) = (path.canonicalize(), dir.canonicalize()) {
+        ensure!(real.starts_with(&root), "shard {file:?} leads outside the model directory (to {})", real.display());
+    }
+    Ok(path)
+}
+
 impl HfCheckpoint {
     /// Opens and indexes a checkpoint directory without reading any tensor data.
     pub fn open(dir: &Path) -> anyhow::Result<Self> {
-        ensure!(dir.is_dir(), "model directory {} does not exist", dir.display());
+        ensure!(dir.exists(), "model directory {} does not exist", dir.display());
+        ensure!(dir.is_dir(), "model path {} is a file, not a checkpoint directory", dir.display());
         let mut config = LlamaConfig::from_hf_dir(dir)?;
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
@@ -112,7 +130,8 @@ impl HfCheckpoint {
                 let next = by_file.len();
                 let shard_idx = *by_file.entry(file.to_string()).or_insert(next);
                 if shard_idx == shards.len() {
-                    let path = dir.join(file);
+                    let path = shard_path(dir, file)
+                        .with_context(|| format!("{}: weight_map[{tensor:?}]", index_path.display()))?;
                     ensure!(
                         path.is_file(),
                         "shard {file} (holding tensor {tensor}) is listed in {} but missing from {}",
@@ -367,4 +386,31 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
     }
     ensure!(loaded > 0, "{}: no module of the model matches target_modules {:?}", path.display(), spec.targets);
     Ok(spec)
+}
+
+#[cfg(test)]
+mod shard_path_tests {
+    use super::shard_path;
+
+    /// An index may name files in the directory and below it, nothing else.
+    #[test]
+    fn shard_paths_stay_inside_the_model_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("x.safetensors"), b"").unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        assert!(shard_path(dir.path(), "model-00001-of-00002.safetensors").is_ok());
+        assert!(shard_path(dir.path(), "sub/a.safetensors").is_ok());
+        for bad in ["../x.safetensors", "sub/../../x.safetensors", "/etc/passwd", ""] {
+            let err = shard_path(dir.path(), bad).unwrap_err().to_string();
+            assert!(err.contains("inside the model directory"), "{bad}: {err}");
+        }
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(outside.path().join("x.safetensors"), dir.path().join("link.safetensors"))
+                .unwrap();
+            let err = shard_path(dir.path(), "link.safetensors").unwrap_err().to_string();
+            assert!(err.contains("leads outside"), "{err}");
+        }
+    }
 }
