@@ -201,7 +201,7 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
         assert_eq!(linear["value"], name, "the log must say what ran");
         // FP8 runs its activations, and so attention, in bf16.
         let attn = mllog(&log).into_iter().find(|e| e["key"] == "lowest_numerical_precision_in_attn").unwrap();
-        assert_eq!(attn["value"], if name == "fp32" { "fp32" } else { "bf16" });
+        assert_eq!(attn["value"], if name == "fp32" { "fp32" } else { "bfloat16" });
     }
     let (fp32, fp8) = (samples[0] as f64, samples[1] as f64);
     assert!(fp8 <= fp32 * 1.15, "FP8 needed {fp8} samples, fp32 {fp32} (more than 15% more)");

@@ -537,6 +537,16 @@ fn submission_keys(config: &Config, nodes: usize) -> Vec<(&'static str, Value)> 
 
 /// The hyperparameter keys of the result log, and what ran: the linear GEMMs in
 /// `precision.compute`; attention (QKᵀ, softmax, PV) and the gradient reduction in f32.
+/// A precision in the MLPerf checker's words (`bfloat16`, not `bf16`: the checker refuses it).
+fn mllog_precision(c: llora_model::precision::Compute) -> &'static str {
+    use llora_model::precision::Compute;
+    match c {
+        Compute::Fp32 => "fp32",
+        Compute::Bf16 => "bfloat16",
+        Compute::Fp8 => "fp8",
+    }
+}
+
 fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'static str, Value)> {
     let s = &config.schedule;
     vec![
@@ -551,12 +561,10 @@ fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'s
         ("lora_rank", json!(config.lora.rank)),
         ("lora_alpha", json!(config.lora.alpha)),
         ("target_accuracy", json!(config.eval.target_loss)),
-        ("lowest_numerical_precision_in_linear", json!(config.precision.compute.name())),
-        // Attention runs in the activations' dtype (softmax in f32 inside the kernel).
-        (
-            "lowest_numerical_precision_in_attn",
-            json!(if config.precision.compute == llora_model::precision::Compute::Fp32 { "fp32" } else { "bf16" }),
-        ),
+        ("lowest_numerical_precision_in_linear", json!(mllog_precision(config.precision.compute))),
+        // Attention runs in the activations' dtype: bf16 for bf16 and FP8 (softmax in f32
+        // inside the kernel).
+        ("lowest_numerical_precision_in_attn", json!(mllog_precision(config.precision.spec().activation_compute()))),
         ("lowest_numerical_precision_in_comm", json!("fp32")),
         ("tensor_parallelism", json!(1)),
         ("pipeline_parallelism", json!(1)),

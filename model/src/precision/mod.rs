@@ -107,6 +107,11 @@ impl PrecisionSpec {
         Ok(())
     }
 
+    /// The format the activations (and attention) compute in: fp32, or bf16 for bf16 and FP8.
+    pub fn activation_compute(&self) -> Compute {
+        if self.compute == Compute::Fp32 { Compute::Fp32 } else { Compute::Bf16 }
+    }
+
     /// The dtype of the activations between the linear layers: f32 for `fp32`; bf16 for
     /// `bf16` and `fp8` (FP8 is the GEMM operands' format, not the activations', as in
     /// Transformer Engine: its GEMMs take bf16 in and give bf16 out).
