@@ -163,7 +163,7 @@ fn lce_forward_chunked(
     let t_all = tch::Tensor::from_slice(targets).to_device(h.device());
     // The GEMMs' operands: the activations' dtype, or f32 for bf16 where torch has no fast bf16
     // GEMM (precision/bf16.rs); the logits are f32 either way.
-    let kind = if h.kind() == tch::Kind::BFloat16 { crate::precision::bf16::gemm_kind(h.device()) } else { h.kind() };
+    let kind = crate::precision::bf16::operand_kind(h.kind(), h.device());
     let w = &w.to_kind(kind);
     let wt = w.tr();
     let (mut losses, mut dhs) = (Vec::new(), Vec::new());

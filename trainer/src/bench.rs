@@ -382,7 +382,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "fp8_gemms_fallback": fp8_gemms.1,
         "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
-        "impl": "llora (burn 0.22.1 + libtorch 2.9.0)", "attn_impl": format!("{:?}", llora_model::attention::AttentionKernel::for_device(&train_device)),
+        "impl": "llora (burn 0.22.1 + libtorch 2.9.0)", "attn_impl": llora_model::attention::kernels_used(),
         "warmup": args.warmup, "steps": args.steps,
         "step_s_median": r4(med), "step_s_min": r4(quantile(&step_s, 0.0)), "step_s_max": r4(quantile(&step_s, 1.0)),
         "step_s_p25": r4(quantile(&step_s, 0.25)), "step_s_p75": r4(quantile(&step_s, 0.75)),

@@ -49,11 +49,11 @@ fn cpu_has_bf16_gemm() -> bool {
     false
 }
 
-/// The dtype to hand a bf16 GEMM's operands to torch in on `device`: bf16 where it is native,
-/// f32 otherwise (the caller rounds the result to bf16; for the LM head, where the table is
-/// converted once per loss, not per block).
-pub fn gemm_kind(device: tch::Device) -> Kind {
-    if native_bf16_gemm(device) { Kind::BFloat16 } else { Kind::Float }
+/// The dtype to hand torch an operand of dtype `kind` in, for a GEMM (or a kernel made of
+/// GEMMs, like CPU flash attention) on `device`: `kind` itself, except bf16 where torch has no
+/// fast bf16 GEMMs: f32 there (exact for bf16 values; the caller rounds the result back).
+pub fn operand_kind(kind: Kind, device: tch::Device) -> Kind {
+    if kind == Kind::BFloat16 && !native_bf16_gemm(device) { Kind::Float } else { kind }
 }
 
 /// Elements of the second operand converted to f32 at a time by [`mm_via_f32`] (64 MB): whole

@@ -424,12 +424,9 @@ impl LinearQuant {
     /// `a · b` for fp32 and bf16 compute, in the operands' dtype: bf16 operands on torch's bf16
     /// GEMM, or through f32 GEMMs where it has none ([`bf16`]).
     fn gemm(&self, a: &tch::Tensor, b: &tch::Tensor) -> tch::Tensor {
-        let a = a.to_kind(self.operand_kind());
-        if self.operand_kind() == Kind::BFloat16 && !bf16::native_bf16_gemm(a.device()) {
-            bf16::mm_via_f32(&a, b, Kind::BFloat16)
-        } else {
-            a.matmul(b)
-        }
+        let kind = self.operand_kind();
+        let a = a.to_kind(kind);
+        if bf16::operand_kind(kind, a.device()) != kind { bf16::mm_via_f32(&a, b, Kind::BFloat16) } else { a.matmul(b) }
     }
 
     /// The weight as FP8 GEMMs use it: the stored E4M3 codes, or the weight quantised with

@@ -1,0 +1,212 @@
+//! Which fused attention kernel runs on a CUDA device, and the forwards of the two that tch
+//! 0.22 does not bind (flash attention and cuDNN SDPA), called through `sdpa_shim.cpp`.
+//!
+//! The kernels differ in what they take: cuDNN SDPA and flash attention want bf16 or f16 and
+//! take K/V with fewer heads than Q (no repeated copy, forward or backward); the
+//! memory-efficient kernel also takes f32 but needs K/V repeated to Q's head count. torch's own
+//! `scaled_dot_product_attention` prefers cuDNN on sm_90. None of them ever ran on this
+//! project's CPU machines, so each candidate is checked against plain LibTorch on the first
+//! problem of its kind (device, dtype, head counts, head size) before it is used, and a
+//! candidate that fails that check or a later forward is dropped, with a warning, for the next.
+//! The kernel chosen is logged once per kind of problem.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_int};
+use std::sync::Mutex;
+
+use super::fused::{FusedKernel, verify};
+
+/// What the shim's forward returns, in the order the matching backward takes it.
+#[repr(C)]
+struct SdpaOut {
+    out: *mut torch_sys::C_tensor,
+    logsumexp: *mut torch_sys::C_tensor,
+    cum_seq_q: *mut torch_sys::C_tensor,
+    cum_seq_k: *mut torch_sys::C_tensor,
+    max_q: i64,
+    max_k: i64,
+    philox_seed: *mut torch_sys::C_tensor,
+    philox_offset: *mut torch_sys::C_tensor,
+}
+
+unsafe extern "C" {
+    fn llora_sdpa_forward(
+        kernel: c_int,
+        q: *const torch_sys::C_tensor,
+        k: *const torch_sys::C_tensor,
+        v: *const torch_sys::C_tensor,
+        causal: c_int,
+        res: *mut SdpaOut,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_sdpa_free(s: *mut c_char);
+}
+
+/// A flash or cuDNN forward's outputs: what its backward needs besides q, k, v and the gradient.
+#[derive(Debug)]
+pub struct SdpaForward {
+    /// Attention output, `[batch, heads, seq, head_dim]`.
+    pub out: tch::Tensor,
+    /// Row log-sum-exp of the scores (f32).
+    pub logsumexp: tch::Tensor,
+    /// Cumulative sequence lengths (empty for dense inputs).
+    pub cum_seq_q: tch::Tensor,
+    /// As `cum_seq_q`, for the keys.
+    pub cum_seq_k: tch::Tensor,
+    /// Longest query sequence.
+    pub max_q: i64,
+    /// Longest key sequence.
+    pub max_k: i64,
+    /// The kernel's dropout RNG state (unused with dropout 0, but its backward takes it).
+    pub philox_seed: tch::Tensor,
+    /// As `philox_seed`.
+    pub philox_offset: tch::Tensor,
+}
+
+/// Flash attention (`flash = true`) or cuDNN SDPA forward, scale 1/√hd, no dropout.
+///
+/// # Shapes
+/// - q: `[batch, heads, seq, head_dim]`, bf16 or f16, on a CUDA device
+/// - k, v: `[batch, kv_heads, seq, head_dim]`, kv_heads dividing heads
+pub fn sdpa_forward(
+    flash: bool,
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    causal: bool,
+) -> Result<SdpaForward, tch::TchError> {
+    let null = std::ptr::null_mut();
+    let mut res = SdpaOut {
+        out: null,
+        logsumexp: null,
+        cum_seq_q: null,
+        cum_seq_k: null,
+        max_q: 0,
+        max_k: 0,
+        philox_seed: null,
+        philox_offset: null,
+    };
+    let mut err = std::ptr::null_mut();
+    // SAFETY: the tensors outlive the call; on success every pointer in `res` is a new
+    // at::Tensor that tch takes over below, on failure `err` is a malloc'd message.
+    let rc = unsafe {
+        llora_sdpa_forward(
+            c_int::from(!flash),
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            c_int::from(causal),
+            &mut res,
+            &mut err,
+        )
+    };
+    if rc != 0 {
+        let msg = if err.is_null() {
+            "fused attention forward failed".to_string()
+        } else {
+            // SAFETY: a NUL-terminated message from the shim, freed once.
+            let m = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
+            unsafe { llora_sdpa_free(err) };
+            m
+        };
+        return Err(tch::TchError::Torch(msg));
+    }
+    // SAFETY: each pointer is a fresh at::Tensor owned by nobody else.
+    let own = |p| unsafe { tch::Tensor::from_ptr(p) };
+    Ok(SdpaForward {
+        out: own(res.out),
+        logsumexp: own(res.logsumexp),
+        cum_seq_q: own(res.cum_seq_q),
+        cum_seq_k: own(res.cum_seq_k),
+        max_q: res.max_q,
+        max_k: res.max_k,
+        philox_seed: own(res.philox_seed),
+        philox_offset: own(res.philox_offset),
+    })
+}
+
+/// A kind of attention problem: what decides which kernels can run it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Problem {
+    /// CUDA device index.
+    pub device: usize,
+    /// Element type of q, k and v.
+    pub kind: tch::Kind,
+    /// Query heads.
+    pub heads: i64,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: i64,
+    /// Size of one head.
+    pub head_dim: i64,
+}
+
+impl Problem {
+    /// The problem `q` and `k` pose.
+    ///
+    /// # Shapes
+    /// - q: `[batch, heads, seq, head_dim]`; k: `[batch, kv_heads, seq, head_dim]`
+    pub fn of(q: &tch::Tensor, k: &tch::Tensor) -> Option<Self> {
+        let tch::Device::Cuda(device) = q.device() else { return None };
+        let (qs, ks) = (q.size(), k.size());
+        Some(Self { device, kind: q.kind(), heads: qs[1], kv_heads: ks[1], head_dim: qs[3] })
+    }
+
+    /// The kernels to try, fastest first.
+    fn candidates(&self) -> &'static [FusedKernel] {
+        match self.kind {
+            tch::Kind::BFloat16 | tch::Kind::Half => {
+                &[FusedKernel::CudaCudnn, FusedKernel::CudaFlash, FusedKernel::CudaEfficient]
+            }
+            _ => &[FusedKernel::CudaEfficient],
+        }
+    }
+}
+
+/// Per kind of problem: the candidates not yet refused, and whether the first one is verified.
+static CHOICES: Mutex<Option<HashMap<Problem, (Vec<FusedKernel>, bool)>>> = Mutex::new(None);
+
+/// The fused kernel for `p`, verifying candidates on first use; `None` when none passes (then
+/// the generic attention runs).
+pub fn choose(p: Problem) -> Option<FusedKernel> {
+    let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let (left, verified) = map.entry(p).or_insert_with(|| (p.candidates().to_vec(), false));
+    while let Some(&kernel) = left.first() {
+        if *verified {
+            return Some(kernel);
+        }
+        match verify(kernel, tch::Device::Cuda(p.device), p.kind, p.heads, p.kv_heads, p.head_dim) {
+            Ok(()) => {
+                *verified = true;
+                tracing::info!(
+                    device = p.device,
+                    dtype = ?p.kind,
+                    heads = p.heads,
+                    kv_heads = p.kv_heads,
+                    head_dim = p.head_dim,
+                    "attention kernel: {} (verified against plain LibTorch)",
+                    kernel.name()
+                );
+            }
+            Err(e) => {
+                tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} refused: {e}", kernel.name());
+                left.remove(0);
+            }
+        }
+    }
+    tracing::warn!(device = p.device, dtype = ?p.kind, "no fused CUDA attention kernel passed its check: using the generic O(S²) attention");
+    None
+}
+
+/// Drops `kernel` for `p` after it failed on a real problem; the next call of [`choose`]
+/// verifies the next candidate.
+pub fn refuse(p: Problem, kernel: FusedKernel, err: &tch::TchError) {
+    let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((left, verified)) = guard.get_or_insert_with(HashMap::new).get_mut(&p)
+        && left.first() == Some(&kernel)
+    {
+        tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} failed, trying the next: {err}", kernel.name());
+        left.remove(0);
+        *verified = false;
+    }
+}

@@ -1,0 +1,366 @@
+//! LibTorch's fused attention kernels, forward and backward, on tch tensors: what each keeps for
+//! its backward, the K/V head handling each needs, and the check of a kernel against plain
+//! LibTorch ops.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use burn::backend::libtorch::TchTensor;
+
+use super::cuda::{self, Problem};
+
+/// A fused LibTorch attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FusedKernel {
+    /// torch's CPU flash attention (any float dtype; K/V at their own head count).
+    CpuFlash,
+    /// CUDA memory-efficient attention (f32 too; K/V repeated to Q's head count).
+    CudaEfficient,
+    /// CUDA flash attention (bf16/f16; K/V at their own head count).
+    CudaFlash,
+    /// cuDNN SDPA (bf16/f16; K/V at their own head count).
+    CudaCudnn,
+}
+
+impl FusedKernel {
+    /// The name logs and bench JSON use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::CpuFlash => "cpu-flash",
+            Self::CudaEfficient => "cuda-memory-efficient",
+            Self::CudaFlash => "cuda-flash",
+            Self::CudaCudnn => "cuda-cudnn",
+        }
+    }
+
+    /// Whether the kernel takes K/V with fewer heads than Q itself (forward and backward: dK
+    /// and dV come back summed over each group, and no repeated copy of K/V exists).
+    fn native_gqa(self) -> bool {
+        self != Self::CudaEfficient
+    }
+}
+
+/// What a kernel's backward needs besides q, k, v, the output and the log-sum-exp.
+#[derive(Debug, Clone)]
+pub enum Kept {
+    /// CPU flash attention: nothing more.
+    Cpu,
+    /// Memory-efficient attention: its dropout RNG state (unused with dropout 0, but required).
+    Efficient { seed: TchTensor, offset: TchTensor },
+    /// Flash attention or cuDNN SDPA.
+    Sdpa {
+        /// Which of the two.
+        flash: bool,
+        cum_seq_q: TchTensor,
+        cum_seq_k: TchTensor,
+        max_q: i64,
+        max_k: i64,
+        seed: TchTensor,
+        offset: TchTensor,
+    },
+}
+
+/// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
+#[derive(Debug, Clone)]
+pub struct Saved {
+    /// The attention output (shared with the autodiff node's output; see `mod.rs`).
+    pub out: TchTensor,
+    /// Row log-sum-exp of the scores.
+    pub lse: TchTensor,
+    /// Kernel-specific state.
+    pub kept: Kept,
+}
+
+/// The kernels forwards ran with in this process (bench JSON names them).
+static USED: Mutex<BTreeSet<FusedKernel>> = Mutex::new(BTreeSet::new());
+
+/// The fused kernels attention has run with so far in this process.
+pub fn kernels_used() -> Vec<&'static str> {
+    USED.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|k| k.name()).collect()
+}
+
+/// Repeats each KV head `group` times (a copy: for kernels that take equal head counts).
+///
+/// # Shapes
+/// - x: `[batch, kv_heads, seq, head_dim]`
+/// - output: `[batch, kv_heads · group, seq, head_dim]`
+fn repeat_heads(x: &tch::Tensor, group: i64) -> tch::Tensor {
+    if group == 1 {
+        return x.shallow_clone();
+    }
+    let [b, kv, s, hd] = x.size()[..] else { unreachable!("4-D attention input") };
+    x.unsqueeze(2).expand([b, kv, group, s, hd], false).reshape([b, kv * group, s, hd])
+}
+
+/// The gradient of [`repeat_heads`]: each KV head's sum over its group.
+///
+/// # Shapes
+/// - g: `[batch, kv_heads · group, seq, head_dim]`
+/// - output: `[batch, kv_heads, seq, head_dim]`
+fn sum_heads(g: tch::Tensor, group: i64) -> tch::Tensor {
+    if group == 1 {
+        return g;
+    }
+    let [b, h, s, hd] = g.size()[..] else { unreachable!("4-D attention gradient") };
+    // Summed in f32 (a bf16 sum over the group would round at every add), returned in g's dtype.
+    let kind = g.kind();
+    g.reshape([b, h / group, group, s, hd]).sum_dim_intlist([2i64].as_slice(), false, tch::Kind::Float).to_kind(kind)
+}
+
+/// The dtype the CPU flash kernel gets `x` in: f32 for bf16 where torch has no fast bf16
+/// GEMMs (its blocks are GEMMs: 5x slower than f32 on an AVX2-only CPU, see
+/// `precision/bf16.rs`); the tensors kept for backward stay bf16.
+fn cpu_kernel_kind(x: &tch::Tensor) -> tch::Kind {
+    crate::precision::bf16::operand_kind(x.kind(), x.device())
+}
+
+/// The fused forward for the tensors' device: torch's CPU flash attention on the CPU, the
+/// first CUDA kernel that passes its check on CUDA (see `cuda.rs`).
+///
+/// # Shapes
+/// - q: `[batch, heads, seq, head_dim]`; k, v: `[batch, kv_heads, seq, head_dim]`
+pub fn forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
+    let Some(p) = Problem::of(q, k) else { return forward_with(FusedKernel::CpuFlash, q, k, v, causal) };
+    while let Some(kernel) = cuda::choose(p) {
+        match forward_with(kernel, q, k, v, causal) {
+            Ok(saved) => return Ok(saved),
+            Err(e) => cuda::refuse(p, kernel, &e),
+        }
+    }
+    Err(tch::TchError::Torch(format!("no fused CUDA attention kernel runs {p:?}")))
+}
+
+/// [`forward`] with a given kernel.
+///
+/// # Shapes
+/// As [`forward`].
+pub fn forward_with(
+    kernel: FusedKernel,
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    causal: bool,
+) -> Result<Saved, tch::TchError> {
+    USED.lock().unwrap_or_else(|e| e.into_inner()).insert(kernel);
+    let group = if kernel.native_gqa() { 1 } else { q.size()[1] / k.size()[1] };
+    let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
+    let t = TchTensor::new;
+    match kernel {
+        FusedKernel::CpuFlash => {
+            let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
+            let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
+                &f(q),
+                &f(k),
+                &f(v),
+                0.0,
+                causal,
+                None::<tch::Tensor>,
+                None,
+            )?;
+            Ok(Saved { out: t(out.to_kind(q.kind())), lse: t(lse), kept: Kept::Cpu })
+        }
+        FusedKernel::CudaEfficient => {
+            let (out, lse, seed, offset) = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(
+                q,
+                k,
+                v,
+                None::<tch::Tensor>,
+                true,
+                0.0,
+                causal,
+                None,
+            )?;
+            Ok(Saved { out: t(out), lse: t(lse), kept: Kept::Efficient { seed: t(seed), offset: t(offset) } })
+        }
+        FusedKernel::CudaFlash | FusedKernel::CudaCudnn => {
+            let flash = kernel == FusedKernel::CudaFlash;
+            let f = cuda::sdpa_forward(flash, q, k, v, causal)?;
+            let kept = Kept::Sdpa {
+                flash,
+                cum_seq_q: t(f.cum_seq_q),
+                cum_seq_k: t(f.cum_seq_k),
+                max_q: f.max_q,
+                max_k: f.max_k,
+                seed: t(f.philox_seed),
+                offset: t(f.philox_offset),
+            };
+            Ok(Saved { out: t(f.out), lse: t(f.logsumexp), kept })
+        }
+    }
+}
+
+/// The fused backward of the kernel that made `saved`: (dq, dk, dv), dk and dv at K/V's head
+/// count (for a kernel without native GQA, K and V repeated again here and their gradients
+/// summed over each group).
+///
+/// # Shapes
+/// - grad: as the output, `[batch, heads, seq, head_dim]`; q, k, v as in [`forward`]
+pub fn backward(
+    grad: &tch::Tensor,
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    saved: &Saved,
+    causal: bool,
+) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
+    let out = &saved.out.tensor;
+    let lse = &saved.lse.tensor;
+    // The kernels assume a dense gradient laid out like their output; upstream reshapes can
+    // hand it a strided view.
+    let grad = if grad.stride() == out.stride() {
+        grad.shallow_clone()
+    } else {
+        let mut g = out.empty_like();
+        g.copy_(grad);
+        g
+    };
+    match &saved.kept {
+        Kept::Cpu => {
+            let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
+            let (dq, dk, dv) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                &f(&grad),
+                &f(q),
+                &f(k),
+                &f(v),
+                &f(out),
+                lse,
+                0.0,
+                causal,
+                None::<tch::Tensor>,
+                None,
+            )?;
+            Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
+        }
+        Kept::Efficient { seed, offset } => {
+            let group = q.size()[1] / k.size()[1];
+            let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
+            // What torch's `_scaled_dot_product_efficient_attention_backward_cuda` does: the
+            // kernel works in [batch, seq, heads, head_dim]; mask type 1 = causal from top left.
+            let t = |x: &tch::Tensor| x.transpose(1, 2);
+            let (s_q, s_k) = (q.size()[2], k.size()[2]);
+            let (dq, dk, dv, _) = tch::Tensor::f_internal_efficient_attention_backward(
+                &t(&grad),
+                &t(q),
+                &t(k),
+                &t(v),
+                None::<&tch::Tensor>,
+                &t(out),
+                None::<&tch::Tensor>,
+                None::<&tch::Tensor>,
+                s_q,
+                s_k,
+                lse,
+                0.0,
+                &seed.tensor,
+                &offset.tensor,
+                i64::from(causal),
+                false,
+                None,
+                None,
+                None,
+                false,
+            )?;
+            Ok((t(&dq), sum_heads(t(&dk), group), sum_heads(t(&dv), group)))
+        }
+        Kept::Sdpa { flash: true, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset } => {
+            tch::Tensor::f_internal_scaled_dot_product_flash_attention_backward(
+                &grad,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                &cum_seq_q.tensor,
+                &cum_seq_k.tensor,
+                *max_q,
+                *max_k,
+                0.0,
+                causal,
+                &seed.tensor,
+                &offset.tensor,
+                None,
+            )
+        }
+        Kept::Sdpa { flash: false, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset } => {
+            tch::Tensor::f_internal_scaled_dot_product_cudnn_attention_backward(
+                &grad,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                &seed.tensor,
+                &offset.tensor,
+                &tch::Tensor::new(), // no attention bias: an undefined tensor
+                &cum_seq_q.tensor,
+                &cum_seq_k.tensor,
+                *max_q,
+                *max_k,
+                0.0,
+                causal,
+                None,
+            )
+        }
+    }
+}
+
+/// Checks `kernel`'s forward and backward on `device` against plain LibTorch ops (f32 matmul,
+/// softmax, autograd on the same rounded inputs) for a random problem with these head counts,
+/// causal and not: relative error 1e-3 of the largest value in f32, 2e-2 in bf16/f16.
+pub fn verify(
+    kernel: FusedKernel,
+    device: tch::Device,
+    kind: tch::Kind,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+) -> Result<(), String> {
+    let _guard = tch::no_grad_guard();
+    // More than one 128-row block, and a length no kernel's tiling divides.
+    let (b, s) = (2, 133);
+    let tol = if kind == tch::Kind::Float { 1e-3 } else { 2e-2 };
+    let rand = |h: i64| {
+        tch::Tensor::f_randn([b, h, s, head_dim], (tch::Kind::Float, device))
+            .and_then(|x| x.f_to_kind(kind))
+            .map_err(|e| format!("inputs: {e}"))
+    };
+    for causal in [true, false] {
+        let (q, k, v, w) = (rand(heads)?, rand(kv_heads)?, rand(kv_heads)?, rand(heads)?);
+        let saved = forward_with(kernel, &q, &k, &v, causal).map_err(|e| format!("forward: {e}"))?;
+        let (dq, dk, dv) = backward(&w, &q, &k, &v, &saved, causal).map_err(|e| format!("backward: {e}"))?;
+        // The reference, with autograd, in f32 on the same (rounded) inputs.
+        tch::with_grad(|| {
+            let leaf = |x: &tch::Tensor| x.to_kind(tch::Kind::Float).requires_grad_(true);
+            let (qr, kr, vr) = (leaf(&q), leaf(&k), leaf(&v));
+            let group = heads / kv_heads;
+            let (ke, ve) = (repeat_heads(&kr, group), repeat_heads(&vr, group));
+            let mut scores = qr.matmul(&ke.transpose(-2, -1)) / (head_dim as f64).sqrt();
+            if causal {
+                let mask = tch::Tensor::ones([s, s], (tch::Kind::Bool, device)).triu(1);
+                scores = scores.masked_fill(&mask, f64::NEG_INFINITY);
+            }
+            let out = scores.softmax(-1, tch::Kind::Float).matmul(&ve);
+            (&out * w.to_kind(tch::Kind::Float)).sum(tch::Kind::Float).backward();
+            for (name, got, want) in [
+                ("output", &saved.out.tensor, &out),
+                ("dq", &dq, &qr.grad()),
+                ("dk", &dk, &kr.grad()),
+                ("dv", &dv, &vr.grad()),
+            ] {
+                if got.size() != want.size() {
+                    return Err(format!("{name} has shape {:?}, expected {:?}", got.size(), want.size()));
+                }
+                let err = (got.to_kind(tch::Kind::Float) - want).abs().max().double_value(&[]);
+                let scale = want.abs().max().double_value(&[]).max(1e-6);
+                let close = err / scale < tol; // false for NaN, which must count as a mismatch
+                if !close {
+                    return Err(format!(
+                        "{name} differs (causal {causal}): max |error| {err:.3e} against max |value| {scale:.3e}"
+                    ));
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,76 @@
+// A C ABI over the forwards of LibTorch's fused CUDA attention kernels that tch 0.22 does not
+// bind (flash attention and cuDNN SDPA: tch binds their backwards only), for
+// model/src/attention/cuda.rs. Built by model/build.rs with the `cc` crate against the venv's
+// libtorch, as tch builds its own wrapper. Only the dispatcher's op declarations are used, so
+// it compiles without CUDA headers and runs wherever libtorch does (on a CPU the ops raise
+// "not implemented", which comes back as an error).
+//
+// Every entry point catches C++ exceptions and returns the message (malloc'd; the caller frees
+// it with llora_sdpa_free), so a kernel that refuses its inputs is a Rust error, never an abort.
+// Tensors come back as `new at::Tensor`, which tch takes over (tch::Tensor::from_ptr).
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+
+namespace {
+
+char* dup(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+// What a forward returns, in the order the matching `_backward` op takes them.
+struct LloraSdpaOut {
+  at::Tensor* out;
+  at::Tensor* logsumexp;
+  at::Tensor* cum_seq_q;
+  at::Tensor* cum_seq_k;
+  int64_t max_q;
+  int64_t max_k;
+  at::Tensor* philox_seed;
+  at::Tensor* philox_offset;
+};
+
+// Causal or full attention with scale 1/sqrt(head_dim) and no dropout. kernel 0 = flash
+// attention, 1 = cuDNN SDPA. q [batch, heads, seq, head_dim]; k, v [batch, kv_heads, seq,
+// head_dim] (both kernels take kv_heads dividing heads). Returns 0 and fills *res, or returns
+// 1 and sets *err.
+int llora_sdpa_forward(int kernel, const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, int causal,
+                       LloraSdpaOut* res, char** err) {
+  try {
+    auto r = kernel == 0
+                 ? at::_scaled_dot_product_flash_attention(*q, *k, *v, 0.0, causal != 0, false, std::nullopt)
+                 : at::_scaled_dot_product_cudnn_attention(*q, *k, *v, std::nullopt, true, 0.0, causal != 0,
+                                                            false, std::nullopt);
+    res->out = new at::Tensor(std::get<0>(r));
+    res->logsumexp = new at::Tensor(std::get<1>(r));
+    res->cum_seq_q = new at::Tensor(std::get<2>(r));
+    res->cum_seq_k = new at::Tensor(std::get<3>(r));
+    res->max_q = std::get<4>(r).guard_int(__FILE__, __LINE__);
+    res->max_k = std::get<5>(r).guard_int(__FILE__, __LINE__);
+    res->philox_seed = new at::Tensor(std::get<6>(r));
+    res->philox_offset = new at::Tensor(std::get<7>(r));
+    return 0;
+  } catch (const std::exception& e) {
+    if (err != nullptr) *err = dup(e.what());
+  } catch (...) {
+    if (err != nullptr) *err = dup("unknown C++ exception");
+  }
+  return 1;
+}
+
+// Frees a message returned through `err`.
+void llora_sdpa_free(char* s) { std::free(s); }
+
+}  // extern "C"
