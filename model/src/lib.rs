@@ -9,6 +9,7 @@ pub mod fp8;
 pub mod llama;
 pub mod lora;
 pub mod loss;
+pub mod norm;
 pub mod precision;
 pub mod shard;
 

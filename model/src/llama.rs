@@ -10,6 +10,7 @@ use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use crate::attention::causal_attention;
 use crate::config::LlamaConfig;
 use crate::lora::{LoraAdapter, LoraLinear, LoraSpec};
+pub use crate::norm::RmsNorm;
 use std::sync::Arc;
 
 use burn::backend::libtorch::TchTensor;
@@ -18,33 +19,6 @@ use crate::precision::{
     Compute, FrozenWeight, LinearQuant, LinearScales, PrecisionSpec, Storage, StoredWeight, swiglu, tch_device,
 };
 use crate::shard::{Sharding, WeightShard};
-
-/// Root-mean-square layer norm `w · x / √(mean(x²) + ε)` (no mean subtraction, no bias).
-#[derive(Module, Debug)]
-pub struct RmsNorm {
-    /// Per-channel gain `[d]`.
-    pub weight: Param<Tensor<1>>,
-    /// ε inside the square root.
-    #[module(skip)]
-    pub eps: f64,
-}
-
-impl RmsNorm {
-    /// Normalises over the last dimension.
-    ///
-    /// # Shapes
-    /// - x: `[batch, seq, d]`
-    /// - output: `[batch, seq, d]`
-    ///
-    /// In the input's dtype; a bf16 input is normalised in f32 and cast back before the gain,
-    /// as HF's `LlamaRMSNorm` does (mean(x²) in bf16 would lose the small channels).
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let dtype = x.dtype();
-        let x = x.cast(DType::F32);
-        let inv_rms = x.clone().square().mean_dim(2).add_scalar(self.eps).sqrt().recip();
-        (x * inv_rms).cast(dtype) * self.weight.val().cast(dtype).unsqueeze::<3>()
-    }
-}
 
 /// RoPE angle tables in HF's `rotate_half` layout: `cos`/`sin` of `pos·θ^(-2j/hd)`,
 /// duplicated to the full head width as `cat(f, f)`.
@@ -340,7 +314,7 @@ impl LlamaForCausalLM {
     ///
     /// # Shapes
     /// - output: (cos, sin), each `[1, 1, seq, head_dim]`
-    fn rope(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
+    pub fn rope(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
         let (cos, sin) = rope_tables(seq, self.config.head_dim, self.config.rope_theta, device);
         (cos.cast(self.activations), sin.cast(self.activations))
     }

@@ -181,6 +181,52 @@ impl HeapPeak {
     }
 }
 
+/// One decoder block's memory, measured with the allocator's in-use bytes: what its forward
+/// keeps for backward, and its transient peaks (above what is held once its forward is done).
+#[derive(Debug, Clone, Copy)]
+struct BlockMemory {
+    /// Bytes the forward leaves allocated besides its output: the tensors saved for backward.
+    saved: usize,
+    /// Peak in use during the forward, above what it leaves allocated.
+    transient_fwd: usize,
+    /// Peak in use during the backward, above what the forward left allocated.
+    transient_bwd: usize,
+}
+
+/// Runs block 0 of `model` alone on a random `[batch, seq, d]` input in the activations'
+/// dtype, forward with autodiff, then the backward of `sum(y · g)` for a random `g`, sampling
+/// the heap as [`HeapPeak`] does. `None` for a sharded model (its blocks' weights exist only
+/// while gathered) or where the allocator has no statistics.
+fn block_memory(model: &LlamaForCausalLM, batch: usize, seq: usize, device: &Device) -> Option<BlockMemory> {
+    use burn::tensor::{DType, Distribution};
+    if model.is_sharded() {
+        return None;
+    }
+    let layer = model.layers.first()?;
+    let in_use = || llora_model::device::heap_bytes().map(|h| h.in_use);
+    let d = model.config.hidden_size;
+    let x = Tensor::<3>::random([batch, seq, d], Distribution::Normal(0.0, 1.0), device)
+        .cast(model.activations)
+        .require_grad();
+    let g = Tensor::<3>::random([batch, seq, d], Distribution::Normal(0.0, 1.0), device);
+    let (cos, sin) = model.rope(seq, device);
+    let before = in_use()?;
+    let peak = HeapPeak::start();
+    let y = layer.forward(x, cos, sin, true);
+    let after_fwd = in_use()?;
+    let fwd_peak = (peak.finish().0 * (1 << 20) as f64) as usize;
+    let y_bytes = batch * seq * d * y.dtype().size();
+    let loss = (y.cast(DType::F32) * g).sum();
+    let peak = HeapPeak::start();
+    drop(loss.backward());
+    let bwd_peak = (peak.finish().0 * (1 << 20) as f64) as usize;
+    Some(BlockMemory {
+        saved: after_fwd.saturating_sub(before + y_bytes),
+        transient_fwd: fwd_peak.saturating_sub(after_fwd),
+        transient_bwd: bwd_peak.saturating_sub(after_fwd),
+    })
+}
+
 /// Resident set size of this process now, in MB (`VmRSS`).
 fn rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -355,6 +401,9 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         );
     }
     let (heap_peak, heap_resident_peak) = heap_peak.finish();
+    // Read before the one-block measurement below (which stays far under the step's peak).
+    let peak_rss = peak_rss_mb();
+    let block = block_memory(&model, args.batch, args.seq_len, &train_device);
     // Other processes' share of the machine during the timed steps: a noisy bench says so.
     let others = window.and_then(|(ps0, pc0, pw0)| {
         let (ps0, ps1) = (ps0?, proc_stat()?);
@@ -378,6 +427,11 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
         // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
         "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),
+        // One decoder block run alone (see `block_memory`); null for a sharded model.
+        "transient_peak_bytes_per_layer": block.map(|b| b.transient_fwd.max(b.transient_bwd)),
+        "block_memory": block.map(|b| json!({
+            "saved_bytes": b.saved, "transient_fwd_bytes": b.transient_fwd, "transient_bwd_bytes": b.transient_bwd,
+        })),
         "fp8_gemms_scaled_mm": fp8_gemms.0,
         "fp8_gemms_fallback": fp8_gemms.1,
         "base_weight_bytes_per_layer": weight_bytes,
@@ -388,7 +442,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "step_s_p25": r4(quantile(&step_s, 0.25)), "step_s_p75": r4(quantile(&step_s, 0.75)),
         "fwd_s_median": r4(quantile(&fwd_s, 0.5)), "bwd_s_median": r4(quantile(&bwd_s, 0.5)), "opt_s_median": r4(quantile(&opt_s, 0.5)),
         "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
-        "peak_rss_mb": peak_rss_mb().map(|x| (x * 10.0).round() / 10.0),
+        "peak_rss_mb": peak_rss.map(|x| (x * 10.0).round() / 10.0),
         "planned_peak_mb": (plan.peak / (1 << 20) as f64 * 10.0).round() / 10.0,
         "planned_mb": plan.lines.iter().map(|l| (l.name.to_string(), json!((l.bytes / (1 << 20) as f64 * 10.0).round() / 10.0))).collect::<serde_json::Map<_, _>>(),
         "rss_before_build_mb": rss_before_build.map(|x| (x * 10.0).round() / 10.0),

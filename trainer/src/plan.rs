@@ -208,12 +208,10 @@ fn widths(s: &Shape) -> Widths {
 pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
     let Widths { d, h, qd, kvd, i, e, a, b, r } = widths(s);
     let k = |name: &str, bytes, why| Kept { name: name.into(), bytes, why };
-    let norm_in = "RMSNorm backward (Burn's composite keeps x in f32: the input, or its f32 upcast)";
-    let mut out = vec![k("block input", 4.0 * d, norm_in), k("residual after attention", 4.0 * d, norm_in)];
+    let norm_in = "fused RMSNorm backward (its input as it came, model/src/norm.rs)";
+    let mut out = vec![k("block input", e * d, norm_in), k("residual after attention", e * d, norm_in)];
     for norm in ["attention", "MLP"] {
-        for stat in ["mean square", "rsqrt", "1/rms"] {
-            out.push(Kept { name: format!("{norm} norm {stat}"), bytes: 4.0, why: "RMSNorm backward" });
-        }
+        out.push(Kept { name: format!("{norm} norm 1/rms"), bytes: 4.0, why: "RMSNorm backward" });
     }
     let attn = "fused attention backward (K/V at their own head count)";
     out.extend([
@@ -383,18 +381,18 @@ pub fn budget(s: &Shape) -> Budget {
     // Kept at the top of backward: the blocks with a graph (block 0's input needs no
     // gradient), each recomputed block's input, and the recomputed block being backpropagated.
     let untracked_input = n == 0 && !sharded;
-    let graphs = (l - n) as f64 * kept - if untracked_input { alloc(4.0 * d * t) } else { 0.0 };
+    let graphs = (l - n) as f64 * kept - if untracked_input { alloc(e * d * t) } else { 0.0 };
     let recompute = if n > 0 { n as f64 * alloc(e * d * t) + kept } else { 0.0 };
     add("saved activations", graphs + recompute, format!("{} blocks kept, {n} recomputed", l - n));
     let rows = (t * s.target_fraction).ceil();
-    // The final norm's f32 input and its output, the loss's dh rows, one chunk of f32 logits
+    // The final norm's input and its output, the loss's dh rows, one chunk of f32 logits
     // (and the chunk's bf16 GEMM output it is upcast from).
     let chunk = LCE_CHUNK_BYTES.min(rows * v * 4.0);
     let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
     // bf16 GEMMs routed through f32 upcast the LM head once per loss.
     let upcast_gemms = e < 4.0 && !s.native_bf16_gemm;
     let table = if upcast_gemms { alloc(v * d * 4.0) } else { 0.0 };
-    let head = alloc(4.0 * d * t) + alloc(e * d * t) + alloc(e * d * rows);
+    let head = alloc(e * d * t) + alloc(e * d * t) + alloc(e * d * rows);
     add("final norm and loss", head, format!("{rows} target rows kept for backward"));
     let loss = chunk + table;
     // The largest backward op: SwiGLU's, with four [tokens, I] activation-dtype tensors live
@@ -655,10 +653,10 @@ mod tests {
     #[test]
     fn kept_and_minimum_bytes_match_the_hand_count() {
         let s = mlperf(8, 0, false);
-        // x 4·8192 + h 4·8192 (the norms' f32 upcasts) + norm stats 24 + q,k,v,out in bf16
+        // x 2·8192 + h 2·8192 (the fused norms keep their bf16 input) + two f32 1/rms + q,k,v,out in bf16
         // 2·(2·8192 + 2·1024) + lse 4·64 + gate/up 2·28672·1 + (dropped-out input 8192 + FP8
         // bottleneck 16) for qkv and for o (the dropout masks are redrawn, not kept).
-        let kept = 32768.0 + 32768.0 + 24.0 + 36864.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 16.0);
+        let kept = 16384.0 + 16384.0 + 8.0 + 36864.0 + 256.0 + 57344.0 + 2.0 * (8192.0 + 16.0);
         assert_eq!(per_token(&kept_per_token(&s)), kept);
         // x and h in bf16 with f32 1/rms, attention tensors + lse, gate/up, the adapters' input
         // once, two bottlenecks.
