@@ -1,6 +1,8 @@
-//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and the
-//! fused-attention shim (`src/attention/sdpa_shim.cpp`) compiled against the same LibTorch, as
-//! tch builds its own C++ wrapper. The shim needs only LibTorch's own headers.
+//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and two
+//! C++ shims compiled against the same LibTorch, as tch builds its own C++ wrapper: the fused
+//! attention forwards tch does not bind (`src/attention/sdpa_shim.cpp`) and what LibTorch
+//! build llora runs with (`src/torch_info.cpp`, beside `device.rs`). They need only LibTorch's
+//! own headers.
 
 use std::path::PathBuf;
 
@@ -9,25 +11,57 @@ mod rpath;
 
 fn main() {
     rpath::main();
-    println!("cargo:rerun-if-changed=src/attention/sdpa_shim.cpp");
+    let shims = ["src/attention/sdpa_shim.cpp", "src/torch_info.cpp"];
+    for f in shims {
+        println!("cargo:rerun-if-changed={f}");
+    }
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!("torch-sys did not report its libtorch directory: run ./scripts/setup.sh first");
     };
     // .venv/libtorch is a link to the wheel's torch directory.
     let lib = std::fs::canonicalize(&lib).unwrap_or_else(|_| PathBuf::from(&lib));
     let torch = lib.parent().expect("libtorch/lib has a parent");
+    check_version(torch);
     cc::Build::new()
         .cpp(true)
-        .file("src/attention/sdpa_shim.cpp")
+        .files(shims)
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .flag_if_supported("-Wno-unused-parameter")
         .warnings(false)
-        .compile("llora_sdpa");
+        .compile("llora_model_shims");
     println!("cargo:rustc-link-search=native={}", lib.display());
     for l in ["torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={l}");
+    }
+}
+
+/// The LibTorch minor versions llora builds against (tch 0.22's wrapper compiles against each;
+/// 2.15's headers need C++20 and drop functions tch binds).
+const SUPPORTED_MINORS: std::ops::RangeInclusive<u32> = 9..=11;
+
+/// Refuses a LibTorch outside [`SUPPORTED_MINORS`], reading its version from its headers
+/// (torch-sys's own exact-version check is off: `.cargo/config.toml`).
+fn check_version(torch: &std::path::Path) {
+    let header = torch.join("include/torch/csrc/api/include/torch/version.h");
+    let text = std::fs::read_to_string(&header)
+        .unwrap_or_else(|e| panic!("cannot read LibTorch's version from {}: {e}", header.display()));
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("#define TORCH_VERSION_{name} ")))
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .unwrap_or_else(|| panic!("{} has no TORCH_VERSION_{name}", header.display()))
+    };
+    let (major, minor) = (field("MAJOR"), field("MINOR"));
+    if major != 2 || !SUPPORTED_MINORS.contains(&minor) {
+        panic!(
+            "LibTorch {major}.{minor} at {} is outside the range llora builds against (2.{} to 2.{}): \
+             run ./scripts/setup.sh --torch 2.11.0 (or another version in range)",
+            torch.display(),
+            SUPPORTED_MINORS.start(),
+            SUPPORTED_MINORS.end()
+        );
     }
 }

@@ -1,41 +1,66 @@
 #!/usr/bin/env bash
 # Install what llora needs to build and run, idempotently:
-#   - a project venv (.venv, git-ignored) with torch==2.9.0 from PyPI: its bundled libtorch is
-#     what tch 0.22 / burn-tch 0.22.1 link against (they require exactly 2.9.0);
+#   - a project venv (.venv, git-ignored) with torch from PyPI (2.9.0 unless --torch says
+#     otherwise; 2.9 to 2.11 are supported): its bundled libtorch is what tch 0.22 /
+#     burn-tch 0.22.1 link against (model/build.rs refuses a libtorch outside that range);
 #   - .venv/libtorch, a stable link to that libtorch, which .cargo/config.toml points LIBTORCH
 #     at, so plain `cargo build/test/run` work in a new shell with nothing exported;
 #   - the headers the c10d shim (trainer/src/dist/) compiles against: Debian's libgloo-dev (the
 #     torch wheel lacks gloo's headers; installed with apt-get when missing and we are root) and
-#     two header-only CUDA wheels for its NCCL half (nvidia-cuda-nvcc-cu12, nvidia-cuda-cccl-cu12);
+#     two header-only CUDA wheels for its NCCL half, matching torch's CUDA (nvcc and cccl);
 #   - the official MLPerf compliance checker (mlperf-logging), which `llora mlperf check` runs;
 #   - with --parity: transformers, peft, safetensors and pyarrow, for the HF/PEFT parity tests
 #     and the PyTorch + PEFT peer (scripts/peer/).
 # Running it again reuses what is already right and only repairs what is not.
 #
-# Usage: scripts/setup.sh [--parity] [--quiet]
+# To build against a torch that is already installed (a container's), skip this script and
+# point LIBTORCH at that torch directory: LIBTORCH=/usr/lib/python3/site-packages/torch cargo
+# build --release (docs/gpu.md).
+#
+# Usage: scripts/setup.sh [--torch VERSION] [--parity] [--quiet]
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
-TORCH_VERSION=2.9.0
+# The version asked for last (kept in the venv, so that scripts calling setup.sh without
+# --torch, like test.sh, keep it), else 2.9.0.
+TORCH_CHOICE="$VENV/llora-torch-version"
+TORCH_VERSION=$(cat "$TORCH_CHOICE" 2>/dev/null || echo 2.9.0)
+# The torch releases llora builds against: tch 0.22's generated wrapper compiles against each
+# (checked: 2.9.0 and 2.11.0); 2.15's headers need C++20 and drop six functions tch binds.
+SUPPORTED="2.9, 2.10, 2.11"
+WANT_PARITY=0
+QUIET=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --torch) [[ $# -ge 2 ]] || { echo "setup.sh: --torch needs a version, e.g. --torch 2.11.0" >&2; exit 2; }
+      TORCH_VERSION=$2; shift ;;
+    --torch=*) TORCH_VERSION=${1#--torch=} ;;
+    --parity) WANT_PARITY=1 ;;
+    --quiet) QUIET=1 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[[ $TORCH_VERSION =~ ^([0-9]+)\.([0-9]+)\.[0-9]+$ ]] \
+  || { echo "setup.sh: --torch '$TORCH_VERSION' is not a release version like 2.11.0" >&2; exit 2; }
+case "${BASH_REMATCH[1]}.${BASH_REMATCH[2]}" in
+  2.9|2.10|2.11) ;;
+  *) echo "setup.sh: torch $TORCH_VERSION is outside the range llora builds against ($SUPPORTED)" >&2; exit 2 ;;
+esac
 # Header-only wheels that ProcessGroupNCCL.hpp needs besides torch's own nvidia-* wheels
-# (crt/host_config.h, nv/target); versions of torch 2.9.0's CUDA 12.8.
-NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90)
+# (crt/host_config.h, nv/target), at the CUDA version of torch's PyPI wheel.
+case "${BASH_REMATCH[2]}" in
+  9) NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90) ;;  # CUDA 12.8
+  10) NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90) ;; # CUDA 12.8
+  11) NCCL_HEADER_PKGS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-cccl==13.0.85) ;;           # CUDA 13.0
+esac
 # Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
 # the peer's time-to-train job (scripts/peer/ttt.py).
 PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow)
 # The official MLPerf Training compliance checker behind `llora mlperf check`.
 CHECKER_PKG=mlperf-logging==4.1.68
-WANT_PARITY=0
-QUIET=0
-for arg in "$@"; do
-  case "$arg" in
-    --parity) WANT_PARITY=1 ;;
-    --quiet) QUIET=1 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
-  esac
-done
 
 say() { [[ $QUIET == 1 ]] || echo "setup: $*" >&2; }
 die() { echo "setup.sh: error: $*" >&2; exit 1; }
@@ -80,6 +105,7 @@ if [[ "$have" != "$TORCH_VERSION" ]]; then
 else
   say "torch $TORCH_VERSION present in $VENV"
 fi
+echo "$TORCH_VERSION" >"$TORCH_CHOICE"
 
 # --- Headers of the c10d shim ---------------------------------------------------------------
 if [[ ! -f /usr/include/gloo/config.h ]]; then
@@ -91,7 +117,8 @@ if [[ ! -f /usr/include/gloo/config.h ]]; then
     die "gloo's headers (/usr/include/gloo) are missing: the c10d shim needs them. Install Debian's libgloo-dev (sudo apt-get install libgloo-dev) and rerun"
   fi
 fi
-if ! "$VPY" -c 'import importlib.util as u, os, sys; d = os.path.dirname(u.find_spec("nvidia").submodule_search_locations[0]); sys.exit(0 if all(os.path.exists(os.path.join(d, "nvidia", p)) for p in ("cuda_nvcc/include/crt/host_config.h", "cuda_cccl/include/nv/target")) else 1)' >/dev/null 2>&1; then
+# CUDA 12 wheels put headers in nvidia/<package>/include, CUDA 13 ones in nvidia/cu13/include.
+if ! "$VPY" -c 'import importlib.util as u, os, sys; d = u.find_spec("nvidia").submodule_search_locations[0]; sys.exit(0 if all(any(os.path.exists(os.path.join(d, p, "include", h)) for p in (pkg, "cu13")) for pkg, h in (("cuda_nvcc", "crt/host_config.h"), ("cuda_cccl", "nv/target"))) else 1)' >/dev/null 2>&1; then
   say "installing the CUDA headers the NCCL half of the c10d shim compiles against: ${NCCL_HEADER_PKGS[*]}"
   pip_install --no-deps "${NCCL_HEADER_PKGS[@]}"
 fi

@@ -68,10 +68,10 @@ impl<'de> Deserialize<'de> for DeviceSpec {
 
 impl DeviceSpec {
     /// The backend that executes on this device, for start-up logs.
-    pub fn backend_name(&self) -> &'static str {
+    pub fn backend_name(&self) -> String {
         match self {
-            Self::Cpu | Self::Cuda(_) | Self::CudaLocal => "LibTorch (tch 0.22, torch 2.9.0)",
-            Self::Flex => "burn-flex (pure Rust)",
+            Self::Cpu | Self::Cuda(_) | Self::CudaLocal => libtorch_summary(),
+            Self::Flex => "burn-flex (pure Rust)".into(),
         }
     }
 
@@ -194,6 +194,57 @@ fn keep_freed_memory() {
     }
 }
 
+unsafe extern "C" {
+    fn llora_torch_version() -> *const std::ffi::c_char;
+    fn llora_torch_config() -> *mut std::ffi::c_char;
+    fn llora_torch_info_free(s: *mut std::ffi::c_char);
+}
+
+/// The LibTorch version llora was built against, e.g. `"2.9.0"` (the library it links and
+/// loads must be that build: `torch_info.cpp`).
+pub fn libtorch_version() -> &'static str {
+    // SAFETY: a pointer to the static string literal TORCH_VERSION.
+    unsafe { std::ffi::CStr::from_ptr(llora_torch_version()) }.to_str().unwrap_or("unknown")
+}
+
+/// LibTorch's own build summary (`at::show_config()`: compiler, CPU capability, CUDA, cuDNN).
+pub fn libtorch_config() -> String {
+    // SAFETY: a malloc'd NUL-terminated string (or NULL), freed once here.
+    unsafe {
+        let p = llora_torch_config();
+        if p.is_null() {
+            return String::new();
+        }
+        let s = std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned();
+        llora_torch_info_free(p);
+        s
+    }
+}
+
+/// The CUDA version LibTorch was built with (`"12.8"`), `None` for a CPU-only build: read off
+/// its build summary's `CUDA_VERSION=` setting (present with or without a GPU).
+pub fn libtorch_cuda() -> Option<String> {
+    build_setting(&libtorch_config(), "CUDA_VERSION")
+}
+
+/// The value of `KEY=value` in a LibTorch build summary's `Build settings` line.
+fn build_setting(config: &str, key: &str) -> Option<String> {
+    config
+        .split([',', '\n'])
+        .find_map(|part| part.trim().trim_start_matches("- Build settings: ").strip_prefix(key)?.strip_prefix('='))
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+/// `LibTorch 2.9.0, CUDA 12.8` or `LibTorch 2.9.0, CPU only`: for `--version`, start-up logs
+/// and benchmark JSON.
+pub fn libtorch_summary() -> String {
+    match libtorch_cuda() {
+        Some(cuda) => format!("LibTorch {}, CUDA {cuda}", libtorch_version()),
+        None => format!("LibTorch {}, CPU only", libtorch_version()),
+    }
+}
+
 /// Returns the allocator's freed pages to the kernel now (all arenas). Loading interleaves
 /// long-lived stored weights with short-lived f32 buffers, which would otherwise stay
 /// resident (measured with glibc: 1 GB of a 2 GB heap, free but resident).
@@ -242,6 +293,24 @@ pub fn heap_bytes() -> Option<HeapBytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The version the headers name is the version of the library loaded: torch's runtime
+    /// `at::show_config()` (compiled into libtorch_cpu.so) names it too; and the build settings
+    /// of a summary are read as torch prints them.
+    #[test]
+    fn names_the_libtorch_it_runs_with() {
+        let v = libtorch_version();
+        assert!(v.split('.').count() == 3 && v.split('.').all(|p| p.parse::<u32>().is_ok()), "{v}");
+        let config = libtorch_config();
+        assert!(config.contains("PyTorch built with"), "{config}");
+        assert!(config.contains(&format!("TORCH_VERSION={v}")), "{config}");
+        assert_eq!(build_setting(&config, "TORCH_VERSION").as_deref(), Some(v));
+        let summary = "PyTorch built with:\n  - GCC 13.3\n  - Build settings: BLAS_INFO=mkl, CUDA_VERSION=12.8, \
+                       CUDNN_VERSION=9.8.0, TORCH_VERSION=2.9.0, USE_CUDA=ON, \n";
+        assert_eq!(build_setting(summary, "CUDA_VERSION").as_deref(), Some("12.8"));
+        assert_eq!(build_setting(summary, "BLAS_INFO").as_deref(), Some("mkl"));
+        assert_eq!(build_setting("  - Build settings: BLAS_INFO=mkl, USE_CUDA=OFF, \n", "CUDA_VERSION"), None);
+    }
 
     #[test]
     fn parses_and_prints_every_form() {

@@ -74,7 +74,7 @@ def random_batch(generator, batch, seq_len, vocab):
 
 
 def flop_model(cfg, batch, seq_len, rank):
-    """Matmul FLOPs of one LoRA step, the model `llora bench` reports (trainer/src/bench.rs).
+    """Matmul FLOPs of one LoRA step, the model `llora bench` reports (trainer/src/flops.rs).
 
     Frozen weights: forward 2·T·N, backward 2·T·N for the input gradient only (no weight
     gradient), less layer 0's q/k/v input gradient (the embedding needs none). Adapters: 6·T

@@ -20,43 +20,6 @@ use crate::config::OptimConfig;
 use crate::optim::AdamW;
 use crate::step::{MicroBatch, StepOptions, train_step};
 
-/// Matmul FLOPs of one LoRA step (forward + backward) with the peer's FLOP model
-/// (`flop_model()` in scripts/peer/recipe.py), so GFLOP/s are comparable: frozen weights cost
-/// 2·T·N forward and 2·T·N backward (no weight gradient; layer 0's q/k/v input gradient is
-/// skipped), adapters 6·T per parameter, causal attention half of 12·B·S²·H·hd·L.
-pub fn flop_model(c: &LlamaConfig, batch: usize, seq: usize, rank: usize) -> Value {
-    let (d, l, h, kv, i, v) = (
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.intermediate_size,
-        c.vocab_size,
-    );
-    let hd = c.head_dim;
-    let t = (batch * seq) as u64;
-    let (q, k, vv, o) = ((d * h * hd) as u64, (d * kv * hd) as u64, (d * kv * hd) as u64, (h * hd * d) as u64);
-    let mlp = (3 * d * i) as u64;
-    let n_lin = l as u64 * (q + k + vv + o + mlp) + (d * v) as u64;
-    let n_lora = (l * rank * ((d + h * hd) + 2 * (d + kv * hd) + (h * hd + d))) as u64;
-    let lin_fwd = 2 * t * n_lin;
-    let lin_bwd = 2 * t * n_lin - 2 * t * (q + k + vv);
-    let lora = 6 * t * n_lora - 2 * t * (rank * d * 3) as u64;
-    let attn_full = 12 * (batch * seq * seq * h * hd * l) as u64;
-    let attn_causal = attn_full / 2;
-    json!({
-        "flops_per_step": lin_fwd + lin_bwd + lora + attn_causal,
-        "flops_lin_fwd": lin_fwd,
-        "flops_lin_bwd": lin_bwd,
-        "flops_lora": lora,
-        "flops_attn_causal": attn_causal,
-        "flops_per_step_attn_full": lin_fwd + lin_bwd + lora + attn_full,
-        "flops_full_ft_equiv": 6 * t * n_lin + attn_causal,
-        "n_lin_params": n_lin,
-        "n_lora_params": n_lora,
-    })
-}
-
 /// Peak resident set size of this process so far, in MB (`VmHWM`).
 pub fn peak_rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -416,7 +379,10 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     // Per rank: its accum × batch sequences.
     let seqs = args.batch * args.accum;
     let tokens = (seqs * args.seq_len) as f64;
-    let flops = flop_model(&config, seqs, args.seq_len, args.lora_r);
+    let adapters = crate::flops::Adapters::of(&model);
+    let flops = crate::flops::Flops::sequence(&config, adapters, args.seq_len, false)
+        .times(seqs as u64)
+        .to_json(&config, adapters);
     let per_step = flops["flops_per_step"].as_f64().unwrap_or(0.0);
     let r4 = |x: f64| (x * 1e4).round() / 1e4;
     let mut breakdown = flops.as_object().cloned().unwrap_or_default();
@@ -436,7 +402,7 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "fp8_gemms_fallback": fp8_gemms.1,
         "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
-        "impl": "llora (burn 0.22.1 + libtorch 2.9.0)", "attn_impl": llora_model::attention::kernels_used(),
+        "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()), "attn_impl": llora_model::attention::kernels_used(),
         "warmup": args.warmup, "steps": args.steps,
         "step_s_median": r4(med), "step_s_min": r4(quantile(&step_s, 0.0)), "step_s_max": r4(quantile(&step_s, 1.0)),
         "step_s_p25": r4(quantile(&step_s, 0.25)), "step_s_p75": r4(quantile(&step_s, 0.75)),
@@ -461,30 +427,14 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "loadavg_start": la0, "loadavg_end": loadavg(),
         "build_s": (build_s * 100.0).round() / 100.0,
         "step_times": step_s.iter().map(|&x| r4(x)).collect::<Vec<_>>(),
-        "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": "2.9.0"},
+        "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
+            "cuda": llora_model::device::libtorch_cuda()},
     }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The FLOP model against numbers worked out by hand for the peer's `tiny` preset at
-    /// S 512, batch 1, r 16 (d 256, L 4, H 8, KV 8, hd 32, I 688, V 32000).
-    #[test]
-    fn flop_model_matches_hand_count() {
-        let c = LlamaConfig::preset("tiny").unwrap();
-        let f = flop_model(&c, 1, 512, 16);
-        // n_lin = 4·(4·256·256 + 3·256·688) + 256·32000 = 4·(262144 + 528384) + 8192000
-        assert_eq!(f["n_lin_params"], 11_354_112);
-        // n_lora = 4·16·((256+256) + 2·(256+256) + (256+256)) = 64·2048
-        assert_eq!(f["n_lora_params"], 131_072);
-        // attention: 12·512²·8·32·4 / 2
-        assert_eq!(f["flops_attn_causal"], 1_610_612_736u64);
-        let total = 2 * 512 * 11_354_112u64 * 2 - 2 * 512 * 3 * 65536 + 6 * 512 * 131_072 - 2 * 512 * 16 * 256 * 3
-            + 1_610_612_736;
-        assert_eq!(f["flops_per_step"], total);
-    }
 
     #[test]
     fn quantiles_interpolate_like_the_peer() {

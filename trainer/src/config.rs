@@ -468,8 +468,9 @@ pub struct LoggingConfig {
     pub every_steps: usize,
     /// Progress bar: `"auto"` (on a TTY), `"always"` or `"never"`.
     pub progress: ProgressBar,
-    /// Peak dense TFLOP/s of one device, for the MFU column of `metrics.jsonl` (0 = unknown:
-    /// MFU is not reported, achieved TFLOP/s still is).
+    /// Peak dense TFLOP/s of one device, for the MFU column of `metrics.jsonl`. 0: the bf16
+    /// peak of a GPU llora knows by name (H100, H200, B200, MI300X, MI355X), else no MFU
+    /// (achieved TFLOP/s is reported either way).
     pub peak_tflops: f64,
 }
 

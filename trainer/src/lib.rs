@@ -6,6 +6,7 @@ pub mod compliance;
 pub mod config;
 pub mod data_cmd;
 pub mod dist;
+pub mod flops;
 pub mod mllog;
 pub mod mlperf;
 pub mod observe;

@@ -2,14 +2,20 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat, MlperfCommand};
 use llora_trainer::config::{Config, TINY_CPU_NAME};
 use llora_trainer::{dist, train};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `--version` names the LibTorch build llora runs with, known only at run time.
+    let version: &'static str =
+        Box::leak(format!("{} ({})", env!("CARGO_PKG_VERSION"), llora_model::device::libtorch_summary()).into());
+    let cli = match Cli::from_arg_matches(&Cli::command().version(version).get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     init_tracing(cli.log_format);
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,7 +8,7 @@ use anyhow::bail;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_data::Sample;
 use llora_data::batch::{Collated, Padding, eval_batches};
-use llora_model::{LlamaConfig, LlamaForCausalLM};
+use llora_model::LlamaForCausalLM;
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
@@ -292,23 +292,13 @@ pub fn evaluate(
     })
 }
 
-/// Model FLOPs of one training sequence of `len` tokens with the PaLM convention (attention
-/// counted non-causal): forward 2·N + 4·L·d·len per token; backward of frozen linears needs
-/// only input gradients (2·N), trainable ones weight gradients too (4·N), attention 8·L·d·len.
-pub fn train_flops(c: &LlamaConfig, len: usize, full: bool) -> f64 {
-    let n = (c.num_parameters() - c.vocab_size * c.hidden_size) as f64;
-    let attn = (c.num_hidden_layers * c.num_attention_heads * c.head_dim * len) as f64;
-    let per_token = if full { 6.0 * n } else { 4.0 * n } + 12.0 * attn;
-    per_token * len as f64
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
     use super::*;
     use crate::config::OptimConfig;
     use crate::dist::SingleProcess;
-    use llora_model::{BuildOptions, LoraSpec};
+    use llora_model::{BuildOptions, LlamaConfig, LoraSpec};
 
     /// The tree's association, written out by hand for 8 and 5 terms; a rank's block of 4 is
     /// the left or right subtree of 8.

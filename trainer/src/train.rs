@@ -31,7 +31,7 @@ use crate::mllog::{RunLog, now_ms};
 use crate::observe::{Metrics, Progress, StopSignal};
 use crate::optim::{AdamW, lr_at};
 use crate::resume::{self, Checkpoint, TrainState};
-use crate::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_flops, train_step, upload};
+use crate::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload};
 
 /// `run_stop`'s status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +127,29 @@ pub struct Trainer<'a> {
     /// Tokens and wall time since this process started training (for tokens/s).
     tokens_here: usize,
     t_train: Instant,
+    /// Dense bf16 peak TFLOP/s of one device, for MFU: `logging.peak_tflops`, else the known
+    /// peak of the GPU's name (`flops::gpu_peak_tflops`); `None`: MFU is not reported.
+    peak_tflops: Option<f64>,
+}
+
+/// The peak MFU is measured against: `logging.peak_tflops` when set, else on a CUDA device the
+/// dense bf16 peak of a GPU llora knows by name (logged once on the main rank).
+fn peak_tflops(config: &Config, device: &llora_model::device::DeviceSpec, main: bool) -> Option<f64> {
+    if config.logging.peak_tflops > 0.0 {
+        return Some(config.logging.peak_tflops);
+    }
+    let llora_model::device::DeviceSpec::Cuda(index) = device else { return None };
+    let name = crate::flops::gpu_name(*index)?;
+    let found = crate::flops::gpu_peak_tflops(&name);
+    if main {
+        match found {
+            Some((bf16, fp8)) => {
+                info!(gpu = %name, bf16_tflops = bf16, fp8_tflops = fp8, "MFU against the GPU's dense bf16 peak")
+            }
+            None => info!(gpu = %name, "no known peak for this GPU: set logging.peak_tflops for an MFU column"),
+        }
+    }
+    found.map(|(bf16, _)| bf16)
 }
 
 impl Trainer<'_> {
@@ -165,7 +188,7 @@ impl<'a> Trainer<'a> {
         if dist.is_main() {
             info!(
                 config = name,
-                backend = device_spec.backend_name(),
+                backend = %device_spec.backend_name(),
                 device = %device_spec,
                 threads = device_spec.effective_threads(config.run.threads),
                 ranks = world.size,
@@ -272,6 +295,7 @@ impl<'a> Trainer<'a> {
             stop: StopSignal::install()?,
             tokens_here: 0,
             t_train: Instant::now(),
+            peak_tflops: peak_tflops(config, &device_spec, dist.is_main()),
         })
     }
 
@@ -287,7 +311,12 @@ impl<'a> Trainer<'a> {
         };
         let full = config.model.trainable == Trainable::All;
         let batch_tokens: usize = batch.lengths.iter().sum();
-        let flops: f64 = batch.lengths.iter().map(|&n| train_flops(&self.model.config, n, full)).sum();
+        let adapters = crate::flops::Adapters::of(&self.model);
+        let flops: f64 = batch
+            .lengths
+            .iter()
+            .map(|&n| crate::flops::Flops::sequence(&self.model.config, adapters, n, full).total() as f64)
+            .sum();
         let micro: Vec<MicroBatch> = batch
             .micro_batches
             .into_iter()
@@ -329,7 +358,7 @@ impl<'a> Trainer<'a> {
         // Model FLOPs of the whole global batch over the step's wall time, per rank.
         let tflops = flops / step_s / 1e12 / self.dist.world.size as f64;
         self.bar.step(p.step, p.samples, s.loss, lr, s.grad_norm, tok_s);
-        let mfu = (config.logging.peak_tflops > 0.0).then(|| tflops / config.logging.peak_tflops);
+        let mfu = self.peak_tflops.map(|peak| tflops / peak);
         self.metrics
             .write(json!({"step": p.step, "samples": p.samples, "loss": s.loss, "lr": lr, "grad_norm": s.grad_norm,
             "tokens_per_s": tok_s, "step_s": step_s, "model_tflops_per_s": tflops, "mfu": mfu}));
