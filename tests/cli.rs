@@ -289,3 +289,52 @@ fn a_file_given_as_model_is_named_as_a_file() {
     let (_, stderr) = text(&out);
     assert!(!out.status.success() && stderr.contains("is a file, not a checkpoint directory"), "{stderr}");
 }
+
+/// `scripts/gpu-check.sh --cpu` runs the whole report path on the CPU (what a GPU node runs, on
+/// small shapes): the self-tests pass, the all-reduce spans two Gloo ranks, llora's eval loss
+/// agrees with HF + PEFT's (fp32 and bf16), and llora and the PyTorch + PEFT peer both ran each
+/// precision's bench, with the plan beside the measured peak.
+#[test]
+fn gpu_check_cpu_mode_writes_the_whole_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(common::root().join("scripts/gpu-check.sh"))
+        .arg("--cpu")
+        .env("REPORT_DIR", dir.path())
+        .env("LLORA", common::llora_bin())
+        .env("PYTHON", common::root().join(".venv/bin/python"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let section = |s: &str| rows.iter().filter(|r| r["section"] == s).collect::<Vec<_>>();
+    let selftest = section("selftest");
+    assert_eq!(selftest.len(), 1, "{report}");
+    let names: Vec<&str> =
+        selftest[0]["checks"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    for want in [
+        "bf16 GEMM",
+        "FP8 GEMMs on _scaled_mm",
+        "attention cpu-flash BFloat16",
+        "dropout mask redrawn in backward",
+        "all-reduce",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    assert_eq!(selftest[0]["ok"], true, "{}", selftest[0]);
+    let allreduce = &section("allreduce")[0]["checks"][0];
+    assert!(allreduce["ok"] == true && allreduce["detail"].as_str().unwrap().starts_with("2 ranks"), "{allreduce}");
+    let parity = section("parity");
+    assert_eq!(parity.len(), 2, "{report}");
+    assert!(parity.iter().all(|r| r["ok"] == true), "{parity:?}");
+    let bench = section("bench");
+    assert_eq!(bench.iter().map(|r| r["precision"].as_str().unwrap()).collect::<Vec<_>>(), ["bf16", "fp8"]);
+    for r in bench {
+        assert!(r["ratio"].as_f64().unwrap() > 0.0 && r["measured_over_planned"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["error"].is_null(), "{r}");
+    }
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.contains("## Self-tests") && md.contains("## llora against PyTorch + PEFT"), "{md}");
+}

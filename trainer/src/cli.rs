@@ -54,6 +54,9 @@ pub enum Command {
     /// The memory one rank needs for a config, before anything is allocated, and the cheapest
     /// recipe that fits a device (`--device-memory`).
     Plan(PlanArgs),
+    /// Check the kernels and collectives training depends on, on one device, against plain
+    /// references (what scripts/gpu-check.sh runs); prints one JSON line last.
+    Selftest(SelftestArgs),
     /// Draw the loss curves of several runs on one SVG plot and print each run's samples to
     /// the target (e.g. fp32 against fp8).
     Plot(PlotArgs),
@@ -63,6 +66,20 @@ pub enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+}
+
+/// `llora selftest`.
+#[derive(Debug, Args)]
+pub struct SelftestArgs {
+    /// `cpu`, `cuda:N`, or `cuda` (the launcher's local rank).
+    #[arg(long, default_value = "cpu")]
+    pub device: llora_model::device::DeviceSpec,
+    /// Intra-op threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Run one group of checks: `gemm`, `attention`, `dropout` or `all-reduce`.
+    #[arg(long, value_parser = ["gemm", "attention", "dropout", "all-reduce"])]
+    pub only: Option<String>,
 }
 
 /// A config file plus overrides, shared by every subcommand that takes a config.

@@ -14,5 +14,6 @@ pub mod optim;
 pub mod plan;
 pub mod plot;
 pub mod resume;
+pub mod selftest;
 pub mod step;
 pub mod train;

@@ -113,6 +113,20 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Export(args) => llora_trainer::train::export_merged(&args),
         Command::Plan(args) => llora_trainer::plan::plan_command(&args),
         Command::Plot(args) => llora_trainer::plot::plot_command(&args),
+        Command::Selftest(args) => {
+            let spec = args.device.clone();
+            let args = llora_trainer::cli::SelftestArgs {
+                device: spec.for_local_rank(std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)),
+                ..args
+            };
+            let record = llora_trainer::selftest::run(&args)?;
+            // Under a launcher only rank 0 prints.
+            if std::env::var("RANK").map_or(true, |r| r == "0") {
+                println!("{record}");
+            }
+            anyhow::ensure!(record["ok"] == true, "self-test failed: {}", record["failed"]);
+            Ok(())
+        }
         Command::Bench(args) => {
             // Under a launcher only rank 0 prints and appends the record.
             let Some(mut record) = llora_trainer::bench::run(&args)? else { return Ok(()) };

@@ -369,15 +369,7 @@ pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
     if world.size == 1 {
         return Ok(Dist { world, comm: Arc::new(SingleProcess) });
     }
-    let backend = match config.backend {
-        BackendChoice::Auto if cuda => Backend::Nccl,
-        BackendChoice::Auto | BackendChoice::Gloo => Backend::Gloo,
-        BackendChoice::Nccl => Backend::Nccl,
-    };
-    anyhow::ensure!(
-        backend == Backend::Gloo || nccl_compiled(),
-        "dist.backend = nccl, but this llora was built without NCCL (run ./scripts/setup.sh, then rebuild)"
-    );
+    let backend = backend_for(config, cuda)?;
     let pg = c10d::ProcessGroup::new(&world, backend, Duration::from_secs(config.timeout_s))?;
     if world.rank == 0 {
         info!(
@@ -391,6 +383,30 @@ pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
         );
     }
     Ok(Dist { world, comm: Arc::new(pg) })
+}
+
+/// The c10d backend `config` asks for on a CUDA (`cuda`) or CPU device.
+fn backend_for(config: &DistConfig, cuda: bool) -> anyhow::Result<Backend> {
+    let backend = match config.backend {
+        BackendChoice::Auto if cuda => Backend::Nccl,
+        BackendChoice::Auto | BackendChoice::Gloo => Backend::Gloo,
+        BackendChoice::Nccl => Backend::Nccl,
+    };
+    anyhow::ensure!(
+        backend == Backend::Gloo || nccl_compiled(),
+        "dist.backend = nccl, but this llora was built without NCCL (run ./scripts/setup.sh, then rebuild)"
+    );
+    Ok(backend)
+}
+
+/// A real c10d group of this one process (NCCL for `cuda`, else Gloo), on a TCPStore it serves
+/// on a free local port: `llora selftest` runs the collectives' code path without a launcher.
+pub fn single_process_group(cuda: bool) -> anyhow::Result<(Backend, Arc<dyn Collective>)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let world = World { master_addr: "127.0.0.1".into(), master_port: port, ..World::single() };
+    let backend = backend_for(&DistConfig::default(), cuda)?;
+    let pg = c10d::ProcessGroup::new(&world, backend, Duration::from_secs(60))?;
+    Ok((backend, Arc::new(pg)))
 }
 
 /// Every rank publishes its resolved config; each compares it with rank 0's, and all learn

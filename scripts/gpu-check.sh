@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# One command on a GPU node: is llora correct here, and how fast is it against PyTorch + PEFT
+# on the same GPU? Writes one report, REPORT_DIR/report.json and REPORT_DIR/report.md:
+#   1. the machine: GPU(s), driver, the torch the peer runs with, the LibTorch llora runs with;
+#   2. llora's self-tests on the device (`llora selftest`): bf16 GEMM, `_scaled_mm` (both FP8
+#      GEMMs), every fused attention kernel forward + backward against plain LibTorch, dropout
+#      mask redraw, an all-reduce on one process group (NCCL on a GPU) and the all-reduce bus
+#      bandwidth over all GPUs of the node (torchrun, one rank per GPU);
+#   3. parity with HF transformers + PEFT on the device: a fixture made by
+#      scripts/peer/fixtures.py, evaluated by `llora eval` in fp32 and bf16, against PEFT's loss;
+#   4. llora vs the peer (scripts/peer/step_bench.py) on tiny, small and the Llama 2 70B layer
+#      at 8192 tokens, bf16 and FP8: step time, tokens/s, model TFLOP/s (one FLOP model,
+#      trainer/src/flops.rs) and its fraction of the GPU's dense bf16 peak, peak memory
+#      (nvidia-smi's, sampled), and `llora plan`'s prediction against it.
+#
+# It needs no Rust toolchain: a built `llora` (LLORA=path, default target/release/llora; build it
+# elsewhere against the node's torch, docs/gpu.md) and a Python with torch, transformers and
+# peft (PYTHON=..., default .venv/bin/python when present, else python3).
+#
+#   scripts/gpu-check.sh                      # on a GPU node, all of the above
+#   scripts/gpu-check.sh --cpu                # the same report path on the CPU, small shapes
+#   REPORT_DIR=/tmp/r SHAPES="small:2048" scripts/gpu-check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODE=gpu
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) MODE=cpu ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
+LLORA=${LLORA:-target/release/llora}
+[[ -x $LLORA ]] || { echo "gpu-check.sh: no llora binary at $LLORA (build it, or set LLORA=path)" >&2; exit 1; }
+if [[ -z ${PYTHON:-} ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+"$PYTHON" -c 'import torch, transformers, peft, safetensors' 2>/dev/null \
+  || { echo "gpu-check.sh: $PYTHON lacks torch, transformers, peft or safetensors" >&2; exit 1; }
+TORCHRUN=("$PYTHON" -m torch.distributed.run)
+REPORT_DIR=${REPORT_DIR:-gpu-check-$(hostname)-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$REPORT_DIR"
+work="$REPORT_DIR/work"
+mkdir -p "$work"
+rows="$REPORT_DIR/rows.jsonl"
+: >"$rows"
+export OMP_WAIT_POLICY=PASSIVE
+if [[ $MODE == gpu ]]; then
+  command -v nvidia-smi >/dev/null || { echo "gpu-check.sh: nvidia-smi not found: not an NVIDIA GPU node (use --cpu)" >&2; exit 1; }
+  DEVICE=cuda:0
+  NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  SHAPES=${SHAPES:-tiny:512 small:2048 llama2-70b-1layer:8192}
+  PRECISIONS=${PRECISIONS:-bf16 fp8}
+  STEPS=${STEPS:-10}
+  THREADS=8
+else
+  DEVICE=cpu
+  NGPU=2 # two Gloo ranks stand in for the GPUs of a node
+  SHAPES=${SHAPES:-tiny:128}
+  PRECISIONS=${PRECISIONS:-bf16 fp8}
+  STEPS=${STEPS:-2}
+  THREADS=1
+fi
+row() { echo "$1" >>"$rows"; }
+say() { echo "# gpu-check: $*" >&2; }
+
+# 1. The machine.
+say "machine"
+gpus=null
+if [[ $MODE == gpu ]]; then
+  gpus=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    | "$PYTHON" -c 'import json,sys; print(json.dumps([dict(zip(["name","driver","memory"], [x.strip() for x in l.split(",")])) for l in sys.stdin if l.strip()]))')
+fi
+peer_torch=$("$PYTHON" -c 'import json, torch, transformers, peft; print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__}))')
+row "{\"section\": \"machine\", \"mode\": \"$MODE\", \"gpus\": $gpus, \"peer\": $peer_torch, \"llora\": $("$PYTHON" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$("$LLORA" --version)")}"
+
+# 2. Self-tests: this process alone (NCCL on one GPU), then one rank per GPU for the bus bandwidth.
+say "self-tests on $DEVICE"
+"$LLORA" selftest --device "$DEVICE" --threads "$THREADS" 2>"$work/selftest.log" | tail -1 \
+  | sed 's/^{/{"section": "selftest", /' >>"$rows" || true
+say "all-reduce over $NGPU ranks"
+"${TORCHRUN[@]}" --standalone --nproc-per-node "$NGPU" --no-python "$LLORA" selftest --device "${DEVICE%%:*}" \
+  --threads "$THREADS" --only all-reduce 2>"$work/allreduce.log" | tail -1 | sed 's/^{/{"section": "allreduce", /' >>"$rows" || true
+
+# 3. Parity with HF + PEFT: a fixture (base, adapter, batch and PEFT's losses in fp32 and bf16,
+# computed by scripts/peer/fixtures.py on the CPU) evaluated by llora on the device.
+say "parity with HF transformers + PEFT"
+fx="$work/parity"
+"$PYTHON" scripts/peer/fixtures.py --out "$fx" --preset tiny-gqa --seq-len 96 --batch 2 --lora-b normal \
+  --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --bf16-twin --threads 2 >"$work/fixtures.log" 2>&1
+if "$PYTHON" -c 'import pyarrow' 2>/dev/null; then
+  "$PYTHON" - "$fx" <<'PY'
+import sys, pyarrow as pa, pyarrow.parquet as pq
+from safetensors.numpy import load_file
+b = load_file(sys.argv[1] + "/batch.safetensors")
+pq.write_table(pa.table({"input_ids": [list(map(int, r)) for r in b["input_ids"]], "labels": [list(map(int, r)) for r in b["labels"]]}),
+               sys.argv[1] + "/batch.parquet")
+PY
+  for precision in fp32 bf16; do
+    "$LLORA" eval --model "$fx" --adapter "$fx" --data "$fx/batch.parquet" --batch-size 2 --precision "$precision" \
+      --device "$DEVICE" --threads "$THREADS" 2>>"$work/eval.log" | tail -1 \
+      | "$PYTHON" -c 'import json,sys; d=json.load(sys.stdin); e=json.load(open(sys.argv[2]+"/expected.json")); fp32=e["losses"][0]; want=e["bf16_loss"] if sys.argv[1]=="bf16" else fp32; got=d["loss_per_token"]; print(json.dumps({"section": "parity", "precision": sys.argv[1], "llora_loss": got, "peft_loss": want, "peft_fp32_loss": fp32, "rel_diff": abs(got-want)/abs(want), "ok": abs(got-fp32) <= 2*abs(want-fp32) + 1e-4*abs(fp32) if sys.argv[1]=="bf16" else abs(got-want) <= 1e-5*abs(want)}))' "$precision" "$fx" >>"$rows"
+  done
+else
+  row '{"section": "parity", "skipped": "pyarrow is not installed in this Python: llora eval reads parquet"}'
+fi
+
+# 4. llora vs the peer, with the device's memory peak sampled by nvidia-smi on a GPU.
+peak_sampler() { # writes the largest memory.used (MiB) of GPU 0 while its parent runs
+  local max=0 now
+  while :; do
+    now=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1)
+    [[ $now =~ ^[0-9]+$ ]] && ((now > max)) && max=$now && echo "$max" >"$1"
+    sleep 0.2
+  done
+}
+run_sampled() { # run_sampled OUTFILE CMD...: the command's last stdout line, plus device_peak_mb
+  local out=$1; shift
+  local peak="$work/peak.$$" pid=
+  echo 0 >"$peak"
+  if [[ $MODE == gpu ]]; then peak_sampler "$peak" & pid=$!; fi
+  "$@" 2>>"$work/bench.log" | tail -1 >"$out.line" || true
+  [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+  "$PYTHON" -c 'import json,sys; l=open(sys.argv[1]).read().strip(); d=json.loads(l) if l else {"error": "no output"}; d["device_peak_mb"]=float(open(sys.argv[2]).read() or 0) or None; print(json.dumps(d))' \
+    "$out.line" "$peak" >"$out"
+}
+for shape in $SHAPES; do
+  IFS=: read -r preset seq <<<"$shape"
+  for precision in $PRECISIONS; do
+    common=(--preset "$preset" --seq-len "$seq" --batch 1 --warmup 2 --steps "$STEPS" --threads "$THREADS")
+    extra=(--precision "$precision")
+    [[ $precision == fp8 ]] && extra=(--precision fp8 --fp8-weights --fp8-activations)
+    say "bench $preset s$seq $precision: llora"
+    run_sampled "$work/l.json" "$LLORA" bench "${common[@]}" "${extra[@]}" --device "$DEVICE" --tag llora
+    say "bench $preset s$seq bf16: peer"
+    [[ -f "$work/p-$preset-$seq.json" ]] \
+      || run_sampled "$work/p-$preset-$seq.json" "$PYTHON" scripts/peer/step_bench.py "${common[@]}" --dtype bf16 --device "${DEVICE%%:*}" --tag peer
+    "$PYTHON" - "$work/l.json" "$work/p-$preset-$seq.json" "$precision" "$MODE" >>"$rows" <<'PY'
+import json, sys
+l, p = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+precision, mode = sys.argv[3], sys.argv[4]
+peaks = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "MI300X": 1307.4, "MI355X": 2516.6}
+gpu = p.get("gpu_name") or ""
+peak = next((v for k, v in peaks.items() if k in gpu.upper()), None)
+def tflops(d):
+    return d["flops_per_step"] / d["step_s_median"] / 1e12 if d.get("step_s_median") else None
+mem = "device_peak_mb" if mode == "gpu" else "peak_rss_mb"
+row = {"section": "bench", "preset": l.get("preset"), "seq_len": l.get("seq_len"), "precision": precision,
+       "llora_step_s": l.get("step_s_median"), "peer_bf16_step_s": p.get("step_s_median"),
+       "ratio": (l["step_s_median"] / p["step_s_median"]) if l.get("step_s_median") and p.get("step_s_median") else None,
+       "llora_tokens_per_s": l.get("tokens_per_s"), "peer_tokens_per_s": p.get("tokens_per_s"),
+       "llora_tflops": tflops(l), "peer_tflops": tflops(p),
+       "llora_mfu_bf16_peak": (tflops(l) / peak) if peak and tflops(l) else None,
+       "llora_peak_mb": l.get(mem), "peer_peak_mb": p.get(mem),
+       "peer_peak_cuda_allocated_mb": p.get("peak_cuda_allocated_mb"), "gpu": gpu or None,
+       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"),
+       "fp8_gemms_fallback": l.get("fp8_gemms_fallback"), "error": l.get("error") or p.get("error")}
+if row["llora_peak_mb"] and row["planned_peak_mb"]:
+    row["measured_over_planned"] = row["llora_peak_mb"] / row["planned_peak_mb"]
+print(json.dumps(row))
+PY
+  done
+done
+
+# The report: JSON (every row) and markdown (the tables).
+"$PYTHON" - "$rows" "$REPORT_DIR" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+out = sys.argv[2]
+by = lambda s: [r for r in rows if r.get("section") == s]
+json.dump({"rows": rows}, open(f"{out}/report.json", "w"), indent=1)
+m = by("machine")[0]
+md = [f"# llora gpu-check ({m['mode']} mode)", "", f"- llora: {m['llora']}", f"- peer: {json.dumps(m['peer'])}",
+      f"- GPUs: {json.dumps(m['gpus'])}", "", "## Self-tests", "", "| check | ok | detail |", "|---|---|---|"]
+for s in by("selftest") + by("allreduce"):
+    for c in s.get("checks", []):
+        ok = "yes" if c["ok"] else ("**no**" if c["required"] else "no (optional)")
+        md.append(f"| {c['name']} | {ok} | {c.get('detail', '')} |")
+md += ["", "## Parity with HF transformers + PEFT (eval loss; bf16: within twice PEFT's bf16 distance from fp32)", "",
+       "| precision | llora | PEFT | relative difference | ok |", "|---|---|---|---|---|"]
+for r in by("parity"):
+    if "skipped" in r:
+        md.append(f"| skipped: {r['skipped']} | | | | |")
+    else:
+        md.append(f"| {r['precision']} | {r['llora_loss']:.6f} | {r['peft_loss']:.6f} | {r['rel_diff']:.2e} | {'yes' if r['ok'] else '**no**'} |")
+md += ["", "## llora against PyTorch + PEFT (bf16)", "",
+       "| shape | llora precision | llora step s | PEFT bf16 step s | ratio | llora TFLOP/s | PEFT TFLOP/s | of bf16 peak | llora peak MB | PEFT peak MB | planned MB | measured/planned | attention |",
+       "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+f = lambda x, p=3: "" if x is None else (f"{x:.{p}f}" if isinstance(x, float) else str(x))
+for r in by("bench"):
+    md.append(f"| {r['preset']} s{r['seq_len']} | {r['precision']} | {f(r['llora_step_s'],4)} | {f(r['peer_bf16_step_s'],4)} | {f(r['ratio'])} | "
+              f"{f(r['llora_tflops'],4)} | {f(r['peer_tflops'],4)} | {f(r['llora_mfu_bf16_peak'])} | {f(r['llora_peak_mb'],0)} | {f(r['peer_peak_mb'],0)} | "
+              f"{f(r['planned_peak_mb'],0)} | {f(r.get('measured_over_planned'))} | {','.join(r.get('attn_impl') or [])} |")
+open(f"{out}/report.md", "w").write("\n".join(md) + "\n")
+failed = [c["name"] for s in by("selftest") + by("allreduce") for c in s.get("checks", []) if c["required"] and not c["ok"]]
+failed += [f"parity {r['precision']}" for r in by("parity") if "skipped" not in r and not r["ok"]]
+missing = [s for s in ("selftest", "allreduce", "parity", "bench") if not by(s)]
+print("\n".join(md))
+if failed or missing:
+    print(f"gpu-check: failed checks {failed}, missing sections {missing}", file=sys.stderr)
+    sys.exit(1)
+PY
+say "report: $REPORT_DIR/report.md and $REPORT_DIR/report.json"

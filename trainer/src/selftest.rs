@@ -1,0 +1,236 @@
+//! `llora selftest`: the kernels and collectives llora's training step depends on, each run on
+//! one device and compared with a plain reference, printed as one JSON line. It is what
+//! `scripts/gpu-check.sh` runs on a GPU node (no Rust toolchain there) and, on the CPU, in CI.
+//!
+//! Checks: a bf16 GEMM (the route the linear layers take) against f64; both FP8 GEMMs of a
+//! layer on `_scaled_mm` (no fallback) against the dequantised GEMM; every fused attention
+//! kernel of the device, forward and backward, against plain LibTorch ops (the kernels tried
+//! in turn in training; at least one bf16 kernel must pass); dropout's mask redrawn in
+//! backward equal to the forward's; an all-reduce on a real c10d group (NCCL on a GPU) and its
+//! bus bandwidth. Each check says whether the run depends on it (`required`).
+
+use std::time::Instant;
+
+use burn::tensor::{Device, Tensor};
+use llora_model::attention::{FusedKernel, verify};
+use llora_model::device::DeviceSpec;
+use llora_model::fp8::{Fp8Format, dequantize_tch, quantize_tch};
+use llora_model::precision::scaled_mm::{Fp8Operand, fp8_gemm, take_gemm_counts};
+use serde_json::{Value, json};
+use tch::Kind;
+
+use crate::cli::SelftestArgs;
+use crate::dist::{Collective, ReduceOp};
+
+/// One check's outcome.
+struct Check {
+    name: String,
+    ok: bool,
+    /// Whether training depends on it (a failed optional check only says which kernel
+    /// training will not use).
+    required: bool,
+    detail: String,
+}
+
+impl Check {
+    fn new(name: impl Into<String>, required: bool, result: Result<String, String>) -> Self {
+        let (ok, detail) = match result {
+            Ok(d) => (true, d),
+            Err(d) => (false, d),
+        };
+        Self { name: name.into(), ok, required, detail }
+    }
+}
+
+/// Runs the checks `args` asks for and returns the JSON record.
+pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
+    let spec = args.device.clone();
+    let device = spec.init(args.threads)?;
+    let dev = llora_model::precision::tch_device(&device)
+        .ok_or_else(|| anyhow::anyhow!("llora selftest needs a LibTorch device (cpu or cuda:N), not {spec}"))?;
+    let only = |name: &str| args.only.as_deref().is_none_or(|o| o == name);
+    let mut checks = Vec::new();
+    if only("gemm") {
+        checks.push(Check::new("bf16 GEMM", true, bf16_gemm(dev)));
+        checks.push(Check::new("FP8 GEMMs on _scaled_mm", true, scaled_mm(dev)));
+    }
+    if only("attention") {
+        checks.extend(attention(dev));
+    }
+    if only("dropout") {
+        checks.push(Check::new("dropout mask redrawn in backward", true, dropout_redraw(&device)));
+    }
+    if only("all-reduce") {
+        checks.push(Check::new("all-reduce", true, all_reduce(&spec)));
+    }
+    let failed: Vec<&str> = checks.iter().filter(|c| c.required && !c.ok).map(|c| c.name.as_str()).collect();
+    Ok(json!({
+        "device": spec.to_string(),
+        "libtorch": llora_model::device::libtorch_summary(),
+        "ok": failed.is_empty(),
+        "failed": failed,
+        "checks": checks.iter().map(|c| json!({"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail})).collect::<Vec<_>>(),
+    }))
+}
+
+/// Largest |got − want| over the largest |want|.
+fn rel_err(got: &tch::Tensor, want: &tch::Tensor) -> f64 {
+    let want = want.to_kind(Kind::Double);
+    let err = (got.to_kind(Kind::Double) - &want).abs().max().double_value(&[]);
+    err / want.abs().max().double_value(&[]).max(1e-30)
+}
+
+/// Waits for the device's queued work (CUDA kernels run asynchronously).
+fn sync(dev: tch::Device) {
+    if let tch::Device::Cuda(i) = dev {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// A bf16 GEMM the way llora's linear layers run it on `dev` (torch's bf16 GEMM, or through f32
+/// on CPUs without one) against f64 on the same rounded operands; and its rate on a square GEMM.
+fn bf16_gemm(dev: tch::Device) -> Result<String, String> {
+    let _guard = tch::no_grad_guard();
+    let bf16 = |shape: [i64; 2]| tch::Tensor::randn(shape, (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let mm = |a: &tch::Tensor, b: &tch::Tensor| {
+        if llora_model::precision::bf16::operand_kind(Kind::BFloat16, dev) == Kind::BFloat16 {
+            a.matmul(b)
+        } else {
+            llora_model::precision::bf16::mm_via_f32(a, b, Kind::BFloat16)
+        }
+    };
+    let (a, b) = (bf16([256, 512]), bf16([512, 384]));
+    let err = rel_err(&mm(&a, &b), &a.to_kind(Kind::Double).matmul(&b.to_kind(Kind::Double)));
+    if err > 1.0 / 128.0 {
+        return Err(format!("relative error {err:.2e} (bf16 output rounding allows 7.8e-3)"));
+    }
+    let n = if dev.is_cuda() { 8192 } else { 1024 };
+    let (a, b) = (bf16([n, n]), bf16([n, n]));
+    let _ = mm(&a, &b);
+    sync(dev);
+    let t = Instant::now();
+    let reps = if dev.is_cuda() { 20 } else { 2 };
+    for _ in 0..reps {
+        let _ = mm(&a, &b);
+    }
+    sync(dev);
+    let tflops = 2.0 * (n as f64).powi(3) * reps as f64 / t.elapsed().as_secs_f64() / 1e12;
+    Ok(format!("relative error {err:.2e}; {n}x{n}x{n}: {tflops:.2} TFLOP/s"))
+}
+
+/// A layer's forward (E4M3 x E4M3) and input-gradient (E5M2 x E4M3) GEMMs on `_scaled_mm`, in
+/// the layouts llora keeps, against the dequantised f32 GEMMs; neither may fall back.
+fn scaled_mm(dev: tch::Device) -> Result<String, String> {
+    let _guard = tch::no_grad_guard();
+    let r = |shape: [i64; 2]| tch::Tensor::randn(shape, (Kind::Float, dev));
+    let x = quantize_tch(&r([64, 128]), 16.0, Fp8Format::E4M3);
+    let w = quantize_tch(&r([256, 128]), 64.0, Fp8Format::E4M3);
+    let g = quantize_tch(&r([64, 256]), 1024.0, Fp8Format::E5M2);
+    let _ = take_gemm_counts();
+    let y = fp8_gemm(
+        Fp8Operand { codes: &x, scale_inv: 1.0 / 16.0 },
+        Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 },
+        Kind::BFloat16,
+        true,
+    );
+    let w_col = w.tr().contiguous().tr();
+    let dx = fp8_gemm(
+        Fp8Operand { codes: &g, scale_inv: 1.0 / 1024.0 },
+        Fp8Operand { codes: &w_col, scale_inv: 1.0 / 64.0 },
+        Kind::BFloat16,
+        false,
+    );
+    let (on_scaled_mm, fallback) = take_gemm_counts();
+    if fallback > 0 {
+        return Err(format!("{fallback} of 2 GEMMs fell back from _scaled_mm"));
+    }
+    let wd = dequantize_tch(&w, 1.0 / 64.0);
+    let ey = rel_err(&y, &dequantize_tch(&x, 1.0 / 16.0).matmul(&wd.tr()));
+    let edx = rel_err(&dx, &dequantize_tch(&g, 1.0 / 1024.0).matmul(&wd));
+    if ey > 1.0 / 128.0 || edx > 1.0 / 128.0 {
+        return Err(format!("relative error y {ey:.2e}, dx {edx:.2e} (bf16 output allows 7.8e-3)"));
+    }
+    Ok(format!("{on_scaled_mm} GEMMs on _scaled_mm; relative error y {ey:.2e}, dx {edx:.2e}"))
+}
+
+/// Every fused kernel of the device against plain LibTorch, at a Llama 2 70B head shape (64
+/// query heads on 8 K/V heads of 128) in bf16 and, for the f32 kernel, f32.
+fn attention(dev: tch::Device) -> Vec<Check> {
+    let cases: &[(FusedKernel, Kind)] = if dev.is_cuda() {
+        &[
+            (FusedKernel::CudaCudnn, Kind::BFloat16),
+            (FusedKernel::CudaFlash, Kind::BFloat16),
+            (FusedKernel::CudaEfficient, Kind::BFloat16),
+            (FusedKernel::CudaEfficient, Kind::Float),
+        ]
+    } else {
+        &[(FusedKernel::CpuFlash, Kind::BFloat16), (FusedKernel::CpuFlash, Kind::Float)]
+    };
+    let mut out = Vec::new();
+    for &(kernel, kind) in cases {
+        let t = Instant::now();
+        let result = verify(kernel, dev, kind, 64, 8, 128)
+            .map(|()| format!("forward and backward match plain LibTorch ({:.0} ms)", t.elapsed().as_secs_f64() * 1e3));
+        // Training tries the CUDA bf16 kernels in turn: one of them is enough.
+        let required = !dev.is_cuda() || kind == Kind::Float;
+        out.push(Check::new(format!("attention {} {kind:?}", kernel.name()), required, result));
+    }
+    if dev.is_cuda() {
+        let any = out.iter().any(|c| c.ok && c.name.contains("BFloat16"));
+        let result = if any { Ok("at least one fused bf16 kernel passed".into()) } else { Err("none passed".into()) };
+        out.push(Check::new("attention bf16 fused kernel available", true, result));
+    }
+    out
+}
+
+/// Dropout of ones under autodiff: the gradient of Σ y, made from the mask redrawn in
+/// backward, must equal y (mask / (1 − p)) element for element; about 1 − p of them kept.
+fn dropout_redraw(device: &Device) -> Result<String, String> {
+    let p = 0.25;
+    let train = device.clone().autodiff();
+    train.seed(11);
+    let x = Tensor::<1>::ones([1 << 16], &train).require_grad();
+    let y = llora_model::dropout::dropout(x.clone(), p);
+    let grads = y.clone().sum().backward();
+    let g = x.grad(&grads).ok_or("no gradient reached x")?;
+    let values = |t: Tensor<1>| t.into_data().try_to_vec::<f32>().map_err(|e| format!("{e:?}"));
+    let (y, g) = (values(y.inner())?, values(g)?);
+    let differ = y.iter().zip(&g).filter(|(a, b)| a != b).count();
+    let kept = y.iter().filter(|&&v| v != 0.0).count() as f64 / y.len() as f64;
+    if differ > 0 || (kept - (1.0 - p)).abs() > 0.02 {
+        return Err(format!("{differ} of {} gradients differ from the forward's mask; {kept:.3} kept", y.len()));
+    }
+    Ok(format!("backward's mask equals forward's; {kept:.3} kept (p {p})"))
+}
+
+/// An all-reduce over the launcher's ranks (torchrun), or over a c10d group of this process
+/// alone: the sum checked exactly, then the bus bandwidth of 64 MB all-reduces, 2·(n−1)/n ·
+/// bytes / time. llora's collectives take host buffers (an NCCL one copies to the GPU and
+/// back), so this is the rate llora's gradient all-reduce sees, not NCCL's alone.
+fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
+    let dist = crate::dist::init(&crate::dist::DistConfig::default(), spec.is_cuda()).map_err(|e| format!("{e:#}"))?;
+    let (label, comm): (String, std::sync::Arc<dyn Collective>) = if dist.world.size > 1 {
+        (format!("{} ranks", dist.world.size), dist.comm.clone())
+    } else {
+        let (backend, comm) = crate::dist::single_process_group(spec.is_cuda()).map_err(|e| format!("{e:#}"))?;
+        (format!("one process, {backend}"), comm)
+    };
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let mut buf = vec![(rank + 1) as f32; 1024];
+    comm.all_reduce_f32(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
+    let want = (n * (n + 1) / 2) as f32;
+    if buf.iter().any(|&v| v != want) {
+        return Err(format!("sum over {n} ranks gave {} instead of {want}", buf[0]));
+    }
+    let mut big = vec![1.0f32; 16 << 20];
+    comm.all_reduce_f32(&mut big, ReduceOp::Sum).map_err(|e| e.to_string())?;
+    let reps = 5;
+    let t = Instant::now();
+    for _ in 0..reps {
+        comm.all_reduce_f32(&mut big, ReduceOp::Sum).map_err(|e| e.to_string())?;
+    }
+    let s = t.elapsed().as_secs_f64() / reps as f64;
+    let bytes = (big.len() * 4) as f64;
+    let busbw = if n > 1 { 2.0 * (n - 1) as f64 / n as f64 * bytes / s / 1e9 } else { 0.0 };
+    Ok(format!("{label}: sum exact; 64 MB in {:.2} ms, bus bandwidth {busbw:.1} GB/s", s * 1e3))
+}
