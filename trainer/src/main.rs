@@ -114,7 +114,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Plan(args) => llora_trainer::plan::plan_command(&args),
         Command::Plot(args) => llora_trainer::plot::plot_command(&args),
         Command::Selftest(args) => {
-            let spec = args.device.clone();
+            let spec = args.device;
             let args = llora_trainer::cli::SelftestArgs {
                 device: spec.for_local_rank(std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)),
                 ..args

@@ -44,7 +44,7 @@ impl Check {
 
 /// Runs the checks `args` asks for and returns the JSON record.
 pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
-    let spec = args.device.clone();
+    let spec = args.device;
     let device = spec.init(args.threads)?;
     let dev = llora_model::precision::tch_device(&device)
         .ok_or_else(|| anyhow::anyhow!("llora selftest needs a LibTorch device (cpu or cuda:N), not {spec}"))?;

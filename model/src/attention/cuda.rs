@@ -162,8 +162,11 @@ impl Problem {
     }
 }
 
-/// Per kind of problem: the candidates not yet refused, and whether the first one is verified.
-static CHOICES: Mutex<Option<HashMap<Problem, (Vec<FusedKernel>, bool)>>> = Mutex::new(None);
+/// For one kind of problem: the candidates not yet refused, and whether the first is verified.
+type Candidates = (Vec<FusedKernel>, bool);
+
+/// The candidates of every kind of problem seen.
+static CHOICES: Mutex<Option<HashMap<Problem, Candidates>>> = Mutex::new(None);
 
 /// The fused kernel for `p`, verifying candidates on first use; `None` when none passes (then
 /// the generic attention runs).
