@@ -338,3 +338,32 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.contains("## Self-tests") && md.contains("## llora against PyTorch + PEFT"), "{md}");
 }
+
+/// Command flags get the validation of the config keys they stand for (#29): each bad value is
+/// refused before anything runs, with the flag named, a non-zero exit and no panic.
+#[test]
+fn bad_flags_are_refused_naming_the_flag() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "--batch", "0"], "`--batch` = 0"),
+        (&["bench", "--lora-r", "0"], "`--lora-r` = 0"),
+        (&["bench", "--targets", "foo"], "`--targets` = \"foo\""),
+        (&["bench", "--threads", "100000"], "`--threads` = 100000"),
+        (&["bench", "--lora-dropout", "1.5"], "`--lora-dropout` = 1.5"),
+        (&["bench", "--lr", "NaN"], "`--lr` = NaN"),
+        (&["bench", "--seq-len", "100000"], "the preset's 4096 positions"),
+        (&["eval", "--model", "m", "--data", "d", "--batch-size", "0"], "`--batch-size` = 0"),
+        (&["eval", "--model", "m", "--data", "d", "--workers", "100000"], "`--workers` = 100000"),
+        (&["eval", "--model", "m", "--data", "d", "--threads", "100000"], "`--threads` = 100000"),
+        (&["data", "bench", "--train", "t", "--eval", "e", "--workers", "1,100000"], "`--workers` = 100000"),
+        (&["train", "--set", "run.threads=100000"], "config key `run.threads` = 100000"),
+    ];
+    for (args, want) in cases {
+        // Without the thread flags `common::llora` adds for the small test machines.
+        let out =
+            std::process::Command::new(common::llora_bin()).args(*args).current_dir(common::root()).output().unwrap();
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("frame #"), "{args:?}: {stderr}");
+    }
+}

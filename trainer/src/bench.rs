@@ -89,6 +89,7 @@ fn random_batch(
 /// Runs the benchmark on the launcher's ranks (one process without one) and returns the peer's
 /// JSON record on rank 0 (None on the others).
 pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
+    validate(args)?;
     let dist = crate::dist::init(&crate::dist::DistConfig::default(), args.device.is_cuda())?;
     let record = match &args.load {
         Some(dir) => load(args, dir)?,
@@ -96,6 +97,57 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
         None => train(args, &dist)?,
     };
     Ok(dist.is_main().then_some(record))
+}
+
+/// Checks the flags with the validations of the config keys they stand for (`lora.rank` for
+/// `--lora-r`, ...), plus the bench's own counts and the preset's context length.
+fn validate(args: &BenchArgs) -> anyhow::Result<()> {
+    use crate::config::{LoraConfig, OptimConfig, Problems, check_threads};
+    let flag = |key: &str| {
+        let name = match key {
+            "lora.rank" => "--lora-r",
+            "lora.alpha" => "--lora-alpha",
+            "lora.dropout" => "--lora-dropout",
+            "lora.targets" => "--targets",
+            "optim.lr" => "--lr",
+            "optim.weight_decay" => "--weight-decay",
+            "optim.clip_grad_norm" => "--max-grad-norm",
+            "run.threads" => "--threads",
+            other => other,
+        };
+        format!("`{name}`")
+    };
+    let mut p = Problems::new(&flag);
+    let targets = args.targets.split(',').map(|t| t.trim().to_string()).collect();
+    LoraConfig { rank: args.lora_r, alpha: args.lora_alpha, dropout: args.lora_dropout, targets }.check(&mut p);
+    let optim = OptimConfig {
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        clip_grad_norm: args.max_grad_norm,
+        ..OptimConfig::default()
+    };
+    optim.check(&mut p);
+    check_threads(&mut p, "run.threads", args.threads);
+    for (name, value) in [("--batch", args.batch), ("--accum", args.accum), ("--steps", args.steps)] {
+        p.check(value >= 1, name, &value, "must be at least 1");
+    }
+    p.check(args.seq_len >= 2, "--seq-len", &args.seq_len, "must be at least 2 (one input and one target token)");
+    if let Ok(c) = LlamaConfig::preset(&args.preset) {
+        let max = c.max_position_embeddings;
+        p.check(
+            args.seq_len <= max,
+            "--seq-len",
+            &args.seq_len,
+            &format!("must be at most the preset's {max} positions"),
+        );
+    }
+    p.check(
+        !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
+        "--fp8-weights",
+        &args.fp8_weights,
+        "needs --precision fp8",
+    );
+    p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
 }
 
 /// The precision `--precision`, `--fp8-activations` and `--fp8-weights` ask for.

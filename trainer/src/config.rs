@@ -596,102 +596,77 @@ impl Config {
 
     /// Range and cross-field checks; every problem names its key, value and what is allowed.
     pub fn validate(&self) -> Result<(), Vec<String>> {
-        let mut p = Vec::new();
-        let mut check = |ok: bool, key: &str, value: &dyn fmt::Debug, allowed: &str| {
-            if !ok {
-                p.push(format!("config key `{key}` = {value:?}: {allowed}"));
-            }
-        };
+        let mut p = Problems::new(&config_key);
         let one_of = |v: &str, set: &[&str]| set.contains(&v);
-        let list = |set: &[&str]| set.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
 
         let m = &self.model;
-        check(
+        p.check(
             m.path.is_some() || m.preset.is_some(),
             "model.path",
             &m.path,
             "set model.path (an HF checkpoint directory) or model.preset (random initialisation)",
         );
         if let Some(preset) = &m.preset {
-            check(
+            p.check(
                 one_of(preset, MODEL_PRESETS),
                 "model.preset",
                 preset,
-                &format!("must be one of {}", list(MODEL_PRESETS)),
+                &format!("must be one of {}", quoted(MODEL_PRESETS)),
             );
         }
         if let Some(pt) = &m.pretrain {
-            check(
+            p.check(
                 m.path.is_some() && m.preset.is_some(),
                 "model.pretrain",
                 &"[model.pretrain]",
                 "needs model.path (where the base is saved) and model.preset (what to pre-train)",
             );
-            check(
+            p.check(
                 self.data.synthetic.is_some(),
                 "model.pretrain",
                 &"[model.pretrain]",
                 "needs a [data.synthetic] section (the pre-training corpus is synthetic)",
             );
-            check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
-            check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");
+            p.check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
+            p.check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");
         }
 
-        let l = &self.lora;
-        check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
-        check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
-        check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
-        check(
-            !l.targets.is_empty(),
-            "lora.targets",
-            &l.targets,
-            &format!("must name at least one of {}", list(LORA_TARGETS)),
-        );
-        for t in &l.targets {
-            check(one_of(t, LORA_TARGETS), "lora.targets", t, &format!("each must be one of {}", list(LORA_TARGETS)));
-        }
-        let mut sorted = l.targets.clone();
-        sorted.sort();
-        sorted.dedup();
-        check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
-        let fused = l.targets.iter().any(|t| t == "qkv_proj");
-        let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
-        check(
-            !(fused && separate),
-            "lora.targets",
-            &l.targets,
-            "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
-        );
+        self.lora.check(&mut p);
 
         let d = &self.data;
-        check(
+        p.check(
             d.max_seq_len >= 2,
             "data.max_seq_len",
             &d.max_seq_len,
             "must be at least 2 (one input and one target token)",
         );
-        check(d.train_workers <= 64, "data.train_workers", &d.train_workers, "must be in 0..=64");
-        check(d.eval_workers <= 64, "data.eval_workers", &d.eval_workers, "must be in 0..=64");
+        check_workers(&mut p, "data.train_workers", d.train_workers);
+        check_workers(&mut p, "data.eval_workers", d.eval_workers);
         match &d.synthetic {
             Some(syn) => {
-                check(
+                p.check(
                     d.train.is_none() && d.eval.is_none(),
                     "data.synthetic",
                     &"[data.synthetic]",
                     "excludes data.train and data.eval: use one or the other",
                 );
-                check(syn.train_samples >= 1, "data.synthetic.train_samples", &syn.train_samples, "must be at least 1");
-                check(syn.eval_samples >= 1, "data.synthetic.eval_samples", &syn.eval_samples, "must be at least 1");
-                check(syn.topics >= 1, "data.synthetic.topics", &syn.topics, "must be at least 1");
+                p.check(
+                    syn.train_samples >= 1,
+                    "data.synthetic.train_samples",
+                    &syn.train_samples,
+                    "must be at least 1",
+                );
+                p.check(syn.eval_samples >= 1, "data.synthetic.eval_samples", &syn.eval_samples, "must be at least 1");
+                p.check(syn.topics >= 1, "data.synthetic.topics", &syn.topics, "must be at least 1");
             }
             None => {
-                check(
+                p.check(
                     d.train.is_some(),
                     "data.train",
                     &d.train,
                     "set data.train (MLPerf-schema parquet) or a [data.synthetic] section",
                 );
-                check(
+                p.check(
                     d.eval.is_some(),
                     "data.eval",
                     &d.eval,
@@ -700,28 +675,11 @@ impl Config {
             }
         }
 
-        let o = &self.optim;
-        check(o.lr.is_finite() && o.lr > 0.0, "optim.lr", &o.lr, "must be a finite number > 0");
-        for (i, b) in o.betas.iter().enumerate() {
-            check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
-        }
-        check(o.eps.is_finite() && o.eps > 0.0, "optim.eps", &o.eps, "must be a finite number > 0");
-        check(
-            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
-            "optim.weight_decay",
-            &o.weight_decay,
-            "must be a finite number >= 0",
-        );
-        check(
-            o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0,
-            "optim.clip_grad_norm",
-            &o.clip_grad_norm,
-            "must be >= 0 (0 disables clipping)",
-        );
+        self.optim.check(&mut p);
 
         let s = &self.schedule;
-        check(s.max_steps >= 1, "schedule.max_steps", &s.max_steps, "must be at least 1");
-        check(
+        p.check(s.max_steps >= 1, "schedule.max_steps", &s.max_steps, "must be at least 1");
+        p.check(
             s.warmup_steps < s.max_steps.max(1),
             "schedule.warmup_steps",
             &s.warmup_steps,
@@ -729,9 +687,9 @@ impl Config {
         );
 
         let t = &self.train;
-        check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
-        check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
-        check(
+        p.check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
+        p.check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
+        p.check(
             t.global_batch_size.is_multiple_of(t.micro_batch_size.max(1)),
             "train.global_batch_size",
             &t.global_batch_size,
@@ -739,31 +697,31 @@ impl Config {
         );
 
         let e = &self.eval;
-        check(e.every_samples >= 1, "eval.every_samples", &e.every_samples, "must be at least 1");
-        check(
+        p.check(e.every_samples >= 1, "eval.every_samples", &e.every_samples, "must be at least 1");
+        p.check(
             e.target_loss.is_finite() && e.target_loss > 0.0,
             "eval.target_loss",
             &e.target_loss,
             "must be a finite number > 0",
         );
-        check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
+        p.check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
 
         let pr = &self.precision;
-        check(
+        p.check(
             (1..=1024).contains(&pr.amax_history_len),
             "precision.amax_history_len",
             &pr.amax_history_len,
             "must be in 1..=1024",
         );
-        check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
-        check(
+        p.check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
+        p.check(
             !pr.fp8_weights || pr.compute == Compute::Fp8,
             "precision.fp8_weights",
             &pr.fp8_weights,
             "needs precision.compute = \"fp8\"",
         );
         let reduced = pr.compute != Compute::Fp32 || pr.fp8_activations;
-        check(
+        p.check(
             !reduced || self.run.device != DeviceSpec::Flex,
             "precision.compute",
             &pr.compute,
@@ -771,23 +729,143 @@ impl Config {
         );
 
         let r = &self.run;
-        check(r.threads <= 1024, "run.threads", &r.threads, "must be in 0..=1024 (0 = one per core)");
-        check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
+        check_threads(&mut p, "run.threads", r.threads);
+        p.check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
 
         let ml = &self.mlperf;
-        check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
-        check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
+        p.check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
+        p.check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
 
         let lg = &self.logging;
-        check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
-        check(
+        p.check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
+        p.check(
             lg.peak_tflops >= 0.0 && lg.peak_tflops.is_finite(),
             "logging.peak_tflops",
             &lg.peak_tflops,
             "must be a finite number ≥ 0",
         );
 
-        if p.is_empty() { Ok(()) } else { Err(p) }
+        p.finish()
+    }
+}
+
+/// Problems found in values, each named by where the value came from: a config key, or the
+/// command flag that sets the same value (one validation for both).
+pub struct Problems<'a> {
+    name: &'a dyn Fn(&str) -> String,
+    list: Vec<String>,
+}
+
+impl<'a> Problems<'a> {
+    /// An empty list whose values are named by `name(key)`.
+    pub fn new(name: &'a dyn Fn(&str) -> String) -> Self {
+        Self { name, list: Vec::new() }
+    }
+
+    /// Records that `key` = `value` is not `allowed`, unless `ok`.
+    pub fn check(&mut self, ok: bool, key: &str, value: &dyn fmt::Debug, allowed: &str) {
+        if !ok {
+            self.list.push(format!("{} = {value:?}: {allowed}", (self.name)(key)));
+        }
+    }
+
+    /// `Ok` when nothing was recorded, else every problem.
+    pub fn finish(self) -> Result<(), Vec<String>> {
+        if self.list.is_empty() { Ok(()) } else { Err(self.list) }
+    }
+}
+
+/// How a config file names a key: ``config key `lora.rank` ``.
+pub fn config_key(key: &str) -> String {
+    format!("config key `{key}`")
+}
+
+/// `"a", "b"` for error messages.
+fn quoted(set: &[&str]) -> String {
+    set.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ")
+}
+
+/// The most intra-op threads or loader workers a value may ask for: 4 per core of this
+/// machine, at least 16 (more only oversubscribes; 100000 hung in thread creation).
+pub fn max_threads() -> usize {
+    (4 * std::thread::available_parallelism().map_or(1, |n| n.get())).max(16)
+}
+
+/// Intra-op threads: 0 (one per core) up to [`max_threads`].
+pub fn check_threads(p: &mut Problems<'_>, key: &str, threads: usize) {
+    let max = max_threads();
+    p.check(
+        threads <= max,
+        key,
+        &threads,
+        &format!("must be in 0..={max} (0 = one per core; 4 per core of this machine at most)"),
+    );
+}
+
+/// Loader worker threads: 0 (on the calling thread) up to [`max_threads`].
+pub fn check_workers(p: &mut Problems<'_>, key: &str, workers: usize) {
+    let max = max_threads();
+    p.check(workers <= max, key, &workers, &format!("must be in 0..={max} (4 per core of this machine at most)"));
+}
+
+impl LoraConfig {
+    /// Records what is wrong with these adapter settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let one_of = |v: &str, set: &[&str]| set.contains(&v);
+        let l = self;
+        p.check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
+        p.check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
+        p.check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
+        p.check(
+            !l.targets.is_empty(),
+            "lora.targets",
+            &l.targets,
+            &format!("must name at least one of {}", quoted(LORA_TARGETS)),
+        );
+        for t in &l.targets {
+            p.check(
+                one_of(t, LORA_TARGETS),
+                "lora.targets",
+                t,
+                &format!("each must be one of {}", quoted(LORA_TARGETS)),
+            );
+        }
+        let mut sorted = l.targets.clone();
+        sorted.sort();
+        sorted.dedup();
+        p.check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
+        let fused = l.targets.iter().any(|t| t == "qkv_proj");
+        let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
+        p.check(
+            !(fused && separate),
+            "lora.targets",
+            &l.targets,
+            "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
+        );
+    }
+}
+
+impl OptimConfig {
+    /// Records what is wrong with these optimizer settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let o = self;
+        p.check(o.lr.is_finite() && o.lr > 0.0, "optim.lr", &o.lr, "must be a finite number > 0");
+        for (i, b) in o.betas.iter().enumerate() {
+            p.check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
+        }
+        p.check(o.eps.is_finite() && o.eps > 0.0, "optim.eps", &o.eps, "must be a finite number > 0");
+        p.check(
+            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
+            "optim.weight_decay",
+            &o.weight_decay,
+            "must be a finite number >= 0",
+        );
+        p.check(
+            o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0,
+            "optim.clip_grad_norm",
+            &o.clip_grad_norm,
+            "must be >= 0 (0 disables clipping)",
+        );
     }
 }
 

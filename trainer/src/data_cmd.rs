@@ -132,6 +132,16 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     use llora_data::loader::{Position, ShardedOrder};
     use std::sync::Arc;
     use std::time::Instant;
+    let flag = |key: &str| format!("`{key}`");
+    let mut p = crate::config::Problems::new(&flag);
+    for &w in &a.workers {
+        crate::config::check_workers(&mut p, "--workers", w);
+    }
+    for &w in &a.eval_workers {
+        crate::config::check_workers(&mut p, "--eval-workers", w);
+    }
+    p.finish()
+        .map_err(|problems| anyhow::anyhow!("invalid llora data bench flags:\n  - {}", problems.join("\n  - ")))?;
     let opts = ReadOptions { vocab: a.vocab, max_seq_len: a.max_seq_len, on_bad_row: OnBadRow::Error };
     let t = Instant::now();
     let (train, _) = llora_data::parquet_io::read_parquet(&a.train, &opts)?;

@@ -728,6 +728,12 @@ pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         "--fp8-weights needs --precision fp8 (it is {})",
         args.precision.name()
     );
+    let flag = |key: &str| format!("`{key}`");
+    let mut p = crate::config::Problems::new(&flag);
+    crate::config::check_threads(&mut p, "--threads", args.threads);
+    crate::config::check_workers(&mut p, "--workers", args.workers);
+    p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");
+    p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
     let device = args.device.init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
     let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
