@@ -356,6 +356,11 @@ fn bad_flags_are_refused_naming_the_flag() {
         (&["eval", "--model", "m", "--data", "d", "--threads", "100000"], "`--threads` = 100000"),
         (&["data", "bench", "--train", "t", "--eval", "e", "--workers", "1,100000"], "`--workers` = 100000"),
         (&["train", "--set", "run.threads=100000"], "config key `run.threads` = 100000"),
+        (&["train", "--set", "optim.eps=1e-46"], "config key `optim.eps` = 1e-46"),
+        (
+            &["plan", "configs/llama2-70b-mlperf.toml", "--world", "3"],
+            "must be a multiple of train.micro_batch_size × ranks",
+        ),
     ];
     for (args, want) in cases {
         // Without the thread flags `common::llora` adds for the small test machines.

@@ -192,6 +192,13 @@ impl LlamaConfig {
         if !c.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", c.head_dim);
         }
+        // A negative ε makes mean(x²) + ε reach 0 or below: the norm's 1/√ is NaN or inf.
+        if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps >= 0.0) {
+            bail!("rms_norm_eps ({}) must be a finite number >= 0", c.rms_norm_eps);
+        }
+        if !(c.rope_theta.is_finite() && c.rope_theta > 0.0) {
+            bail!("rope_theta ({}) must be a finite number > 0", c.rope_theta);
+        }
         Ok(())
     }
 

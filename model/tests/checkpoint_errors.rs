@@ -133,3 +133,16 @@ fn truncated_shard_and_bad_config_are_errors() {
     let e = load_err(dir.path());
     assert!(e.contains("config.json"), "{e}");
 }
+
+/// A negative `rms_norm_eps` (the norm's 1/√ turns NaN) is refused with the field named, not
+/// evaluated to a null loss (#29).
+#[test]
+fn negative_rms_norm_eps_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_single(dir.path(), &tensors(&micro()));
+    let mut config: serde_json::Value = serde_json::from_str(&micro().to_hf_json()).unwrap();
+    config["rms_norm_eps"] = serde_json::json!(-1e-5);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let e = load_err(dir.path());
+    assert!(e.contains("rms_norm_eps") && e.contains("config.json"), "{e}");
+}

@@ -853,7 +853,13 @@ impl OptimConfig {
         for (i, b) in o.betas.iter().enumerate() {
             p.check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
         }
-        p.check(o.eps.is_finite() && o.eps > 0.0, "optim.eps", &o.eps, "must be a finite number > 0");
+        // AdamW runs in f32: a smaller ε is 0 there (or a subnormal), and 0/0 is NaN at step 2.
+        p.check(
+            o.eps.is_finite() && o.eps >= f64::from(f32::MIN_POSITIVE),
+            "optim.eps",
+            &o.eps,
+            "must be a finite number >= 1.2e-38 (the smallest normal f32: AdamW computes in f32)",
+        );
         p.check(
             o.weight_decay.is_finite() && o.weight_decay >= 0.0,
             "optim.weight_decay",

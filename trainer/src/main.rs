@@ -21,7 +21,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // `{:#}` prints the whole context chain on one line: what failed, then why.
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", user_message(&format!("{e:#}")));
             if e.downcast_ref::<llora_trainer::train::Interrupted>().is_some() {
                 ExitCode::from(130)
             } else {
@@ -29,6 +29,27 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// An error as the user sees it: LibTorch's messages carry its C++ stack (`Exception raised
+/// from ...` and `frame #N: ...` lines), which says nothing to a user; it is cut unless
+/// `RUST_BACKTRACE` is set (then everything is printed, for a bug report).
+fn user_message(msg: &str) -> String {
+    if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+        return msg.to_string();
+    }
+    let kept: Vec<&str> = msg
+        .lines()
+        .filter(|l| {
+            let t = l.trim_start();
+            !(t.starts_with("frame #") || t.starts_with("Exception raised from"))
+        })
+        .collect();
+    let mut out = kept.join("\n");
+    if kept.len() < msg.lines().count() {
+        out.push_str("\n(LibTorch's C++ stack omitted: set RUST_BACKTRACE=1 to print it)");
+    }
+    out
 }
 
 fn init_tracing(format: LogFormat) {
@@ -146,5 +167,29 @@ fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shape of a c10d failure as LibTorch words it: the message stays, the stack goes.
+    #[test]
+    fn cpp_frames_are_cut_from_errors() {
+        let msg = "dist: rank 1 could not reach the store: The client socket has timed out after 30000ms \
+                   while trying to connect to (127.0.0.1, 29500).\nException raised from throwTimeoutError at \
+                   /pytorch/torch/csrc/distributed/c10d/socket.cpp:1021 (most recent call first):\nframe #0: \
+                   c10::Error::Error(c10::SourceLocation, std::string) + 0x98 (0x7f libc10.so)\nframe #1: <unknown \
+                   function> + 0x5c1d (0x7f libtorch_cpu.so)";
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+            assert_eq!(user_message(msg), msg);
+            return;
+        }
+        let shown = user_message(msg);
+        assert!(shown.starts_with("dist: rank 1 could not reach the store"), "{shown}");
+        assert!(!shown.contains("frame #") && !shown.contains("Exception raised from"), "{shown}");
+        assert!(shown.ends_with("set RUST_BACKTRACE=1 to print it)"), "{shown}");
+        assert_eq!(user_message("plain error"), "plain error");
     }
 }

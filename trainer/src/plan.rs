@@ -536,6 +536,13 @@ pub fn plan_command(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
     let env_world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok());
     let world = args.world.or(env_world).unwrap_or(1);
     anyhow::ensure!(world >= 1, "--world must be at least 1");
+    let (gbs, micro) = (config.train.global_batch_size, config.train.micro_batch_size);
+    anyhow::ensure!(
+        gbs.is_multiple_of(micro * world),
+        "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × ranks = {micro} × {world} = {}: \
+         training would refuse this world size",
+        micro * world
+    );
     let shape = shape_of(&config, world)?;
     if args.json {
         println!("{}", to_json(&shape, args.device_memory));
