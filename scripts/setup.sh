@@ -7,7 +7,7 @@
 #     at, so plain `cargo build/test/run` work in a new shell with nothing exported;
 #   - the headers the c10d shim (trainer/src/dist/) compiles against: Debian's libgloo-dev (the
 #     torch wheel lacks gloo's headers; installed with apt-get when missing and we are root) and
-#     two header-only CUDA wheels for its NCCL half, matching torch's CUDA (nvcc and cccl);
+#     two header-only CUDA wheels for its NCCL half, matching torch's CUDA (crt and cccl);
 #   - the official MLPerf compliance checker (mlperf-logging), which `llora mlperf check` runs;
 #   - with --parity: transformers, peft, safetensors and pyarrow, for the HF/PEFT parity tests
 #     and the PyTorch + PEFT peer (scripts/peer/).
@@ -54,7 +54,7 @@ esac
 case "${BASH_REMATCH[2]}" in
   9) NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90) ;;  # CUDA 12.8
   10) NCCL_HEADER_PKGS=(nvidia-cuda-nvcc-cu12==12.8.93 nvidia-cuda-cccl-cu12==12.8.90) ;; # CUDA 12.8
-  11) NCCL_HEADER_PKGS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-cccl==13.0.85) ;;           # CUDA 13.0
+  11) NCCL_HEADER_PKGS=(nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85) ;;            # CUDA 13.0 (crt split from nvcc)
 esac
 # Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
 # the peer's time-to-train job (scripts/peer/ttt.py).
