@@ -372,3 +372,28 @@ fn bad_flags_are_refused_naming_the_flag() {
         assert!(!stderr.contains("panicked") && !stderr.contains("frame #"), "{args:?}: {stderr}");
     }
 }
+
+/// No command writes over its own input (#29): `data prepare --out` onto `--input` and `plot
+/// --out` onto a run's metrics.jsonl are refused and the input is left as it was; commands
+/// that would write or find nothing say so with a non-zero exit.
+#[test]
+fn outputs_never_overwrite_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("raw.jsonl");
+    std::fs::write(&raw, "{\"input\": \"a\", \"output\": \"b\"}\n").unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    std::fs::write(&metrics, "{\"step\": 1}\n").unwrap();
+    let (raw_s, dir_s, metrics_s) = (raw.to_str().unwrap(), dir.path().to_str().unwrap(), metrics.to_str().unwrap());
+    let cases: &[(&[&str], &str)] = &[
+        (&["data", "prepare", "--input", raw_s, "--tokenizer", "t.json", "--out", raw_s], "is also --input"),
+        (&["plot", dir_s, "--out", metrics_s], "would overwrite its own input"),
+        (&["data", "synth", "--out", dir_s, "--train", "0"], "must each be at least 1"),
+    ];
+    for (args, want) in cases {
+        let out = llora(args);
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success() && stderr.contains(want), "{args:?}: {stderr}");
+    }
+    assert_eq!(std::fs::read_to_string(&raw).unwrap(), "{\"input\": \"a\", \"output\": \"b\"}\n");
+    assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "{\"step\": 1}\n");
+}

@@ -328,6 +328,27 @@ pub fn read_peft_config(dir: &Path) -> anyhow::Result<LoraSpec> {
             path.display()
         );
     }
+    // Keys that change the math: llora does not implement them, so an adapter using them is
+    // refused rather than evaluated differently from PEFT. Empty or null values are PEFT's
+    // defaults (what llora itself writes).
+    for key in ["alpha_pattern", "rank_pattern", "layers_to_transform", "layers_pattern", "modules_to_save"] {
+        let set = match v.get(key) {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Object(m)) => !m.is_empty(),
+            Some(serde_json::Value::Array(a)) => !a.is_empty(),
+            Some(serde_json::Value::String(s)) => !s.is_empty(),
+            Some(_) => true,
+        };
+        ensure!(
+            !set,
+            "{}: {key} = {} is not supported (llora applies one rank and alpha to every targeted module of every layer)",
+            path.display(),
+            v[key]
+        );
+    }
+    if let Some(bias) = v.get("bias").and_then(|b| b.as_str()) {
+        ensure!(bias == "none", "{}: bias = {bias:?} is not supported (only \"none\")", path.display());
+    }
     let targets = match field("target_modules")? {
         serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
         serde_json::Value::String(s) => vec![s.clone()],
@@ -411,6 +432,38 @@ mod shard_path_tests {
                 .unwrap();
             let err = shard_path(dir.path(), "link.safetensors").unwrap_err().to_string();
             assert!(err.contains("leads outside"), "{err}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod peft_config_tests {
+    use super::read_peft_config;
+
+    /// PEFT keys that would change the math are refused with the key named; PEFT's defaults
+    /// (empty, null) and an adapter written with them load.
+    #[test]
+    fn math_changing_peft_keys_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |extra: &str| {
+            let text = format!(
+                r#"{{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "rank_pattern": {{}},
+                   "alpha_pattern": {{}}, "layers_to_transform": null, "modules_to_save": null{extra}}}"#
+            );
+            std::fs::write(dir.path().join("adapter_config.json"), text).unwrap();
+            read_peft_config(dir.path())
+        };
+        assert_eq!(write("").unwrap().rank, 8);
+        for (extra, key) in [
+            (r#", "alpha_pattern": {"q_proj": 64}"#, "alpha_pattern"),
+            (r#", "rank_pattern": {"layers.0.self_attn.q_proj": 4}"#, "rank_pattern"),
+            (r#", "layers_to_transform": [0, 1]"#, "layers_to_transform"),
+            (r#", "layers_pattern": "layers""#, "layers_pattern"),
+            (r#", "modules_to_save": ["lm_head"]"#, "modules_to_save"),
+            (r#", "bias": "all""#, "bias"),
+        ] {
+            let err = format!("{:#}", write(extra).unwrap_err());
+            assert!(err.contains(key) && err.contains("adapter_config.json"), "{key}: {err}");
         }
     }
 }

@@ -35,6 +35,12 @@ fn write_jsonl(path: &Path, pairs: &[TextPair]) -> anyhow::Result<()> {
 /// Both splits as raw text (SCROLLS `input`/`output` jsonl) and MLPerf parquet, plus the
 /// word-level `tokenizer.json` that maps one onto the other.
 fn synth(a: &SynthArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.train >= 1 && a.eval >= 1,
+        "--train ({}) and --eval ({}) must each be at least 1",
+        a.train,
+        a.eval
+    );
     let synth = Synth::new(SynthConfig {
         vocab: a.vocab,
         max_seq_len: a.max_seq_len,
@@ -60,6 +66,7 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
 
 /// Raw pairs → MLPerf parquet through a tokenizer.json.
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
+    crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
     let tok = load_tokenizer(&a.tokenizer)?;
     let pairs = read_pairs(&a.input)?;
     let out =
@@ -72,6 +79,15 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
             "samples longer than max_seq_len dropped"
         );
     }
+    anyhow::ensure!(
+        !out.samples.is_empty(),
+        "{}: no sample fits --max-seq-len {} ({} of {} rows dropped as too long): nothing written to {}",
+        a.input.display(),
+        a.max_seq_len,
+        out.dropped.len(),
+        pairs.len(),
+        a.out.display()
+    );
     write_parquet(&a.out, &out.samples)?;
     println!(
         "{}",
@@ -89,6 +105,7 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
         targets.push(s.target_tokens());
     })?;
     println!("{}: {} rows, {} valid, {} bad", a.file.display(), report.rows, lens.len(), report.skipped);
+    anyhow::ensure!(report.rows > 0, "{}: the file has no rows", a.file.display());
     let buckets = 8;
     let width = a.max_seq_len.div_ceil(buckets).max(1);
     let mut hist = vec![0usize; buckets];

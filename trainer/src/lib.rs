@@ -11,6 +11,7 @@ pub mod mllog;
 pub mod mlperf;
 pub mod observe;
 pub mod optim;
+pub mod paths;
 pub mod plan;
 pub mod plot;
 pub mod resume;

@@ -86,6 +86,7 @@ pub fn plot_command(args: &crate::cli::PlotArgs) -> anyhow::Result<()> {
                 Path::new(spec.as_str()),
             ),
         };
+        crate::paths::ensure_not_an_input("--out", &args.out, &[(spec.as_str(), &dir.join("metrics.jsonl"))])?;
         let curve = read_metrics(&dir.join("metrics.jsonl"), &label)?;
         let reached = curve.eval.iter().find(|(_, l)| *l <= args.target).map(|(s, _)| *s);
         println!(
