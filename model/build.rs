@@ -47,9 +47,11 @@ const SUPPORTED_MINORS: std::ops::RangeInclusive<u32> = 9..=11;
 fn check_version(torch: &std::path::Path) {
     // torch 2.11 moved the definitions to torch/headeronly/version.h (the old header includes it).
     let headers = ["include/torch/headeronly/version.h", "include/torch/csrc/api/include/torch/version.h"];
-    let header = headers.iter().map(|h| torch.join(h)).find(|h| h.is_file()).unwrap_or_else(|| {
-        panic!("no LibTorch version header under {} (looked for {headers:?})", torch.display())
-    });
+    let header = headers
+        .iter()
+        .map(|h| torch.join(h))
+        .find(|h| h.is_file())
+        .unwrap_or_else(|| panic!("no LibTorch version header under {} (looked for {headers:?})", torch.display()));
     let text = std::fs::read_to_string(&header)
         .unwrap_or_else(|e| panic!("cannot read LibTorch's version from {}: {e}", header.display()));
     let field = |name: &str| {

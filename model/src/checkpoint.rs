@@ -189,10 +189,53 @@ impl HfCheckpoint {
 
     /// Builds the model from this checkpoint as `opts` asks (see [`LlamaForCausalLM::build`]:
     /// tensors are read one at a time from the mapped files and converted to their storage).
+    ///
+    /// Every tensor of the checkpoint must be used (a checkpoint with more layers than its
+    /// config.json, or another architecture's extra tensors, would otherwise load as a
+    /// different model without a word), except the ones transformers itself ignores.
     pub fn load_model(&self, opts: &BuildOptions<'_>, device: &Device) -> anyhow::Result<LlamaForCausalLM> {
-        let mut source = WeightSource::new(device, |name: &str, shape: &[usize]| self.read(name, shape));
-        LlamaForCausalLM::build(&self.config, opts, device, &mut source)
-            .with_context(|| format!("loading the model from {}", self.dir.display()))
+        let used = std::cell::RefCell::new(std::collections::HashSet::new());
+        let mut source = WeightSource::new(device, |name: &str, shape: &[usize]| {
+            used.borrow_mut().insert(name.to_string());
+            self.read(name, shape)
+        });
+        let model = LlamaForCausalLM::build(&self.config, opts, device, &mut source)
+            .with_context(|| format!("loading the model from {}", self.dir.display()))?;
+        drop(source);
+        let used = used.into_inner();
+        // transformers drops the RoPE buffer old checkpoints saved, and an LM head tied to the
+        // embedding that llora reads from the embedding.
+        let ignored =
+            |n: &str| n.ends_with("rotary_emb.inv_freq") || (n == "lm_head.weight" && self.config.tie_word_embeddings);
+        let mut unused: Vec<&String> = self.index.keys().filter(|n| !used.contains(*n) && !ignored(n)).collect();
+        unused.sort();
+        ensure!(
+            unused.is_empty(),
+            "{}: {} tensor(s) match nothing in a {}-layer Llama as config.json describes it (first: {}): \
+             the checkpoint and its config.json disagree",
+            self.dir.display(),
+            unused.len(),
+            self.config.num_hidden_layers,
+            unused.iter().take(3).map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+        );
+        Ok(model)
+    }
+
+    /// The first tensor (in name order) holding a NaN or an infinity, with the count; `None`
+    /// when every value is finite. Reads the whole checkpoint: for explaining a non-finite loss.
+    pub fn first_non_finite(&self) -> anyhow::Result<Option<(String, usize)>> {
+        let mut names: Vec<&String> = self.index.keys().collect();
+        names.sort();
+        for name in names {
+            let shard = &self.shards[self.index[name]];
+            let shape = shard.meta.info(name).map(|i| i.shape.clone()).unwrap_or_default();
+            let data = shard.read_f32(name, &shape)?;
+            let bad = data.as_slice::<f32>().map_or(0, |v| v.iter().filter(|x| !x.is_finite()).count());
+            if bad > 0 {
+                return Ok(Some((name.clone(), bad)));
+            }
+        }
+        Ok(None)
     }
 }
 

@@ -146,3 +146,41 @@ fn negative_rms_norm_eps_is_refused() {
     let e = load_err(dir.path());
     assert!(e.contains("rms_norm_eps") && e.contains("config.json"), "{e}");
 }
+
+/// A checkpoint with tensors its config.json does not describe (here a second layer's) is
+/// refused with the count and the first name, not loaded as a smaller model (#29); the RoPE
+/// buffer transformers itself ignores is accepted.
+#[test]
+fn unused_tensors_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = tensors(&micro());
+    t.push(("model.layers.0.self_attn.rotary_emb.inv_freq".into(), vec![2], vec![1.0, 0.5]));
+    write_single(dir.path(), &t);
+    let device = Device::libtorch();
+    assert!(HfCheckpoint::open(dir.path()).unwrap().load_model(&BuildOptions::default(), &device).is_ok());
+    let extra: Vec<_> = tensors(&micro())
+        .into_iter()
+        .filter(|(n, ..)| n.starts_with("model.layers.0."))
+        .map(|(n, s, v)| (n.replace("layers.0.", "layers.1."), s, v))
+        .collect();
+    t.extend(extra);
+    write_single(dir.path(), &t);
+    let e = load_err(dir.path());
+    assert!(e.contains("9 tensor(s) match nothing in a 1-layer Llama") && e.contains("model.layers.1."), "{e}");
+}
+
+/// The scan that explains a non-finite eval loss names the tensor holding NaN or inf and how
+/// many values; a finite checkpoint has none.
+#[test]
+fn first_non_finite_tensor_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = tensors(&micro());
+    write_single(dir.path(), &t);
+    assert_eq!(HfCheckpoint::open(dir.path()).unwrap().first_non_finite().unwrap(), None);
+    let up = t.iter_mut().find(|(n, ..)| n.ends_with("mlp.up_proj.weight")).unwrap();
+    up.2[3] = f32::NAN;
+    up.2[5] = f32::INFINITY;
+    write_single(dir.path(), &t);
+    let found = HfCheckpoint::open(dir.path()).unwrap().first_non_finite().unwrap();
+    assert_eq!(found, Some(("model.layers.0.mlp.up_proj.weight".to_string(), 2)));
+}

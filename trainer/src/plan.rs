@@ -29,7 +29,7 @@ const CPU_F32_GEMM_WORKSPACE: f64 = 36.0 * MB;
 const CPU_ADAPTER_GEMM_WORKSPACE: f64 = 21.0 * MB;
 /// Elements of a weight one CPU GEMM converts to f32 at a time: `_scaled_mm` on FP8 codes
 /// (`precision/scaled_mm.rs`) and bf16 GEMMs routed through f32 (`precision/bf16.rs`).
-const CPU_GEMM_BLOCK_ELEMENTS: f64 = (1u64 << 24) as f64;
+const CPU_GEMM_BLOCK_ELEMENTS: f64 = llora_model::precision::blocked::BLOCK_ELEMENTS as f64;
 /// Bytes of logits one chunk of the fused LM-head cross-entropy holds (`loss.rs`).
 const LCE_CHUNK_BYTES: f64 = 32.0 * MB;
 

@@ -347,6 +347,19 @@ impl<'a> Trainer<'a> {
                 return Err(e.context(format!("step {}", step + 1)));
             }
         };
+        if !s.loss.is_finite() || !s.grad_norm.is_finite() {
+            self.bar.finish();
+            self.log.run_stop(self.state.progress.samples, RunStatus::Aborted.name(), true);
+            anyhow::bail!(
+                "step {}: the loss is {} and the gradient norm {}: training cannot go on from non-finite values \
+                 (a non-finite base weight, an lr too high for this run, or fp8 scales out of range); \
+                 the last checkpoint is still in {}",
+                step + 1,
+                s.loss,
+                s.grad_norm,
+                config.run.dir.display()
+            );
+        }
         let step_s = t_step.elapsed().as_secs_f64();
         let p = &mut self.state.progress;
         p.step = step + 1;
@@ -757,6 +770,13 @@ pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     let loss =
         evaluate(&model, &samples, args.batch_size, args.workers, padding, &device, &crate::dist::SingleProcess)?;
     let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
+    if !per_token.is_finite() {
+        let culprit = match ckpt.first_non_finite()? {
+            Some((name, n)) => format!("tensor {name} of {} holds {n} non-finite value(s)", args.model.display()),
+            None => "every base weight is finite: check the adapter and --precision".to_string(),
+        };
+        anyhow::bail!("the eval loss is {per_token}: {culprit}");
+    }
     println!(
         "{}",
         json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})

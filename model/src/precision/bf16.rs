@@ -56,29 +56,16 @@ pub fn operand_kind(kind: Kind, device: tch::Device) -> Kind {
     if kind == Kind::BFloat16 && !native_bf16_gemm(device) { Kind::Float } else { kind }
 }
 
-/// Elements of the second operand converted to f32 at a time by [`mm_via_f32`] (64 MB): whole
-/// f32 copies of a 70B MLP weight (0.94 GB each) would also fragment the allocator's memory.
-const BLOCK_ELEMENTS: i64 = 1 << 24;
-
-/// `a · b` for bf16 operands through f32 GEMMs, written in `out`: `a` converted once, `b` one
-/// column block at a time (each output column is still one whole f32 dot product).
+/// `a · b` for bf16 operands through f32 GEMMs, in `out`: `a` converted once, `b` one column
+/// block at a time ([`super::blocked`]: whole f32 copies of a 70B MLP weight would be 0.94 GB
+/// each).
 ///
 /// # Shapes
 /// - a: `[m, k]`, b: `[k, n]` (any layout), output: `[m, n]`
 pub fn mm_via_f32(a: &tch::Tensor, b: &tch::Tensor, out: Kind) -> tch::Tensor {
     let a = a.to_kind(Kind::Float);
-    let (k, n) = (b.size()[0], b.size()[1]);
-    if k * n <= BLOCK_ELEMENTS {
-        return a.mm(&b.to_kind(Kind::Float)).to_kind(out);
-    }
-    let y = tch::Tensor::empty([a.size()[0], n], (out, a.device()));
-    let cols = (BLOCK_ELEMENTS / k.max(1)).max(1);
-    for j in (0..n).step_by(cols as usize) {
-        let c = cols.min(n - j);
-        // `copy_` rounds the f32 block to `out`.
-        y.narrow(1, j, c).copy_(&a.mm(&b.narrow(1, j, c).to_kind(Kind::Float)));
-    }
-    y
+    super::blocked::by_column_blocks(a.size()[0], b, out, |blk| Ok(a.mm(&blk.to_kind(Kind::Float)).to_kind(out)))
+        .expect("a GEMM of valid shapes")
 }
 
 #[cfg(test)]
@@ -107,7 +94,7 @@ mod tests {
         tch::manual_seed(3);
         let cpu = (Kind::Float, tch::Device::Cpu);
         let k = 2048;
-        let n = BLOCK_ELEMENTS / k * 2 + 7;
+        let n = super::super::blocked::BLOCK_ELEMENTS / k * 2 + 7;
         let a = tch::Tensor::randn([8, k], cpu).to_kind(Kind::BFloat16);
         let w = tch::Tensor::randn([n, k], cpu).to_kind(Kind::BFloat16);
         let want = a.to_kind(Kind::Float).mm(&w.to_kind(Kind::Float).tr()).to_kind(Kind::BFloat16);

@@ -45,6 +45,7 @@ use crate::shard::WeightShard;
 use scaled_mm::{Fp8Operand, fp8_gemm};
 
 pub mod bf16;
+pub mod blocked;
 pub mod scaled_mm;
 
 /// The number format of the linear layers' GEMM inputs.

@@ -87,29 +87,16 @@ pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: boo
     dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv)).to_kind(out)
 }
 
-/// Elements of the second operand one CPU `_scaled_mm` call takes (64 MB in f32). torch's
-/// CPU kernel, on a CPU without FP8 units, converts its operands to f32 (measured: 2.0 GB of
-/// temporaries for one `[1024, 8192] x [8192, 28672]` call, whose FP8 weight is 235 MB), so
-/// the CPU calls it on column blocks of the second operand: each output column is still one
-/// whole dot product, only the temporaries shrink.
-const CPU_BLOCK_ELEMENTS: i64 = 1 << 24;
-
-/// `_scaled_mm` itself, on column blocks of `b` on the CPU.
+/// `_scaled_mm` itself, on column blocks of `b` on the CPU (its CPU kernel converts both
+/// operands to f32: [`super::blocked`]).
 fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Result<Tensor, tch::TchError> {
     let device = a.codes.device();
     let (sa, sb) = (Tensor::from(a.scale_inv).to_device(device), Tensor::from(b.scale_inv).to_device(device));
     let call = |b: &Tensor| a.codes.f_internal_scaled_mm(b, &sa, &sb, None::<Tensor>, None::<Tensor>, out, fast_accum);
-    let (k, n) = (b.codes.size()[0], b.codes.size()[1]);
-    if device.is_cuda() || k * n <= CPU_BLOCK_ELEMENTS {
+    if device.is_cuda() {
         return call(b.codes);
     }
-    let cols = (CPU_BLOCK_ELEMENTS / k.max(1)).max(1);
-    let y = Tensor::f_empty([a.codes.size()[0], n], (out, device))?;
-    for j in (0..n).step_by(cols as usize) {
-        let c = cols.min(n - j);
-        y.narrow(1, j, c).f_copy_(&call(&b.codes.narrow(1, j, c))?)?;
-    }
-    Ok(y)
+    super::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, call)
 }
 
 #[cfg(test)]
@@ -124,7 +111,7 @@ mod tests {
     fn scaled_mm_equals_the_dequantised_gemm() {
         tch::manual_seed(5);
         // The last shape is cut into column blocks on the CPU.
-        for (m, k, n) in [(32, 64, 48), (7, 33, 5), (4, 4096, 4097 + (CPU_BLOCK_ELEMENTS / 4096))] {
+        for (m, k, n) in [(32, 64, 48), (7, 33, 5), (4, 4096, 4097 + (super::super::blocked::BLOCK_ELEMENTS / 4096))] {
             for a_format in [Fp8Format::E4M3, Fp8Format::E5M2] {
                 let a = quantize_tch(&Tensor::randn([m, k], (Kind::Float, tch::Device::Cpu)), 8.0, a_format);
                 let w = quantize_tch(&Tensor::randn([n, k], (Kind::Float, tch::Device::Cpu)), 64.0, Fp8Format::E4M3);

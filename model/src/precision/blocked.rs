@@ -1,0 +1,39 @@
+//! GEMMs whose second operand is handed to the CPU kernel one column block at a time.
+//!
+//! Two of torch's CPU paths convert their operands to f32 before multiplying: `_scaled_mm` on a
+//! CPU without FP8 units (measured: 2.0 GB of temporaries for one `[1024, 8192] x [8192,
+//! 28672]` call, whose FP8 weight is 235 MB) and llora's own bf16 route on CPUs without bf16
+//! GEMMs (`bf16.rs`; whole f32 copies of a 70B MLP weight, 0.94 GB each, also left the
+//! allocator fragmented). Cut into column blocks, each output column is still one whole dot
+//! product; only the temporaries shrink to one block.
+
+use tch::{Kind, Tensor};
+
+/// Elements of the second operand one call takes (64 MB in f32). `llora plan` counts one
+/// block's f32 copies (`CPU_GEMM_BLOCK_ELEMENTS` there).
+pub const BLOCK_ELEMENTS: i64 = 1 << 24;
+
+/// `call(b)` for a `b` of at most [`BLOCK_ELEMENTS`]; otherwise `call` on each column block
+/// of `b`, written into one output of dtype `out` (a block's result is cast to `out` as it is
+/// copied in).
+///
+/// # Shapes
+/// - b: `[k, n]` (any layout); `call(block)`: `[m, cols]`; output: `[m, n]`
+pub fn by_column_blocks(
+    m: i64,
+    b: &Tensor,
+    out: Kind,
+    call: impl Fn(&Tensor) -> Result<Tensor, tch::TchError>,
+) -> Result<Tensor, tch::TchError> {
+    let (k, n) = (b.size()[0], b.size()[1]);
+    if k * n <= BLOCK_ELEMENTS {
+        return call(b);
+    }
+    let cols = (BLOCK_ELEMENTS / k.max(1)).max(1);
+    let y = Tensor::f_empty([m, n], (out, b.device()))?;
+    for j in (0..n).step_by(cols as usize) {
+        let c = cols.min(n - j);
+        y.narrow(1, j, c).f_copy_(&call(&b.narrow(1, j, c))?)?;
+    }
+    Ok(y)
+}
