@@ -14,8 +14,7 @@ use std::time::Instant;
 use burn::tensor::{Device, Tensor};
 use llora_model::attention::{FusedKernel, verify};
 use llora_model::device::DeviceSpec;
-use llora_model::fp8::{Fp8Format, dequantize_tch, quantize_tch};
-use llora_model::precision::scaled_mm::{Fp8Operand, fp8_gemm, take_gemm_counts};
+use llora_model::precision::scaled_mm::check_layer_gemms;
 use serde_json::{Value, json};
 use tch::Kind;
 
@@ -52,7 +51,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
     let mut checks = Vec::new();
     if only("gemm") {
         checks.push(Check::new("bf16 GEMM", true, bf16_gemm(dev)));
-        checks.push(Check::new("FP8 GEMMs on _scaled_mm", true, scaled_mm(dev)));
+        checks.push(Check::new("FP8 GEMMs on _scaled_mm", true, check_layer_gemms(dev)));
     }
     if only("attention") {
         checks.extend(attention(dev));
@@ -116,41 +115,6 @@ fn bf16_gemm(dev: tch::Device) -> Result<String, String> {
     sync(dev);
     let tflops = 2.0 * (n as f64).powi(3) * reps as f64 / t.elapsed().as_secs_f64() / 1e12;
     Ok(format!("relative error {err:.2e}; {n}x{n}x{n}: {tflops:.2} TFLOP/s"))
-}
-
-/// A layer's forward (E4M3 x E4M3) and input-gradient (E5M2 x E4M3) GEMMs on `_scaled_mm`, in
-/// the layouts llora keeps, against the dequantised f32 GEMMs; neither may fall back.
-fn scaled_mm(dev: tch::Device) -> Result<String, String> {
-    let _guard = tch::no_grad_guard();
-    let r = |shape: [i64; 2]| tch::Tensor::randn(shape, (Kind::Float, dev));
-    let x = quantize_tch(&r([64, 128]), 16.0, Fp8Format::E4M3);
-    let w = quantize_tch(&r([256, 128]), 64.0, Fp8Format::E4M3);
-    let g = quantize_tch(&r([64, 256]), 1024.0, Fp8Format::E5M2);
-    let _ = take_gemm_counts();
-    let y = fp8_gemm(
-        Fp8Operand { codes: &x, scale_inv: 1.0 / 16.0 },
-        Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 },
-        Kind::BFloat16,
-        true,
-    );
-    let w_col = w.tr().contiguous().tr();
-    let dx = fp8_gemm(
-        Fp8Operand { codes: &g, scale_inv: 1.0 / 1024.0 },
-        Fp8Operand { codes: &w_col, scale_inv: 1.0 / 64.0 },
-        Kind::BFloat16,
-        false,
-    );
-    let (on_scaled_mm, fallback) = take_gemm_counts();
-    if fallback > 0 {
-        return Err(format!("{fallback} of 2 GEMMs fell back from _scaled_mm"));
-    }
-    let wd = dequantize_tch(&w, 1.0 / 64.0);
-    let ey = rel_err(&y, &dequantize_tch(&x, 1.0 / 16.0).matmul(&wd.tr()));
-    let edx = rel_err(&dx, &dequantize_tch(&g, 1.0 / 1024.0).matmul(&wd));
-    if ey > 1.0 / 128.0 || edx > 1.0 / 128.0 {
-        return Err(format!("relative error y {ey:.2e}, dx {edx:.2e} (bf16 output allows 7.8e-3)"));
-    }
-    Ok(format!("{on_scaled_mm} GEMMs on _scaled_mm; relative error y {ey:.2e}, dx {edx:.2e}"))
 }
 
 /// Every fused kernel of the device against plain LibTorch, at a Llama 2 70B head shape (64

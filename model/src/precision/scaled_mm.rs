@@ -14,7 +14,7 @@ use std::sync::Once;
 
 use tch::{Kind, Tensor};
 
-use crate::fp8::dequantize_tch;
+use crate::fp8::{Fp8Format, dequantize_tch, quantize_tch};
 
 thread_local! {
     /// FP8 GEMMs on this thread: through `_scaled_mm`, fallen back to f32. Per thread because
@@ -99,10 +99,49 @@ fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) 
     super::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, call)
 }
 
+/// A layer's forward (E4M3 x E4M3) and input-gradient (E5M2 x E4M3) GEMMs on `device`, in the
+/// layouts llora keeps, against the dequantised f32 GEMMs: neither may fall back, and each must
+/// be within one bf16 rounding (1/128 of the largest value). For tests and `llora selftest`.
+pub fn check_layer_gemms(device: tch::Device) -> Result<String, String> {
+    let _guard = tch::no_grad_guard();
+    let r = |shape: [i64; 2]| Tensor::randn(shape, (Kind::Float, device));
+    let x = quantize_tch(&r([64, 128]), 16.0, Fp8Format::E4M3);
+    let w = quantize_tch(&r([256, 128]), 64.0, Fp8Format::E4M3);
+    let g = quantize_tch(&r([64, 256]), 1024.0, Fp8Format::E5M2);
+    let _ = take_gemm_counts();
+    let y = fp8_gemm(
+        Fp8Operand { codes: &x, scale_inv: 1.0 / 16.0 },
+        Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 },
+        Kind::BFloat16,
+        true,
+    );
+    let w_col = w.tr().contiguous().tr();
+    let dx = fp8_gemm(
+        Fp8Operand { codes: &g, scale_inv: 1.0 / 1024.0 },
+        Fp8Operand { codes: &w_col, scale_inv: 1.0 / 64.0 },
+        Kind::BFloat16,
+        false,
+    );
+    let (on_scaled_mm, fallback) = take_gemm_counts();
+    if fallback > 0 {
+        return Err(format!("{fallback} of 2 GEMMs fell back from _scaled_mm"));
+    }
+    let rel = |got: &Tensor, want: &Tensor| {
+        let err = (got.to_kind(Kind::Float) - want).abs().max().double_value(&[]);
+        err / want.abs().max().double_value(&[]).max(1e-30)
+    };
+    let wd = dequantize_tch(&w, 1.0 / 64.0);
+    let ey = rel(&y, &dequantize_tch(&x, 1.0 / 16.0).matmul(&wd.tr()));
+    let edx = rel(&dx, &dequantize_tch(&g, 1.0 / 1024.0).matmul(&wd));
+    if ey > 1.0 / 128.0 || edx > 1.0 / 128.0 {
+        return Err(format!("relative error y {ey:.2e}, dx {edx:.2e} (bf16 output allows 7.8e-3)"));
+    }
+    Ok(format!("{on_scaled_mm} GEMMs on _scaled_mm; relative error y {ey:.2e}, dx {edx:.2e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fp8::{Fp8Format, quantize_tch};
 
     /// `_scaled_mm` equals the f32 GEMM of the dequantised operands (f32 out: up to summation
     /// order; bf16 out: that rounded once), for E4M3 x E4M3 and E5M2 x E4M3 (the dx GEMM), a
@@ -152,32 +191,7 @@ mod tests {
             eprintln!("SKIPPED: no CUDA device");
             return;
         }
-        let dev = tch::Device::Cuda(0);
-        let x = quantize_tch(&Tensor::randn([64, 128], (Kind::Float, dev)), 16.0, Fp8Format::E4M3);
-        let w = quantize_tch(&Tensor::randn([256, 128], (Kind::Float, dev)), 64.0, Fp8Format::E4M3);
-        let g = quantize_tch(&Tensor::randn([64, 256], (Kind::Float, dev)), 1024.0, Fp8Format::E5M2);
-        let _ = take_gemm_counts();
-        let y = fp8_gemm(
-            Fp8Operand { codes: &x, scale_inv: 1.0 / 16.0 },
-            Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 },
-            Kind::BFloat16,
-            true,
-        );
-        let w_col = w.tr().contiguous().tr();
-        let dx = fp8_gemm(
-            Fp8Operand { codes: &g, scale_inv: 1.0 / 1024.0 },
-            Fp8Operand { codes: &w_col, scale_inv: 1.0 / 64.0 },
-            Kind::BFloat16,
-            false,
-        );
-        assert_eq!(take_gemm_counts(), (2, 0), "a GEMM fell back on this GPU");
-        for (got, want) in [
-            (y, dequantize_tch(&x, 1.0 / 16.0).matmul(&dequantize_tch(&w, 1.0 / 64.0).tr())),
-            (dx, dequantize_tch(&g, 1.0 / 1024.0).matmul(&dequantize_tch(&w, 1.0 / 64.0))),
-        ] {
-            let err = (got.to_kind(Kind::Float) - &want).abs().max().double_value(&[]);
-            let scale = want.abs().max().double_value(&[]);
-            assert!(err <= scale / 128.0, "CUDA _scaled_mm off by {err:e} of {scale:e}");
-        }
+        let verdict = check_layer_gemms(tch::Device::Cuda(0));
+        assert!(verdict.is_ok(), "{verdict:?}");
     }
 }
