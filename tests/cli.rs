@@ -96,7 +96,7 @@ fn bad_config_file_names_the_file_and_key() {
 /// tokenizer gives the same samples; `inspect` passes it and names the bad row of a bad file.
 #[test]
 fn data_synth_prepare_inspect_round_trip() {
-    use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet, write_parquet};
+    use llora_data::parquet_io::{OnBadRow, ReadOptions, parquet_bytes, read_parquet};
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
     let out = llora(&[
@@ -146,7 +146,7 @@ fn data_synth_prepare_inspect_round_trip() {
     let mut bad = b.clone();
     bad[5].labels.pop();
     let bad_path = dir.path().join("bad.parquet");
-    write_parquet(&bad_path, &bad).unwrap();
+    std::fs::write(&bad_path, parquet_bytes(&bad).unwrap()).unwrap();
     fails_naming(
         &["data", "inspect", bad_path.to_str().unwrap(), "--vocab", "4096"],
         &["bad.parquet", "row 5", "labels has"],
@@ -396,4 +396,43 @@ fn outputs_never_overwrite_inputs() {
     }
     assert_eq!(std::fs::read_to_string(&raw).unwrap(), "{\"input\": \"a\", \"output\": \"b\"}\n");
     assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "{\"step\": 1}\n");
+}
+
+/// `data synth` and `data prepare` never replace an earlier output unless told to (#28): a
+/// second run onto the same `--out` is refused and leaves it byte for byte; `--overwrite`
+/// replaces it whole.
+#[test]
+fn data_outputs_are_replaced_only_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth_dir = dir.path().join("synth");
+    let d = synth_dir.to_str().unwrap();
+    let synth = ["data", "synth", "--out", d, "--train", "8", "--eval", "2", "--max-seq-len", "256", "--vocab", "512"];
+    assert!(llora(&synth).status.success());
+    let train = synth_dir.join("train.parquet");
+    let before = std::fs::read(&train).unwrap();
+    let out = llora(&[&synth[..], &["--seed", "5"]].concat());
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success() && stderr.contains("already exists") && stderr.contains("--overwrite"), "{stderr}");
+    assert!(std::fs::read(&train).unwrap() == before);
+
+    let prepared = dir.path().join("prepared.parquet");
+    let (input, tok) = (format!("{d}/train.jsonl"), format!("{d}/tokenizer.json"));
+    let prepare = ["data", "prepare", "--input", &input, "--tokenizer", &tok, "--out", prepared.to_str().unwrap()];
+    std::fs::write(&prepared, b"an earlier output").unwrap();
+    let out = llora(&prepare);
+    let (_, stderr) = text(&out);
+    assert!(
+        !out.status.success() && stderr.contains("already exists") && stderr.contains("prepared.parquet"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&prepared).unwrap(), b"an earlier output");
+    let out = llora(&[&prepare[..], &["--overwrite"]].concat());
+    assert!(out.status.success(), "{}", text(&out).1);
+    assert!(std::fs::read(&prepared).unwrap() == before, "prepare reproduces synth's tokens");
+
+    let out = llora(&[&synth[..], &["--seed", "5", "--overwrite"]].concat());
+    assert!(out.status.success(), "{}", text(&out).1);
+    assert!(std::fs::read(&train).unwrap() != before, "another seed, other samples");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 2, "no temporary files or directories left: {left:?}");
 }

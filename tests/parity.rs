@@ -320,7 +320,7 @@ fn eval_fixture_batch(dir: &std::path::Path, fx: &Fixture, extra: &[&str]) -> se
         .collect();
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("batch.parquet");
-    llora_data::parquet_io::write_parquet(&data, &rows).unwrap();
+    std::fs::write(&data, llora_data::parquet_io::parquet_bytes(&rows).unwrap()).unwrap();
     let (dir, data) = (dir.to_str().unwrap(), data.to_str().unwrap());
     let mut args = vec!["eval", "--model", dir, "--adapter", dir, "--data", data, "--batch-size", "2"];
     args.extend(extra);

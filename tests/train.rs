@@ -35,7 +35,7 @@ const EXACTLY_ONCE: &[&str] = &[
     "config_filename",
 ];
 
-use common::{checkpoint_step, mllog, random_base_config};
+use common::{checkpoint_step, mllog, random_base_config, short_run_args, strs};
 
 #[test]
 fn reaching_the_target_logs_an_mlperf_run() {
@@ -152,25 +152,31 @@ fn the_70b_config_fails_early_without_weights() {
 /// benchmark's 0.925, and hand the result log to the official MLPerf compliance checker. Then
 /// issue #6's convergence check: the same run with FP8 compute, FP8 activation storage and FP8
 /// base weights reaches the target within 15% more samples, and `llora plot` draws both.
+/// All of it is `llora train` as the README runs it (embedded config, its relative paths, in a
+/// scratch working directory), so it also shows #28: every run keeps the earlier ones
+/// (`runs/tiny-cpu`, then `-2`, `-3`), and the plain command run again succeeds with the same
+/// adapters, leaving the first run's files byte for byte as they were.
 #[test]
 fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
     let dir = tempfile::tempdir().unwrap();
-    let base = dir.path().join("base");
+    let base = dir.path().join("runs/demo-base");
     let mut samples = Vec::new();
     for (name, sets) in [
         ("fp32", vec![]),
         ("fp8", vec!["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"]),
     ] {
-        let run_dir = dir.path().join(name);
-        let (run_set, base_set) =
-            (format!("run.dir=\"{}\"", run_dir.display()), format!("model.path=\"{}\"", base.display()));
-        let mut args = vec!["train", "--set", &run_set, "--set", &base_set];
+        let run_dir = dir.path().join(if name == "fp32" { "runs/tiny-cpu" } else { "runs/tiny-cpu-2" });
+        let mut args = vec!["train"];
         for s in &sets {
             args.extend(["--set", s]);
         }
-        let out = llora(&args);
+        let out = common::llora_in(dir.path(), &args);
         let (stdout, stderr) = text(&out);
         assert!(out.status.success() && stdout.contains("status: success"), "{name}: {stdout}\n{stderr}");
+        assert!(
+            stdout.trim_end().ends_with(&format!("run.dir: {}", run_dir.strip_prefix(dir.path()).unwrap().display())),
+            "{name} says where it wrote: {stdout}"
+        );
         assert!(
             base.join("config.json").is_file() && base.join("model.safetensors").is_file(),
             "pre-trained base not saved"
@@ -205,37 +211,28 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
     }
     let (fp32, fp8) = (samples[0] as f64, samples[1] as f64);
     assert!(fp8 <= fp32 * 1.15, "FP8 needed {fp8} samples, fp32 {fp32} (more than 15% more)");
+    let (first, fp8_dir) = (dir.path().join("runs/tiny-cpu"), dir.path().join("runs/tiny-cpu-2"));
     let svg = dir.path().join("fp8-vs-fp32.svg");
-    let (a, b) =
-        (format!("fp32={}", dir.path().join("fp32").display()), format!("fp8={}", dir.path().join("fp8").display()));
+    let (a, b) = (format!("fp32={}", first.display()), format!("fp8={}", fp8_dir.display()));
     let out = llora(&["plot", &a, &b, "--out", svg.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains(&format!("\"samples_to_target\":{}", samples[1])), "{stdout}");
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.contains("fp32 eval") && svg.contains("fp8 eval"), "both curves are labelled");
-}
 
-/// A short LoRA run on the random base: 12 steps of 8, an evaluation every 32 samples, a
-/// target it cannot reach (so it runs to max_steps).
-fn short_run_args(config: &str, run_dir: &std::path::Path) -> Vec<String> {
-    let mut args: Vec<String> = vec!["train".into(), config.into()];
-    for set in [
-        format!("run.dir=\"{}\"", run_dir.display()),
-        "schedule.max_steps=12".into(),
-        "eval.every_samples=32".into(),
-        "eval.target_loss=0.001".into(),
-        "data.synthetic.train_samples=64".into(),
-        "data.synthetic.eval_samples=4".into(),
-        "data.max_seq_len=128".into(),
-    ] {
-        args.extend(["--set".into(), set]);
-    }
-    args
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
+    // The README's main command once more: a third run beside the two, the first untouched.
+    let files = |d: &std::path::Path| {
+        ["result_0.txt", "metrics.jsonl", "loss.svg", "adapter/adapter_model.safetensors"]
+            .map(|f| std::fs::read(d.join(f)).unwrap())
+    };
+    let before = files(&first);
+    let out = common::llora_in(dir.path(), &["train"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success() && stdout.trim_end().ends_with("run.dir: runs/tiny-cpu-3"), "{stdout}\n{stderr}");
+    assert!(files(&first) == before, "the first run's files changed");
+    let again = dir.path().join("runs/tiny-cpu-3/adapter/adapter_model.safetensors");
+    assert!(std::fs::read(again).unwrap() == before[3], "the same command (one thread) trains the same adapters");
 }
 
 /// The issue's resume test: a run killed with SIGKILL at a random step and resumed from its

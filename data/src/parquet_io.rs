@@ -49,9 +49,10 @@ pub struct ReadReport {
     pub problems: Vec<String>,
 }
 
-/// Writes samples in the MLPerf schema (`input_ids`, `labels`: list<int64>, as HF datasets
-/// writes them), atomically (temporary file, then rename).
-pub fn write_parquet(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
+/// Samples in the MLPerf schema (`input_ids`, `labels`: list<int64>, as HF datasets writes
+/// them) as the bytes of one parquet file, for the caller to write atomically
+/// (`llora_model::checkpoint::write_atomic`: the one atomic-write helper).
+pub fn parquet_bytes(samples: &[Sample]) -> anyhow::Result<Vec<u8>> {
     let item = Arc::new(Field::new("item", DataType::Int64, true));
     let schema = Arc::new(Schema::new(vec![
         Field::new("input_ids", DataType::List(item.clone()), false),
@@ -64,18 +65,11 @@ pub fn write_parquet(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
         samples.iter().map(|s| Some(s.labels.iter().map(|&t| Some(t)).collect::<Vec<_>>())),
     );
     let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(ids) as ArrayRef, Arc::new(labels)])?;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("data"),
-        std::process::id()
-    ));
-    let file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let mut writer = ArrowWriter::try_new(file, schema, None)?;
+    let mut bytes = Vec::new();
+    let mut writer = ArrowWriter::try_new(&mut bytes, schema, None)?;
     writer.write(&batch)?;
     writer.close()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+    Ok(bytes)
 }
 
 /// Values of row `row` of a list column as i64, whatever the integer width.
@@ -246,7 +240,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.parquet");
         let rows = vec![sample(&[1, 5, 6, 7], &[-100, -100, 6, 7]), sample(&[1, 9, 2], &[-100, 9, 2])];
-        write_parquet(&p, &rows).unwrap();
+        std::fs::write(&p, parquet_bytes(&rows).unwrap()).unwrap();
         let (back, report) = read_parquet(&p, &opts()).unwrap();
         assert_eq!(back, rows);
         assert_eq!(report, ReadReport { rows: 2, ..Default::default() });
@@ -274,7 +268,7 @@ mod tests {
         for (i, (bad, reason)) in cases.iter().enumerate() {
             let p = dir.path().join(format!("bad{i}.parquet"));
             let good = sample(&[1, 5, 6], &[-100, 5, 6]);
-            write_parquet(&p, &[good.clone(), bad.clone(), good.clone()]).unwrap();
+            std::fs::write(&p, parquet_bytes(&[good.clone(), bad.clone(), good.clone()]).unwrap()).unwrap();
             let err = read_parquet(&p, &opts()).unwrap_err().to_string();
             assert!(err.contains(&format!("bad{i}.parquet: row 1: ")) && err.contains(reason), "{err}");
             let (rows, report) = read_parquet(&p, &ReadOptions { on_bad_row: OnBadRow::Skip, ..opts() }).unwrap();
@@ -325,7 +319,7 @@ mod tests {
     fn truncated_or_missing_files_are_errors() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.parquet");
-        write_parquet(&p, &vec![sample(&[1, 5, 6], &[-100, 5, 6]); 50]).unwrap();
+        std::fs::write(&p, parquet_bytes(&vec![sample(&[1, 5, 6], &[-100, 5, 6]); 50]).unwrap()).unwrap();
         let bytes = std::fs::read(&p).unwrap();
         for cut in [bytes.len() - 5, bytes.len() / 2, 3] {
             std::fs::write(&p, &bytes[..cut]).unwrap();

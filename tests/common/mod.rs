@@ -119,3 +119,26 @@ pub fn mlperf_check(log: &Path) -> (bool, String) {
     let (stdout, stderr) = text(&out);
     (out.status.success(), format!("{stdout}\n{stderr}"))
 }
+
+/// A short LoRA run on the random base: 12 steps of 8, an evaluation every 32 samples, a
+/// target it cannot reach (so it runs to max_steps).
+pub fn short_run_args(config: &str, run_dir: &std::path::Path) -> Vec<String> {
+    let mut args: Vec<String> = vec!["train".into(), config.into()];
+    for set in [
+        format!("run.dir=\"{}\"", run_dir.display()),
+        "schedule.max_steps=12".into(),
+        "eval.every_samples=32".into(),
+        "eval.target_loss=0.001".into(),
+        "data.synthetic.train_samples=64".into(),
+        "data.synthetic.eval_samples=4".into(),
+        "data.max_seq_len=128".into(),
+    ] {
+        args.extend(["--set".into(), set]);
+    }
+    args
+}
+
+/// Owned arguments as the `&str`s the helpers take.
+pub fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}

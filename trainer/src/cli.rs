@@ -102,6 +102,11 @@ pub struct TrainArgs {
     /// with the config saved there (`--set` still applies; a config file may not be given).
     #[arg(long, value_name = "RUN_DIR", conflicts_with = "config")]
     pub resume: Option<PathBuf>,
+    /// Replace the earlier run in `run.dir` instead of writing beside it (`run.dir-2`, ...):
+    /// its outputs are kept aside until this run saves its first checkpoint or its results,
+    /// and put back if it fails before.
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
 }
 
 /// `llora eval`.
@@ -232,6 +237,9 @@ pub struct SynthArgs {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Replace an existing `--out` (swapped in once the new one is complete).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// `llora data prepare`.
@@ -249,6 +257,9 @@ pub struct PrepareArgs {
     /// Longer samples are dropped and counted.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
+    /// Replace an existing `--out` (swapped in once the new one is complete).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// `llora data inspect`.

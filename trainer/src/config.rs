@@ -916,6 +916,35 @@ fn string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Err
     }
 }
 
+/// Dotted keys whose values differ between two TOML documents.
+pub fn differing_keys(a: &str, b: &str) -> Vec<String> {
+    fn flatten(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    flatten(&key, v, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    let parse = |s: &str| {
+        let mut out = std::collections::BTreeMap::new();
+        if let Ok(v) = toml::from_str::<toml::Value>(s) {
+            flatten("", &v, &mut out);
+        }
+        out
+    };
+    let (a, b) = (parse(a), parse(b));
+    let mut keys: Vec<String> = a.keys().chain(b.keys()).filter(|k| a.get(*k) != b.get(*k)).cloned().collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1047,5 +1076,13 @@ mod tests {
         let c = Config::load(None, &[ov("optim.lr=0.01")]).unwrap();
         let again = Config::from_toml_str("shown", &c.to_toml(), &[]).unwrap();
         assert_eq!(c, again);
+    }
+
+    #[test]
+    fn differing_keys_are_listed() {
+        let a = "[optim]\nlr = 1.0\n[run]\nseed = 1\n";
+        let b = "[optim]\nlr = 2.0\n[run]\nseed = 1\nthreads = 1\n";
+        assert_eq!(differing_keys(a, b), ["optim.lr", "run.threads"]);
+        assert!(differing_keys(a, a).is_empty());
     }
 }

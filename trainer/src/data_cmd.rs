@@ -4,7 +4,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use llora_data::Sample;
-use llora_data::parquet_io::{OnBadRow, ReadOptions, for_each_row, write_parquet};
+use llora_data::parquet_io::{OnBadRow, ReadOptions, for_each_row, parquet_bytes};
 use llora_data::synth::{Synth, SynthConfig};
 use llora_data::text::{TextPair, load_tokenizer, read_pairs, synthetic_tokenizer, tokenize_pairs};
 use llora_model::checkpoint::write_atomic;
@@ -48,18 +48,20 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         seed: a.seed,
         ..SynthConfig::default()
     })?;
-    std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
-    for (split, name, n) in [(0, "train", a.train), (1, "validation", a.eval)] {
-        let docs = synth.documents(split, n);
-        let pairs: Vec<TextPair> =
-            docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
-        write_jsonl(&a.out.join(format!("{name}.jsonl")), &pairs)?;
-        let samples: Vec<Sample> = docs.iter().map(|d| d.sample()).collect();
-        write_parquet(&a.out.join(format!("{name}.parquet")), &samples)?;
-    }
-    let tok = synthetic_tokenizer(a.vocab)?;
-    let json = tok.to_string(true).map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))?;
-    write_atomic(&a.out.join("tokenizer.json"), json.as_bytes())?;
+    crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
+    crate::paths::write_dir_atomic(&a.out, |out| {
+        for (split, name, n) in [(0, "train", a.train), (1, "validation", a.eval)] {
+            let docs = synth.documents(split, n);
+            let pairs: Vec<TextPair> =
+                docs.iter().map(|d| d.text()).map(|(input, output)| TextPair { input, output }).collect();
+            write_jsonl(&out.join(format!("{name}.jsonl")), &pairs)?;
+            let samples: Vec<Sample> = docs.iter().map(|d| d.sample()).collect();
+            write_atomic(&out.join(format!("{name}.parquet")), &parquet_bytes(&samples)?)?;
+        }
+        let tok = synthetic_tokenizer(a.vocab)?;
+        let json = tok.to_string(true).map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))?;
+        write_atomic(&out.join("tokenizer.json"), json.as_bytes())
+    })?;
     println!("{}", json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab}));
     Ok(())
 }
@@ -67,6 +69,7 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
 /// Raw pairs → MLPerf parquet through a tokenizer.json.
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
+    crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
     let tok = load_tokenizer(&a.tokenizer)?;
     let pairs = read_pairs(&a.input)?;
     let out =
@@ -88,7 +91,7 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
         pairs.len(),
         a.out.display()
     );
-    write_parquet(&a.out, &out.samples)?;
+    write_atomic(&a.out, &parquet_bytes(&out.samples)?)?;
     println!(
         "{}",
         json!({"rows": pairs.len(), "written": out.samples.len(), "dropped_too_long": out.dropped.len(), "out": a.out.display().to_string()})

@@ -15,6 +15,7 @@ pub mod paths;
 pub mod plan;
 pub mod plot;
 pub mod resume;
+pub mod run_dir;
 pub mod selftest;
 pub mod step;
 pub mod train;

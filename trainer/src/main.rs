@@ -83,7 +83,10 @@ fn run(command: Command) -> anyhow::Result<()> {
                     let name =
                         args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
                     let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
-                    (train::run(&config, &name, &dist)?, (config.eval.target_loss, config.schedule.max_steps))
+                    (
+                        train::run(&config, &name, &dist, args.overwrite)?,
+                        (config.eval.target_loss, config.schedule.max_steps),
+                    )
                 }
             };
             let (outcome, (target, max_steps)) = outcome;

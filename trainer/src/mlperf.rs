@@ -229,8 +229,9 @@ pub fn run_many(
     if main {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
         ensure!(
-            result_files(out)?.is_empty(),
-            "{} already holds result_<n>.txt files; use a new --out directory so that runs are not mixed",
+            result_files(out)?.is_empty() && (0..runs).all(|i| !out.join(format!("run_{i}")).exists()),
+            "{} already holds result_<n>.txt files or run_<n> directories of earlier runs; use a new --out \
+             directory so that runs are neither mixed nor replaced",
             out.display()
         );
     }
@@ -239,11 +240,11 @@ pub fn run_many(
         c.run.seed = config.run.seed.wrapping_add(i as u64);
         c.run.dir = out.join(format!("run_{i}"));
         info!(run = i, seed = c.run.seed, dir = %c.run.dir.display(), "mlperf run {}/{runs}", i + 1);
-        let log = match crate::train::run(&c, config_name, dist) {
+        let log = match crate::train::run(&c, config_name, dist, false) {
             Ok(outcome) => outcome.result_log,
             Err(e) => {
                 error!(run = i, "run failed: {e:#}");
-                c.run.dir.join("result_0.txt")
+                c.run.dir.join(crate::run_dir::RESULT_LOG)
             }
         };
         if main && log.is_file() {

@@ -19,30 +19,54 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Opens (or, resuming, appends to) `path` on rank 0; records nothing elsewhere.
-    pub fn open(path: &std::path::Path, append: bool, main_rank: bool) -> anyhow::Result<Self> {
+    /// Opens `path` on rank 0 (records nothing elsewhere): a fresh run starts it empty; a run
+    /// resumed at step `resumed_at` keeps the records up to that step and drops the later ones
+    /// (steps a killed run made after its checkpoint, which the resumed run makes again).
+    pub fn open(path: &std::path::Path, resumed_at: Option<usize>, main_rank: bool) -> anyhow::Result<Self> {
         use anyhow::Context;
+        let mut metrics = Self { file: None, train: Vec::new(), eval: Vec::new() };
         if !main_rank {
-            return Ok(Self { file: None, train: Vec::new(), eval: Vec::new() });
+            return Ok(metrics);
         }
+        let mut kept = String::new();
+        if let Some(step) = resumed_at {
+            let text = match std::fs::read_to_string(path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+            };
+            for line in text.lines() {
+                let Ok(record) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+                if record["step"].as_u64().is_some_and(|s| s as usize > step) {
+                    continue;
+                }
+                metrics.remember(&record);
+                kept.push_str(line);
+                kept.push('\n');
+            }
+        }
+        llora_model::checkpoint::write_atomic(path, kept.as_bytes())?;
         let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(append)
-            .write(true)
-            .truncate(!append)
+            .append(true)
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(Self { file: Some(file), train: Vec::new(), eval: Vec::new() })
+        metrics.file = Some(file);
+        Ok(metrics)
     }
 
-    /// Appends one record.
-    pub fn write(&mut self, record: serde_json::Value) {
+    /// Keeps a record's losses for the plot.
+    fn remember(&mut self, record: &serde_json::Value) {
         if let (Some(s), Some(l)) = (record["samples"].as_f64(), record["loss"].as_f64()) {
             self.train.push((s, l));
         }
         if let (Some(s), Some(l)) = (record["samples"].as_f64(), record["eval_loss"].as_f64()) {
             self.eval.push((s, l));
         }
+    }
+
+    /// Appends one record.
+    pub fn write(&mut self, record: serde_json::Value) {
+        self.remember(&record);
         // Metrics are for people; a full disk must not end the run (the result log reports it).
         if let Some(f) = self.file.as_mut() {
             let _ = writeln!(f, "{record}");

@@ -1,5 +1,7 @@
-//! Output paths checked against the inputs of the same command: a command never writes over a
-//! file it reads (`data prepare --out` equal to `--input` replaced the raw text).
+//! Where commands write: never over a file they read (`data prepare --out` equal to `--input`
+//! replaced the raw text), never over an earlier output unless told to (`--overwrite`), and a
+//! replaced output is swapped in whole, never half-written. (`llora train`'s run directories
+//! have their own rules: `run_dir.rs`.)
 
 use std::path::{Path, PathBuf};
 
@@ -29,6 +31,52 @@ pub fn ensure_not_an_input(flag: &str, out: &Path, inputs: &[(&str, &Path)]) -> 
     Ok(())
 }
 
+/// Refuses an existing `out` (`flag`) unless `overwrite`; an empty directory counts as free.
+pub fn ensure_new_output(flag: &str, out: &Path, overwrite: bool) -> anyhow::Result<()> {
+    let empty_dir = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_none());
+    anyhow::ensure!(
+        overwrite || out.symlink_metadata().is_err() || empty_dir,
+        "{flag} {} already exists: llora does not replace earlier outputs (choose another path, or pass \
+         --overwrite to replace it once the new one is complete)",
+        out.display()
+    );
+    Ok(())
+}
+
+/// Makes the directory `out` with `fill` in a temporary directory beside it, then swaps it in
+/// by renames: an existing `out` is replaced only by a complete new one, and a failure leaves
+/// it as it was (and no temporary directory behind).
+pub fn write_dir_atomic(out: &Path, fill: impl FnOnce(&Path) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let name =
+        out.file_name().and_then(|n| n.to_str()).with_context(|| format!("{} names no directory", out.display()))?;
+    let beside = |what: &str| out.with_file_name(format!(".{name}.{what}-{}", std::process::id()));
+    let (tmp, old) = (beside("tmp"), beside("old"));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let made = std::fs::create_dir_all(&tmp)
+        .with_context(|| format!("cannot create {}", tmp.display()))
+        .and_then(|()| fill(&tmp));
+    if let Err(e) = made {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let had_old = out.symlink_metadata().is_ok();
+    if had_old {
+        std::fs::rename(out, &old).with_context(|| format!("cannot move {} aside", out.display()))?;
+    }
+    if let Err(e) = std::fs::rename(&tmp, out) {
+        if had_old {
+            let _ = std::fs::rename(&old, out);
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()));
+    }
+    if had_old {
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove the replaced {}", old.display()))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +96,32 @@ mod tests {
             assert!(err.contains("--out") && err.contains("--input"), "{err}");
         }
         assert!(ensure_not_an_input("--out", &dir.path().join("new.parquet"), &[("--input", &input)]).is_ok());
+    }
+
+    /// An existing output is refused without `--overwrite`; a directory written atomically
+    /// replaces the old one only when complete, and a failing fill leaves the old one intact
+    /// and no temporary directory.
+    #[test]
+    fn outputs_are_replaced_only_whole_and_on_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        assert!(ensure_new_output("--out", &out, false).is_ok());
+        std::fs::create_dir(&out).unwrap();
+        assert!(ensure_new_output("--out", &out, false).is_ok(), "an empty directory is free");
+        std::fs::write(out.join("a"), "old").unwrap();
+        let err = ensure_new_output("--out", &out, false).unwrap_err().to_string();
+        assert!(err.contains("already exists") && err.contains("--overwrite"), "{err}");
+        assert!(ensure_new_output("--out", &out, true).is_ok());
+
+        let failed = write_dir_atomic(&out, |tmp| {
+            std::fs::write(tmp.join("a"), "half")?;
+            anyhow::bail!("disk full")
+        });
+        assert!(failed.is_err());
+        assert_eq!(std::fs::read_to_string(out.join("a")).unwrap(), "old");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary directory left");
+        write_dir_atomic(&out, |tmp| Ok(std::fs::write(tmp.join("b"), "new")?)).unwrap();
+        assert!(!out.join("a").exists() && std::fs::read_to_string(out.join("b")).unwrap() == "new");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 }

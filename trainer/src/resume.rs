@@ -25,7 +25,9 @@ use llora_model::checkpoint::{read_safetensors_f32, safetensors_bytes, save_peft
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use serde::{Deserialize, Serialize};
 
+use crate::config::{Config, Override, differing_keys};
 use crate::optim::{AdamW, Moments};
+use crate::run_dir::{RESUME, RESUME_OLD, RESUME_TMP};
 
 /// Checkpoint format version written in `state.json`.
 const FORMAT: u32 = 1;
@@ -84,7 +86,7 @@ const SCALES: &str = "fp8_scales.json";
 
 /// The checkpoint directory of a run directory.
 pub fn checkpoint_dir(run_dir: &Path) -> PathBuf {
-    run_dir.join("resume")
+    run_dir.join(RESUME)
 }
 
 /// Writes a checkpoint of the run into `<run_dir>/resume/`, replacing the previous one atomically.
@@ -97,12 +99,39 @@ pub fn save(
     model: &mut LlamaForCausalLM,
     adapter: Option<(&LoraSpec, &str)>,
 ) -> anyhow::Result<PathBuf> {
-    let tmp = run_dir.join(".resume.tmp");
-    let old = run_dir.join(".resume.old");
+    let tmp = run_dir.join(RESUME_TMP);
+    let old = run_dir.join(RESUME_OLD);
     let dir = checkpoint_dir(run_dir);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove the unfinished {}", tmp.display()))?;
     }
+    // A failed write (disk full) leaves the previous checkpoint as it was and no partial one.
+    if let Err(e) = write_checkpoint(&tmp, config_toml, state, model, adapter) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+    }
+    if dir.exists() {
+        std::fs::rename(&dir, &old).with_context(|| format!("cannot move {} aside", dir.display()))?;
+    }
+    std::fs::rename(&tmp, &dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+    }
+    Ok(dir)
+}
+
+/// Every file of a checkpoint into the directory `tmp`, `state.json` last (a directory with it
+/// is complete).
+fn write_checkpoint(
+    tmp: &Path,
+    config_toml: &str,
+    state: &TrainState,
+    model: &mut LlamaForCausalLM,
+    adapter: Option<(&LoraSpec, &str)>,
+) -> anyhow::Result<()> {
     let mut params = Vec::new();
     let mut moments = Vec::new();
     for (name, p) in model.trainable_params_mut() {
@@ -125,24 +154,68 @@ pub fn save(
     }
     let file = StateFile { format: FORMAT, progress: state.progress.clone(), optimizer_step: state.optim.step };
     // state.json last: a directory with it is complete.
-    write_atomic(&tmp.join("state.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
-    }
-    if dir.exists() {
-        std::fs::rename(&dir, &old).with_context(|| format!("cannot move {} aside", dir.display()))?;
-    }
-    std::fs::rename(&tmp, &dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
-    }
-    Ok(dir)
+    write_atomic(&tmp.join("state.json"), serde_json::to_string_pretty(&file)?.as_bytes())
+}
+
+/// Config keys a resumed run may change: how it runs, logs and stops, not what it trains or
+/// in which order (`schedule.max_steps` moves the end of the cosine, so it changes the
+/// remaining learning rates; it must stay past the checkpoint's step).
+const CHANGEABLE_ON_RESUME: &[&str] = &[
+    "schedule.max_steps",
+    "eval.target_loss",
+    "eval.batch_size",
+    "run.device",
+    "run.threads",
+    "run.checkpoint_every",
+    "data.train_workers",
+    "data.eval_workers",
+    "train.recompute_layers",
+    "train.shard_frozen_weights",
+    "train.warmup_batches",
+    "mlperf.check",
+    "logging.",
+    "dist.",
+];
+
+/// Refuses `--set` overrides of `llora train --resume` that cannot apply to a checkpoint of
+/// step `step` saved with the config `saved`: moving the run (`run.dir`), a `max_steps` the
+/// run has already reached, and any key that changes what is trained (model, adapters, data,
+/// optimizer, precision, seed, batch geometry).
+pub fn check_overrides(saved: &Config, resumed: &Config, overrides: &[Override], step: usize) -> anyhow::Result<()> {
+    ensure!(
+        !overrides.iter().any(|o| o.key == "run.dir"),
+        "--set run.dir cannot move a resumed run: it continues in its own directory (copy the directory and \
+         resume the copy to continue elsewhere)"
+    );
+    ensure!(
+        resumed.schedule.max_steps > step,
+        "schedule.max_steps = {} but the checkpoint is at step {step}: nothing is left to train (raise it past {step})",
+        resumed.schedule.max_steps
+    );
+    let mut fixed: Vec<String> = differing_keys(&saved.to_toml(), &resumed.to_toml())
+        .into_iter()
+        .filter(|k| {
+            k != "run.dir" && !CHANGEABLE_ON_RESUME.iter().any(|c| k == c || (c.ends_with('.') && k.starts_with(c)))
+        })
+        .collect();
+    fixed.dedup();
+    ensure!(
+        fixed.is_empty(),
+        "--set {} would change what the checkpoint was trained with; a resumed run may change only {}",
+        fixed.join(", "),
+        CHANGEABLE_ON_RESUME
+            .iter()
+            .map(|k| if k.ends_with('.') { format!("{k}*") } else { (*k).to_string() })
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
 }
 
 /// Reads the checkpoint of the run directory `run_dir` (or of `run_dir` itself when it is a
 /// checkpoint directory).
 pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
-    let dir = [run_dir.to_path_buf(), checkpoint_dir(run_dir), run_dir.join(".resume.old")]
+    let dir = [run_dir.to_path_buf(), checkpoint_dir(run_dir), run_dir.join(RESUME_OLD)]
         .into_iter()
         .find(|d| d.join("state.json").is_file())
         .with_context(|| {

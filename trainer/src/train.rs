@@ -31,6 +31,7 @@ use crate::mllog::{RunLog, now_ms};
 use crate::observe::{Metrics, Progress, StopSignal};
 use crate::optim::{AdamW, lr_at};
 use crate::resume::{self, Checkpoint, TrainState};
+use crate::run_dir;
 use crate::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload};
 
 /// `run_stop`'s status.
@@ -67,9 +68,16 @@ pub struct Outcome {
     pub result_log: PathBuf,
 }
 
-/// Runs `llora train` with a validated config on `dist`'s ranks; `config_name` is reported in logs.
-pub fn run(config: &Config, config_name: &str, dist: &Dist) -> anyhow::Result<Outcome> {
-    let mut t = Trainer::setup(config, config_name, dist, None)?;
+/// Runs `llora train` with a validated config on `dist`'s ranks; `config_name` is reported in
+/// logs. The run writes to `run.dir` or, when that holds an earlier run, where
+/// [`run_dir::claim`] says (`overwrite`: replacing it).
+pub fn run(config: &Config, config_name: &str, dist: &Dist, overwrite: bool) -> anyhow::Result<Outcome> {
+    // Ranks agree on the config, run.dir included, before rank 0 decides for all of them.
+    crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
+    let claim = run_dir::claim(&config.run.dir, overwrite, dist.comm.as_ref())?;
+    let mut config = config.clone();
+    config.run.dir = claim.dir().to_path_buf();
+    let mut t = Trainer::setup(&config, config_name, dist, None, claim)?;
     t.train()
 }
 
@@ -90,7 +98,12 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
     let name = checkpoint.dir.join("config.toml").display().to_string();
     let mut config = Config::parse(&name, &checkpoint.config_toml, overrides)?;
     // The run continues where its files are, even if the directory was moved.
-    config.run.dir = checkpoint.dir.parent().map_or_else(|| dir.to_path_buf(), Path::to_path_buf);
+    let home = checkpoint.dir.parent().map_or_else(|| dir.to_path_buf(), Path::to_path_buf);
+    run_dir::check_resumable(&home)?;
+    let saved = Config::parse(&name, &checkpoint.config_toml, &[])?;
+    resume::check_overrides(&saved, &config, overrides, checkpoint.progress.step)
+        .with_context(|| format!("cannot resume {}", home.display()))?;
+    config.run.dir = home;
     Ok(Resumed { checkpoint, config, name })
 }
 
@@ -98,7 +111,8 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
 pub fn resume(resumed: Resumed, dist: &Dist) -> anyhow::Result<Outcome> {
     let Resumed { checkpoint, config, name } = resumed;
     info!(checkpoint = %checkpoint.dir.display(), step = checkpoint.progress.step, samples = checkpoint.progress.samples, "resuming");
-    let mut t = Trainer::setup(&config, &name, dist, Some(checkpoint))?;
+    let claim = run_dir::Claim::existing(config.run.dir.clone());
+    let mut t = Trainer::setup(&config, &name, dist, Some(checkpoint), claim)?;
     t.train()
 }
 
@@ -130,6 +144,8 @@ pub struct Trainer<'a> {
     /// Dense bf16 peak TFLOP/s of one device, for MFU: `logging.peak_tflops`, else the known
     /// peak of the GPU's name (`flops::gpu_peak_tflops`); `None`: MFU is not reported.
     peak_tflops: Option<f64>,
+    /// The run directory; what `--overwrite` replaced is deleted once this run saved something.
+    claim: run_dir::Claim,
 }
 
 /// The peak MFU is measured against: `logging.peak_tflops` when set, else on a CUDA device the
@@ -179,7 +195,13 @@ impl Trainer<'_> {
 impl<'a> Trainer<'a> {
     /// Everything before the first step: device, config agreement across ranks, result log up
     /// to `run_start`, model and adapters, optimizer (or the checkpoint's state), warm-up, data.
-    pub fn setup(config: &'a Config, name: &str, dist: &'a Dist, resumed: Option<Checkpoint>) -> anyhow::Result<Self> {
+    pub fn setup(
+        config: &'a Config,
+        name: &str,
+        dist: &'a Dist,
+        resumed: Option<Checkpoint>,
+        claim: run_dir::Claim,
+    ) -> anyhow::Result<Self> {
         let (world, comm) = (&dist.world, dist.comm.as_ref());
         let device_spec = config.run.device.for_local_rank(world.local_rank);
         let device = device_spec
@@ -219,7 +241,7 @@ impl<'a> Trainer<'a> {
         if dist.is_main() {
             std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run.dir {}", run_dir.display()))?;
         }
-        let result_log = run_dir.join("result_0.txt");
+        let result_log = run_dir.join(run_dir::RESULT_LOG);
         let fresh = resumed.is_none();
         // A resumed run appends to its log; that log then tells the story of an interrupted run,
         // which the MLPerf rules do not accept as a result (they time uninterrupted runs).
@@ -266,7 +288,8 @@ impl<'a> Trainer<'a> {
         let order = ShardedOrder::new(data.train.len(), config.run.seed, 0, 1, true, state.progress.position)?;
         let padding = config.data.padding.padding(config.data.max_seq_len);
         let batches = train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers);
-        let metrics = Metrics::open(&run_dir.join("metrics.jsonl"), !fresh, dist.is_main())?;
+        let resumed_at = (!fresh).then_some(state.progress.step);
+        let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, dist.is_main())?;
         let bar = Progress::new(config, state.progress.step, dist.is_main());
         log.block_start(state.progress.samples);
         let base_name = config
@@ -296,6 +319,7 @@ impl<'a> Trainer<'a> {
             tokens_here: 0,
             t_train: Instant::now(),
             peak_tflops: peak_tflops(config, &device_spec, dist.is_main()),
+            claim,
         })
     }
 
@@ -437,6 +461,7 @@ impl<'a> Trainer<'a> {
             let adapter =
                 (self.config.model.trainable == Trainable::Lora).then_some((&self.spec, self.base_name.as_str()));
             resume::save(&self.config.run.dir, &self.config_toml, &self.state, &mut self.model, adapter)?;
+            self.claim.settle();
             let step = self.state.progress.step;
             self.bar.print(|| info!(step, dir = %dir.display(), "checkpoint saved"));
         }
@@ -492,17 +517,18 @@ impl<'a> Trainer<'a> {
         let run_dir = &self.config.run.dir;
         let saved = match self.config.model.trainable {
             Trainable::All => {
-                let dir = run_dir.join("checkpoint");
+                let dir = run_dir.join(run_dir::FULL_CHECKPOINT);
                 save_hf_checkpoint(&mut self.model, &dir)?;
                 dir
             }
             Trainable::Lora => {
-                let dir = run_dir.join("adapter");
+                let dir = run_dir.join(run_dir::ADAPTER);
                 save_peft_adapter(&self.model, &self.spec, &dir, &self.base_name)?;
                 dir
             }
         };
-        let plot = run_dir.join("loss.svg");
+        self.claim.settle();
+        let plot = run_dir.join(run_dir::PLOT);
         let curve = crate::plot::Curve {
             label: self.name.clone(),
             train: self.metrics.train.clone(),
@@ -514,12 +540,13 @@ impl<'a> Trainer<'a> {
         info!(status = status.name(), samples, time_to_train_s = format!("{ttt:.1}"), result_log = %self.result_log.display(),
             saved = %saved.display(), plot = %plot.display(), "run finished");
         println!(
-            "status: {}  samples: {samples}  eval_loss: {}  time_to_train: {:.1} s ({:.2} min){}",
+            "status: {}  samples: {samples}  eval_loss: {}  time_to_train: {:.1} s ({:.2} min){}  run.dir: {}",
             status.name(),
             last_eval.map_or("n/a".into(), |l| format!("{l:.4}")),
             ttt,
             ttt / 60.0,
-            if self.resumed { " (resumed: includes the interruption)" } else { "" }
+            if self.resumed { " (resumed: includes the interruption)" } else { "" },
+            run_dir.display()
         );
         if self.config.mlperf.check {
             let verdict = crate::compliance::check(&self.result_log, crate::compliance::DEFAULT_RULESET)?;
@@ -710,7 +737,13 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
         syn.seed = pt.corpus_seed;
     }
     c.run.dir = path.with_extension("pretrain-run");
-    let outcome = run(&c, "model.pretrain", &Dist::single())?;
+    // Only pre-training writes there, for a base that does not exist yet: what a stopped
+    // pre-training left is scratch.
+    if c.run.dir.exists() {
+        std::fs::remove_dir_all(&c.run.dir)
+            .with_context(|| format!("cannot remove the unfinished pre-training run {}", c.run.dir.display()))?;
+    }
+    let outcome = run(&c, "model.pretrain", &Dist::single(), false)?;
     anyhow::ensure!(
         outcome.status == RunStatus::Success,
         "pre-training stopped at eval loss {:?} above model.pretrain.target_loss = {} after {} steps; raise model.pretrain.steps",
@@ -722,7 +755,7 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     }
     // The checkpoint was written completely in the run directory; one rename publishes it.
-    std::fs::rename(c.run.dir.join("checkpoint"), path)
+    std::fs::rename(c.run.dir.join(run_dir::FULL_CHECKPOINT), path)
         .with_context(|| format!("cannot move the pre-trained base to {}", path.display()))?;
     info!(path = %path.display(), "pre-trained base saved");
     Ok(())

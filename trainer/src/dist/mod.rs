@@ -420,7 +420,7 @@ pub fn check_same_config(comm: &dyn Collective, config_toml: &str) -> Result<(),
         comm.publish("config/0", config_toml.as_bytes())?;
     }
     let reference = String::from_utf8_lossy(&comm.fetch("config/0")?).into_owned();
-    let keys = differing_keys(&reference, config_toml);
+    let keys = crate::config::differing_keys(&reference, config_toml);
     if !keys.is_empty() {
         comm.publish(&format!("config-diff/{rank}"), keys.join(", ").as_bytes())?;
     }
@@ -441,35 +441,6 @@ pub fn check_same_config(comm: &dyn Collective, config_toml: &str) -> Result<(),
          config and --set overrides); differing keys: {}",
         detail.join("; ")
     )))
-}
-
-/// Dotted keys whose values differ between two TOML documents.
-fn differing_keys(a: &str, b: &str) -> Vec<String> {
-    fn flatten(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
-        match v {
-            toml::Value::Table(t) => {
-                for (k, v) in t {
-                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
-                    flatten(&key, v, out);
-                }
-            }
-            other => {
-                out.insert(prefix.to_string(), other.to_string());
-            }
-        }
-    }
-    let parse = |s: &str| {
-        let mut out = std::collections::BTreeMap::new();
-        if let Ok(v) = toml::from_str::<toml::Value>(s) {
-            flatten("", &v, &mut out);
-        }
-        out
-    };
-    let (a, b) = (parse(a), parse(b));
-    let mut keys: Vec<String> = a.keys().chain(b.keys()).filter(|k| a.get(*k) != b.get(*k)).cloned().collect();
-    keys.sort();
-    keys.dedup();
-    keys
 }
 
 #[cfg(test)]
@@ -519,13 +490,5 @@ mod tests {
         assert!(err.contains("RANK=\"x\""), "{err}");
         let err = World::from_env(env(&[("RANK", "2"), ("WORLD_SIZE", "2")]), &DistConfig::default()).unwrap_err();
         assert!(err.contains("rank 2 is not in 0..2"), "{err}");
-    }
-
-    #[test]
-    fn differing_keys_are_listed() {
-        let a = "[optim]\nlr = 1.0\n[run]\nseed = 1\n";
-        let b = "[optim]\nlr = 2.0\n[run]\nseed = 1\nthreads = 1\n";
-        assert_eq!(differing_keys(a, b), ["optim.lr", "run.threads"]);
-        assert!(differing_keys(a, a).is_empty());
     }
 }

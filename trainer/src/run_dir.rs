@@ -1,0 +1,321 @@
+//! Where `llora train` writes: a rerun never destroys an earlier run.
+//!
+//! A fresh run looks at `run.dir` before it writes anything:
+//! - absent, or holding none of a run's outputs: the run writes there;
+//! - holding an earlier run's results (a finished run, or one that stopped before its first
+//!   checkpoint): the run writes into the first free sibling, `DIR-2`, `DIR-3`, ..., and says so
+//!   at start, so that the same command can be run again and again;
+//! - holding an interrupted run (a checkpoint and no final results): refused before any write,
+//!   naming both ways on (`--resume DIR`, or another `run.dir`), since a second run there would
+//!   make its checkpoint and log disagree;
+//! - `--overwrite`: the earlier outputs are moved into `DIR/.replaced/` and deleted only once the
+//!   new run has saved its first checkpoint or its results; if it fails before that, they are
+//!   moved back.
+//!
+//! With several ranks, rank 0 decides (and moves files), publishes its decision in the c10d
+//! store, and every rank follows it, or fails with rank 0's reason.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use tracing::{info, warn};
+
+use crate::dist::Collective;
+
+/// The MLPerf result log of a run.
+pub const RESULT_LOG: &str = "result_0.txt";
+/// One JSON record per step and per evaluation.
+pub const METRICS: &str = "metrics.jsonl";
+/// The loss plot.
+pub const PLOT: &str = "loss.svg";
+/// The adapters of a finished LoRA run (PEFT format).
+pub const ADAPTER: &str = "adapter";
+/// The weights of a finished full fine-tuning run (HF format).
+pub const FULL_CHECKPOINT: &str = "checkpoint";
+/// The checkpoint of a run in progress (see `resume.rs`).
+pub const RESUME: &str = "resume";
+/// The previous checkpoint while a new one is swapped in.
+pub const RESUME_OLD: &str = ".resume.old";
+/// A checkpoint being written.
+pub const RESUME_TMP: &str = ".resume.tmp";
+/// Where `--overwrite` keeps the outputs it replaces until the new run has saved something.
+const REPLACED: &str = ".replaced";
+
+/// Everything a run writes in its directory; other files there are not llora's and stay.
+const OUTPUTS: &[&str] = &[RESULT_LOG, METRICS, PLOT, ADAPTER, FULL_CHECKPOINT, RESUME, RESUME_OLD, RESUME_TMP];
+
+/// What a directory holds, as far as runs go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Holds {
+    /// Absent, or none of a run's outputs.
+    Nothing,
+    /// A run that ended: its adapters (or full weights) were saved.
+    Finished,
+    /// A run with a checkpoint and no final results: `llora train --resume` continues it.
+    Interrupted,
+    /// Outputs of a run that ended before its first checkpoint (nothing to resume).
+    Partial,
+}
+
+/// Looks at `dir` without changing it.
+pub fn inspect(dir: &Path) -> Holds {
+    if !OUTPUTS.iter().any(|name| dir.join(name).symlink_metadata().is_ok()) {
+        return Holds::Nothing;
+    }
+    if dir.join(ADAPTER).exists() || dir.join(FULL_CHECKPOINT).exists() {
+        Holds::Finished
+    } else if [RESUME, RESUME_OLD].iter().any(|c| dir.join(c).join("state.json").is_file()) {
+        Holds::Interrupted
+    } else {
+        Holds::Partial
+    }
+}
+
+/// The directory a fresh run writes to, decided on every rank (see the module doc); with
+/// `overwrite`, the earlier outputs stay restorable until [`Claim::settle`].
+pub fn claim(requested: &Path, overwrite: bool, comm: &dyn Collective) -> anyhow::Result<Claim> {
+    // One key per requested directory: `llora mlperf run` claims one directory per run.
+    let key = format!("run-dir/claim/{}", requested.display());
+    if comm.world_size() == 1 {
+        return decide(requested, overwrite);
+    }
+    if comm.rank() == 0 {
+        let decided = decide(requested, overwrite);
+        let message = match &decided {
+            Ok(c) => format!("ok\n{}", c.dir.display()),
+            Err(e) => format!("error\n{e:#}"),
+        };
+        comm.publish(&key, message.as_bytes())?;
+        return decided;
+    }
+    let message = String::from_utf8_lossy(&comm.fetch(&key)?).into_owned();
+    match message.split_once('\n') {
+        Some(("ok", dir)) => Ok(Claim::existing(PathBuf::from(dir))),
+        Some((_, reason)) => anyhow::bail!("rank 0 refused run.dir {}: {reason}", requested.display()),
+        None => anyhow::bail!("rank 0 published no decision on run.dir {}", requested.display()),
+    }
+}
+
+/// Rank 0's decision, with the moves `overwrite` makes.
+fn decide(requested: &Path, overwrite: bool) -> anyhow::Result<Claim> {
+    let replaced = requested.join(REPLACED);
+    anyhow::ensure!(
+        !replaced.exists(),
+        "{} holds the outputs of a run that an --overwrite replaced, kept because the replacing run \
+         stopped before saving anything: move them back into {} or delete the folder, then run again",
+        replaced.display(),
+        requested.display()
+    );
+    let holds = inspect(requested);
+    if overwrite && holds != Holds::Nothing {
+        return displace(requested);
+    }
+    match holds {
+        Holds::Nothing => Ok(Claim::existing(requested.to_path_buf())),
+        Holds::Interrupted => anyhow::bail!(
+            "run.dir {dir} holds an interrupted run (checkpoint {dir}/{RESUME}); a new run there would mix \
+             with it. Continue it with `llora train --resume {dir}`, or start a new run elsewhere \
+             (--set run.dir=...), or replace it with --overwrite",
+            dir = requested.display()
+        ),
+        Holds::Finished | Holds::Partial => {
+            let sibling = free_sibling(requested)?;
+            info!(
+                requested = %requested.display(),
+                dir = %sibling.display(),
+                "run.dir holds an earlier run, kept as it is; this run writes to the next free directory \
+                 (--overwrite replaces instead)"
+            );
+            Ok(Claim::existing(sibling))
+        }
+    }
+}
+
+/// The first `DIR-N` (N ≥ 2) that holds nothing of a run.
+fn free_sibling(dir: &Path) -> anyhow::Result<PathBuf> {
+    let name = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .with_context(|| format!("run.dir {} holds an earlier run; name a new directory", dir.display()))?;
+    (2..10_000)
+        .map(|n| dir.with_file_name(format!("{name}-{n}")))
+        .find(|d| inspect(d) == Holds::Nothing && !d.join(REPLACED).exists())
+        .with_context(|| format!("no free directory {name}-N beside {}", dir.display()))
+}
+
+/// `--overwrite`: moves the earlier outputs of `dir` into `dir/.replaced/` (renames only).
+fn displace(dir: &Path) -> anyhow::Result<Claim> {
+    let replaced = dir.join(REPLACED);
+    std::fs::create_dir(&replaced).with_context(|| format!("cannot create {}", replaced.display()))?;
+    let claim = Claim { dir: dir.to_path_buf(), replaced: Some(replaced.clone()) };
+    for name in OUTPUTS {
+        let from = dir.join(name);
+        if from.symlink_metadata().is_ok() {
+            // On failure `claim` is dropped and moves back what it already moved.
+            std::fs::rename(&from, replaced.join(name))
+                .with_context(|| format!("cannot move {} aside into {}", from.display(), replaced.display()))?;
+        }
+    }
+    info!(dir = %dir.display(), kept_in = %replaced.display(),
+        "--overwrite: the earlier run's outputs are kept aside until this run saves its first checkpoint");
+    Ok(claim)
+}
+
+/// The directory a run writes to; while it holds replaced outputs, dropping it unsettled
+/// (the run failed before saving anything) moves them back.
+#[derive(Debug)]
+pub struct Claim {
+    dir: PathBuf,
+    replaced: Option<PathBuf>,
+}
+
+impl Claim {
+    /// A directory taken as it is (a free one, a resumed run's, or rank 0's decision).
+    pub fn existing(dir: PathBuf) -> Self {
+        Self { dir, replaced: None }
+    }
+
+    /// Where the run writes.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The run has saved a checkpoint or its results: what `--overwrite` replaced goes.
+    pub fn settle(&mut self) {
+        if let Some(replaced) = self.replaced.take() {
+            match std::fs::remove_dir_all(&replaced) {
+                Ok(()) => info!(removed = %replaced.display(), "the replaced run's outputs are deleted"),
+                Err(e) => warn!("cannot delete {} (the replaced run's outputs): {e}", replaced.display()),
+            }
+        }
+    }
+
+    /// Puts the replaced outputs back, removing what the new run wrote under the same names.
+    fn restore(&mut self, replaced: &Path) -> std::io::Result<()> {
+        for name in OUTPUTS {
+            let kept = replaced.join(name);
+            if kept.symlink_metadata().is_err() {
+                continue;
+            }
+            let target = self.dir.join(name);
+            if target.is_dir() {
+                std::fs::remove_dir_all(&target)?;
+            } else if target.symlink_metadata().is_ok() {
+                std::fs::remove_file(&target)?;
+            }
+            std::fs::rename(&kept, &target)?;
+        }
+        std::fs::remove_dir(replaced)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(replaced) = self.replaced.take() {
+            match self.restore(&replaced) {
+                Ok(()) => {
+                    warn!(dir = %self.dir.display(), "the run stopped before saving anything: the earlier run's outputs are back")
+                }
+                Err(e) => warn!(
+                    "the run stopped before saving anything, and the earlier run's outputs could not all be moved \
+                     back ({e}); they are in {}",
+                    replaced.display()
+                ),
+            }
+        }
+    }
+}
+
+/// `llora train --resume`: the run directory must hold an interrupted run.
+pub fn check_resumable(dir: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        inspect(dir) != Holds::Finished,
+        "{} holds a finished run (its {ADAPTER}/ or {FULL_CHECKPOINT}/ and the run_stop of {RESULT_LOG} were \
+         written): there is nothing to resume. Start a new run with `llora train` (it writes beside this one)",
+        dir.display()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn touch(path: &Path) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"x").unwrap();
+    }
+
+    #[test]
+    fn what_a_directory_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        assert_eq!(inspect(&run), Holds::Nothing);
+        touch(&run.join("notes.txt"));
+        assert_eq!(inspect(&run), Holds::Nothing, "files that are not llora's do not make a run");
+        touch(&run.join(RESULT_LOG));
+        assert_eq!(inspect(&run), Holds::Partial);
+        touch(&run.join(".resume.old/state.json"));
+        assert_eq!(inspect(&run), Holds::Interrupted);
+        touch(&run.join("adapter/adapter_config.json"));
+        assert_eq!(inspect(&run), Holds::Finished);
+    }
+
+    /// A taken directory sends the run to the first free sibling; an interrupted one is refused
+    /// naming both ways on; nothing is written by deciding.
+    #[test]
+    fn fresh_runs_never_land_on_earlier_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        touch(&run.join(ADAPTER).join("adapter_model.safetensors"));
+        touch(&dir.path().join("run-2").join(RESULT_LOG));
+        let claim = decide(&run, false).unwrap();
+        assert_eq!(claim.dir(), dir.path().join("run-3"));
+        assert!(!claim.dir().exists(), "deciding creates nothing");
+
+        let stopped = dir.path().join("stopped");
+        touch(&stopped.join("resume/state.json"));
+        let err = format!("{:#}", decide(&stopped, false).unwrap_err());
+        assert!(err.contains("interrupted") && err.contains("--resume") && err.contains("run.dir"), "{err}");
+    }
+
+    /// `--overwrite` keeps the earlier outputs until `settle`; dropped unsettled, it puts them
+    /// back byte for byte and removes the new run's files of the same names.
+    #[test]
+    fn overwrite_restores_until_settled() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(run.join(ADAPTER)).unwrap();
+        std::fs::write(run.join(ADAPTER).join("w"), b"old adapter").unwrap();
+        std::fs::write(run.join(RESULT_LOG), b"old log").unwrap();
+        std::fs::write(run.join("mine.txt"), b"user file").unwrap();
+        {
+            let claim = decide(&run, true).unwrap();
+            assert_eq!(claim.dir(), run);
+            assert_eq!(inspect(&run), Holds::Nothing);
+            std::fs::write(run.join(RESULT_LOG), b"new log").unwrap();
+        }
+        assert_eq!(std::fs::read(run.join(RESULT_LOG)).unwrap(), b"old log");
+        assert_eq!(std::fs::read(run.join(ADAPTER).join("w")).unwrap(), b"old adapter");
+        assert_eq!(std::fs::read(run.join("mine.txt")).unwrap(), b"user file");
+        assert!(!run.join(REPLACED).exists());
+
+        let mut claim = decide(&run, true).unwrap();
+        std::fs::write(run.join(RESULT_LOG), b"new log").unwrap();
+        claim.settle();
+        drop(claim);
+        assert_eq!(std::fs::read(run.join(RESULT_LOG)).unwrap(), b"new log");
+        assert!(!run.join(ADAPTER).exists() && !run.join(REPLACED).exists());
+        assert_eq!(std::fs::read(run.join("mine.txt")).unwrap(), b"user file");
+    }
+
+    #[test]
+    fn a_finished_run_is_not_resumable() {
+        let dir = tempfile::tempdir().unwrap();
+        touch(&dir.path().join("resume/state.json"));
+        assert!(check_resumable(dir.path()).is_ok());
+        touch(&dir.path().join("adapter/adapter_model.safetensors"));
+        let err = check_resumable(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("finished") && err.contains("nothing to resume"), "{err}");
+    }
+}
