@@ -436,3 +436,66 @@ fn data_outputs_are_replaced_only_on_request() {
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 2, "no temporary files or directories left: {left:?}");
 }
+
+/// Sizes that used to end in an OOM kill or a long hang are refused before anything is
+/// allocated or written (#29), saying what is needed: sequences past the model's positions,
+/// a run whose planned peak (`llora plan`) is more than the machine's memory, synthetic
+/// corpora too large to hold; and a `model.path` that [model.pretrain] could not fill is found
+/// before pre-training, not after.
+#[test]
+fn oversized_runs_are_refused_before_allocating() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let run_set = format!("run.dir=\"{}\"", run.display());
+    let clash = dir.path().join("not-a-checkpoint");
+    std::fs::create_dir(&clash).unwrap();
+    std::fs::write(clash.join("notes.txt"), "mine").unwrap();
+    let clash_set = format!("model.path=\"{}\"", clash.display());
+    let synth_out = dir.path().join("synth");
+    let synth_out = synth_out.to_str().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &[
+                "train",
+                &config,
+                "--set",
+                &run_set,
+                "--set",
+                "data.max_seq_len=1000000000000",
+                "--set",
+                "data.padding=max_length",
+            ],
+            &["data.max_seq_len = 1000000000000", "max_position_embeddings = 1024", "model.preset = \"demo\""],
+        ),
+        (
+            &[
+                "train",
+                &config,
+                "--set",
+                &run_set,
+                "--set",
+                "model.preset=llama2-70b",
+                "--set",
+                "data.max_seq_len=8192",
+                "--set",
+                "train.micro_batch_size=8",
+            ],
+            &["GiB at its peak", "this machine has", "llora plan"],
+        ),
+        // The embedded config pre-trains its base into model.path when that has no config.json.
+        (&["train", "--set", &run_set, "--set", &clash_set], &["not-a-checkpoint", "holds no config.json"]),
+        (&["data", "synth", "--out", synth_out, "--vocab", "4000000000"], &["--vocab 4000000000", "at most"]),
+        (
+            &["data", "synth", "--out", synth_out, "--max-seq-len", "100000000000"],
+            &["GiB in memory", "this machine has"],
+        ),
+    ];
+    for (args, want) in cases {
+        let started = std::time::Instant::now();
+        fails_naming(args, want);
+        assert!(started.elapsed().as_secs() < 60, "{args:?} took {:?} to fail", started.elapsed());
+    }
+    assert!(!run.exists() && !std::path::Path::new(synth_out).exists(), "a refused command wrote its output");
+    assert_eq!(std::fs::read_dir(&clash).unwrap().count(), 1, "the clashing directory changed");
+}

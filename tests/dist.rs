@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{checkpoint_step, llora, llora_command, mllog, random_base_config, root, text};
+use common::{checkpoint_step, llora, llora_command, mllog, random_base_config, root, strs, text};
 
 /// `torchrun --standalone --nproc-per-node 2 --no-python llora ARGS` (a free port of its own).
 fn torchrun(args: &[&str]) -> Output {
@@ -56,10 +56,6 @@ fn train_args(config: &str, run_dir: &Path, extra: &[&str]) -> Vec<String> {
     let mut args = vec!["train".to_string(), config.to_string()];
     args.extend(sets(&pairs));
     args
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
 }
 
 fn eval_losses(run_dir: &Path) -> Vec<f64> {
@@ -322,4 +318,46 @@ fn sharded_frozen_weights_train_to_the_unsharded_adapters() {
             assert!(shape.len() == 2 && rank_dim == 16 && shape.iter().all(|&d| d > 0), "{tensor}: {shape:?}");
         }
     }
+}
+
+/// Rank 0 decides where a data-parallel run writes and every rank follows (#28): into a
+/// directory holding a finished run, both ranks go to `DIR-2` and the finished run stays as it
+/// was; into an interrupted run, both ranks refuse (rank 1 with rank 0's reason) and nothing
+/// is written.
+#[test]
+fn ranks_follow_rank_0_on_the_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let short = [
+        "schedule.max_steps=4",
+        "eval.every_samples=16",
+        "eval.target_loss=100.0",
+        "data.synthetic.train_samples=32",
+        "data.synthetic.eval_samples=4",
+        "data.max_seq_len=128",
+    ];
+    let args = train_args(&config, &run, &short);
+    let out = llora(&strs(&args));
+    assert!(out.status.success(), "{}", text(&out).1);
+    let finished = std::fs::read(run.join("result_0.txt")).unwrap();
+    let out = torchrun(&strs(&args));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let second = dir.path().join("run-2");
+    assert!(second.join("adapter/adapter_model.safetensors").is_file(), "{stdout}\n{stderr}");
+    assert_eq!(mllog(&second.join("result_0.txt")).iter().filter(|l| l["key"] == "run_stop").count(), 1);
+    assert!(std::fs::read(run.join("result_0.txt")).unwrap() == finished, "the finished run's log changed");
+    assert!(!dir.path().join("run-3").exists(), "rank 1 went elsewhere");
+
+    let stopped = dir.path().join("stopped");
+    std::fs::create_dir_all(stopped.join("resume")).unwrap();
+    std::fs::write(stopped.join("resume/state.json"), "{}").unwrap();
+    let out = torchrun(&strs(&train_args(&config, &stopped, &short)));
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("holds an interrupted run") && stderr.contains("rank 0 refused run.dir"), "{stderr}");
+    let left: Vec<_> = std::fs::read_dir(&stopped).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, ["resume"], "a refused run wrote into the interrupted one");
+    assert!(!dir.path().join("stopped-2").exists());
 }

@@ -294,11 +294,16 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     let a = std::fs::read(whole.join("adapter/adapter_model.safetensors")).unwrap();
     let b = std::fs::read(killed.join("adapter/adapter_model.safetensors")).unwrap();
     assert!(a == b, "adapters differ after a SIGKILL at step {at} (aimed at {kill_at}) and resume ({sets:?})");
-    // The resumed run continued the same metrics file: 12 train records, none repeated past the kill.
+    // The resumed run continued the same metrics file: steps 1..=12 once each, also those the
+    // killed run made after its checkpoint (made again by the resumed run).
     let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
-    let last: serde_json::Value =
-        serde_json::from_str(metrics.lines().rfind(|l| l.contains("\"loss\"")).unwrap()).unwrap();
-    assert_eq!(last["step"], 12);
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("loss").is_some())
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "killed at step {at}");
     dir
 }
 
@@ -438,6 +443,63 @@ fn resume_validates_its_overrides() {
     assert!(stderr.contains("`precision.compute` (from --set)") && stderr.contains("fp16"), "{stderr}");
     let out = llora(&["train", "--resume", run.to_str().unwrap(), "--set", "optim.lr=-1"]);
     assert!(!out.status.success() && text(&out).1.contains("`optim.lr` = -1.0"), "{}", text(&out).1);
+}
+
+/// A resumed run whose training file changed since its checkpoint (here: 8 rows where the
+/// checkpoint had read 16 of 64) fails naming the file and the checkpoint's position (#29; it
+/// said only "position index 16 is past the shard's 8 samples").
+#[test]
+fn resuming_on_changed_data_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let data = dir.path().join("data");
+    let d = data.to_str().unwrap();
+    let synth = ["data", "synth", "--out", d, "--train", "64", "--eval", "4", "--max-seq-len", "128", "--vocab", "512"];
+    assert!(llora(&synth).status.success());
+    // The random-base config with files in place of its synthetic corpus.
+    let mut table: toml::Table = toml::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    table["data"].as_table_mut().unwrap().remove("synthetic");
+    std::fs::write(&config, toml::to_string(&table).unwrap()).unwrap();
+    let run = dir.path().join("run");
+    let sets = [
+        format!("run.dir=\"{}\"", run.display()),
+        format!("data.train=\"{d}/train.parquet\""),
+        format!("data.eval=\"{d}/validation.parquet\""),
+        "data.max_seq_len=128".into(),
+        "eval.target_loss=0.001".into(),
+        "schedule.max_steps=2".into(),
+        "run.checkpoint_every=1".into(),
+    ];
+    let mut args = vec!["train", &config];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let out = llora(&args);
+    assert_eq!(checkpoint_step(&run), Some(2), "{}", text(&out).1);
+    // As if killed after its checkpoint: no final adapter.
+    std::fs::remove_dir_all(run.join("adapter")).unwrap();
+    let small = [
+        "data",
+        "synth",
+        "--out",
+        d,
+        "--train",
+        "8",
+        "--eval",
+        "4",
+        "--max-seq-len",
+        "128",
+        "--vocab",
+        "512",
+        "--overwrite",
+    ];
+    assert!(llora(&small).status.success());
+    let out = llora(&["train", "--resume", run.to_str().unwrap(), "--set", "schedule.max_steps=4"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    for want in [&format!("{d}/train.parquet: 8 samples"), "checkpoint's data position", "sample 16"] {
+        assert!(stderr.contains(want), "missing {want:?}: {stderr}");
+    }
 }
 
 /// `train.recompute_layers`: a run recomputing 3 of the 4 blocks ends with bitwise the adapters

@@ -41,6 +41,28 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         a.train,
         a.eval
     );
+    // Sizes are checked before anything is allocated (4e9 words or 1e11-token documents were
+    // OOM kills).
+    const MAX_VOCAB: usize = 1 << 21;
+    anyhow::ensure!(
+        a.vocab <= MAX_VOCAB,
+        "--vocab {}: the synthetic tokenizer holds one word per id, at most {MAX_VOCAB} (Llama 2 has 32000, Llama 3 128256)",
+        a.vocab
+    );
+    // Token ids and labels (i64) and the text, ~24 bytes a token, for documents of at most max_seq_len.
+    let need = (a.train as f64 + a.eval as f64) * a.max_seq_len as f64 * 24.0;
+    if let Some(total) = crate::plan::total_memory_bytes() {
+        anyhow::ensure!(
+            need <= total,
+            "--train {} + --eval {} documents of up to --max-seq-len {} tokens need up to {:.1} GiB in memory; this \
+             machine has {:.1} GiB: lower --max-seq-len or the counts",
+            a.train,
+            a.eval,
+            a.max_seq_len,
+            need / f64::from(1u32 << 30),
+            total / f64::from(1u32 << 30)
+        );
+    }
     let synth = Synth::new(SynthConfig {
         vocab: a.vocab,
         max_seq_len: a.max_seq_len,
@@ -167,6 +189,9 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     let (train, _) = llora_data::parquet_io::read_parquet(&a.train, &opts)?;
     let (eval, _) = llora_data::parquet_io::read_parquet(&a.eval, &opts)?;
     let read_s = t.elapsed().as_secs_f64();
+    for (flag, path, rows) in [("--train", &a.train, train.len()), ("--eval", &a.eval, eval.len())] {
+        anyhow::ensure!(rows > 0, "{flag} {}: no rows to time", path.display());
+    }
     let (train, eval) = (Arc::new(train), Arc::new(eval));
     #[allow(deprecated)]
     let device = Device::libtorch();

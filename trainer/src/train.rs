@@ -111,6 +111,7 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
 pub fn resume(resumed: Resumed, dist: &Dist) -> anyhow::Result<Outcome> {
     let Resumed { checkpoint, config, name } = resumed;
     info!(checkpoint = %checkpoint.dir.display(), step = checkpoint.progress.step, samples = checkpoint.progress.samples, "resuming");
+    crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
     let claim = run_dir::Claim::existing(config.run.dir.clone());
     let mut t = Trainer::setup(&config, &name, dist, Some(checkpoint), claim)?;
     t.train()
@@ -193,7 +194,7 @@ impl Trainer<'_> {
 }
 
 impl<'a> Trainer<'a> {
-    /// Everything before the first step: device, config agreement across ranks, result log up
+    /// Everything before the first step (the ranks have agreed on `config`): device, result log up
     /// to `run_start`, model and adapters, optimizer (or the checkpoint's state), warm-up, data.
     pub fn setup(
         config: &'a Config,
@@ -220,7 +221,6 @@ impl<'a> Trainer<'a> {
             );
         }
         let config_toml = config.to_toml();
-        crate::dist::check_same_config(comm, &config_toml)?;
         check_inputs(config, world.size, resumed.is_some())?;
         let geometry = Geometry {
             global: config.train.global_batch_size,
@@ -285,7 +285,19 @@ impl<'a> Trainer<'a> {
         log.datasets(data.train.len(), data.eval.len());
         info!(train = data.train.len(), eval = data.eval.len(), "data ready");
         // One global order for every rank; each takes its micro-batches of every global batch.
-        let order = ShardedOrder::new(data.train.len(), config.run.seed, 0, 1, true, state.progress.position)?;
+        let position = state.progress.position;
+        let order = ShardedOrder::new(data.train.len(), config.run.seed, 0, 1, true, position).with_context(|| {
+            let source = config.data.train.as_ref().map_or("data.synthetic".into(), |p| p.display().to_string());
+            let n = data.train.len();
+            match fresh {
+                true => format!("the training data ({source}: {n} samples)"),
+                false => format!(
+                    "the training data ({source}: {n} samples) does not fit the checkpoint's data position (epoch {}, \
+                     sample {}): was the file changed since the run started?",
+                    position.epoch, position.index
+                ),
+            }
+        })?;
         let padding = config.data.padding.padding(config.data.max_seq_len);
         let batches = train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers);
         let resumed_at = (!fresh).then_some(state.progress.step);
@@ -565,18 +577,26 @@ impl<'a> Trainer<'a> {
 /// Fails before any work when inputs are absent (a 70B run should not load 140 GB first), and
 /// makes the demo's base when the config asks for it.
 fn check_inputs(config: &Config, world: usize, resumed: bool) -> anyhow::Result<()> {
-    if let (Some(pt), Some(path), false) = (&config.model.pretrain, &config.model.path, resumed)
-        && !path.join("config.json").is_file()
-    {
+    let to_pretrain = match (&config.model.pretrain, &config.model.path) {
+        (Some(pt), Some(path)) if !resumed && !path.join("config.json").is_file() => Some((pt, path)),
+        _ => None,
+    };
+    if let Some((_, path)) = to_pretrain {
         anyhow::ensure!(
             world == 1,
             "model.path = {} holds no checkpoint and [model.pretrain] would make one: pre-train it with a single \
              process first (`llora train` without a launcher), then start the {world} ranks",
             path.display()
         );
-        pretrain(config, pt, path)?;
-    }
-    if let Some(p) = &config.model.path {
+        // The pre-trained base is renamed into place at the end: find a clash before the work.
+        let empty_dir = std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_none());
+        anyhow::ensure!(
+            path.symlink_metadata().is_err() || empty_dir,
+            "model.path = {} exists but holds no config.json (not an HF checkpoint); [model.pretrain] makes a base \
+             only where nothing is: point model.path at a checkpoint or at a new directory",
+            path.display()
+        );
+    } else if let Some(p) = &config.model.path {
         anyhow::ensure!(
             p.is_dir(),
             "model.path = {}: no such directory (download the HF checkpoint there, or set model.path)",
@@ -587,6 +607,11 @@ fn check_inputs(config: &Config, world: usize, resumed: bool) -> anyhow::Result<
         if let Some(p) = p {
             anyhow::ensure!(p.is_file(), "{key} = {}: no such file", p.display());
         }
+    }
+    // Before pre-training too: a base still to be made is planned from model.preset.
+    crate::plan::check_fits(config, world)?;
+    if let Some((pt, path)) = to_pretrain {
+        pretrain(config, pt, path)?;
     }
     Ok(())
 }
