@@ -405,19 +405,34 @@ pub fn read_peft_config(dir: &Path) -> anyhow::Result<LoraSpec> {
     if let Some(bias) = v.get("bias").and_then(|b| b.as_str()) {
         ensure!(bias == "none", "{}: bias = {bias:?} is not supported (only \"none\")", path.display());
     }
-    let targets = match field("target_modules")? {
-        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+    let targets: Vec<String> = match field("target_modules")? {
+        serde_json::Value::Array(a) => {
+            a.iter().map(|x| x.as_str().map(String::from)).collect::<Option<_>>().with_context(|| {
+                format!("{}: target_modules {} holds a non-string", path.display(), v["target_modules"])
+            })?
+        }
         serde_json::Value::String(s) => vec![s.clone()],
         other => bail!("{}: target_modules {other} is not a list", path.display()),
     };
-    Ok(LoraSpec {
-        rank: field("r")?.as_u64().with_context(|| format!("{}: r is not an integer", path.display()))? as usize,
-        alpha: field("lora_alpha")?
+    ensure!(
+        !targets.is_empty() && targets.iter().all(|t| !t.is_empty()),
+        "{}: target_modules {} names no module",
+        path.display(),
+        v["target_modules"]
+    );
+    let rank = field("r")?.as_u64().filter(|r| (1..=1 << 16).contains(r));
+    let rank = rank.with_context(|| format!("{}: r = {} is not a rank in 1..=65536", path.display(), v["r"]))? as usize;
+    let alpha = field("lora_alpha")?.as_f64().filter(|a| a.is_finite());
+    let alpha = alpha
+        .with_context(|| format!("{}: lora_alpha = {} is not a finite number", path.display(), v["lora_alpha"]))?;
+    let dropout = match v.get("lora_dropout") {
+        None | Some(serde_json::Value::Null) => 0.0,
+        Some(d) => d
             .as_f64()
-            .with_context(|| format!("{}: lora_alpha is not a number", path.display()))?,
-        dropout: v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0),
-        targets,
-    })
+            .filter(|d| (0.0..1.0).contains(d))
+            .with_context(|| format!("{}: lora_dropout = {d} is not a probability in [0, 1)", path.display()))?,
+    };
+    Ok(LoraSpec { rank, alpha, dropout, targets })
 }
 
 /// Loads a PEFT adapter directory onto `model`, replacing its adapters (or adding them).

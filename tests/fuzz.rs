@@ -1,0 +1,436 @@
+//! Fuzz harness (#29): proptest over config values, the file parsers (HF config.json,
+//! safetensors headers and index, parquet, adapter_config.json) and every command's flags,
+//! asserting no panic, no hang past a bound, and no success on input that is invalid by
+//! construction. Cases run from a fixed seed so that CI is repeatable; `LLORA_FUZZ_SEED=N`
+//! and `LLORA_FUZZ_CASES=N` explore further (a failure prints the input it found).
+
+mod common;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use llora_data::parquet_io::{OnBadRow, ReadOptions, parquet_bytes, read_parquet};
+use llora_model::checkpoint::{HfCheckpoint, read_peft_config, read_safetensors_f32, safetensors_bytes};
+use llora_model::config::LlamaConfig;
+use llora_trainer::config::{Config, Override};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as Runner, RngSeed};
+
+/// The runner: `cases` (times `LLORA_FUZZ_CASES / 100` when set) from the fixed seed.
+fn runner(cases: u32) -> Runner {
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    Runner {
+        cases: env("LLORA_FUZZ_CASES").map_or(cases, |pct| (u64::from(cases) * pct / 100).max(1) as u32),
+        rng_seed: RngSeed::Fixed(env("LLORA_FUZZ_SEED").unwrap_or(29)),
+        failure_persistence: None,
+        ..Runner::default()
+    }
+}
+
+/// Values a hostile user types: numbers at and past every edge, non-numbers, paths, lists.
+fn hostile_value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("0".to_string()),
+        Just("-1".to_string()),
+        Just("NaN".to_string()),
+        Just("inf".to_string()),
+        Just("-inf".to_string()),
+        Just("1e400".to_string()),
+        Just("1e-46".to_string()),
+        Just("18446744073709551616".to_string()),
+        Just("\"\"".to_string()),
+        Just("[]".to_string()),
+        Just("true".to_string()),
+        Just("\"../../etc/passwd\"".to_string()),
+        "[0-9]{1,3}",
+        "[0-9]{12,22}",
+        "-?[0-9]{1,4}\\.[0-9]{1,4}(e-?[0-9]{1,3})?",
+        "[a-z_:/]{1,10}",
+    ]
+}
+
+/// Every dotted key of the embedded config.
+fn config_keys() -> Vec<String> {
+    fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    flatten(&if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") }, v, out);
+                }
+            }
+            _ => out.push(prefix.to_string()),
+        }
+    }
+    let text = Config::load(None, &[]).unwrap().to_toml();
+    let mut keys = Vec::new();
+    flatten("", &toml::from_str(&text).unwrap(), &mut keys);
+    keys
+}
+
+/// Any override of any config key: parsing never panics; what it accepts shows back as the
+/// same config; a negative count is never accepted.
+#[test]
+fn config_overrides() {
+    let keys = config_keys();
+    let defaults: toml::Table = toml::from_str(&Config::load(None, &[]).unwrap().to_toml()).unwrap();
+    proptest!(runner(400), |(key in prop::sample::select(keys.clone()), value in hostile_value(), garbage in prop::bool::weighted(0.05))| {
+        let key = if garbage { format!("{key}.x") } else { key };
+        let Ok(o) = format!("{key}={value}").parse::<Override>() else { return Ok(()) };
+        let parsed = Config::load(None, &[o]);
+        if let Ok(c) = &parsed {
+            let again = Config::parse("shown", &c.to_toml(), &[]);
+            prop_assert!(again.as_ref().is_ok_and(|a| a == c), "{key}={value}: shown config does not parse back: {again:?}");
+            let default = key.split('.').try_fold(toml::Value::Table(defaults.clone()), |v, k| v.get(k).cloned());
+            let was_count = default.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0));
+            prop_assert!(!(was_count && value.starts_with('-') && value.parse::<i64>().is_ok()), "{key}={value} accepted");
+        }
+    });
+}
+
+/// A valid `config.json` of a small Llama.
+fn hf_config() -> serde_json::Value {
+    serde_json::from_str(&LlamaConfig::demo().to_hf_json()).unwrap()
+}
+
+/// JSON values for a field of a parsed file.
+fn hostile_json() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::json;
+    prop_oneof![
+        Just(json!(null)),
+        Just(json!(0)),
+        Just(json!(-1)),
+        Just(json!(1e300)),
+        Just(json!(u64::MAX)),
+        Just(json!("")),
+        Just(json!("llama3")),
+        Just(json!([])),
+        Just(json!({})),
+        Just(json!({"rope_type": "yarn", "factor": 8.0})),
+        Just(json!(true)),
+        (0i64..100_000).prop_map(|n| json!(n)),
+        (-1e6f64..1e6).prop_map(|x| json!(x)),
+    ]
+}
+
+/// `config.json` with one field replaced or removed: parsing never panics, and what it accepts
+/// is a consistent model (the model's own check passes, the head count divides the width).
+#[test]
+fn hf_config_json() {
+    let fields: Vec<String> =
+        hf_config().as_object().unwrap().keys().cloned().chain(["rope_scaling".into(), "head_dim".into()]).collect();
+    proptest!(runner(300), |(field in prop::sample::select(fields), value in hostile_json(), remove in prop::bool::weighted(0.2))| {
+        let mut json = hf_config();
+        let obj = json.as_object_mut().unwrap();
+        if remove { obj.remove(&field); } else { obj.insert(field.clone(), value.clone()); }
+        if let Ok(c) = LlamaConfig::from_hf_json(&json.to_string()) {
+            prop_assert!(c.check().is_ok(), "{field} = {value}: accepted an inconsistent model {c:?}");
+            prop_assert!(c.num_attention_heads > 0 && c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0);
+        }
+    });
+}
+
+/// Bytes of a valid file with one of the mutations a damaged download shows.
+fn mutated(valid: Vec<u8>) -> impl Strategy<Value = Vec<u8>> {
+    let n = valid.len();
+    prop_oneof![
+        (0..n).prop_map({
+            let v = valid.clone();
+            move |cut| v[..cut].to_vec()
+        }),
+        (0..n, any::<u8>()).prop_map({
+            let v = valid.clone();
+            move |(at, b)| {
+                let mut v = v.clone();
+                v[at] ^= b | 1;
+                v
+            }
+        }),
+        any::<u64>().prop_map({
+            let v = valid.clone();
+            move |len| {
+                let mut v = v.clone();
+                v[..8].copy_from_slice(&len.to_le_bytes());
+                v
+            }
+        }),
+        (8..n.min(200), "[ -~]{1,20}").prop_map({
+            let v = valid;
+            move |(at, s)| {
+                let mut v = v.clone();
+                let end = (at + s.len()).min(v.len());
+                v.splice(at..end, s.bytes());
+                v
+            }
+        }),
+    ]
+}
+
+/// A damaged `model.safetensors` (and the same bytes read as an adapter or a resume file):
+/// never a panic; a checkpoint that opens has every tensor the index promises.
+#[test]
+fn safetensors_files() {
+    let valid = safetensors_bytes(&[
+        ("model.embed_tokens.weight".into(), vec![4, 2], vec![0.5; 8]),
+        ("model.norm.weight".into(), vec![2], vec![1.0; 2]),
+    ])
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), LlamaConfig::demo().to_hf_json()).unwrap();
+    let file = dir.path().join("model.safetensors");
+    proptest!(runner(300), |(bytes in mutated(valid.clone()))| {
+        std::fs::write(&file, &bytes).unwrap();
+        let _ = read_safetensors_f32(&file);
+        if let Ok(ckpt) = HfCheckpoint::open(dir.path()) {
+            let _ = ckpt.read("model.norm.weight", &[2]);
+        }
+    });
+}
+
+/// `model.safetensors.index.json` naming any file, inside or outside the directory: never a
+/// panic, and nothing outside the model directory is ever opened.
+#[test]
+fn shard_index() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), LlamaConfig::demo().to_hf_json()).unwrap();
+    let shard = safetensors_bytes(&[("model.norm.weight".into(), vec![2], vec![1.0; 2])]).unwrap();
+    std::fs::write(dir.join("a.safetensors"), &shard).unwrap();
+    std::fs::write(root.path().join("outside.safetensors"), &shard).unwrap();
+    std::os::unix::fs::symlink(root.path().join("outside.safetensors"), dir.join("link.safetensors")).unwrap();
+    let names = [
+        "a.safetensors",
+        "../outside.safetensors",
+        "link.safetensors",
+        "./a.safetensors",
+        "sub/../a.safetensors",
+        "missing.safetensors",
+        "",
+        "/etc/passwd",
+        ".",
+        "..",
+    ];
+    proptest!(runner(200), |(picks in prop::collection::vec(prop::sample::select(names.to_vec()), 1..3), raw in prop::bool::weighted(0.1), text in "[ -~]{0,40}")| {
+        let map: serde_json::Map<String, serde_json::Value> = picks.iter().enumerate()
+            .map(|(i, f)| (if i == 0 { "model.norm.weight".to_string() } else { format!("t{i}") }, serde_json::json!(f)))
+            .collect();
+        let index = if raw { text.clone() } else { serde_json::json!({"weight_map": map}).to_string() };
+        std::fs::write(dir.join("model.safetensors.index.json"), &index).unwrap();
+        match HfCheckpoint::open(&dir) {
+            Ok(_) => prop_assert!(
+                !raw && picks.iter().all(|f| !["../outside.safetensors", "link.safetensors", "/etc/passwd", "missing.safetensors", "", ".", ".."].contains(f)),
+                "{index} opened"
+            ),
+            Err(e) => prop_assert!(!format!("{e:#}").contains("panicked"), "{e:#}"),
+        }
+    });
+}
+
+/// Damaged parquet files and rows with any ids: never a panic; rows read with `OnBadRow::Error`
+/// are all valid for the vocabulary and length.
+#[test]
+fn parquet_files() {
+    let rows: Vec<llora_data::Sample> = (0..6)
+        .map(|i| llora_data::Sample { input_ids: vec![1, 2, 3 + i], labels: vec![-100, 2, 3 + i as i64] })
+        .collect();
+    let valid = parquet_bytes(&rows).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("t.parquet");
+    let opts = ReadOptions { vocab: 16, max_seq_len: 8, on_bad_row: OnBadRow::Error };
+    proptest!(runner(300), |(bytes in mutated(valid.clone()))| {
+        std::fs::write(&file, &bytes).unwrap();
+        if let Ok((read, _)) = read_parquet(&file, &opts) {
+            for s in &read {
+                prop_assert!(s.input_ids.len() <= 8 && s.input_ids.len() == s.labels.len());
+                prop_assert!(s.input_ids.iter().all(|&t| (t as usize) < 16));
+            }
+        }
+    });
+}
+
+/// `adapter_config.json` with one field replaced or removed: never a panic; an accepted one has
+/// a rank ≥ 1, a finite alpha and at least one target.
+#[test]
+fn adapter_config_json() {
+    let valid = serde_json::json!({
+        "peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": "base", "task_type": "CAUSAL_LM",
+        "alpha_pattern": {}, "rank_pattern": {}, "layers_to_transform": null, "use_dora": false,
+    });
+    let fields: Vec<String> = valid.as_object().unwrap().keys().cloned().collect();
+    let dir = tempfile::tempdir().unwrap();
+    proptest!(runner(300), |(field in prop::sample::select(fields), value in hostile_json(), remove in prop::bool::weighted(0.2))| {
+        let mut json = valid.clone();
+        let obj = json.as_object_mut().unwrap();
+        if remove { obj.remove(&field); } else { obj.insert(field.clone(), value.clone()); }
+        std::fs::write(dir.path().join("adapter_config.json"), json.to_string()).unwrap();
+        if let Ok(spec) = read_peft_config(dir.path()) {
+            prop_assert!(spec.rank >= 1 && spec.alpha.is_finite() && !spec.targets.is_empty(), "{field} = {value}: {spec:?}");
+        }
+    });
+}
+
+/// Runs the binary with `args` and a deadline: it must end by itself, with llora's error exit
+/// (1), clap's usage exit (2) or success, and without a panic or C++ frames.
+fn run_bounded(dir: &Path, args: &[String]) -> Result<i32, String> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut child = common::llora_command(dir, &args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            return Err(format!("{args:?} still running after 30 s"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).ok();
+    let code = status.code().ok_or_else(|| format!("{args:?} killed by a signal: {stderr}"))?;
+    if ![0, 1, 2].contains(&code) || stderr.contains("panicked") || stderr.contains("frame #") {
+        return Err(format!("{args:?} exit {code}: {stderr}"));
+    }
+    Ok(code)
+}
+
+/// Every command with hostile flag values (numbers past every edge, non-numbers, paths that do
+/// not exist): each ends within a minute, exit 0, 1 or 2, no panic; `--threads`, `--workers`,
+/// `--batch-size` of 0 or absurd sizes are never accepted.
+#[test]
+fn command_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap().to_string();
+    let templates: Vec<(&str, Vec<String>)> = vec![
+        ("--set", vec!["plan".into()]),
+        ("--set", vec!["config".into(), "show".into()]),
+        ("--device-memory", vec!["plan".into(), "configs/llama2-70b-mlperf.toml".into()]),
+        ("--world", vec!["plan".into(), "configs/llama2-70b-mlperf.toml".into()]),
+        (
+            "--batch-size",
+            vec!["eval".into(), "--model".into(), format!("{d}/none"), "--data".into(), format!("{d}/none.parquet")],
+        ),
+        (
+            "--max-seq-len",
+            vec!["eval".into(), "--model".into(), format!("{d}/none"), "--data".into(), format!("{d}/none.parquet")],
+        ),
+        ("--vocab", vec!["data".into(), "inspect".into(), format!("{d}/none.parquet")]),
+        (
+            "--train",
+            vec![
+                "data".into(),
+                "synth".into(),
+                "--out".into(),
+                format!("{d}/synth"),
+                "--overwrite".into(),
+                "--eval".into(),
+                "2".into(),
+                "--max-seq-len".into(),
+                "128".into(),
+                "--vocab".into(),
+                "512".into(),
+            ],
+        ),
+        (
+            "--vocab",
+            vec![
+                "data".into(),
+                "synth".into(),
+                "--out".into(),
+                format!("{d}/synth"),
+                "--overwrite".into(),
+                "--train".into(),
+                "2".into(),
+                "--eval".into(),
+                "1".into(),
+                "--max-seq-len".into(),
+                "128".into(),
+            ],
+        ),
+        (
+            "--max-seq-len",
+            vec![
+                "data".into(),
+                "synth".into(),
+                "--out".into(),
+                format!("{d}/synth"),
+                "--overwrite".into(),
+                "--train".into(),
+                "2".into(),
+                "--eval".into(),
+                "1".into(),
+            ],
+        ),
+        (
+            "--topics",
+            vec![
+                "data".into(),
+                "synth".into(),
+                "--out".into(),
+                format!("{d}/synth"),
+                "--overwrite".into(),
+                "--train".into(),
+                "2".into(),
+                "--eval".into(),
+                "1".into(),
+                "--max-seq-len".into(),
+                "128".into(),
+                "--vocab".into(),
+                "512".into(),
+            ],
+        ),
+        (
+            "--steps",
+            vec![
+                "bench".into(),
+                "--preset".into(),
+                "tiny".into(),
+                "--seq-len".into(),
+                "16".into(),
+                "--warmup".into(),
+                "0".into(),
+            ],
+        ),
+        (
+            "--seq-len",
+            vec![
+                "bench".into(),
+                "--preset".into(),
+                "tiny".into(),
+                "--steps".into(),
+                "1".into(),
+                "--warmup".into(),
+                "0".into(),
+            ],
+        ),
+        (
+            "--threads",
+            vec!["eval".into(), "--model".into(), format!("{d}/none"), "--data".into(), format!("{d}/none.parquet")],
+        ),
+    ];
+    let keys = config_keys();
+    // A failing case reruns while shrinking, each up to the deadline: a few are enough.
+    proptest!(Runner { max_shrink_iters: 8, ..runner(40) }, |(t in 0..templates.len(), value in hostile_value(), key in prop::sample::select(keys))| {
+        let (flag, base) = &templates[t];
+        let mut args = base.clone();
+        let v = value.trim_matches('"').to_string();
+        // bench runs for real when its flags are valid (10^15 steps is a valid, long request):
+        // valid values become small ones.
+        let small = match *flag { "--seq-len" => Some("16"), "--steps" => Some("1"), _ => None };
+        let v = match small {
+            Some(s) if v.parse::<u64>().is_ok_and(|n| n >= 1) => s.to_string(),
+            _ => v,
+        };
+        if *flag == "--set" { args.extend(["--set".into(), format!("{key}={value}")]); } else { args.extend([flag.to_string(), v.clone()]); }
+        eprintln!("fuzz: llora {}", args.join(" "));
+        let code = run_bounded(dir.path(), &args);
+        prop_assert!(code.is_ok(), "{}", code.unwrap_err());
+        if ["--threads", "--batch-size"].contains(flag) && (v == "0" || v.len() > 10) {
+            prop_assert!(code.unwrap() != 0, "{args:?} accepted");
+        }
+    });
+}
