@@ -305,118 +305,30 @@ fn run_bounded(dir: &Path, args: &[String]) -> Result<i32, String> {
 fn command_flags() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap().to_string();
-    let templates: Vec<(&str, Vec<String>)> = vec![
-        ("--set", vec!["plan".into()]),
-        ("--set", vec!["config".into(), "show".into()]),
-        ("--device-memory", vec!["plan".into(), "configs/llama2-70b-mlperf.toml".into()]),
-        ("--world", vec!["plan".into(), "configs/llama2-70b-mlperf.toml".into()]),
-        (
-            "--batch-size",
-            vec!["eval".into(), "--model".into(), format!("{d}/none"), "--data".into(), format!("{d}/none.parquet")],
-        ),
-        (
-            "--max-seq-len",
-            vec!["eval".into(), "--model".into(), format!("{d}/none"), "--data".into(), format!("{d}/none.parquet")],
-        ),
-        ("--vocab", vec!["data".into(), "inspect".into(), format!("{d}/none.parquet")]),
-        (
-            "--train",
-            vec![
-                "data".into(),
-                "synth".into(),
-                "--out".into(),
-                format!("{d}/synth"),
-                "--overwrite".into(),
-                "--eval".into(),
-                "2".into(),
-                "--max-seq-len".into(),
-                "128".into(),
-                "--vocab".into(),
-                "512".into(),
-            ],
-        ),
-        (
-            "--vocab",
-            vec![
-                "data".into(),
-                "synth".into(),
-                "--out".into(),
-                format!("{d}/synth"),
-                "--overwrite".into(),
-                "--train".into(),
-                "2".into(),
-                "--eval".into(),
-                "1".into(),
-                "--max-seq-len".into(),
-                "128".into(),
-            ],
-        ),
-        (
-            "--max-seq-len",
-            vec![
-                "data".into(),
-                "synth".into(),
-                "--out".into(),
-                format!("{d}/synth"),
-                "--overwrite".into(),
-                "--train".into(),
-                "2".into(),
-                "--eval".into(),
-                "1".into(),
-            ],
-        ),
-        (
-            "--topics",
-            vec![
-                "data".into(),
-                "synth".into(),
-                "--out".into(),
-                format!("{d}/synth"),
-                "--overwrite".into(),
-                "--train".into(),
-                "2".into(),
-                "--eval".into(),
-                "1".into(),
-                "--max-seq-len".into(),
-                "128".into(),
-                "--vocab".into(),
-                "512".into(),
-            ],
-        ),
-        (
-            "--steps",
-            vec![
-                "bench".into(),
-                "--preset".into(),
-                "tiny".into(),
-                "--seq-len".into(),
-                "16".into(),
-                "--warmup".into(),
-                "0".into(),
-            ],
-        ),
-        (
-            "--seq-len",
-            vec![
-                "bench".into(),
-                "--preset".into(),
-                "tiny".into(),
-                "--steps".into(),
-                "1".into(),
-                "--warmup".into(),
-                "0".into(),
-            ],
-        ),
-        (
-            "--threads",
-            vec!["eval".into(), "--model".into(), format!("{d}/none"), "--data".into(), format!("{d}/none.parquet")],
-        ),
+    // Each command line a flag is fuzzed on, with valid values for the others.
+    let eval = format!("eval --model {d}/none --data {d}/none.parquet");
+    let synth = format!("data synth --out {d}/synth --overwrite --eval 1");
+    let templates: Vec<(&str, String)> = vec![
+        ("--set", "plan".into()),
+        ("--set", "config show".into()),
+        ("--device-memory", "plan configs/llama2-70b-mlperf.toml".into()),
+        ("--world", "plan configs/llama2-70b-mlperf.toml".into()),
+        ("--batch-size", eval.clone()),
+        ("--max-seq-len", eval.clone()),
+        ("--threads", eval),
+        ("--vocab", format!("data inspect {d}/none.parquet")),
+        ("--train", format!("{synth} --max-seq-len 128 --vocab 512")),
+        ("--vocab", format!("{synth} --train 2 --max-seq-len 128")),
+        ("--max-seq-len", format!("{synth} --train 2")),
+        ("--topics", format!("{synth} --train 2 --max-seq-len 128 --vocab 512")),
+        ("--steps", "bench --preset tiny --seq-len 16 --warmup 0".into()),
+        ("--seq-len", "bench --preset tiny --steps 1 --warmup 0".into()),
     ];
     let keys = config_keys();
     // A failing case reruns while shrinking, each up to the deadline: a few are enough.
     proptest!(Runner { max_shrink_iters: 8, ..runner(40) }, |(t in 0..templates.len(), value in hostile_value(), key in prop::sample::select(keys))| {
         let (flag, base) = &templates[t];
-        let mut args = base.clone();
+        let mut args: Vec<String> = base.split_whitespace().map(String::from).collect();
         let v = value.trim_matches('"').to_string();
         // bench runs for real when its flags are valid (10^15 steps is a valid, long request):
         // valid values become small ones.

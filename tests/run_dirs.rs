@@ -98,16 +98,7 @@ fn an_interrupted_run_is_refused_then_resumed() {
     let run = dir.path().join("run");
     // 40 steps, one evaluation at the end that reaches the target.
     let args = run_args(&config, &run, &["schedule.max_steps=40", "eval.every_samples=320", "eval.target_loss=100.0"]);
-    let child =
-        common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let started = std::time::Instant::now();
-    while !std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
-        assert!(started.elapsed().as_secs() < 300, "no step after 5 minutes");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let kill = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
-    assert!(kill.success());
-    let out = child.wait_with_output().unwrap();
+    let out = common::signal_after_two_steps(&args, &run, "TERM");
     assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let step = checkpoint_step(&run).expect("a checkpoint on SIGTERM");
     assert!(step < 40, "the run finished before SIGTERM");

@@ -314,16 +314,7 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     let run = dir.path().join("run");
     let mut args = short_run_args(&config, &run);
     args.extend(["--set".into(), "schedule.max_steps=1000".into()]);
-    let child =
-        common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let started = std::time::Instant::now();
-    while !std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
-        assert!(started.elapsed().as_secs() < 300, "no step after 5 minutes");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let kill = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
-    assert!(kill.success());
-    let out = child.wait_with_output().unwrap();
+    let out = common::signal_after_two_steps(&args, &run, "INT");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted after step") && stderr.contains("llora train --resume"), "{stderr}");

@@ -100,11 +100,21 @@ impl Synth {
     /// Draws the topics from the seed.
     pub fn new(config: SynthConfig) -> anyhow::Result<Self> {
         let content = config.vocab.saturating_sub(FIRST_CONTENT as usize);
-        let overhead = 1 + PROMPT.len() + SUMMARY_MARK.len() + config.summary_len + config.copy_len + 1;
+        let overhead =
+            (2 + PROMPT.len() + SUMMARY_MARK.len()).saturating_add(config.summary_len).saturating_add(config.copy_len);
         anyhow::ensure!(content >= 64, "vocab {} leaves {content} content tokens; need at least 64", config.vocab);
         anyhow::ensure!(config.topics >= 1, "topics must be at least 1");
+        // Each topic holds a quarter of the vocabulary with its weights (~16 bytes a word).
+        let topic_bytes = (config.topics as f64) * ((content / 4).max(16) as f64) * 16.0;
         anyhow::ensure!(
-            config.max_seq_len >= overhead + 4 * config.copy_len.max(8),
+            topic_bytes <= (1u64 << 31) as f64,
+            "{} topics over a {}-token vocabulary would take {:.1} GiB; at most 2 GiB (fewer topics or a smaller vocab)",
+            config.topics,
+            config.vocab,
+            topic_bytes / (1u64 << 30) as f64
+        );
+        anyhow::ensure!(
+            config.max_seq_len >= overhead.saturating_add(config.copy_len.max(8).saturating_mul(4)),
             "max_seq_len {} is too short for the template and a {}-token summary",
             config.max_seq_len,
             config.summary_len + config.copy_len
