@@ -383,11 +383,15 @@ fn outputs_never_overwrite_inputs() {
     std::fs::write(&raw, "{\"input\": \"a\", \"output\": \"b\"}\n").unwrap();
     let metrics = dir.path().join("metrics.jsonl");
     std::fs::write(&metrics, "{\"step\": 1}\n").unwrap();
+    let empty = dir.path().join("empty.parquet");
+    std::fs::write(&empty, llora_data::parquet_io::parquet_bytes(&[]).unwrap()).unwrap();
     let (raw_s, dir_s, metrics_s) = (raw.to_str().unwrap(), dir.path().to_str().unwrap(), metrics.to_str().unwrap());
+    let empty_s = empty.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["data", "prepare", "--input", raw_s, "--tokenizer", "t.json", "--out", raw_s], "is also --input"),
         (&["plot", dir_s, "--out", metrics_s], "would overwrite its own input"),
         (&["data", "synth", "--out", dir_s, "--train", "0"], "must each be at least 1"),
+        (&["data", "bench", "--train", empty_s, "--eval", empty_s], "empty.parquet: no rows to time"),
     ];
     for (args, want) in cases {
         let out = llora(args);

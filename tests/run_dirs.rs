@@ -136,3 +136,36 @@ fn an_interrupted_run_is_refused_then_resumed() {
     let stops = mllog(&run.join("result_0.txt")).into_iter().filter(|l| l["key"] == "run_stop").count();
     assert_eq!(stops, 1);
 }
+
+/// A checkpoint that cannot be written (the file-size limit stands in for a full disk: writes
+/// fail with EFBIG) stops the run with an error naming the file, and leaves no temporary file
+/// or half-written checkpoint behind (#29; `.tmp-PID` files and `.resume.tmp/` stayed).
+#[test]
+fn a_failed_checkpoint_write_leaves_no_temporary_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let args = run_args(&config, &run, &["run.checkpoint_every=1", "schedule.max_steps=3"]);
+    let inner: Vec<String> = common::llora_command(&common::root(), &strs(&args))
+        .get_args()
+        .map(|a| format!("'{}'", a.to_string_lossy().replace('\'', "'\\''")))
+        .collect();
+    // 256 KiB: the result log and metrics fit, the adapter's parameters (~600 KB) do not.
+    // SIGXFSZ ignored, so the write fails with an error instead of killing the process.
+    let script = format!("trap '' XFSZ; ulimit -f 256; exec '{}' {}", common::llora_bin().display(), inner.join(" "));
+    let out = std::process::Command::new("bash")
+        .args(["-c", &script])
+        .current_dir(common::root())
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("OMP_WAIT_POLICY", "PASSIVE")
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("params.safetensors") || stderr.contains("optimizer.safetensors"), "{stderr}");
+    let left: Vec<String> =
+        snapshot(&run).into_keys().map(|p| p.strip_prefix(&run).unwrap().display().to_string()).collect();
+    assert!(left.iter().all(|p| !p.contains(".tmp") && !p.starts_with("resume")), "left behind: {left:?}");
+    assert!(left.contains(&"result_0.txt".to_string()), "{left:?}");
+}
