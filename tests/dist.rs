@@ -10,6 +10,11 @@ use common::{checkpoint_step, llora, llora_command, mllog, random_base_config, r
 
 /// `torchrun --standalone --nproc-per-node 2 --no-python llora ARGS` (a free port of its own).
 fn torchrun(args: &[&str]) -> Output {
+    torchrun_command(&[], args).output().expect("run torchrun")
+}
+
+/// The torchrun command of [`torchrun`] with torchrun options `options`, not yet started.
+fn torchrun_command(options: &[&str], args: &[&str]) -> Command {
     let torchrun = root().join(".venv/bin/torchrun");
     assert!(torchrun.is_file(), "{} missing: run ./scripts/setup.sh", torchrun.display());
     let cmd = llora_command(&root(), args);
@@ -17,14 +22,14 @@ fn torchrun(args: &[&str]) -> Output {
     let inner: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
     let bin = cmd.get_program().to_owned();
     let mut run = Command::new(&torchrun);
-    run.args(["--standalone", "--nproc-per-node", "2", "--no-python"]).arg(bin).args(&inner);
+    run.args(["--standalone", "--nproc-per-node", "2"]).args(options).arg("--no-python").arg(bin).args(&inner);
     run.current_dir(root()).env_clear();
     for (k, v) in cmd.get_envs() {
         if let Some(v) = v {
             run.env(k, v);
         }
     }
-    run.output().expect("run torchrun")
+    run
 }
 
 /// A free TCP port on the loopback interface.
@@ -360,4 +365,64 @@ fn ranks_follow_rank_0_on_the_run_directory() {
     let left: Vec<_> = std::fs::read_dir(&stopped).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left, ["resume"], "a refused run wrote into the interrupted one");
     assert!(!dir.path().join("stopped-2").exists());
+}
+
+/// The pid of the llora process whose command line mentions `marker` and whose environment
+/// says `RANK=rank` (a rank torchrun started).
+fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
+    let want = format!("RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.filter_map(Result::ok).find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let environ = std::fs::read(e.path().join("environ")).ok()?;
+        let is_llora = String::from_utf8_lossy(&cmdline).contains(marker) && cmdline.starts_with(llora_bin_bytes());
+        (is_llora && environ.split(|&b| b == 0).any(|v| v == want.as_bytes())).then_some(pid)
+    })
+}
+
+fn llora_bin_bytes() -> &'static [u8] {
+    common::llora_bin().as_os_str().as_encoded_bytes()
+}
+
+/// #25's first failure as a user met it: under `torchrun --max-restarts 1`, rank 1 is killed
+/// mid-run and torchrun restarts both ranks. The new attempt forms its group (it failed with
+/// "cannot join the gloo group ... Connection refused": the store still held the dead
+/// attempt's Gloo addresses; keys are now scoped to TORCHELASTIC_RESTART_COUNT) and, the
+/// killed run having no checkpoint, trains to the end beside it (`run-2`).
+#[test]
+fn a_restarted_torchrun_attempt_forms_its_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let settings = [
+        "schedule.max_steps=12",
+        // One evaluation, at the last step, that reaches the target: the run ends "success".
+        "eval.every_samples=96",
+        "eval.target_loss=100.0",
+        "data.synthetic.train_samples=64",
+        "data.synthetic.eval_samples=4",
+        "data.max_seq_len=128",
+        "dist.timeout_s=30",
+    ];
+    let args = train_args(&config, &run, &settings);
+    let child = torchrun_command(&["--max-restarts", "1"], &strs(&args))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !std::fs::read_to_string(run.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
+        assert!(started.elapsed() < Duration::from_secs(300), "no step after 5 minutes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let marker = run.display().to_string();
+    let pid = rank_pid(&marker, 1).expect("rank 1's process");
+    assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "the restarted attempt failed:\n{stdout}\n{stderr}");
+    assert!(!stderr.contains("cannot join"), "{stderr}");
+    let second = dir.path().join("run-2");
+    assert!(second.join("adapter/adapter_model.safetensors").is_file(), "{stdout}\n{stderr}");
+    assert_eq!(mllog(&second.join("result_0.txt")).iter().filter(|l| l["key"] == "run_stop").count(), 1);
 }

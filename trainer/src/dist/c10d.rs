@@ -16,6 +16,7 @@ unsafe extern "C" {
         host: *const c_char,
         port: u16,
         is_server: c_int,
+        prefix: *const c_char,
         rank: c_int,
         world: c_int,
         backend: c_int,
@@ -138,13 +139,17 @@ impl ProcessGroup {
     pub fn new(world: &World, backend: Backend, timeout: Duration) -> Result<Self, DistError> {
         let host = CString::new(world.master_addr.clone())
             .map_err(|_| DistError::setup(world, "MASTER_ADDR contains a NUL byte".into()))?;
+        // torch's own rule under torchrun's agent store is `/worker/attempt_N`; llora's keys
+        // live apart from it and, like torch's, per attempt.
+        let prefix = CString::new(format!("llora/attempt_{}", world.attempt)).expect("no NUL in a number");
         let mut err = std::ptr::null_mut();
-        // SAFETY: valid C string; err receives a malloc'd message on failure.
+        // SAFETY: valid C strings; err receives a malloc'd message on failure.
         let g = unsafe {
             llora_c10d_new(
                 host.as_ptr(),
                 world.master_port,
                 c_int::from(world.serves_store()),
+                prefix.as_ptr(),
                 world.rank as c_int,
                 world.size as c_int,
                 c_int::from(backend == Backend::Nccl),

@@ -59,8 +59,9 @@ extern "C" {
 
 // The backend of a new group: 0 = Gloo (CPU tensors), 1 = NCCL (CUDA tensors).
 // `is_server`: this process serves the TCPStore (rank 0 without torchrun's agent store).
-void* llora_c10d_new(const char* host, uint16_t port, int is_server, int rank, int world, int backend,
-                     int64_t timeout_ms, char** err) {
+// `prefix`: every key of the group lives under it (llora's, per launcher attempt).
+void* llora_c10d_new(const char* host, uint16_t port, int is_server, const char* prefix, int rank, int world,
+                     int backend, int64_t timeout_ms, char** err) {
   Group* group = nullptr;
   guarded(err, [&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
@@ -71,8 +72,9 @@ void* llora_c10d_new(const char* host, uint16_t port, int is_server, int rank, i
     opts.waitWorkers = false;
     opts.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
-    // A prefix keeps llora's keys apart from torchrun's rendezvous keys in the agent store.
-    auto store = c10::make_intrusive<c10d::PrefixStore>("llora", tcp);
+    // A prefix keeps llora's keys apart from torchrun's rendezvous keys in the agent store,
+    // and one attempt's keys (Gloo's peer addresses) from a restarted attempt's.
+    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
     c10::intrusive_ptr<c10d::Backend> pg;
     if (backend == 0) {
       auto o = c10d::ProcessGroupGloo::Options::create(timeout);

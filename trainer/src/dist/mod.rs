@@ -44,6 +44,10 @@ pub struct World {
     /// torchrun's agent already serves the store (`TORCHELASTIC_USE_AGENT_STORE=True`): every
     /// rank, rank 0 included, is a client.
     pub agent_store: bool,
+    /// The launcher's restart count (`TORCHELASTIC_RESTART_COUNT`, `SLURM_RESTART_COUNT`; 0 on
+    /// the first attempt): every store key is scoped to it, so a restarted group never reads
+    /// the rendezvous keys of the attempt that died.
+    pub attempt: u64,
     /// Who launched us.
     pub launcher: Launcher,
 }
@@ -59,6 +63,7 @@ impl World {
             master_addr: String::new(),
             master_port: 0,
             agent_store: false,
+            attempt: 0,
             launcher: Launcher::Single,
         }
     }
@@ -100,7 +105,15 @@ impl World {
             None => config.master_port,
         };
         let agent_store = env("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True");
-        Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, launcher })
+        let restarts = match launcher {
+            Launcher::Slurm => "SLURM_RESTART_COUNT",
+            _ => "TORCHELASTIC_RESTART_COUNT",
+        };
+        let attempt = env(restarts)
+            .map(|v| v.trim().parse::<u64>().map_err(|_| format!("{restarts}={v:?} is not a number")))
+            .transpose()?
+            .unwrap_or(0);
+        Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, attempt, launcher })
     }
 
     /// Whether this process serves the TCPStore (torch's `_create_c10d_store` rule).
@@ -469,6 +482,12 @@ mod tests {
         // Without the agent store, rank 0 serves it.
         let vars = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
         assert!(World::from_env(env(&vars), &DistConfig::default()).unwrap().serves_store());
+        let restarted = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("TORCHELASTIC_RESTART_COUNT", "3")];
+        assert_eq!(World::from_env(env(&restarted), &DistConfig::default()).unwrap().attempt, 3);
+        let slurm = [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("MASTER_ADDR", "h"), ("SLURM_RESTART_COUNT", "2")];
+        assert_eq!(World::from_env(env(&slurm), &DistConfig::default()).unwrap().attempt, 2);
+        let bad = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("TORCHELASTIC_RESTART_COUNT", "x")];
+        assert!(World::from_env(env(&bad), &DistConfig::default()).unwrap_err().contains("TORCHELASTIC_RESTART_COUNT"));
     }
 
     #[test]
