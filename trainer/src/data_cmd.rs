@@ -59,8 +59,8 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
             a.train,
             a.eval,
             a.max_seq_len,
-            need / f64::from(1u32 << 30),
-            total / f64::from(1u32 << 30)
+            need / crate::plan::GB,
+            total / crate::plan::GB
         );
     }
     let synth = Synth::new(SynthConfig {

@@ -31,11 +31,15 @@ pub fn ensure_not_an_input(flag: &str, out: &Path, inputs: &[(&str, &Path)]) -> 
     Ok(())
 }
 
+/// Nothing is at `path`, or an empty directory: writing there replaces nothing.
+pub fn is_free(path: &Path) -> bool {
+    path.symlink_metadata().is_err() || std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_none())
+}
+
 /// Refuses an existing `out` (`flag`) unless `overwrite`; an empty directory counts as free.
 pub fn ensure_new_output(flag: &str, out: &Path, overwrite: bool) -> anyhow::Result<()> {
-    let empty_dir = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_none());
     anyhow::ensure!(
-        overwrite || out.symlink_metadata().is_err() || empty_dir,
+        overwrite || is_free(out),
         "{flag} {} already exists: llora does not replace earlier outputs (choose another path, or pass \
          --overwrite to replace it once the new one is complete)",
         out.display()

@@ -34,7 +34,8 @@ const CPU_GEMM_BLOCK_ELEMENTS: f64 = llora_model::precision::blocked::BLOCK_ELEM
 const LCE_CHUNK_BYTES: f64 = 32.0 * MB;
 
 const MB: f64 = (1u64 << 20) as f64;
-const GB: f64 = (1u64 << 30) as f64;
+/// Bytes in a GiB (the plan reports binary units).
+pub const GB: f64 = (1u64 << 30) as f64;
 
 /// Where the run's tensors live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -558,16 +559,14 @@ pub fn check_fits(config: &crate::config::Config, world: usize) -> anyhow::Resul
             "this run needs about {:.1} GiB at its peak per rank (llora plan: {source}, data.max_seq_len = {}, \
              train.micro_batch_size = {}), and this machine has {:.1} GiB: lower data.max_seq_len or \
              train.micro_batch_size, recompute blocks (train.recompute_layers), or see `llora plan` for a recipe",
-            peak / GIB,
+            peak / GB,
             shape.seq_len,
             shape.micro_batch,
-            total / GIB
+            total / GB
         );
     }
     Ok(())
 }
-
-const GIB: f64 = (1u64 << 30) as f64;
 
 /// `MemTotal` of /proc/meminfo in bytes (Linux), if readable.
 pub fn total_memory_bytes() -> Option<f64> {

@@ -589,9 +589,8 @@ fn check_inputs(config: &Config, world: usize, resumed: bool) -> anyhow::Result<
             path.display()
         );
         // The pre-trained base is renamed into place at the end: find a clash before the work.
-        let empty_dir = std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_none());
         anyhow::ensure!(
-            path.symlink_metadata().is_err() || empty_dir,
+            crate::paths::is_free(path),
             "model.path = {} exists but holds no config.json (not an HF checkpoint); [model.pretrain] makes a base \
              only where nothing is: point model.path at a checkpoint or at a new directory",
             path.display()
