@@ -248,7 +248,8 @@ fn sigkilled_run_resumes_to_the_same_adapters() {
 fn sigkilled_fp8_run_resumes_to_the_same_adapters() {
     let dir =
         kill_and_resume(&["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"]);
-    let scales = std::fs::read_to_string(dir.path().join("killed/resume/fp8_scales.json")).unwrap();
+    let checkpoint = common::newest_checkpoint(&dir.path().join("killed")).unwrap();
+    let scales = std::fs::read_to_string(checkpoint.join("fp8_scales.json")).unwrap();
     let scales: serde_json::Value = serde_json::from_str(&scales).unwrap();
     let q = &scales["model.layers.0.self_attn.q_proj"];
     assert_eq!(q["grad"]["format"], "E5M2");
@@ -320,7 +321,7 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     assert!(stderr.contains("interrupted after step") && stderr.contains("llora train --resume"), "{stderr}");
     let step = checkpoint_step(&run).expect("a checkpoint on SIGINT");
     assert!((2..1000).contains(&step), "checkpoint at step {step}");
-    assert!(run.join("resume/adapter/adapter_model.safetensors").is_file());
+    assert!(common::newest_checkpoint(&run).unwrap().join("adapter/adapter_model.safetensors").is_file());
 }
 
 /// Golden losses, as torchtune's recipe tests do: the random `demo` base and LoRA with seed 1

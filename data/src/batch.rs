@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::loader::{Position, ShardedOrder};
+use crate::loader::{Position, SampleOrder};
 use crate::prefetch::{Prefetched, prefetch};
 use crate::{IGNORE_INDEX, Sample};
 
@@ -90,7 +90,7 @@ impl Geometry {
 /// micro-batches and the whole batch's token counts, which need no communication.
 pub fn train_batches(
     data: Arc<Vec<Sample>>,
-    mut order: ShardedOrder,
+    mut order: SampleOrder,
     geometry: Geometry,
     padding: Padding,
     workers: usize,
@@ -163,7 +163,7 @@ mod tests {
         let data: Arc<Vec<Sample>> =
             Arc::new((0..37u32).map(|i| s(&[1, i + 2, i + 3], &[-100, (i + 2) as i64, -100])).collect());
         let take = |workers| {
-            let order = ShardedOrder::new(data.len(), 9, 0, 1, true, Position::default()).unwrap();
+            let order = SampleOrder::new(data.len(), 9, true, Position::default()).unwrap();
             let geometry = Geometry { global: 8, micro: 2, rank: 0, world: 1 };
             train_batches(data.clone(), order, geometry, Padding::Longest, workers).take(12).collect::<Vec<_>>()
         };
@@ -186,7 +186,7 @@ mod tests {
         let data: Arc<Vec<Sample>> =
             Arc::new((0..37u32).map(|i| s(&[1, i + 2, i + 3], &[-100, (i + 2) as i64, (i % 3) as i64 - 1])).collect());
         let stream = |rank, world| {
-            let order = ShardedOrder::new(data.len(), 4, 0, 1, true, Position::default()).unwrap();
+            let order = SampleOrder::new(data.len(), 4, true, Position::default()).unwrap();
             let geometry = Geometry { global: 8, micro: 2, rank, world };
             train_batches(data.clone(), order, geometry, Padding::Longest, 1).take(6).collect::<Vec<_>>()
         };

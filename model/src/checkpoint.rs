@@ -252,7 +252,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     ));
     let written = (|| {
         let mut f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        f.write_all(bytes).and_then(|_| f.sync_all()).with_context(|| format!("cannot write {}", tmp.display()))?;
+        injected_disk_full(bytes.len())
+            .map_or_else(|| f.write_all(bytes).and_then(|_| f.sync_all()), Err)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
         drop(f);
         std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
     })();
@@ -266,6 +268,24 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Fault injection for the tests of a full disk where no small file system can be mounted
+/// (containers without `CAP_SYS_ADMIN`): with `LLORA_FAULT_ENOSPC_AFTER_BYTES=N`, a
+/// [`write_atomic`] that would take this process past N bytes fails as a full disk does.
+fn injected_disk_full(len: usize) -> Option<std::io::Error> {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
+    static WRITTEN: AtomicU64 = AtomicU64::new(0);
+    let limit = (*LIMIT.get_or_init(|| std::env::var("LLORA_FAULT_ENOSPC_AFTER_BYTES").ok()?.parse().ok()))?;
+    let total = WRITTEN.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
+    (total > limit).then(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            "No space left on device (injected: LLORA_FAULT_ENOSPC_AFTER_BYTES)",
+        )
+    })
 }
 
 /// f32 tensors as a safetensors file in memory (names sorted, as safetensors requires).

@@ -107,9 +107,21 @@ pub fn mllog(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// The step of the checkpoint in `run_dir/resume`, if one is complete.
+/// The newest complete checkpoint directory of a run (`resume/step-N` with its manifest).
+pub fn newest_checkpoint(run_dir: &Path) -> Option<std::path::PathBuf> {
+    let mut dirs: Vec<_> = std::fs::read_dir(run_dir.join("resume"))
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("step-") && p.join("manifest.json").is_file())
+        .collect();
+    dirs.sort();
+    dirs.pop()
+}
+
+/// The step of the newest complete checkpoint of a run, read from its `state.json`.
 pub fn checkpoint_step(run_dir: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(run_dir.join("resume/state.json")).ok()?;
+    let text = std::fs::read_to_string(newest_checkpoint(run_dir)?.join("state.json")).ok()?;
     serde_json::from_str::<serde_json::Value>(&text).ok()?["progress"]["step"].as_u64()
 }
 

@@ -429,13 +429,51 @@ pub struct RunConfig {
     pub seed: u64,
     /// Output directory (logs, checkpoints, adapters); relative to the working directory.
     pub dir: PathBuf,
-    /// Save a resumable checkpoint every this many optimizer steps (0 = only at the end).
+    /// Save a resumable checkpoint every this many optimizer steps (0 = none, except on
+    /// SIGINT/SIGTERM).
     pub checkpoint_every: usize,
+    /// How many step-numbered checkpoints to keep (the newest); resuming falls back to an older
+    /// one when the newest is damaged.
+    pub keep_checkpoints: usize,
+    /// Whether a fresh `llora train` continues the interrupted run it finds in `run.dir`.
+    pub resume: ResumeMode,
 }
 
 impl Default for RunConfig {
     fn default() -> Self {
-        Self { device: DeviceSpec::Cpu, threads: 0, seed: 0, dir: PathBuf::from("runs/default"), checkpoint_every: 0 }
+        Self {
+            device: DeviceSpec::Cpu,
+            threads: 0,
+            seed: 0,
+            dir: PathBuf::from("runs/default"),
+            checkpoint_every: 0,
+            keep_checkpoints: 2,
+            resume: ResumeMode::Launcher,
+        }
+    }
+}
+
+/// `run.resume`: what a fresh `llora train` does with an interrupted run in `run.dir`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Resume it from its newest intact checkpoint, when its config is this one's.
+    Auto,
+    /// Refuse to start (continue it with `llora train --resume DIR`).
+    Never,
+    /// `auto` when a launcher started llora (torchrun or SLURM, which restart or requeue
+    /// jobs by themselves), `never` when a person did.
+    Launcher,
+}
+
+impl ResumeMode {
+    /// Whether interrupted runs are resumed, here and now.
+    pub fn is_auto(self) -> bool {
+        match self {
+            Self::Auto => true,
+            Self::Never => false,
+            Self::Launcher => crate::dist::World::launched(),
+        }
     }
 }
 
@@ -730,6 +768,7 @@ impl Config {
 
         let r = &self.run;
         check_threads(&mut p, "run.threads", r.threads);
+        p.check(r.keep_checkpoints >= 1, "run.keep_checkpoints", &r.keep_checkpoints, "must be at least 1");
         p.check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
 
         let ml = &self.mlperf;

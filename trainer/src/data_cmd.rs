@@ -171,7 +171,7 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
 fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     use burn::tensor::{Device, Int, Tensor, TensorData};
     use llora_data::batch::{Geometry, Padding, eval_batches, train_batches};
-    use llora_data::loader::{Position, ShardedOrder};
+    use llora_data::loader::{Position, SampleOrder};
     use std::sync::Arc;
     use std::time::Instant;
     let flag = |key: &str| format!("`{key}`");
@@ -201,7 +201,7 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     println!("read {} train + {} eval rows in {read_s:.2} s", train.len(), eval.len());
     println!("{:<22} {:>8} {:>12} {:>14}", "stream", "workers", "seq/s", "tokens/s");
     for &w in &a.workers {
-        let order = ShardedOrder::new(train.len(), 1, 0, 1, true, Position::default())?;
+        let order = SampleOrder::new(train.len(), 1, true, Position::default())?;
         let t = Instant::now();
         let (mut seqs, mut tokens) = (0usize, 0usize);
         for batch in train_batches(

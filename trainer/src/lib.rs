@@ -1,6 +1,7 @@
 //! llora's recipe: configuration, command line and (as the issues land) the training loop.
 #![recursion_limit = "256"] // serde_json::json! of the bench record
 pub mod bench;
+pub mod checkpoints;
 pub mod cli;
 pub mod compliance;
 pub mod config;

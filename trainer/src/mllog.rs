@@ -111,6 +111,10 @@ fn as_map(v: Value) -> Map<String, Value> {
 pub struct RunLog {
     out: Option<MlLogger>,
     resumed: bool,
+    /// A `block_start` without its `block_stop`.
+    in_block: bool,
+    /// `run_stop` was written: later calls write nothing.
+    stopped: bool,
 }
 
 impl RunLog {
@@ -121,7 +125,7 @@ impl RunLog {
             (true, false) => Some(MlLogger::create(path, false)?),
             (true, true) => Some(MlLogger::append(path, false)?),
         };
-        Ok(Self { out, resumed })
+        Ok(Self { out, resumed, in_block: false, stopped: false })
     }
 
     fn fresh(&mut self) -> Option<&mut MlLogger> {
@@ -161,6 +165,7 @@ impl RunLog {
 
     /// A training block begins at `samples`.
     pub fn block_start(&mut self, samples: usize) {
+        self.in_block = true;
         if let Some(ml) = self.out.as_mut() {
             ml.start("block_start", json!({"samples_count": samples}));
         }
@@ -168,6 +173,7 @@ impl RunLog {
 
     /// The block ends with its last training loss, and an evaluation starts.
     pub fn eval_start(&mut self, samples: usize, train_loss: f64) {
+        self.in_block = false;
         if let Some(ml) = self.out.as_mut() {
             ml.event_with("train_loss", train_loss, json!({"samples_count": samples}));
             ml.end("block_stop", json!({"samples_count": samples}));
@@ -183,13 +189,27 @@ impl RunLog {
         }
     }
 
-    /// The run ends; `in_block` closes the open training block first.
-    pub fn run_stop(&mut self, samples: usize, status: &str, in_block: bool) {
+    /// The run ends (an open training block is closed first); only the first call writes, so
+    /// a failure after a `run_stop` does not add a second one.
+    pub fn run_stop(&mut self, samples: usize, status: &str) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
+        let in_block = std::mem::replace(&mut self.in_block, false);
         if let Some(ml) = self.out.as_mut() {
             if in_block {
                 ml.end("block_stop", json!({"samples_count": samples}));
             }
             ml.end("run_stop", json!({"samples_count": samples, "status": status}));
         }
+    }
+
+    /// `r`, with an aborted `run_stop` written first when it is an error: whatever fails after
+    /// `run_start` ends the result log.
+    pub fn stop_on_error<T>(&mut self, samples: usize, r: anyhow::Result<T>) -> anyhow::Result<T> {
+        if r.is_err() {
+            self.run_stop(samples, "aborted");
+        }
+        r
     }
 }

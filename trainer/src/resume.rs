@@ -1,19 +1,18 @@
 //! Resumable checkpoints: everything a stopped run needs to continue exactly where it was.
 //!
-//! A checkpoint is the directory `<run.dir>/resume/`:
+//! A checkpoint is a directory `<run.dir>/resume/step-N/` (how it is written, kept and
+//! verified: `checkpoints.rs`):
 //! - `state.json`: the [`Progress`] counters (step, samples, evaluations, data position, ...);
 //! - `config.toml`: the resolved config of the run;
 //! - `params.safetensors`: the trainable parameters, flattened, by name;
 //! - `optimizer.safetensors`: AdamW's moments (`<name>.exp_avg`, `<name>.exp_avg_sq`);
 //! - `fp8_scales.json`: the delayed-scaling states (amax histories and scales) of bf16/FP8
 //!   runs, by layer (absent in fp32);
-//! - `adapter/`: the adapters in PEFT format (LoRA runs), for use without resuming.
+//! - `adapter/`: the adapters in PEFT format (LoRA runs), for use without resuming;
+//! - `manifest.json`: sizes and SHA-256 of all of the above, written last.
 //!
 //! The dropout RNG needs no file: every step reseeds it from `(run.seed, step)`, so the step
-//! number is its whole state. A new checkpoint is written completely into `.resume.tmp/` and
-//! then swapped in by renames (`resume` → `.resume.old`, `.resume.tmp` → `resume`, delete the
-//! old one); a crash at any point leaves either the new or the previous checkpoint readable,
-//! and [`load`] falls back to `.resume.old` when `resume` is missing.
+//! number is its whole state.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,9 +24,9 @@ use llora_model::checkpoint::{read_safetensors_f32, safetensors_bytes, save_peft
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoints;
 use crate::config::{Config, Override, differing_keys};
 use crate::optim::{AdamW, Moments};
-use crate::run_dir::{RESUME, RESUME_OLD, RESUME_TMP};
 
 /// Checkpoint format version written in `state.json`.
 const FORMAT: u32 = 1;
@@ -70,7 +69,7 @@ struct StateFile {
 
 /// A checkpoint read back from disk.
 pub struct Checkpoint {
-    /// The directory it was read from.
+    /// The directory it was read from (`<run.dir>/resume/step-N`).
     pub dir: PathBuf,
     /// The run's counters.
     pub progress: Progress,
@@ -84,47 +83,25 @@ pub struct Checkpoint {
 /// The file holding the delayed-scaling states.
 const SCALES: &str = "fp8_scales.json";
 
-/// The checkpoint directory of a run directory.
-pub fn checkpoint_dir(run_dir: &Path) -> PathBuf {
-    run_dir.join(RESUME)
-}
-
-/// Writes a checkpoint of the run into `<run_dir>/resume/`, replacing the previous one atomically.
+/// Writes a checkpoint of the run into `<run_dir>/resume/step-N/` (N the step), keeping the
+/// newest `keep` (see `checkpoints.rs`); returns its directory.
 ///
 /// `adapter` is the LoRA spec and base-model name for the PEFT copy (None for full fine-tuning).
 pub fn save(
     run_dir: &Path,
+    keep: usize,
     config_toml: &str,
     state: &TrainState,
     model: &mut LlamaForCausalLM,
     adapter: Option<(&LoraSpec, &str)>,
 ) -> anyhow::Result<PathBuf> {
-    let tmp = run_dir.join(RESUME_TMP);
-    let old = run_dir.join(RESUME_OLD);
-    let dir = checkpoint_dir(run_dir);
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove the unfinished {}", tmp.display()))?;
-    }
-    // A failed write (disk full) leaves the previous checkpoint as it was and no partial one.
-    if let Err(e) = write_checkpoint(&tmp, config_toml, state, model, adapter) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if old.exists() {
-        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
-    }
-    if dir.exists() {
-        std::fs::rename(&dir, &old).with_context(|| format!("cannot move {} aside", dir.display()))?;
-    }
-    std::fs::rename(&tmp, &dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), dir.display()))?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
-    }
-    Ok(dir)
+    checkpoints::save(run_dir, state.progress.step, keep, |dir| {
+        write_checkpoint(dir, config_toml, state, model, adapter)
+    })
 }
 
-/// Every file of a checkpoint into the directory `tmp`, `state.json` last (a directory with it
-/// is complete).
+/// Every file of a checkpoint into the directory `tmp` (`checkpoints::save` closes it with
+/// the manifest).
 fn write_checkpoint(
     tmp: &Path,
     config_toml: &str,
@@ -153,7 +130,6 @@ fn write_checkpoint(
         save_peft_adapter(model, spec, &tmp.join("adapter"), base)?;
     }
     let file = StateFile { format: FORMAT, progress: state.progress.clone(), optimizer_step: state.optim.step };
-    // state.json last: a directory with it is complete.
     write_atomic(&tmp.join("state.json"), serde_json::to_string_pretty(&file)?.as_bytes())
 }
 
@@ -167,6 +143,8 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
     "run.device",
     "run.threads",
     "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.resume",
     "data.train_workers",
     "data.eval_workers",
     "train.recompute_layers",
@@ -178,21 +156,27 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
 ];
 
 /// Refuses `--set` overrides of `llora train --resume` that cannot apply to a checkpoint of
-/// step `step` saved with the config `saved`: moving the run (`run.dir`), a `max_steps` the
-/// run has already reached, and any key that changes what is trained (model, adapters, data,
-/// optimizer, precision, seed, batch geometry).
+/// step `step` saved with the config `saved`: moving the run (`run.dir`), and what
+/// [`check_compatible`] refuses.
 pub fn check_overrides(saved: &Config, resumed: &Config, overrides: &[Override], step: usize) -> anyhow::Result<()> {
     ensure!(
         !overrides.iter().any(|o| o.key == "run.dir"),
         "--set run.dir cannot move a resumed run: it continues in its own directory (copy the directory and \
          resume the copy to continue elsewhere)"
     );
+    check_compatible(saved, resumed, step).map_err(|e| anyhow::anyhow!("--set {e}"))
+}
+
+/// Whether `config` can continue a run saved at step `step` with the config `saved`: a
+/// `max_steps` past the step, and no change to what is trained (model, adapters, data,
+/// optimizer, precision, seed, batch geometry); `run.dir` may differ (a moved directory).
+pub fn check_compatible(saved: &Config, config: &Config, step: usize) -> anyhow::Result<()> {
     ensure!(
-        resumed.schedule.max_steps > step,
+        config.schedule.max_steps > step,
         "schedule.max_steps = {} but the checkpoint is at step {step}: nothing is left to train (raise it past {step})",
-        resumed.schedule.max_steps
+        config.schedule.max_steps
     );
-    let mut fixed: Vec<String> = differing_keys(&saved.to_toml(), &resumed.to_toml())
+    let mut fixed: Vec<String> = differing_keys(&saved.to_toml(), &config.to_toml())
         .into_iter()
         .filter(|k| {
             k != "run.dir" && !CHANGEABLE_ON_RESUME.iter().any(|c| k == c || (c.ends_with('.') && k.starts_with(c)))
@@ -201,7 +185,7 @@ pub fn check_overrides(saved: &Config, resumed: &Config, overrides: &[Override],
     fixed.dedup();
     ensure!(
         fixed.is_empty(),
-        "--set {} would change what the checkpoint was trained with; a resumed run may change only {}",
+        "{} would change what the checkpoint was trained with; a resumed run may change only {}",
         fixed.join(", "),
         CHANGEABLE_ON_RESUME
             .iter()
@@ -212,18 +196,27 @@ pub fn check_overrides(saved: &Config, resumed: &Config, overrides: &[Override],
     Ok(())
 }
 
-/// Reads the checkpoint of the run directory `run_dir` (or of `run_dir` itself when it is a
-/// checkpoint directory).
+/// The config and step of the newest checkpoint in `run_dir` whose config can be read
+/// (unverified: a cheap look before [`load`] verifies).
+pub fn peek(run_dir: &Path) -> anyhow::Result<(Config, usize)> {
+    let mut why = Vec::new();
+    for (step, dir) in checkpoints::list(run_dir) {
+        let path = dir.join("config.toml");
+        let parsed = std::fs::read_to_string(&path)
+            .map_err(anyhow::Error::from)
+            .and_then(|t| Ok(Config::parse(&path.display().to_string(), &t, &[])?));
+        match parsed {
+            Ok(c) => return Ok((c, step)),
+            Err(e) => why.push(format!("{}: {e:#}", path.display())),
+        }
+    }
+    anyhow::bail!("{}: no readable checkpoint config ({})", run_dir.display(), why.join("; "))
+}
+
+/// Reads the newest intact checkpoint of the run directory `run_dir` (or the checkpoint
+/// directory `run_dir` itself), falling back past damaged ones with a warning.
 pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
-    let dir = [run_dir.to_path_buf(), checkpoint_dir(run_dir), run_dir.join(RESUME_OLD)]
-        .into_iter()
-        .find(|d| d.join("state.json").is_file())
-        .with_context(|| {
-            format!(
-                "{}: no checkpoint (no resume/state.json); was run.checkpoint_every set, or the run interrupted?",
-                run_dir.display()
-            )
-        })?;
+    let dir = checkpoints::newest_intact(run_dir)?;
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: StateFile = serde_json::from_str(&text)
@@ -247,6 +240,11 @@ pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
 }
 
 impl Checkpoint {
+    /// The run directory the checkpoint belongs to.
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir.parent().and_then(Path::parent).map_or_else(|| self.dir.clone(), Path::to_path_buf)
+    }
+
     /// Puts the saved parameters and FP8 scales into `model`, the counters and moments into `state`.
     ///
     /// Every trainable parameter must be in the checkpoint with its size, and every saved

@@ -5,9 +5,15 @@
 //! - holding an earlier run's results (a finished run, or one that stopped before its first
 //!   checkpoint): the run writes into the first free sibling, `DIR-2`, `DIR-3`, ..., and says so
 //!   at start, so that the same command can be run again and again;
-//! - holding an interrupted run (a checkpoint and no final results): refused before any write,
-//!   naming both ways on (`--resume DIR`, or another `run.dir`), since a second run there would
-//!   make its checkpoint and log disagree;
+//! - holding an interrupted run (a checkpoint and no final results): with `run.resume = "auto"`
+//!   (the default under torchrun and SLURM) the run continues it from its newest intact
+//!   checkpoint, if its config is this one's; otherwise refused before any write, naming the
+//!   ways on (`--resume DIR`, `run.resume = "auto"`, another `run.dir`), since a second run
+//!   there would make its checkpoint and log disagree;
+//! - a restarted attempt (torchrun `--max-restarts`, SLURM requeue) whose predecessor wrote
+//!   into `DIR-N` (because `DIR` held an earlier run) finds that directory again: the last one
+//!   of the `DIR`, `DIR-2`, ... chain; if its predecessor died before its first checkpoint,
+//!   the attempt starts over there, replacing those partial outputs;
 //! - `--overwrite`: the earlier outputs are moved into `DIR/.replaced/` and deleted only once the
 //!   new run has saved its first checkpoint or its results; if it fails before that, they are
 //!   moved back.
@@ -32,17 +38,13 @@ pub const PLOT: &str = "loss.svg";
 pub const ADAPTER: &str = "adapter";
 /// The weights of a finished full fine-tuning run (HF format).
 pub const FULL_CHECKPOINT: &str = "checkpoint";
-/// The checkpoint of a run in progress (see `resume.rs`).
+/// The checkpoints of a run in progress (see `checkpoints.rs`).
 pub const RESUME: &str = "resume";
-/// The previous checkpoint while a new one is swapped in.
-pub const RESUME_OLD: &str = ".resume.old";
-/// A checkpoint being written.
-pub const RESUME_TMP: &str = ".resume.tmp";
 /// Where `--overwrite` keeps the outputs it replaces until the new run has saved something.
 const REPLACED: &str = ".replaced";
 
 /// Everything a run writes in its directory; other files there are not llora's and stay.
-const OUTPUTS: &[&str] = &[RESULT_LOG, METRICS, PLOT, ADAPTER, FULL_CHECKPOINT, RESUME, RESUME_OLD, RESUME_TMP];
+const OUTPUTS: &[&str] = &[RESULT_LOG, METRICS, PLOT, ADAPTER, FULL_CHECKPOINT, RESUME];
 
 /// What a directory holds, as far as runs go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,24 +66,45 @@ pub fn inspect(dir: &Path) -> Holds {
     }
     if dir.join(ADAPTER).exists() || dir.join(FULL_CHECKPOINT).exists() {
         Holds::Finished
-    } else if [RESUME, RESUME_OLD].iter().any(|c| dir.join(c).join("state.json").is_file()) {
+    } else if !crate::checkpoints::list(dir).is_empty() {
         Holds::Interrupted
     } else {
         Holds::Partial
     }
 }
 
+/// How a fresh run treats what it finds in `run.dir`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Policy {
+    /// `--overwrite`: replace an earlier run.
+    pub overwrite: bool,
+    /// `run.resume` is auto: continue an interrupted run of the same config.
+    pub auto_resume: bool,
+    /// A launcher restarted this job (attempt > 0).
+    pub restarted: bool,
+}
+
+/// Whether the interrupted run in a directory can be continued with this run's config: `Err`
+/// says why not.
+pub type Compatible<'a> = &'a dyn Fn(&Path) -> anyhow::Result<()>;
+
 /// The directory a fresh run writes to, decided on every rank (see the module doc); with
 /// `overwrite`, the earlier outputs stay restorable until [`Claim::settle`].
-pub fn claim(requested: &Path, overwrite: bool, comm: &dyn Collective) -> anyhow::Result<Claim> {
+pub fn claim(
+    requested: &Path,
+    policy: Policy,
+    compatible: Compatible<'_>,
+    comm: &dyn Collective,
+) -> anyhow::Result<Claim> {
     // One key per requested directory: `llora mlperf run` claims one directory per run.
     let key = format!("run-dir/claim/{}", requested.display());
     if comm.world_size() == 1 {
-        return decide(requested, overwrite);
+        return decide(requested, policy, compatible);
     }
     if comm.rank() == 0 {
-        let decided = decide(requested, overwrite);
+        let decided = decide(requested, policy, compatible);
         let message = match &decided {
+            Ok(c) if c.resume => format!("resume\n{}", c.dir.display()),
             Ok(c) => format!("ok\n{}", c.dir.display()),
             Err(e) => format!("error\n{e:#}"),
         };
@@ -91,13 +114,14 @@ pub fn claim(requested: &Path, overwrite: bool, comm: &dyn Collective) -> anyhow
     let message = String::from_utf8_lossy(&comm.fetch(&key)?).into_owned();
     match message.split_once('\n') {
         Some(("ok", dir)) => Ok(Claim::existing(PathBuf::from(dir))),
+        Some(("resume", dir)) => Ok(Claim::resuming(Path::new(dir))),
         Some((_, reason)) => anyhow::bail!("rank 0 refused run.dir {}: {reason}", requested.display()),
         None => anyhow::bail!("rank 0 published no decision on run.dir {}", requested.display()),
     }
 }
 
 /// Rank 0's decision, with the moves `overwrite` makes.
-fn decide(requested: &Path, overwrite: bool) -> anyhow::Result<Claim> {
+fn decide(requested: &Path, policy: Policy, compatible: Compatible<'_>) -> anyhow::Result<Claim> {
     let replaced = requested.join(REPLACED);
     anyhow::ensure!(
         !replaced.exists(),
@@ -107,28 +131,80 @@ fn decide(requested: &Path, overwrite: bool) -> anyhow::Result<Claim> {
         requested.display()
     );
     let holds = inspect(requested);
-    if overwrite && holds != Holds::Nothing {
+    if policy.overwrite && holds != Holds::Nothing {
         return displace(requested);
     }
     match holds {
-        Holds::Nothing => Ok(Claim::existing(requested.to_path_buf())),
+        Holds::Nothing => return Ok(Claim::existing(requested.to_path_buf())),
+        Holds::Interrupted if policy.auto_resume => {
+            compatible(requested).with_context(|| {
+                format!(
+                    "run.resume = \"auto\" found an interrupted run in {} but cannot continue it",
+                    requested.display()
+                )
+            })?;
+            return Ok(Claim::resuming(requested));
+        }
         Holds::Interrupted => anyhow::bail!(
-            "run.dir {dir} holds an interrupted run (checkpoint {dir}/{RESUME}); a new run there would mix \
-             with it. Continue it with `llora train --resume {dir}`, or start a new run elsewhere \
-             (--set run.dir=...), or replace it with --overwrite",
+            "run.dir {dir} holds an interrupted run (checkpoints in {dir}/{RESUME}); a new run there would mix \
+             with it. Continue it with `llora train --resume {dir}` (or --set run.resume=\"auto\", which \
+             continues it whenever the config is the same), or start a new run elsewhere (--set run.dir=...), \
+             or replace it with --overwrite",
             dir = requested.display()
         ),
-        Holds::Finished | Holds::Partial => {
-            let sibling = free_sibling(requested)?;
-            info!(
-                requested = %requested.display(),
-                dir = %sibling.display(),
-                "run.dir holds an earlier run, kept as it is; this run writes to the next free directory \
-                 (--overwrite replaces instead)"
-            );
-            Ok(Claim::existing(sibling))
-        }
+        Holds::Finished | Holds::Partial => {}
     }
+    // The job's own directory, when an earlier attempt of it was sent beside `requested`.
+    let last = last_taken(requested);
+    match inspect(&last) {
+        Holds::Interrupted if policy.auto_resume && compatible(&last).is_ok() => {
+            info!(requested = %requested.display(), dir = %last.display(), "run.dir holds an earlier run; continuing the interrupted run of this config beside it");
+            return Ok(Claim::resuming(&last));
+        }
+        Holds::Partial if policy.restarted => {
+            info!(dir = %last.display(), "restarted: the previous attempt stopped before its first checkpoint; starting over in its directory");
+            clear(&last)?;
+            return Ok(Claim::existing(last));
+        }
+        _ => {}
+    }
+    let sibling = free_sibling(requested)?;
+    info!(
+        requested = %requested.display(),
+        dir = %sibling.display(),
+        "run.dir holds an earlier run, kept as it is; this run writes to the next free directory \
+         (--overwrite replaces instead)"
+    );
+    Ok(Claim::existing(sibling))
+}
+
+/// The last directory of the `DIR`, `DIR-2`, ... chain that holds a run (`DIR` itself when
+/// `DIR-2` is free).
+fn last_taken(dir: &Path) -> PathBuf {
+    let Some(name) = dir.file_name().and_then(|n| n.to_str()) else { return dir.to_path_buf() };
+    let mut last = dir.to_path_buf();
+    for n in 2..10_000 {
+        let next = dir.with_file_name(format!("{name}-{n}"));
+        if inspect(&next) == Holds::Nothing {
+            break;
+        }
+        last = next;
+    }
+    last
+}
+
+/// Removes a run's outputs from `dir` (a restarted attempt's predecessor that saved nothing).
+fn clear(dir: &Path) -> anyhow::Result<()> {
+    for name in OUTPUTS {
+        let path = dir.join(name);
+        let removed = match path.symlink_metadata() {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&path),
+            Ok(_) => std::fs::remove_file(&path),
+            Err(_) => Ok(()),
+        };
+        removed.with_context(|| format!("cannot remove {}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// The first `DIR-N` (N ≥ 2) that holds nothing of a run.
@@ -147,7 +223,7 @@ fn free_sibling(dir: &Path) -> anyhow::Result<PathBuf> {
 fn displace(dir: &Path) -> anyhow::Result<Claim> {
     let replaced = dir.join(REPLACED);
     std::fs::create_dir(&replaced).with_context(|| format!("cannot create {}", replaced.display()))?;
-    let claim = Claim { dir: dir.to_path_buf(), replaced: Some(replaced.clone()) };
+    let claim = Claim { dir: dir.to_path_buf(), replaced: Some(replaced.clone()), resume: false };
     for name in OUTPUTS {
         let from = dir.join(name);
         if from.symlink_metadata().is_ok() {
@@ -167,12 +243,23 @@ fn displace(dir: &Path) -> anyhow::Result<Claim> {
 pub struct Claim {
     dir: PathBuf,
     replaced: Option<PathBuf>,
+    resume: bool,
 }
 
 impl Claim {
     /// A directory taken as it is (a free one, a resumed run's, or rank 0's decision).
     pub fn existing(dir: PathBuf) -> Self {
-        Self { dir, replaced: None }
+        Self { dir, replaced: None, resume: false }
+    }
+
+    /// The interrupted run in `dir`, to be continued (`run.resume = "auto"`).
+    fn resuming(dir: &Path) -> Self {
+        Self { dir: dir.to_path_buf(), replaced: None, resume: true }
+    }
+
+    /// Whether the run continues the interrupted run in [`Self::dir`].
+    pub fn resumes(&self) -> bool {
+        self.resume
     }
 
     /// Where the run writes.
@@ -241,6 +328,10 @@ pub fn check_resumable(dir: &Path) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    fn any(_: &Path) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     fn touch(path: &Path) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, b"x").unwrap();
@@ -255,7 +346,7 @@ mod tests {
         assert_eq!(inspect(&run), Holds::Nothing, "files that are not llora's do not make a run");
         touch(&run.join(RESULT_LOG));
         assert_eq!(inspect(&run), Holds::Partial);
-        touch(&run.join(".resume.old/state.json"));
+        touch(&run.join("resume/step-00000004/state.json"));
         assert_eq!(inspect(&run), Holds::Interrupted);
         touch(&run.join("adapter/adapter_config.json"));
         assert_eq!(inspect(&run), Holds::Finished);
@@ -269,20 +360,22 @@ mod tests {
         let run = dir.path().join("run");
         touch(&run.join(ADAPTER).join("adapter_model.safetensors"));
         touch(&dir.path().join("run-2").join(RESULT_LOG));
-        let claim = decide(&run, false).unwrap();
+        let claim = decide(&run, Policy::default(), &any).unwrap();
         assert_eq!(claim.dir(), dir.path().join("run-3"));
         assert!(!claim.dir().exists(), "deciding creates nothing");
 
         let stopped = dir.path().join("stopped");
-        touch(&stopped.join("resume/state.json"));
-        let err = format!("{:#}", decide(&stopped, false).unwrap_err());
+        touch(&stopped.join("resume/step-00000002/state.json"));
+        let err = format!("{:#}", decide(&stopped, Policy::default(), &any).unwrap_err());
         assert!(err.contains("interrupted") && err.contains("--resume") && err.contains("run.dir"), "{err}");
+        assert!(err.contains("run.resume=\"auto\""), "{err}");
     }
 
     /// `--overwrite` keeps the earlier outputs until `settle`; dropped unsettled, it puts them
     /// back byte for byte and removes the new run's files of the same names.
     #[test]
     fn overwrite_restores_until_settled() {
+        let overwrite = Policy { overwrite: true, ..Policy::default() };
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
         std::fs::create_dir_all(run.join(ADAPTER)).unwrap();
@@ -290,7 +383,7 @@ mod tests {
         std::fs::write(run.join(RESULT_LOG), b"old log").unwrap();
         std::fs::write(run.join("mine.txt"), b"user file").unwrap();
         {
-            let claim = decide(&run, true).unwrap();
+            let claim = decide(&run, overwrite, &any).unwrap();
             assert_eq!(claim.dir(), run);
             assert_eq!(inspect(&run), Holds::Nothing);
             std::fs::write(run.join(RESULT_LOG), b"new log").unwrap();
@@ -300,7 +393,7 @@ mod tests {
         assert_eq!(std::fs::read(run.join("mine.txt")).unwrap(), b"user file");
         assert!(!run.join(REPLACED).exists());
 
-        let mut claim = decide(&run, true).unwrap();
+        let mut claim = decide(&run, overwrite, &any).unwrap();
         std::fs::write(run.join(RESULT_LOG), b"new log").unwrap();
         claim.settle();
         drop(claim);
@@ -312,10 +405,41 @@ mod tests {
     #[test]
     fn a_finished_run_is_not_resumable() {
         let dir = tempfile::tempdir().unwrap();
-        touch(&dir.path().join("resume/state.json"));
+        touch(&dir.path().join("resume/step-00000001/state.json"));
         assert!(check_resumable(dir.path()).is_ok());
         touch(&dir.path().join("adapter/adapter_model.safetensors"));
         let err = check_resumable(dir.path()).unwrap_err().to_string();
         assert!(err.contains("finished") && err.contains("nothing to resume"), "{err}");
+    }
+
+    /// `run.resume = "auto"` continues an interrupted run of the same config, in `DIR` or at
+    /// the end of its chain; one of another config beside `DIR` is left alone; a restarted
+    /// attempt reuses its predecessor's checkpoint-less directory.
+    #[test]
+    fn auto_resume_finds_the_jobs_own_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let auto = Policy { auto_resume: true, ..Policy::default() };
+        touch(&run.join("resume/step-00000002/state.json"));
+        let claim = decide(&run, auto, &any).unwrap();
+        assert!(claim.resumes() && claim.dir() == run);
+        let other = |_: &Path| -> anyhow::Result<()> { anyhow::bail!("lora.rank differs") };
+        let err = format!("{:#}", decide(&run, auto, &other).unwrap_err());
+        assert!(err.contains("cannot continue") && err.contains("lora.rank"), "{err}");
+
+        touch(&run.join("adapter/adapter_config.json"));
+        touch(&dir.path().join("run-2/resume/step-00000006/state.json"));
+        let claim = decide(&run, auto, &any).unwrap();
+        assert!(claim.resumes() && claim.dir() == dir.path().join("run-2"));
+        let claim = decide(&run, auto, &other).unwrap();
+        assert!(!claim.resumes() && claim.dir() == dir.path().join("run-3"));
+
+        touch(&dir.path().join("run-3/result_0.txt"));
+        touch(&dir.path().join("run-3/mine.txt"));
+        let restarted = Policy { restarted: true, ..auto };
+        let claim = decide(&run, restarted, &other).unwrap();
+        assert!(!claim.resumes() && claim.dir() == dir.path().join("run-3"));
+        assert!(!dir.path().join("run-3/result_0.txt").exists() && dir.path().join("run-3/mine.txt").exists());
+        assert_eq!(decide(&run, auto, &other).unwrap().dir(), dir.path().join("run-3"), "run-3 is free again");
     }
 }

@@ -15,7 +15,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use llora_data::Sample;
 use llora_data::batch::{Geometry, StepBatch, train_batches};
-use llora_data::loader::ShardedOrder;
+use llora_data::loader::SampleOrder;
 use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
 use llora_data::prefetch::Prefetched;
 use llora_data::synth::{Synth, SynthConfig};
@@ -70,11 +70,37 @@ pub struct Outcome {
 
 /// Runs `llora train` with a validated config on `dist`'s ranks; `config_name` is reported in
 /// logs. The run writes to `run.dir` or, when that holds an earlier run, where
-/// [`run_dir::claim`] says (`overwrite`: replacing it).
+/// [`run_dir::claim`] says (`overwrite`: replacing it); with `run.resume = "auto"` it continues
+/// the interrupted run of this config it finds there.
 pub fn run(config: &Config, config_name: &str, dist: &Dist, overwrite: bool) -> anyhow::Result<Outcome> {
     // Ranks agree on the config, run.dir included, before rank 0 decides for all of them.
     crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
-    let claim = run_dir::claim(&config.run.dir, overwrite, dist.comm.as_ref())?;
+    let policy =
+        run_dir::Policy { overwrite, auto_resume: config.run.resume.is_auto(), restarted: dist.world.attempt > 0 };
+    let compatible = |dir: &Path| -> anyhow::Result<()> {
+        let (saved, step) = resume::peek(dir)?;
+        resume::check_compatible(&saved, config, step)
+    };
+    let claim = run_dir::claim(&config.run.dir, policy, &compatible, dist.comm.as_ref())?;
+    if claim.resumes() {
+        let checkpoint = resume::load(claim.dir())?;
+        let saved =
+            Config::parse(&checkpoint.dir.join("config.toml").display().to_string(), &checkpoint.config_toml, &[])?;
+        resume::check_compatible(&saved, config, checkpoint.progress.step)
+            .with_context(|| format!("cannot resume {}", claim.dir().display()))?;
+        let mut config = config.clone();
+        config.run.dir = claim.dir().to_path_buf();
+        if dist.is_main() {
+            info!(
+                dir = %config.run.dir.display(),
+                checkpoint = %checkpoint.dir.display(),
+                "run.resume = \"{}\": run.dir holds an interrupted run of this config; continuing it",
+                if config.run.resume == crate::config::ResumeMode::Auto { "auto" } else { "launcher" }
+            );
+        }
+        let resumed = Resumed { checkpoint, config, name: config_name.to_string() };
+        return continue_run(resumed, dist, claim);
+    }
     let mut config = config.clone();
     config.run.dir = claim.dir().to_path_buf();
     let mut t = Trainer::setup(&config, config_name, dist, None, claim)?;
@@ -91,14 +117,14 @@ pub struct Resumed {
     pub name: String,
 }
 
-/// `llora train --resume DIR`: reads the checkpoint in the run directory `dir` and its config
-/// with `overrides` applied on top, through the same validation as any config.
+/// `llora train --resume DIR`: reads the newest intact checkpoint in the run directory `dir`
+/// and its config with `overrides` applied on top, through the same validation as any config.
 pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed> {
     let checkpoint = resume::load(dir)?;
     let name = checkpoint.dir.join("config.toml").display().to_string();
     let mut config = Config::parse(&name, &checkpoint.config_toml, overrides)?;
     // The run continues where its files are, even if the directory was moved.
-    let home = checkpoint.dir.parent().map_or_else(|| dir.to_path_buf(), Path::to_path_buf);
+    let home = checkpoint.run_dir();
     run_dir::check_resumable(&home)?;
     let saved = Config::parse(&name, &checkpoint.config_toml, &[])?;
     resume::check_overrides(&saved, &config, overrides, checkpoint.progress.step)
@@ -109,10 +135,15 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
 
 /// Continues a run from its checkpoint on `dist`'s ranks (any world size: the data order is global).
 pub fn resume(resumed: Resumed, dist: &Dist) -> anyhow::Result<Outcome> {
+    crate::dist::check_same_config(dist.comm.as_ref(), &resumed.config.to_toml())?;
+    let claim = run_dir::Claim::existing(resumed.config.run.dir.clone());
+    continue_run(resumed, dist, claim)
+}
+
+/// The resumed run, once the ranks agree on its config.
+fn continue_run(resumed: Resumed, dist: &Dist, claim: run_dir::Claim) -> anyhow::Result<Outcome> {
     let Resumed { checkpoint, config, name } = resumed;
     info!(checkpoint = %checkpoint.dir.display(), step = checkpoint.progress.step, samples = checkpoint.progress.samples, "resuming");
-    crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
-    let claim = run_dir::Claim::existing(config.run.dir.clone());
     let mut t = Trainer::setup(&config, &name, dist, Some(checkpoint), claim)?;
     t.train()
 }
@@ -170,8 +201,21 @@ fn peak_tflops(config: &Config, device: &llora_model::device::DeviceSpec, main: 
 }
 
 impl Trainer<'_> {
-    /// The loop: step, maybe evaluate, maybe checkpoint, until the target or `max_steps`.
+    /// The loop (see [`Self::steps`]); whatever fails in it ends the result log with an
+    /// aborted `run_stop`, except an interruption, which a resumed run continues.
     pub fn train(&mut self) -> anyhow::Result<Outcome> {
+        let outcome = self.steps();
+        if let Err(e) = &outcome {
+            self.bar.finish();
+            if !e.is::<Interrupted>() {
+                self.log.run_stop(self.state.progress.samples, RunStatus::Aborted.name());
+            }
+        }
+        outcome
+    }
+
+    /// Step, maybe evaluate, maybe checkpoint, until the target or `max_steps`.
+    fn steps(&mut self) -> anyhow::Result<Outcome> {
         let status = loop {
             if self.state.progress.step >= self.config.schedule.max_steps {
                 break RunStatus::Aborted;
@@ -281,12 +325,12 @@ impl<'a> Trainer<'a> {
             state.progress.run_start_ms = start;
         }
 
-        let data = load_datasets(config, model.config.vocab_size)?;
+        let data = log.stop_on_error(state.progress.samples, load_datasets(config, model.config.vocab_size))?;
         log.datasets(data.train.len(), data.eval.len());
         info!(train = data.train.len(), eval = data.eval.len(), "data ready");
         // One global order for every rank; each takes its micro-batches of every global batch.
         let position = state.progress.position;
-        let order = ShardedOrder::new(data.train.len(), config.run.seed, 0, 1, true, position).with_context(|| {
+        let order = SampleOrder::new(data.train.len(), config.run.seed, true, position).with_context(|| {
             let source = config.data.train.as_ref().map_or("data.synthetic".into(), |p| p.display().to_string());
             let n = data.train.len();
             match fresh {
@@ -297,11 +341,13 @@ impl<'a> Trainer<'a> {
                     position.epoch, position.index
                 ),
             }
-        })?;
+        });
+        let order = log.stop_on_error(state.progress.samples, order)?;
         let padding = config.data.padding.padding(config.data.max_seq_len);
         let batches = train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers);
         let resumed_at = (!fresh).then_some(state.progress.step);
-        let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, dist.is_main())?;
+        let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, dist.is_main());
+        let metrics = log.stop_on_error(state.progress.samples, metrics)?;
         let bar = Progress::new(config, state.progress.step, dist.is_main());
         log.block_start(state.progress.samples);
         let base_name = config
@@ -375,17 +421,8 @@ impl<'a> Trainer<'a> {
                 comm.all_reduce_f64(&mut stop, ReduceOp::Max)?;
                 Ok((s, stop[0] > 0.0))
             });
-        let (s, stop): (StepStats, bool) = match stats {
-            Ok(r) => r,
-            Err(e) => {
-                self.bar.finish();
-                self.log.run_stop(self.state.progress.samples, RunStatus::Aborted.name(), true);
-                return Err(e.context(format!("step {}", step + 1)));
-            }
-        };
+        let (s, stop): (StepStats, bool) = stats.with_context(|| format!("step {}", step + 1))?;
         if !s.loss.is_finite() || !s.grad_norm.is_finite() {
-            self.bar.finish();
-            self.log.run_stop(self.state.progress.samples, RunStatus::Aborted.name(), true);
             anyhow::bail!(
                 "step {}: the loss is {} and the gradient norm {}: training cannot go on from non-finite values \
                  (a non-finite base weight, an lr too high for this run, or fp8 scales out of range); \
@@ -468,11 +505,12 @@ impl<'a> Trainer<'a> {
     /// exits before) a checkpoint the job may resume from.
     fn checkpoint(&mut self) -> anyhow::Result<PathBuf> {
         self.verify_replicas()?;
-        let dir = resume::checkpoint_dir(&self.config.run.dir);
+        let mut dir = crate::checkpoints::root(&self.config.run.dir);
         if self.dist.is_main() {
             let adapter =
                 (self.config.model.trainable == Trainable::Lora).then_some((&self.spec, self.base_name.as_str()));
-            resume::save(&self.config.run.dir, &self.config_toml, &self.state, &mut self.model, adapter)?;
+            let keep = self.config.run.keep_checkpoints;
+            dir = resume::save(&self.config.run.dir, keep, &self.config_toml, &self.state, &mut self.model, adapter)?;
             self.claim.settle();
             let step = self.state.progress.step;
             self.bar.print(|| info!(step, dir = %dir.display(), "checkpoint saved"));
@@ -513,7 +551,7 @@ impl<'a> Trainer<'a> {
         self.bar.finish();
         let run_stop = now_ms();
         let samples = self.state.progress.samples;
-        self.log.run_stop(samples, status.name(), status != RunStatus::Success);
+        self.log.run_stop(samples, status.name());
         let ttt = run_stop.saturating_sub(self.state.progress.run_start_ms) as f64 / 1000.0;
         let last_eval = self.state.progress.last_eval;
         let outcome = Outcome {

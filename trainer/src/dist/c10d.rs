@@ -227,6 +227,25 @@ impl ProcessGroup {
         DistError::Collective { op, rank: self.world.rank, world: self.world.size, lost: self.lost_ranks(), message }
     }
 
+    /// Every rank's `x`, concatenated in rank order.
+    fn all_gather<T: tch::kind::Element + Copy + Default>(&self, x: &[T]) -> Result<Vec<T>, DistError> {
+        let mut out = vec![T::default(); x.len() * self.world.size];
+        let input = tch::Tensor::from_slice(x).to_device(self.device);
+        let (h, world) = (self.handle.0, self.world.size as c_int);
+        // SAFETY: live handle and tensors; `out` holds world × x.len() values and outlives the
+        // wait, after which the handle is freed.
+        self.with_tensor(&mut out, "all_gather", |o, err| unsafe {
+            let w = llora_c10d_all_gather_start(h, o, input.as_ptr() as *mut _, world, err);
+            if w.is_null() {
+                return 0;
+            }
+            let ok = llora_c10d_work_wait(w, err);
+            llora_c10d_work_free(w);
+            ok
+        })?;
+        Ok(out)
+    }
+
     /// Runs `f` on a LibTorch tensor over `buf` (in place on the CPU; through the GPU for NCCL).
     fn with_tensor<T: tch::kind::Element + Copy>(
         &self,
@@ -303,21 +322,11 @@ impl Collective for ProcessGroup {
     }
 
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError> {
-        let mut out = vec![0f64; x.len() * self.world.size];
-        let input = tch::Tensor::from_slice(x).to_device(self.device);
-        let (h, world) = (self.handle.0, self.world.size as c_int);
-        // SAFETY: live handle and tensors; `out` holds world × x.len() values and outlives the
-        // wait, after which the handle is freed.
-        self.with_tensor(&mut out, "all_gather", |o, err| unsafe {
-            let w = llora_c10d_all_gather_start(h, o, input.as_ptr() as *mut _, world, err);
-            if w.is_null() {
-                return 0;
-            }
-            let ok = llora_c10d_work_wait(w, err);
-            llora_c10d_work_free(w);
-            ok
-        })?;
-        Ok(out)
+        self.all_gather(x)
+    }
+
+    fn all_gather_f32(&self, x: &[f32]) -> Result<Vec<f32>, DistError> {
+        self.all_gather(x)
     }
 
     fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> Result<PendingBytes, DistError> {

@@ -87,13 +87,22 @@ impl World {
                 .unwrap_or(size);
             (Launcher::Slurm, rank, size, local_rank, local_size)
         } else {
-            return Ok(Self::single());
+            (Launcher::Single, 0, 1, 0, 1)
         };
+        // A requeued single-process sbatch job has SLURM_RESTART_COUNT too.
+        let restarts = match launcher {
+            Launcher::Torchrun => "TORCHELASTIC_RESTART_COUNT",
+            _ => "SLURM_RESTART_COUNT",
+        };
+        let attempt = env(restarts)
+            .map(|v| v.trim().parse::<u64>().map_err(|_| format!("{restarts}={v:?} is not a number")))
+            .transpose()?
+            .unwrap_or(0);
         if size == 0 || rank >= size {
             return Err(format!("rank {rank} is not in 0..{size} (world size from the {launcher:?} variables)"));
         }
         if size == 1 {
-            return Ok(Self { launcher, ..Self::single() });
+            return Ok(Self { launcher, attempt, ..Self::single() });
         }
         let master_addr = env("MASTER_ADDR").or_else(|| config.master_addr.clone()).ok_or_else(|| {
             "MASTER_ADDR is not set: export it (e.g. the first host of `scontrol show hostnames \
@@ -105,15 +114,13 @@ impl World {
             None => config.master_port,
         };
         let agent_store = env("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True");
-        let restarts = match launcher {
-            Launcher::Slurm => "SLURM_RESTART_COUNT",
-            _ => "TORCHELASTIC_RESTART_COUNT",
-        };
-        let attempt = env(restarts)
-            .map(|v| v.trim().parse::<u64>().map_err(|_| format!("{restarts}={v:?} is not a number")))
-            .transpose()?
-            .unwrap_or(0);
         Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, attempt, launcher })
+    }
+
+    /// Whether a launcher that restarts or requeues jobs by itself started this process:
+    /// torchrun (`TORCHELASTIC_RESTART_COUNT`, `RANK`) or SLURM (`SLURM_JOB_ID`).
+    pub fn launched() -> bool {
+        ["TORCHELASTIC_RESTART_COUNT", "RANK", "SLURM_JOB_ID"].iter().any(|k| std::env::var_os(k).is_some())
     }
 
     /// Whether this process serves the TCPStore (torch's `_create_c10d_store` rule).
@@ -250,6 +257,8 @@ pub trait Collective: Send + Sync {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), DistError>;
     /// Every rank's `x`, concatenated in rank order.
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError>;
+    /// As [`Collective::all_gather_f64`], in f32 (gradients summed in a fixed order).
+    fn all_gather_f32(&self, x: &[f32]) -> Result<Vec<f32>, DistError>;
     /// Starts gathering every rank's `shard` (1-D `u8`, the same length everywhere),
     /// concatenated in rank order, on the shard's device (in place on the device for Gloo and
     /// NCCL), and returns without waiting: the caller computes meanwhile. Every rank must start
@@ -296,6 +305,9 @@ impl Collective for SingleProcess {
         Ok(())
     }
     fn all_gather_f64(&self, x: &[f64]) -> Result<Vec<f64>, DistError> {
+        Ok(x.to_vec())
+    }
+    fn all_gather_f32(&self, x: &[f32]) -> Result<Vec<f32>, DistError> {
         Ok(x.to_vec())
     }
     fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> Result<PendingBytes, DistError> {
