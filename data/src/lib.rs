@@ -5,11 +5,15 @@
 //! length, labels `-100` where no loss is taken (the prompt).
 
 pub mod batch;
+pub mod chat;
 pub mod loader;
 pub mod parquet_io;
 pub mod prefetch;
 pub mod synth;
 pub mod text;
+
+/// The tokenizers crate's tokenizer, which the text paths take.
+pub use tokenizers::Tokenizer;
 
 /// Label value that takes no loss.
 pub const IGNORE_INDEX: i64 = -100;

@@ -38,9 +38,10 @@ pub fn prompt_text(input: &str) -> String {
     format!("### Summarize the following text:\n {input}\n ### Summary:\n")
 }
 
-/// The labelled part of the template: the summary and the end-of-sequence token.
-pub fn target_text(output: &str) -> String {
-    format!("{output}</s>")
+/// The labelled part of the template: the summary and the end-of-sequence token (`</s>` for
+/// Llama 2, `<|end_of_text|>` for Llama 3), which the tokenizer reads as that token.
+pub fn target_text(output: &str, eos: &str) -> String {
+    format!("{output}{eos}")
 }
 
 /// Reads report/summary pairs from `.jsonl` (one `{"input": .., "output": ..}` per line) or
@@ -87,11 +88,6 @@ pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("{}: not a usable tokenizer.json: {e}", path.display()))
 }
 
-/// Token id of `token` in `tokenizer`, or an error naming it.
-fn token_id(tokenizer: &Tokenizer, token: &str) -> anyhow::Result<u32> {
-    tokenizer.token_to_id(token).with_context(|| format!("the tokenizer has no {token:?} token"))
-}
-
 /// What [`tokenize_pairs`] produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tokenized {
@@ -107,15 +103,16 @@ pub struct Tokenized {
 const ENCODE_CHUNK: usize = 256;
 
 /// Tokenises pairs with the MLPerf template (in parallel, through the tokenizers crate's
-/// batch encoding), `<s>` first, prompt labels -100; drops samples over `max_seq_len`.
+/// batch encoding), the tokenizer's beginning-of-sequence token first (`<s>`, or Llama 3's
+/// `<|begin_of_text|>`), prompt labels -100; drops samples over `max_seq_len`.
 pub fn tokenize_pairs(tokenizer: &Tokenizer, pairs: &[TextPair], max_seq_len: usize) -> anyhow::Result<Tokenized> {
-    let bos = token_id(tokenizer, "<s>")?;
-    token_id(tokenizer, "</s>")?;
+    let (bos, eos) = crate::chat::special_ids(tokenizer)?;
+    let eos = tokenizer.id_to_token(eos).context("the end-of-sequence id has no token")?;
     let enc = |texts: Vec<String>| tokenizer.encode_batch(texts, false).map_err(|e| anyhow::anyhow!("tokenising: {e}"));
     let mut out = Tokenized { samples: Vec::with_capacity(pairs.len()), dropped: Vec::new() };
     for (c, chunk) in pairs.chunks(ENCODE_CHUNK).enumerate() {
         let prompts = enc(chunk.iter().map(|p| prompt_text(&p.input)).collect())?;
-        let targets = enc(chunk.iter().map(|p| target_text(&p.output)).collect())?;
+        let targets = enc(chunk.iter().map(|p| target_text(&p.output, &eos)).collect())?;
         for (k, (p, t)) in prompts.iter().zip(&targets).enumerate() {
             let i = c * ENCODE_CHUNK + k;
             let n = 1 + p.get_ids().len() + t.get_ids().len();

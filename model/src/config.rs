@@ -5,6 +5,8 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::rope::Llama3Scaling;
+
 /// Architecture hyperparameters of a Llama-family causal LM.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
@@ -26,12 +28,19 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     /// RoPE base θ.
     pub rope_theta: f64,
+    /// Llama 3.1+'s RoPE frequency scaling (`rope_type = "llama3"`); None: plain RoPE.
+    pub rope_scaling: Option<Llama3Scaling>,
     /// Longest position the RoPE tables cover.
     pub max_position_embeddings: usize,
     /// Whether the LM head shares the embedding matrix.
     pub tie_word_embeddings: bool,
     /// Whether the checkpoint stores q/k/v as one `qkv_proj` (rows q, then k, then v).
     pub fused_qkv: bool,
+    /// Beginning-of-sequence token id (1 in Llama 2, 128000 in Llama 3).
+    pub bos_token_id: Option<u32>,
+    /// Token ids that end generation (Llama 3.1+ lists several: end of text, of turn, of a
+    /// tool call).
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// The subset of an HF `config.json` llora reads, in both the 4.x and 5.x spellings.
@@ -65,6 +74,9 @@ struct HfConfig {
     /// llora's marker for fused-QKV checkpoints (the MLPerf reference's conversion).
     #[serde(default)]
     fused_qkv: bool,
+    bos_token_id: Option<u32>,
+    /// A number or a list of numbers.
+    eos_token_id: Option<serde_json::Value>,
 }
 
 fn default_eps() -> f64 {
@@ -76,6 +88,8 @@ fn default_max_pos() -> usize {
 
 /// RoPE variants that keep the plain `theta^(-2j/hd)` frequencies.
 const PLAIN_ROPE: &[&str] = &["default", "linear_none"];
+/// The RoPE variants llora computes (others change frequencies or attention in ways it does not).
+const KNOWN_ROPE: &str = "\"default\" and \"llama3\"";
 
 fn rope_type(v: &serde_json::Value) -> Option<String> {
     v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).map(str::to_string)
@@ -84,8 +98,8 @@ fn rope_type(v: &serde_json::Value) -> Option<String> {
 impl LlamaConfig {
     /// Parses an HF `config.json` (transformers 4.x or 5.x).
     ///
-    /// Rope scaling (linear, dynamic, yarn, llama3) changes the frequencies; llora does not
-    /// implement it yet, so a checkpoint that asks for it is rejected rather than mis-run.
+    /// RoPE `default` and `llama3` (Llama 3.1+) are computed as transformers does; other
+    /// scalings (linear, dynamic, yarn, longrope, ...) are rejected rather than mis-run.
     pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
         let hf: HfConfig = serde_json::from_str(text).context("not a Llama config.json")?;
         if let Some(t) = &hf.model_type
@@ -102,16 +116,31 @@ impl LlamaConfig {
             bail!("hidden_act {act:?} is not supported: Llama uses \"silu\"");
         }
         let mut theta = hf.rope_theta;
+        let mut rope_scaling = None;
         for (key, v) in [("rope_scaling", &hf.rope_scaling), ("rope_parameters", &hf.rope_parameters)] {
             let Some(v) = v.as_ref().filter(|v| !v.is_null()) else { continue };
             let kind = rope_type(v).unwrap_or_else(|| "default".into());
-            if !PLAIN_ROPE.contains(&kind.as_str()) {
-                bail!("{key}.rope_type = {kind:?} is not supported (only \"default\" RoPE is implemented)");
+            if kind == "llama3" {
+                rope_scaling = Some(
+                    Llama3Scaling::from_hf(v, hf.max_position_embeddings).with_context(|| format!("{key} (llama3)"))?,
+                );
+            } else if !PLAIN_ROPE.contains(&kind.as_str()) {
+                bail!("{key}.rope_type = {kind:?} is not supported (llora implements {KNOWN_ROPE} RoPE)");
+            }
+            if let Some(f) = v.get("partial_rotary_factor").and_then(|f| f.as_f64()).filter(|&f| f != 1.0) {
+                bail!("{key}.partial_rotary_factor = {f} is not supported (RoPE over the whole head only)");
             }
             if let Some(t) = v.get("rope_theta").and_then(|t| t.as_f64()) {
                 theta = Some(t);
             }
         }
+        let eos_token_ids = match &hf.eos_token_id {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(v) => serde_json::from_value::<u32>(v.clone())
+                .map(|id| vec![id])
+                .or_else(|_| serde_json::from_value::<Vec<u32>>(v.clone()))
+                .map_err(|_| anyhow::anyhow!("eos_token_id = {v} is not a token id or a list of them"))?,
+        };
         let heads = hf.num_attention_heads;
         let kv = hf.num_key_value_heads.unwrap_or(heads);
         let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / heads.max(1));
@@ -125,9 +154,12 @@ impl LlamaConfig {
             head_dim,
             rms_norm_eps: hf.rms_norm_eps,
             rope_theta: theta.unwrap_or(10000.0),
+            rope_scaling,
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings,
             fused_qkv: hf.fused_qkv,
+            bos_token_id: hf.bos_token_id,
+            eos_token_ids,
         };
         config.check()?;
         Ok(config)
@@ -142,7 +174,7 @@ impl LlamaConfig {
 
     /// The HF `config.json` text (transformers 4.x keys, which 5.x also reads).
     pub fn to_hf_json(&self) -> String {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "vocab_size": self.vocab_size,
@@ -160,9 +192,22 @@ impl LlamaConfig {
             "attention_bias": false,
             "mlp_bias": false,
             "torch_dtype": "float32",
-            "bos_token_id": 1,
-            "eos_token_id": 2,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": match self.eos_token_ids.as_slice() {
+                [] => serde_json::Value::Null,
+                [one] => serde_json::json!(one),
+                many => serde_json::json!(many),
+            },
         });
+        if let Some(s) = &self.rope_scaling {
+            v["rope_scaling"] = serde_json::json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            });
+        }
         serde_json::to_string_pretty(&v).expect("json")
     }
 
@@ -228,9 +273,13 @@ impl LlamaConfig {
             head_dim: d / h,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             max_position_embeddings: max_pos,
             tie_word_embeddings: false,
             fused_qkv: false,
+            // Llama 2's ids (its tokenizer: <s> 1, </s> 2).
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
         }
     }
 
@@ -295,7 +344,7 @@ mod tests {
     fn reads_transformers_4_and_5_spellings() {
         let v4 = r#"{"model_type":"llama","vocab_size":32000,"hidden_size":8192,"intermediate_size":28672,
             "num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,"rms_norm_eps":1e-5,
-            "max_position_embeddings":8192,"rope_scaling":null}"#;
+            "max_position_embeddings":8192,"rope_scaling":null,"bos_token_id":1,"eos_token_id":2}"#;
         let c = LlamaConfig::from_hf_json(v4).unwrap();
         assert_eq!(c, LlamaConfig::llama2_70b());
         let v5 = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
@@ -305,11 +354,37 @@ mod tests {
     }
 
     #[test]
-    fn rejects_rope_scaling() {
-        let j = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
-            "num_attention_heads":2,"rope_scaling":{"rope_type":"llama3","factor":8.0}}"#;
-        let e = LlamaConfig::from_hf_json(j).unwrap_err().to_string();
-        assert!(e.contains("rope_scaling") && e.contains("llama3"), "{e}");
+    fn rejects_rope_scalings_it_does_not_implement() {
+        for kind in ["linear", "dynamic", "yarn", "longrope"] {
+            let j = format!(
+                r#"{{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+                "num_attention_heads":2,"rope_scaling":{{"rope_type":"{kind}","factor":8.0}}}}"#
+            );
+            let e = LlamaConfig::from_hf_json(&j).unwrap_err().to_string();
+            assert!(e.contains("rope_scaling") && e.contains(kind) && e.contains("llama3"), "{e}");
+        }
+        let partial = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
+            "num_attention_heads":2,"rope_parameters":{"rope_type":"default","partial_rotary_factor":0.5}}"#;
+        assert!(LlamaConfig::from_hf_json(partial).unwrap_err().to_string().contains("partial_rotary_factor"));
+    }
+
+    /// Llama 3.2 1B's config.json (transformers 4.x spelling), and back through to_hf_json.
+    #[test]
+    fn reads_llama_3_2_configs() {
+        let j = r#"{"architectures":["LlamaForCausalLM"],"bos_token_id":128000,"eos_token_id":[128001,128008,128009],
+            "head_dim":64,"hidden_act":"silu","hidden_size":2048,"intermediate_size":8192,"max_position_embeddings":131072,
+            "model_type":"llama","num_attention_heads":32,"num_hidden_layers":16,"num_key_value_heads":8,
+            "rms_norm_eps":1e-05,"rope_scaling":{"factor":32.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+            "original_max_position_embeddings":8192,"rope_type":"llama3"},"rope_theta":500000.0,
+            "tie_word_embeddings":true,"vocab_size":128256}"#;
+        let c = LlamaConfig::from_hf_json(j).unwrap();
+        assert_eq!((c.head_dim, c.rope_theta, c.tie_word_embeddings), (64, 500000.0, true));
+        assert_eq!(c.eos_token_ids, [128001, 128008, 128009]);
+        let s = c.rope_scaling.unwrap();
+        assert_eq!((s.factor, s.original_max_position_embeddings), (32.0, 8192));
+        // Meta's model card: 1.24B parameters (1,235,814,400 with the tied head).
+        assert_eq!(c.num_parameters(), 1_235_814_400);
+        assert_eq!(LlamaConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
     }
 
     #[test]

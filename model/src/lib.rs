@@ -6,11 +6,13 @@ pub mod config;
 pub mod device;
 pub mod dropout;
 pub mod fp8;
+pub mod generate;
 pub mod llama;
 pub mod lora;
 pub mod loss;
 pub mod norm;
 pub mod precision;
+pub mod rope;
 pub mod shard;
 
 pub use config::LlamaConfig;

@@ -11,6 +11,7 @@ use crate::attention::causal_attention;
 use crate::config::LlamaConfig;
 use crate::lora::{LoraAdapter, LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
+pub use crate::rope::{apply_rope, rope_tables};
 use std::sync::Arc;
 
 use burn::backend::libtorch::TchTensor;
@@ -19,31 +20,6 @@ use crate::precision::{
     Compute, FrozenWeight, LinearQuant, LinearScales, PrecisionSpec, Storage, StoredWeight, swiglu, tch_device,
 };
 use crate::shard::{Sharding, WeightShard};
-
-/// RoPE angle tables in HF's `rotate_half` layout: `cos`/`sin` of `pos·θ^(-2j/hd)`,
-/// duplicated to the full head width as `cat(f, f)`.
-///
-/// # Shapes
-/// - output: (cos, sin), each `[1, 1, seq, head_dim]`
-pub fn rope_tables(seq: usize, head_dim: usize, theta: f64, device: &Device) -> (Tensor<4>, Tensor<4>) {
-    let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(seq * head_dim);
-    let mut sin = Vec::with_capacity(seq * head_dim);
-    // Computed in f64 then rounded: HF computes inv_freq in f32 and the angle in f32; the
-    // difference is below f32 resolution for the positions and bases Llama uses.
-    let inv_freq: Vec<f32> = (0..half).map(|j| (1.0 / theta.powf((2 * j) as f64 / head_dim as f64)) as f32).collect();
-    for pos in 0..seq {
-        for _ in 0..2 {
-            for f in &inv_freq {
-                let angle = pos as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-    }
-    let shape = [1, 1, seq, head_dim];
-    (Tensor::from_data(TensorData::new(cos, shape), device), Tensor::from_data(TensorData::new(sin, shape), device))
-}
 
 /// The token embeddings of `ids` in the activations' dtype `dtype` (a bf16 embedding table is
 /// read as stored; an f32 one is cast after the lookup).
@@ -54,20 +30,6 @@ pub fn rope_tables(seq: usize, head_dim: usize, theta: f64, device: &Device) -> 
 /// - output: `[batch, seq, d]`
 pub fn embed(weights: Tensor<2>, ids: Tensor<2, Int>, dtype: DType) -> Tensor<3> {
     burn::tensor::module::embedding(weights, ids).cast(dtype)
-}
-
-/// `x·cos + rotate_half(x)·sin`, with `rotate_half(x) = cat(-x[hd/2:], x[:hd/2])`.
-///
-/// # Shapes
-/// - x: `[batch, heads, seq, head_dim]`
-/// - cos, sin: `[1, 1, seq, head_dim]`
-/// - output: `[batch, heads, seq, head_dim]`
-pub fn apply_rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
-    let hd = x.dims()[3];
-    let first = x.clone().narrow(3, 0, hd / 2);
-    let second = x.clone().narrow(3, hd / 2, hd / 2);
-    let rotated = Tensor::cat(vec![second.neg(), first], 3);
-    x * cos + rotated * sin
 }
 
 /// Grouped-query self-attention with RoPE and a causal mask.
@@ -101,6 +63,48 @@ impl Attention {
     /// - output: `[batch, seq, d]`
     pub fn forward(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> Tensor<3> {
         let [b, s, _] = x.dims();
+        let (q, k, v) = self.qkv(x, cos, sin, train);
+        let out = causal_attention(q, k, v);
+        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), train)
+    }
+
+    /// Decoding: the new positions `x` attend to the cached keys and values and to themselves;
+    /// their keys and values join `cache`. The first call (empty cache) is the causal prefill
+    /// of the prompt; later calls take one position each.
+    ///
+    /// # Shapes
+    /// - x: `[batch, new, d]`; cos, sin: `[1, 1, new, head_dim]` at the new positions
+    /// - cache: `[batch, KV, cached, head_dim]` keys and values, grown by `new`
+    /// - output: `[batch, new, d]`
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cos: Tensor<4>,
+        sin: Tensor<4>,
+        cache: &mut Option<(Tensor<4>, Tensor<4>)>,
+    ) -> Tensor<3> {
+        let [b, s, _] = x.dims();
+        let (q, k, v) = self.qkv(x, cos, sin, false);
+        let prefill = cache.is_none();
+        let (k, v) = match cache.take() {
+            Some((ck, cv)) => (Tensor::cat(vec![ck, k], 2), Tensor::cat(vec![cv, v], 2)),
+            None => (k, v),
+        };
+        *cache = Some((k.clone(), v.clone()));
+        // One new position sees every cached one: no mask. The fused kernel reads K/V at KV
+        // heads (grouped), as in training.
+        debug_assert!(prefill || s == 1, "decode one position at a time");
+        let out = crate::attention::attention(q, k, v, prefill);
+        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), false)
+    }
+
+    /// Queries, keys and values in heads, RoPE applied to q and k.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, d]`; cos, sin: `[1, 1, seq, head_dim]`
+    /// - output: q `[batch, H, seq, hd]`, k and v `[batch, KV, seq, hd]`
+    fn qkv(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let [b, s, _] = x.dims();
         let (h, kv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let (q, k, v) = match (&self.qkv_proj, &self.q_proj, &self.k_proj, &self.v_proj) {
             (Some(qkv), ..) => {
@@ -119,10 +123,7 @@ impl Attention {
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
         let q = apply_rope(heads(q, h), cos.clone(), sin.clone());
         let k = apply_rope(heads(k, kv), cos, sin);
-        let v = heads(v, kv);
-        let out = causal_attention(q, k, v);
-        let out = out.swap_dims(1, 2).reshape([b, s, h * hd]);
-        self.o_proj.forward(out, train)
+        (q, k, heads(v, kv))
     }
 }
 
@@ -177,6 +178,22 @@ impl DecoderLayer {
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), train)
     }
 
+    /// [`Self::forward`] while decoding, with this block's key/value cache
+    /// ([`Attention::forward_cached`]).
+    ///
+    /// # Shapes
+    /// As [`Attention::forward_cached`].
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cos: Tensor<4>,
+        sin: Tensor<4>,
+        cache: &mut Option<(Tensor<4>, Tensor<4>)>,
+    ) -> Tensor<3> {
+        let h = x.clone() + self.self_attn.forward_cached(self.input_layernorm.forward(x), cos, sin, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), false)
+    }
+
     /// The block's linear layers, in forward order.
     fn linears(&self) -> Vec<&LoraLinear> {
         let a = &self.self_attn;
@@ -200,7 +217,7 @@ impl DecoderLayer {
     }
 
     /// All-gathers the block's sharded weights (nothing to do when unsharded).
-    fn gather(&self, k: usize) -> anyhow::Result<()> {
+    pub(crate) fn gather(&self, k: usize) -> anyhow::Result<()> {
         for shard in self.shards() {
             shard.gather().map_err(|e| e.context(format!("gathering the weights of decoder block {k}")))?;
         }
@@ -221,7 +238,7 @@ impl DecoderLayer {
     /// purging off: device.rs); returning them to the kernel after every block, as glibc's
     /// malloc needed, cost 18% of a sharded `small` step on 2 ranks (3.65 → 2.97 s) for 47 MB
     /// less peak RSS.
-    fn release(&self) {
+    pub(crate) fn release(&self) {
         self.shards().into_iter().for_each(WeightShard::release);
     }
 }
@@ -315,7 +332,8 @@ impl LlamaForCausalLM {
     /// # Shapes
     /// - output: (cos, sin), each `[1, 1, seq, head_dim]`
     pub fn rope(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let (cos, sin) = rope_tables(seq, self.config.head_dim, self.config.rope_theta, device);
+        let (cos, sin) =
+            rope_tables(seq, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling.as_ref(), device);
         (cos.cast(self.activations), sin.cast(self.activations))
     }
 
@@ -592,6 +610,13 @@ impl LlamaForCausalLM {
                 None => t,
             })
         };
+        // A tied head is the embedding tensor itself; training both as one parameter is not
+        // implemented, so full fine-tuning of such a model is refused rather than untied.
+        anyhow::ensure!(
+            !(trainable && c.tie_word_embeddings),
+            "full fine-tuning of a model with tied embeddings (tie_word_embeddings = true, e.g. Llama 3.2 1B/3B) is \
+             not supported: train LoRA adapters (model.trainable = \"lora\")"
+        );
         let embed = table(weights, "model.embed_tokens.weight")?;
         let lm_head = if c.tie_word_embeddings { embed.clone() } else { table(weights, "lm_head.weight")? };
         let mut model = Self {
@@ -700,6 +725,10 @@ impl LlamaForCausalLM {
                 let cast = table.val().cast(self.activations).set_require_grad(false);
                 *table = Param::initialized(table.id, cast);
             }
+        }
+        if self.config.tie_word_embeddings {
+            // One table for both, as loaded: the casts above made two.
+            self.lm_head = Param::initialized(self.lm_head.id, self.embed_tokens.val());
         }
         Ok(())
     }

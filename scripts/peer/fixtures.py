@@ -74,7 +74,9 @@ def main(a):
     cfg = recipe.hf_config(a.preset, a.seq_len)
     base = recipe.random_model(cfg, a.dtype, a.seed)
     base_state = {k: v.detach().contiguous().clone() for k, v in base.state_dict().items()}
-    save_file(base_state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # As save_pretrained writes a tied checkpoint: the head is the embedding, stored once.
+    on_file = {k: v for k, v in base_state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    save_file(on_file, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.to_json_file(str(out / "config.json"))
 
     # Dropout off: the fixtures compare deterministic arithmetic.

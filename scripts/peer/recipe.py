@@ -20,6 +20,16 @@ PRESETS = {
     "small": (32000, 1024, 2816, 8, 16, 4),
     "llama2-7b-1layer": (32000, 4096, 11008, 1, 32, 32),
     "llama2-70b-1layer": (32000, 8192, 28672, 1, 64, 8),
+    "tiny-llama3": (128256, 256, 688, 2, 8, 2),
+}
+# What makes a preset Llama-3-style (Llama 3.2 1B's traits, scaled down): llama3 RoPE scaling,
+# tied embeddings, a head_dim other than hidden/heads (48, not 32), end-of-turn ids as a list.
+LLAMA3_TRAITS = {
+    "tiny-llama3": dict(
+        head_dim=48, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 # The benchmark's adapters: attention projections only.
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -28,15 +38,17 @@ BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-autocast": t
 
 
 def hf_config(preset, seq_len):
-    """An HF LlamaConfig with the preset's shapes and Llama 2's constants (no tying, no biases)."""
+    """An HF LlamaConfig with the preset's shapes and Llama 2's constants (no tying, no biases),
+    or Llama 3's traits for the presets of LLAMA3_TRAITS."""
     vocab, d, inter, layers, heads, kv = PRESETS[preset]
+    traits = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+    traits.update(LLAMA3_TRAITS.get(preset, {}))
+    traits.setdefault("max_position_embeddings", max(4096, seq_len))
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=d, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=max(4096, seq_len), hidden_act="silu", tie_word_embeddings=False,
+        num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-5, hidden_act="silu",
         attention_bias=False, mlp_bias=False, attention_dropout=0.0, initializer_range=0.02,
-        use_cache=False)
+        use_cache=False, **traits)
     cfg._attn_implementation = "sdpa"
     return cfg
 

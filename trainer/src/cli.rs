@@ -48,6 +48,9 @@ pub enum Command {
     },
     /// Export base + adapters merged as an HF checkpoint (`--merged`).
     Export(ExportArgs),
+    /// Continue a prompt, or answer a conversation, with a model (+ adapter): KV-cached
+    /// decoding, greedy unless `--temperature`; the text streams to stdout.
+    Generate(GenerateArgs),
     /// Time LoRA training steps of a preset on random tokens (the peer benchmark's recipe and
     /// JSON fields); prints one JSON line last.
     Bench(BenchArgs),
@@ -245,12 +248,22 @@ pub struct SynthArgs {
 /// `llora data prepare`.
 #[derive(Debug, Args)]
 pub struct PrepareArgs {
-    /// Raw pairs: `.jsonl`, parquet or Arrow IPC with `input` and `output`.
+    /// Raw rows: `.jsonl`, parquet or Arrow IPC; the columns depend on `--format`.
     #[arg(long)]
     pub input: PathBuf,
-    /// HF `tokenizer.json`.
+    /// HF `tokenizer.json`, or an HF tokenizer directory (`--format chat` needs its
+    /// `tokenizer_config.json`, which holds the chat template).
     #[arg(long)]
     pub tokenizer: PathBuf,
+    /// What the rows hold: `mlperf` (SCROLLS `input`/`output`, the benchmark's template),
+    /// `chat` (`messages`: [{role, content}], rendered with the tokenizer's chat template, loss
+    /// on assistant turns) or `completion` (`prompt`/`completion`, loss on the completion).
+    #[arg(long, value_enum, default_value_t = DataFormat::Mlperf)]
+    pub format: DataFormat,
+    /// Skip (and count) rows that cannot be used (`chat`/`completion`) instead of stopping at
+    /// the first one.
+    #[arg(long)]
+    pub skip_bad_rows: bool,
     /// Output parquet.
     #[arg(long)]
     pub out: PathBuf,
@@ -260,6 +273,59 @@ pub struct PrepareArgs {
     /// Replace an existing `--out` (swapped in once the new one is complete).
     #[arg(long)]
     pub overwrite: bool,
+}
+
+/// `llora generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Base HF checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT adapter directory (a run's `adapter/`).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// `tokenizer.json` or an HF tokenizer directory (`--chat` needs its chat template).
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// Text to continue (the tokenizer adds its beginning-of-text token).
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    pub prompt: Option<String>,
+    /// A conversation to answer: a JSON list of `{"role", "content"}`, rendered with the chat
+    /// template and its generation prompt.
+    #[arg(long)]
+    pub chat: Option<PathBuf>,
+    /// At most this many new tokens (fewer when an end-of-turn / end-of-text token comes).
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy (the most likely token each step).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling: draw from the most likely tokens holding this much probability.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Seed of the sampling stream.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object (ids, text, timings) instead of streaming the text.
+    #[arg(long)]
+    pub json: bool,
+    /// `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: llora_model::device::DeviceSpec,
+    /// Intra-op threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+/// `llora data prepare --format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DataFormat {
+    /// SCROLLS GovReport `input`/`output` with the MLPerf template.
+    Mlperf,
+    /// Conversations (`messages`) through the tokenizer's chat template.
+    Chat,
+    /// `prompt`/`completion` pairs.
+    Completion,
 }
 
 /// `llora data inspect`.

@@ -6,11 +6,11 @@ use anyhow::Context;
 use llora_data::Sample;
 use llora_data::parquet_io::{OnBadRow, ReadOptions, for_each_row, parquet_bytes};
 use llora_data::synth::{Synth, SynthConfig};
-use llora_data::text::{TextPair, load_tokenizer, read_pairs, synthetic_tokenizer, tokenize_pairs};
+use llora_data::text::{TextPair, read_pairs, synthetic_tokenizer, tokenize_pairs};
 use llora_model::checkpoint::write_atomic;
 use serde_json::json;
 
-use crate::cli::{DataBenchArgs, DataCommand, InspectArgs, PrepareArgs, SynthArgs};
+use crate::cli::{DataBenchArgs, DataCommand, DataFormat, InspectArgs, PrepareArgs, SynthArgs};
 
 /// Runs one `llora data` subcommand.
 pub fn run(command: &DataCommand) -> anyhow::Result<()> {
@@ -88,37 +88,83 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Raw pairs → MLPerf parquet through a tokenizer.json.
+/// Raw rows → MLPerf-schema parquet through a tokenizer: SCROLLS pairs with the benchmark's
+/// template, conversations through the chat template, or prompt/completion pairs.
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
     crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
-    let tok = load_tokenizer(&a.tokenizer)?;
-    let pairs = read_pairs(&a.input)?;
-    let out =
-        tokenize_pairs(&tok, &pairs, a.max_seq_len).with_context(|| format!("tokenising {}", a.input.display()))?;
-    if !out.dropped.is_empty() {
-        tracing::warn!(
-            dropped = out.dropped.len(),
-            max_seq_len = a.max_seq_len,
-            first = out.dropped[0],
-            "samples longer than max_seq_len dropped"
-        );
+    let tok = llora_data::chat::load_tokenizer(&a.tokenizer)?;
+    let (rows, samples, dropped, bad) = match a.format {
+        DataFormat::Mlperf => {
+            let pairs = read_pairs(&a.input)?;
+            let out = tokenize_pairs(&tok, &pairs, a.max_seq_len)
+                .with_context(|| format!("tokenising {}", a.input.display()))?;
+            (pairs.len(), out.samples, out.dropped.len(), 0)
+        }
+        DataFormat::Chat | DataFormat::Completion => instruction_samples(a, &tok)?,
+    };
+    if dropped > 0 {
+        tracing::warn!(dropped, max_seq_len = a.max_seq_len, "samples longer than max_seq_len dropped");
     }
     anyhow::ensure!(
-        !out.samples.is_empty(),
-        "{}: no sample fits --max-seq-len {} ({} of {} rows dropped as too long): nothing written to {}",
+        !samples.is_empty(),
+        "{}: no usable sample ({rows} rows: {dropped} longer than --max-seq-len {}, {bad} bad): nothing written to {}",
         a.input.display(),
         a.max_seq_len,
-        out.dropped.len(),
-        pairs.len(),
         a.out.display()
     );
-    write_atomic(&a.out, &parquet_bytes(&out.samples)?)?;
+    write_atomic(&a.out, &parquet_bytes(&samples)?)?;
     println!(
         "{}",
-        json!({"rows": pairs.len(), "written": out.samples.len(), "dropped_too_long": out.dropped.len(), "out": a.out.display().to_string()})
+        json!({"rows": rows, "written": samples.len(), "dropped_too_long": dropped, "bad_rows": bad, "out": a.out.display().to_string()})
     );
     Ok(())
+}
+
+/// `--format chat|completion`: (rows, samples, dropped as too long, bad rows skipped); a bad
+/// row stops the command naming it unless `--skip-bad-rows`.
+fn instruction_samples(
+    a: &PrepareArgs,
+    tok: &llora_data::Tokenizer,
+) -> anyhow::Result<(usize, Vec<Sample>, usize, usize)> {
+    use llora_data::chat::{ChatTemplate, chat_sample, completion_sample, parse_messages, read_rows};
+    let template = match a.format {
+        DataFormat::Chat => {
+            let dir = if a.tokenizer.is_dir() {
+                a.tokenizer.as_path()
+            } else {
+                a.tokenizer.parent().unwrap_or(Path::new("."))
+            };
+            Some(ChatTemplate::from_tokenizer_dir(dir)?)
+        }
+        _ => None,
+    };
+    let rows = read_rows(&a.input)?;
+    let plain = llora_data::chat::plain(tok);
+    let (mut samples, mut dropped, mut bad) = (Vec::with_capacity(rows.len()), 0, 0);
+    for (i, row) in rows.iter().enumerate() {
+        let sample = match &template {
+            Some(t) => parse_messages(row).and_then(|m| chat_sample(tok, t, &m)),
+            None => {
+                match (row.get("prompt").and_then(|p| p.as_str()), row.get("completion").and_then(|c| c.as_str())) {
+                    (Some(p), Some(c)) => completion_sample(&plain, p, c),
+                    _ => Err("expected string fields \"prompt\" and \"completion\"".to_string()),
+                }
+            }
+        };
+        match sample {
+            Ok(s) if s.input_ids.len() > a.max_seq_len => dropped += 1,
+            Ok(s) => samples.push(s),
+            Err(why) if a.skip_bad_rows => {
+                tracing::warn!(row = i, "{}: row {i} skipped: {why}", a.input.display());
+                bad += 1;
+            }
+            Err(why) => {
+                anyhow::bail!("{}: row {i}: {why} (--skip-bad-rows skips such rows)", a.input.display())
+            }
+        }
+    }
+    Ok((rows.len(), samples, dropped, bad))
 }
 
 /// Rows, lengths, target tokens and every bad row of a file; fails if any row is bad.

@@ -8,6 +8,7 @@ pub mod config;
 pub mod data_cmd;
 pub mod dist;
 pub mod flops;
+pub mod generate;
 pub mod mllog;
 pub mod mlperf;
 pub mod observe;

@@ -135,6 +135,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Export(args) => llora_trainer::train::export_merged(&args),
+        Command::Generate(args) => llora_trainer::generate::run(&args),
         Command::Plan(args) => llora_trainer::plan::plan_command(&args),
         Command::Plot(args) => llora_trainer::plot::plot_command(&args),
         Command::Selftest(args) => {

@@ -369,10 +369,12 @@ pub fn budget(s: &Shape) -> Budget {
     add("frozen linear weights", frozen, note);
     // Frozen tables are stored in the activations' dtype (llama.rs build); norms f32.
     let e = act_elem(p);
+    // A tied LM head is the embedding table itself (Llama 3.2 1B/3B).
+    let tables = if c.tie_word_embeddings { 1.0 } else { 2.0 };
     add(
         "embedding, LM head, norms",
-        2.0 * alloc(v * d * e) + (2 * l + 1) as f64 * alloc(d * 4.0),
-        format!("{e} B/elem tables, f32 norms, replicated"),
+        tables * alloc(v * d * e) + (2 * l + 1) as f64 * alloc(d * 4.0),
+        format!("{e} B/elem tables{}, f32 norms, replicated", if c.tie_word_embeddings { " (tied: one)" } else { "" }),
     );
     let n_lora = lora_params(s);
     // Parameter, its gradient, the flat gradient the step reduces, AdamW's two moments.
