@@ -392,6 +392,28 @@ fn llora_bin_bytes() -> &'static [u8] {
     common::llora_bin().as_os_str().as_encoded_bytes()
 }
 
+/// 12 steps of 8, a checkpoint every 2 steps, one evaluation at the last step that reaches its
+/// target (the run ends "success"): the runs that are killed and resumed.
+const RESUMABLE: &[&str] = &[
+    "schedule.max_steps=12",
+    "eval.every_samples=96",
+    "eval.target_loss=100.0",
+    "data.synthetic.train_samples=64",
+    "data.synthetic.eval_samples=4",
+    "data.max_seq_len=128",
+    "run.checkpoint_every=2",
+    "dist.timeout_s=30",
+];
+
+/// The single-process run of [`RESUMABLE`] in `dir/whole`, and the path `dir/run` for the
+/// distributed one.
+fn uninterrupted_reference(dir: &Path, config: &str) -> (PathBuf, PathBuf) {
+    let (whole, run) = (dir.join("whole"), dir.join("run"));
+    let out = llora(&strs(&train_args(config, &whole, RESUMABLE)));
+    assert!(out.status.success(), "{}", text(&out).1);
+    (whole, run)
+}
+
 /// #25's Must-show 1: under `torchrun --max-restarts 2`, rank 1 is SIGKILLed after the run's
 /// second checkpoint. torchrun restarts both ranks; the new attempt forms its group (it used
 /// to fail with "cannot join the gloo group ... Connection refused": the store still held the
@@ -402,22 +424,9 @@ fn llora_bin_bytes() -> &'static [u8] {
 fn a_rank_killed_under_torchrun_restarts_resumes_and_matches_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let settings = [
-        "schedule.max_steps=12",
-        // One evaluation, at the last step, that reaches the target: the run ends "success".
-        "eval.every_samples=96",
-        "eval.target_loss=100.0",
-        "data.synthetic.train_samples=64",
-        "data.synthetic.eval_samples=4",
-        "data.max_seq_len=128",
-        "run.checkpoint_every=2",
-        "dist.timeout_s=30",
-    ];
-    let (whole, run) = (dir.path().join("whole"), dir.path().join("run"));
-    let out = llora(&strs(&train_args(&config, &whole, &settings)));
-    assert!(out.status.success(), "{}", text(&out).1);
+    let (whole, run) = uninterrupted_reference(dir.path(), &config);
 
-    let args = train_args(&config, &run, &settings);
+    let args = train_args(&config, &run, RESUMABLE);
     let child = torchrun_command(&["--max-restarts", "2"], &strs(&args))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -460,20 +469,8 @@ fn a_rank_killed_under_torchrun_restarts_resumes_and_matches_one_process() {
 fn two_nodes_of_two_ranks_lose_a_node_and_resume_by_themselves() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let settings = [
-        "schedule.max_steps=12",
-        "eval.every_samples=96",
-        "eval.target_loss=100.0",
-        "data.synthetic.train_samples=64",
-        "data.synthetic.eval_samples=4",
-        "data.max_seq_len=128",
-        "run.checkpoint_every=2",
-        "dist.timeout_s=30",
-    ];
-    let (whole, run) = (dir.path().join("whole"), dir.path().join("run"));
-    let out = llora(&strs(&train_args(&config, &whole, &settings)));
-    assert!(out.status.success(), "{}", text(&out).1);
-    let args = train_args(&config, &run, &settings);
+    let (whole, run) = uninterrupted_reference(dir.path(), &config);
+    let args = train_args(&config, &run, RESUMABLE);
     let node = |rank: usize, port: u16| {
         let (rank, port) = (rank.to_string(), port.to_string());
         let launcher = ["--nnodes", "2", "--node-rank", &rank, "--nproc-per-node", "2"];

@@ -28,8 +28,13 @@ fn make_tokenizer(dir: &Path) -> (PathBuf, PathBuf) {
 
 /// The package's encoder on `strings` (no `<s>`, "▁" prepended).
 fn js_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
+    node_encode("tests/js/llama2_encode.mjs", js, strings)
+}
+
+/// Runs the node script `script` with the package's `js` on `strings` (JSON in, JSON out).
+fn node_encode(script: &str, js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
     let mut child = Command::new("node")
-        .arg(root().join("tests/js/llama2_encode.mjs"))
+        .arg(root().join(script))
         .arg(js)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -40,7 +45,7 @@ fn js_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
     let writer = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &input).unwrap());
     let out = child.wait_with_output().unwrap();
     writer.join().unwrap();
-    assert!(out.status.success(), "node failed");
+    assert!(out.status.success(), "node {script} failed");
     serde_json::from_slice(&out.stdout).expect("node printed JSON")
 }
 
@@ -241,20 +246,7 @@ fn make_llama3_tokenizer(dir: &Path) -> (PathBuf, PathBuf) {
 
 /// llama3-tokenizer-js's encoder on `strings`, every string plain text.
 fn js3_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
-    let mut child = Command::new("node")
-        .arg(root().join("tests/js/llama3_encode.mjs"))
-        .arg(js)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run node");
-    let input = serde_json::to_vec(strings).unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let writer = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &input).unwrap());
-    let out = child.wait_with_output().unwrap();
-    writer.join().unwrap();
-    assert!(out.status.success(), "node failed");
-    serde_json::from_slice(&out.stdout).expect("node printed JSON")
+    node_encode("tests/js/llama3_encode.mjs", js, strings)
 }
 
 /// #24 Must-show 2: the Llama 3 tokenizer.json of scripts/llama3-tokenizer.sh, as llora reads

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, bail};
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
@@ -226,33 +226,6 @@ pub fn special_ids(tokenizer: &Tokenizer) -> anyhow::Result<(u32, u32)> {
     let bos = find(&["<|begin_of_text|>", "<s>"]).context("the tokenizer has no <|begin_of_text|> or <s> token")?;
     let eos = find(&["<|end_of_text|>", "</s>"]).context("the tokenizer has no <|end_of_text|> or </s> token")?;
     Ok((bos, eos))
-}
-
-/// Every row of a `.jsonl` file, or of a parquet / Arrow IPC file, as a JSON object.
-pub fn read_rows(path: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
-    if path.extension().is_some_and(|e| e == "jsonl" || e == "json") {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        return text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(i, l)| {
-                serde_json::from_str(l)
-                    .with_context(|| format!("{}: line {}: not a JSON object", path.display(), i + 1))
-            })
-            .collect();
-    }
-    let mut rows = Vec::new();
-    crate::parquet_io::for_each_batch(path, |batch, _| {
-        let mut writer = arrow_json::ArrayWriter::new(Vec::new());
-        writer.write(batch).with_context(|| format!("{}: cannot read its rows", path.display()))?;
-        writer.finish()?;
-        let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner())?;
-        rows.extend(values);
-        Ok(())
-    })?;
-    ensure!(!rows.is_empty() || path.is_file(), "{}: no rows", path.display());
-    Ok(rows)
 }
 
 #[cfg(test)]

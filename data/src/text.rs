@@ -15,10 +15,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, bail, ensure};
-use arrow_array::cast::AsArray;
-use arrow_array::{Array, RecordBatch};
-use arrow_schema::DataType;
+use anyhow::{Context, ensure};
 use tokenizers::Tokenizer;
 
 use crate::{IGNORE_INDEX, Sample};
@@ -47,6 +44,19 @@ pub fn target_text(output: &str, eos: &str) -> String {
 /// Reads report/summary pairs from `.jsonl` (one `{"input": .., "output": ..}` per line) or
 /// parquet / Arrow IPC with string columns `input` and `output` (other columns ignored).
 pub fn read_pairs(path: &Path) -> anyhow::Result<Vec<TextPair>> {
+    read_rows(path)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, row)| {
+            serde_json::from_value::<TextPair>(row).with_context(|| {
+                format!("{}: row {i}: expected string fields \"input\" and \"output\"", path.display())
+            })
+        })
+        .collect()
+}
+
+/// Every row of a `.jsonl` file, or of a parquet / Arrow IPC file, as a JSON object.
+pub fn read_rows(path: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
     if path.extension().is_some_and(|e| e == "jsonl" || e == "json") {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
         return text
@@ -54,33 +64,21 @@ pub fn read_pairs(path: &Path) -> anyhow::Result<Vec<TextPair>> {
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
             .map(|(i, l)| {
-                serde_json::from_str::<TextPair>(l).with_context(|| {
-                    format!("{}: line {}: expected {{\"input\": string, \"output\": string}}", path.display(), i + 1)
-                })
+                serde_json::from_str(l)
+                    .with_context(|| format!("{}: line {}: not a JSON object", path.display(), i + 1))
             })
             .collect();
     }
-    let mut pairs = Vec::new();
-    crate::parquet_io::for_each_batch(path, |batch: &RecordBatch, first_row| {
-        let col = |name: &str| -> anyhow::Result<Vec<Option<String>>> {
-            let c =
-                batch.column_by_name(name).with_context(|| format!("{}: no string column {name:?}", path.display()))?;
-            Ok(match c.data_type() {
-                DataType::Utf8 => c.as_string::<i32>().iter().map(|s| s.map(str::to_string)).collect(),
-                DataType::LargeUtf8 => c.as_string::<i64>().iter().map(|s| s.map(str::to_string)).collect(),
-                DataType::Utf8View => c.as_string_view().iter().map(|s| s.map(str::to_string)).collect(),
-                other => bail!("{}: column {name:?} is {other}, expected strings", path.display()),
-            })
-        };
-        for (r, (input, output)) in col("input")?.into_iter().zip(col("output")?).enumerate() {
-            match (input, output) {
-                (Some(input), Some(output)) => pairs.push(TextPair { input, output }),
-                _ => bail!("{}: row {}: null input or output", path.display(), first_row + r),
-            }
-        }
+    let mut rows = Vec::new();
+    crate::parquet_io::for_each_batch(path, |batch, _| {
+        let mut writer = arrow_json::ArrayWriter::new(Vec::new());
+        writer.write(batch).with_context(|| format!("{}: cannot read its rows", path.display()))?;
+        writer.finish()?;
+        let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner())?;
+        rows.extend(values);
         Ok(())
     })?;
-    Ok(pairs)
+    Ok(rows)
 }
 
 /// Loads a `tokenizer.json`, naming the file on failure.
@@ -191,6 +189,6 @@ mod tests {
         let p = dir.path().join("raw.jsonl");
         std::fs::write(&p, "{\"input\": \"a\", \"output\": \"b\"}\n{\"input\": \"a\"}\n").unwrap();
         let err = format!("{:#}", read_pairs(&p).unwrap_err());
-        assert!(err.contains("raw.jsonl: line 2"), "{err}");
+        assert!(err.contains("raw.jsonl: row 1") && err.contains("output"), "{err}");
     }
 }

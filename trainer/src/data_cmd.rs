@@ -127,7 +127,8 @@ fn instruction_samples(
     a: &PrepareArgs,
     tok: &llora_data::Tokenizer,
 ) -> anyhow::Result<(usize, Vec<Sample>, usize, usize)> {
-    use llora_data::chat::{ChatTemplate, chat_sample, completion_sample, parse_messages, read_rows};
+    use llora_data::chat::{ChatTemplate, chat_sample, completion_sample, parse_messages};
+    use llora_data::text::read_rows;
     let template = match a.format {
         DataFormat::Chat => {
             let dir = if a.tokenizer.is_dir() {
