@@ -237,3 +237,46 @@ fn a_preempted_job_requeued_by_slurm_resumes_by_itself() {
     assert!(!dir.path().join("run-2").exists());
     assert!(adapter(&whole) == adapter(&run), "adapters differ after SIGTERM at step {at} and a requeue");
 }
+
+/// #25 Must-show 5, the failure paths before the first step: the training data is read after
+/// run_start (the MLPerf rules forbid touching it before), so data this model cannot take (ids
+/// of a 32,000-token vocabulary for the 512-token demo model) fails there, naming the row, and
+/// the result log still ends with run_stop `aborted`.
+#[test]
+fn a_failure_after_run_start_ends_the_result_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = dir.path().join("synth");
+    let out = llora(&[
+        "data",
+        "synth",
+        "--out",
+        synth.to_str().unwrap(),
+        "--train",
+        "8",
+        "--eval",
+        "2",
+        "--max-seq-len",
+        "128",
+        "--vocab",
+        "32000",
+    ]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let mut config: toml::Table =
+        toml::from_str(&std::fs::read_to_string(random_base_config(dir.path())).unwrap()).unwrap();
+    let data = config.get_mut("data").unwrap().as_table_mut().unwrap();
+    data.remove("synthetic");
+    data.insert("train".into(), synth.join("train.parquet").display().to_string().into());
+    data.insert("eval".into(), synth.join("validation.parquet").display().to_string().into());
+    data.insert("max_seq_len".into(), 128.into());
+    let path = dir.path().join("wrong-vocab.toml");
+    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
+    let run = dir.path().join("run");
+    let out = llora(&["train", path.to_str().unwrap(), "--set", &format!("run.dir=\"{}\"", run.display())]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("train.parquet") && stderr.contains("row 0"), "{stderr}");
+    let log = mllog(&run.join("result_0.txt"));
+    assert!(log.iter().any(|l| l["key"] == "run_start"), "the data is read after run_start");
+    let last = log.last().unwrap();
+    assert!(last["key"] == "run_stop" && last["metadata"]["status"] == "aborted", "{last}");
+}
