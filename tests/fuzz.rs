@@ -308,6 +308,8 @@ fn command_flags() {
     // Each command line a flag is fuzzed on, with valid values for the others.
     let eval = format!("eval --model {d}/none --data {d}/none.parquet");
     let synth = format!("data synth --out {d}/synth --overwrite --eval 1");
+    let generate = format!("generate --model {d}/none --tokenizer {d}/none --prompt hi");
+    let prepare = format!("data prepare --input {d}/none.jsonl --tokenizer {d}/none --out {d}/out.parquet");
     let templates: Vec<(&str, String)> = vec![
         ("--set", "plan".into()),
         ("--set", "config show".into()),
@@ -322,6 +324,12 @@ fn command_flags() {
         ("--max-seq-len", format!("{synth} --train 2")),
         ("--topics", format!("{synth} --train 2 --max-seq-len 128 --vocab 512")),
         ("--steps", "bench --preset tiny --seq-len 16 --warmup 0".into()),
+        ("--max-new-tokens", generate.clone()),
+        ("--temperature", generate.clone()),
+        ("--top-p", generate.clone()),
+        ("--threads", generate),
+        ("--format", prepare.clone()),
+        ("--max-seq-len", format!("{prepare} --format chat")),
         ("--seq-len", "bench --preset tiny --steps 1 --warmup 0".into()),
     ];
     let keys = config_keys();
@@ -341,7 +349,7 @@ fn command_flags() {
         eprintln!("fuzz: llora {}", args.join(" "));
         let code = run_bounded(dir.path(), &args);
         prop_assert!(code.is_ok(), "{}", code.unwrap_err());
-        if ["--threads", "--batch-size"].contains(flag) && (v == "0" || v.len() > 10) {
+        if ["--threads", "--batch-size", "--max-new-tokens"].contains(flag) && (v == "0" || v.len() > 10) {
             prop_assert!(code.unwrap() != 0, "{args:?} accepted");
         }
     });

@@ -15,6 +15,19 @@ use crate::cli::GenerateArgs;
 
 /// Runs `llora generate`.
 pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
+    // Flags first: a bad one should not wait for a 140 GB model to load.
+    let flag = |key: &str| format!("`{key}`");
+    let mut p = crate::config::Problems::new(&flag);
+    crate::config::check_threads(&mut p, "--threads", a.threads);
+    p.check(a.max_new_tokens >= 1, "--max-new-tokens", &a.max_new_tokens, "must be at least 1");
+    p.check(
+        a.temperature.is_finite() && a.temperature >= 0.0,
+        "--temperature",
+        &a.temperature,
+        "must be >= 0 (0: greedy)",
+    );
+    p.check(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p", &a.top_p, "must be in (0, 1]");
+    p.finish().map_err(|problems| anyhow::anyhow!("invalid llora generate flags:\n  - {}", problems.join("\n  - ")))?;
     let device = a.device.init(a.threads)?;
     let ckpt = HfCheckpoint::open(&a.model).with_context(|| format!("--model {}", a.model.display()))?;
     let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
