@@ -33,7 +33,8 @@ def main():
     model.eval()
     ids = torch.tensor([req["prompt_ids"]], dtype=torch.int64)
     eos = model.config.eos_token_id
-    kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=(eos[0] if isinstance(eos, list) else eos),
+    # The fixtures save use_cache=False (training); generation uses its KV cache, as llora does.
+    kw = dict(do_sample=False, use_cache=True, eos_token_id=eos, pad_token_id=(eos[0] if isinstance(eos, list) else eos),
               attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         t0 = time.perf_counter()
