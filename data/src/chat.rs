@@ -95,6 +95,13 @@ impl ChatTemplate {
         Ok(template)
     }
 
+    /// The chat template of the tokenizer `path` names: an HF tokenizer directory, or the
+    /// directory of a `tokenizer.json` given as a file.
+    pub fn for_tokenizer(path: &Path) -> anyhow::Result<Self> {
+        let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+        Self::from_tokenizer_dir(dir)
+    }
+
     /// The tokenizer's end-of-sequence token as `tokenizer_config.json` names it (Llama 3
     /// Instruct's end of turn, `<|eot_id|>`), if any.
     pub fn eos_token(&self) -> Option<&str> {

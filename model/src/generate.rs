@@ -7,12 +7,12 @@ use burn::tensor::{Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::llama::{LlamaForCausalLM, embed};
+use crate::llama::{LayerKv, LlamaForCausalLM, embed};
 
 /// The keys and values every decoder block has seen so far.
 pub struct KvCache {
     /// Per block: keys and values `[batch, KV, len, head_dim]` (None before the prefill).
-    layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
+    layers: Vec<LayerKv>,
     /// Positions cached.
     len: usize,
 }
@@ -51,8 +51,8 @@ impl LlamaForCausalLM {
             "{end} positions exceed the model's max_position_embeddings ({})",
             self.config.max_position_embeddings
         );
-        let (cos, sin) = self.rope(end, &device);
-        let (cos, sin) = (cos.narrow(2, cache.len, s), sin.narrow(2, cache.len, s));
+        // This step's positions only: the tables of all earlier ones would be recomputed per token.
+        let (cos, sin) = self.rope_at(cache.len..end, &device);
         let mut x = embed(self.embed_tokens.val(), ids, self.activations);
         for (k, layer) in self.layers.iter().enumerate() {
             layer.gather(k)?;

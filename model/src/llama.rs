@@ -11,7 +11,7 @@ use crate::attention::causal_attention;
 use crate::config::LlamaConfig;
 use crate::lora::{LoraAdapter, LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
-pub use crate::rope::{apply_rope, rope_tables};
+pub use crate::rope::{apply_rope, rope_tables, rope_tables_at};
 use std::sync::Arc;
 
 use burn::backend::libtorch::TchTensor;
@@ -31,6 +31,10 @@ use crate::shard::{Sharding, WeightShard};
 pub fn embed(weights: Tensor<2>, ids: Tensor<2, Int>, dtype: DType) -> Tensor<3> {
     burn::tensor::module::embedding(weights, ids).cast(dtype)
 }
+
+/// One block's cached keys and values while decoding, `[batch, KV, cached, head_dim]` each
+/// (None before the prefill).
+pub type LayerKv = Option<(Tensor<4>, Tensor<4>)>;
 
 /// Grouped-query self-attention with RoPE and a causal mask.
 #[derive(Module, Debug)]
@@ -76,13 +80,7 @@ impl Attention {
     /// - x: `[batch, new, d]`; cos, sin: `[1, 1, new, head_dim]` at the new positions
     /// - cache: `[batch, KV, cached, head_dim]` keys and values, grown by `new`
     /// - output: `[batch, new, d]`
-    pub fn forward_cached(
-        &self,
-        x: Tensor<3>,
-        cos: Tensor<4>,
-        sin: Tensor<4>,
-        cache: &mut Option<(Tensor<4>, Tensor<4>)>,
-    ) -> Tensor<3> {
+    pub fn forward_cached(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, cache: &mut LayerKv) -> Tensor<3> {
         let [b, s, _] = x.dims();
         let (q, k, v) = self.qkv(x, cos, sin, false);
         let prefill = cache.is_none();
@@ -183,13 +181,7 @@ impl DecoderLayer {
     ///
     /// # Shapes
     /// As [`Attention::forward_cached`].
-    pub fn forward_cached(
-        &self,
-        x: Tensor<3>,
-        cos: Tensor<4>,
-        sin: Tensor<4>,
-        cache: &mut Option<(Tensor<4>, Tensor<4>)>,
-    ) -> Tensor<3> {
+    pub fn forward_cached(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, cache: &mut LayerKv) -> Tensor<3> {
         let h = x.clone() + self.self_attn.forward_cached(self.input_layernorm.forward(x), cos, sin, cache);
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), false)
     }
@@ -332,8 +324,16 @@ impl LlamaForCausalLM {
     /// # Shapes
     /// - output: (cos, sin), each `[1, 1, seq, head_dim]`
     pub fn rope(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let (cos, sin) =
-            rope_tables(seq, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling.as_ref(), device);
+        self.rope_at(0..seq, device)
+    }
+
+    /// [`Self::rope`] for the positions `positions` only.
+    ///
+    /// # Shapes
+    /// - output: (cos, sin), each `[1, 1, positions.len(), head_dim]`
+    pub fn rope_at(&self, positions: std::ops::Range<usize>, device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let c = &self.config;
+        let (cos, sin) = rope_tables_at(positions, c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), device);
         (cos.cast(self.activations), sin.cast(self.activations))
     }
 

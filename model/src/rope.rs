@@ -78,7 +78,7 @@ pub fn inv_freq(head_dim: usize, theta: f64, scaling: Option<&Llama3Scaling>) ->
 }
 
 /// RoPE angle tables: `cos`/`sin` of `pos·inv_freq`, duplicated to the full head width as
-/// `cat(f, f)`.
+/// `cat(f, f)`, for positions `0..seq`.
 ///
 /// # Shapes
 /// - output: (cos, sin), each `[1, 1, seq, head_dim]`, f32
@@ -89,10 +89,25 @@ pub fn rope_tables(
     scaling: Option<&Llama3Scaling>,
     device: &Device,
 ) -> (Tensor<4>, Tensor<4>) {
+    rope_tables_at(0..seq, head_dim, theta, scaling, device)
+}
+
+/// [`rope_tables`] for the positions `positions` only (a decoding step needs one).
+///
+/// # Shapes
+/// - output: (cos, sin), each `[1, 1, positions.len(), head_dim]`, f32
+pub fn rope_tables_at(
+    positions: std::ops::Range<usize>,
+    head_dim: usize,
+    theta: f64,
+    scaling: Option<&Llama3Scaling>,
+    device: &Device,
+) -> (Tensor<4>, Tensor<4>) {
     let inv_freq = inv_freq(head_dim, theta, scaling);
+    let seq = positions.len();
     let mut cos = Vec::with_capacity(seq * head_dim);
     let mut sin = Vec::with_capacity(seq * head_dim);
-    for pos in 0..seq {
+    for pos in positions {
         for _ in 0..2 {
             for f in &inv_freq {
                 let angle = pos as f32 * f;

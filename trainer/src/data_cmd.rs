@@ -130,14 +130,7 @@ fn instruction_samples(
     use llora_data::chat::{ChatTemplate, chat_sample, completion_sample, parse_messages};
     use llora_data::text::read_rows;
     let template = match a.format {
-        DataFormat::Chat => {
-            let dir = if a.tokenizer.is_dir() {
-                a.tokenizer.as_path()
-            } else {
-                a.tokenizer.parent().unwrap_or(Path::new("."))
-            };
-            Some(ChatTemplate::from_tokenizer_dir(dir)?)
-        }
+        DataFormat::Chat => Some(ChatTemplate::for_tokenizer(&a.tokenizer)?),
         _ => None,
     };
     let rows = read_rows(&a.input)?;

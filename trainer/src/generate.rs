@@ -47,9 +47,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let prompt = match (&a.prompt, &a.chat) {
         (Some(text), _) => tokenizer.encode(text.as_str(), true),
         (None, Some(file)) => {
-            let dir =
-                if a.tokenizer.is_dir() { a.tokenizer.as_path() } else { a.tokenizer.parent().unwrap_or(".".as_ref()) };
-            let template = ChatTemplate::from_tokenizer_dir(dir)?;
+            let template = ChatTemplate::for_tokenizer(&a.tokenizer)?;
             let messages = read_chat(file)?;
             if let Some(eot) = template.eos_token().and_then(|t| tokenizer.token_to_id(t)) {
                 stop.push(eot);
