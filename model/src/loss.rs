@@ -138,6 +138,10 @@ pub trait FusedLossBackend: Backend {
 /// LM head, so chunks must not be much smaller (16 MB chunks made tiny s512 8% slower).
 const LCE_CHUNK_BYTES: usize = (32 << 20) - (64 << 10);
 
+/// Elements of a bf16 LM head converted to f32 at a time where bf16 GEMMs run through f32
+/// (32 MB in f32, as much as a chunk of logits). `llora plan` counts one block.
+pub const LCE_HEAD_BLOCK_ELEMENTS: i64 = 1 << 23;
+
 /// Cross-entropy of `h·Wᵀ` against `targets`, a chunk of rows at a time, so the `[rows,
 /// vocab]` logits never exist whole. With `want_dh`, each chunk's gradient with respect to h
 /// (`(softmax − one-hot)·W`, for an upstream gradient of 1) is computed while its logits are
@@ -162,10 +166,23 @@ fn lce_forward_chunked(
     let chunk = chunk.min(n.max(1));
     let t_all = tch::Tensor::from_slice(targets).to_device(h.device());
     // The GEMMs' operands: the activations' dtype, or f32 for bf16 where torch has no fast bf16
-    // GEMM (precision/bf16.rs); the logits are f32 either way.
+    // GEMM (precision/bf16.rs); the logits are f32 either way. A bf16 head routed through f32
+    // is converted a column block at a time inside each GEMM, never whole (small's head in f32
+    // is 131 MB, a 128k-vocabulary 8B's 2.1 GB).
     let kind = crate::precision::bf16::operand_kind(h.kind(), h.device());
-    let w = &w.to_kind(kind);
+    let by_blocks = kind == tch::Kind::Float && w.kind() != kind;
+    let w = &if by_blocks { w.shallow_clone() } else { w.to_kind(kind) };
     let wt = w.tr();
+    let gemm = |a: &tch::Tensor, b: &tch::Tensor, out: tch::Kind| {
+        if by_blocks {
+            crate::precision::blocked::by_column_blocks_of(LCE_HEAD_BLOCK_ELEMENTS, a.size()[0], b, out, |blk| {
+                a.f_mm(&blk.to_kind(kind)).map(|y| y.to_kind(out))
+            })
+            .expect("a GEMM of valid shapes")
+        } else {
+            a.mm(b).to_kind(out)
+        }
+    };
     let (mut losses, mut dhs) = (Vec::new(), Vec::new());
     let mut start = 0;
     while start < n {
@@ -173,7 +190,7 @@ fn lce_forward_chunked(
         // One [len, vocab] buffer, worked on in place: logits → exp(logits − max) → softmax
         // → softmax − one-hot (torch's logsumexp would allocate a second one and the
         // softmax would take a second exp pass).
-        let mut p = h.narrow(0, start, len).to_kind(kind).mm(&wt).to_kind(tch::Kind::Float);
+        let mut p = gemm(&h.narrow(0, start, len).to_kind(kind), &wt, tch::Kind::Float);
         let t = t_all.narrow(0, start, len).unsqueeze(1);
         let picked = p.gather(1, &t, false);
         let max = p.amax([-1i64].as_slice(), true);
@@ -183,7 +200,7 @@ fn lce_forward_chunked(
         if want_dh {
             let _ = p.g_div_(&sum);
             let _ = p.scatter_add_(1, &t, &(-tch::Tensor::ones([len, 1], (p.kind(), p.device()))));
-            dhs.push(p.to_kind(kind).mm(w).to_kind(h.kind()));
+            dhs.push(gemm(&p.to_kind(kind), w, h.kind()));
         }
         start += len;
     }

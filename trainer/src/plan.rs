@@ -392,9 +392,10 @@ pub fn budget(s: &Shape) -> Budget {
     // (and the chunk's bf16 GEMM output it is upcast from).
     let chunk = LCE_CHUNK_BYTES.min(rows * v * 4.0);
     let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
-    // bf16 GEMMs routed through f32 upcast the LM head once per loss.
+    // bf16 GEMMs routed through f32 upcast the LM head a column block at a time.
     let upcast_gemms = e < 4.0 && !s.native_bf16_gemm;
-    let table = if upcast_gemms { alloc(v * d * 4.0) } else { 0.0 };
+    let head_block = (v * d).min(llora_model::loss::LCE_HEAD_BLOCK_ELEMENTS as f64);
+    let table = if upcast_gemms { alloc(head_block * 4.0) } else { 0.0 };
     let head = alloc(e * d * t) + alloc(e * d * t) + alloc(e * d * rows);
     add("final norm and loss", head, format!("{rows} target rows kept for backward"));
     let loss = chunk + table;
@@ -425,7 +426,7 @@ pub fn budget(s: &Shape) -> Budget {
     // The loss's transients are gone when backward starts: the larger of the two counts.
     let backward = swiglu.max(gemm) + 2.0 * alloc(t * d * e);
     let note = if loss > backward {
-        "the loss: a chunk of logits".to_string() + if table > 0.0 { " and the LM head in f32" } else { "" }
+        "the loss: a chunk of logits".to_string() + if table > 0.0 { " and a block of the LM head in f32" } else { "" }
     } else if swiglu >= gemm {
         "backward: SwiGLU's temporaries".into()
     } else {

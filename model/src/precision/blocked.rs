@@ -25,11 +25,25 @@ pub fn by_column_blocks(
     out: Kind,
     call: impl Fn(&Tensor) -> Result<Tensor, tch::TchError>,
 ) -> Result<Tensor, tch::TchError> {
+    by_column_blocks_of(BLOCK_ELEMENTS, m, b, out, call)
+}
+
+/// [`by_column_blocks`] with blocks of at most `block_elements` elements of `b`.
+///
+/// # Shapes
+/// - b: `[k, n]` (any layout); `call(block)`: `[m, cols]`; output: `[m, n]`
+pub fn by_column_blocks_of(
+    block_elements: i64,
+    m: i64,
+    b: &Tensor,
+    out: Kind,
+    call: impl Fn(&Tensor) -> Result<Tensor, tch::TchError>,
+) -> Result<Tensor, tch::TchError> {
     let (k, n) = (b.size()[0], b.size()[1]);
-    if k * n <= BLOCK_ELEMENTS {
+    if k * n <= block_elements {
         return call(b);
     }
-    let cols = (BLOCK_ELEMENTS / k.max(1)).max(1);
+    let cols = (block_elements / k.max(1)).max(1);
     let y = Tensor::f_empty([m, n], (out, b.device()))?;
     for j in (0..n).step_by(cols as usize) {
         let c = cols.min(n - j);
