@@ -121,7 +121,7 @@ fn check_parity(dir: &Path) {
     eprintln!("{}: final hidden relative error {err:e}", dir.display());
     assert!(err <= 1e-4, "final hidden state differs: {err:e}");
 
-    let logits = llora_model::lora::linear_t(hidden, model.lm_head.val());
+    let logits = llora_model::lora::linear_t(hidden, model.head());
     // Logits are compared through what the loss uses: logsumexp over the vocabulary and the
     // target logit, at every (b, t) position (the fixture's layout).
     let v = logits.dims()[2];
@@ -225,6 +225,64 @@ fn llama3_style_checkpoint_matches_hf_peft() {
 fn llama3_style_adapter_and_merged_export_load_in_hf() {
     let dir = llama3_fixture();
     adapter_and_merged_export_load_in_hf(&dir);
+}
+
+/// Full fine-tuning of a tied-embedding model (Llama 3.2's layout, here the Llama-3-style
+/// fixture): the one table's gradient is the sum of its uses as embedding and as head, as
+/// torch accumulates it into the shared nn.Parameter; with and without recomputed blocks (whose
+/// backward returns the two parts in different segments); no `lm_head` parameter is trained.
+#[test]
+fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
+    let dir = llama3_fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(&dir, tmp.path());
+    let names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ];
+    let out = tmp.path().join("grads.safetensors");
+    let run = Command::new(python())
+        .arg(repo_root().join("scripts/peer/full_grads.py"))
+        .args([&base, &dir.join("batch.safetensors"), &out])
+        .arg(names.join(","))
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "full_grads.py failed: {}", String::from_utf8_lossy(&run.stderr));
+    let hf: serde_json::Value =
+        serde_json::from_slice(run.stdout.trim_ascii_end().rsplit(|&b| b == b'\n').next().unwrap()).unwrap();
+    assert_eq!(hf["head_is_embedding"], true);
+    let reference = read_all(&out);
+    let fx = load_fixture(&dir);
+    let n_target = fx.json["n_target_tokens"].as_u64().unwrap() as f64;
+    for recompute in [0, 1] {
+        let device = Device::libtorch().autodiff();
+        let options = BuildOptions { trainable: true, ..Default::default() };
+        let mut model = HfCheckpoint::open(&base).unwrap().load_model(&options, &device).unwrap();
+        let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+        let mb = llora_trainer::step::MicroBatch {
+            ids: Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device),
+            labels: Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device),
+            seed: None,
+        };
+        let (loss, grads, _, _) = llora_trainer::step::micro_batch_grads(&mut model, mb, n_target, recompute).unwrap();
+        let reference_loss = hf["loss"].as_f64().unwrap();
+        assert!(
+            ((loss - reference_loss) / reference_loss).abs() <= 1e-5,
+            "loss {loss} vs transformers {reference_loss}"
+        );
+        let trained: Vec<String> = model.trainable_params_mut().into_iter().map(|(n, _)| n).collect();
+        assert!(!trained.iter().any(|n| n == "lm_head.weight"), "a tied head is not a parameter of its own");
+        for name in names {
+            let k = trained.iter().position(|n| n == name).unwrap_or_else(|| panic!("{name} is not trained"));
+            let expected: Vec<f32> =
+                reference[name].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            let err = rel_err(&values(grads[k].clone()), &expected);
+            eprintln!("recompute {recompute}: {name} gradient relative error {err:e}");
+            assert!(err <= 1e-4, "recompute {recompute}: {name} gradient differs from transformers': {err:e}");
+        }
+    }
 }
 
 /// llora's adapter (random B) on the fixture's base: its logits equal PEFT's on the saved
@@ -722,6 +780,17 @@ fn llora_generate(args: &[&str]) -> serde_json::Value {
 
 /// HF transformers' greedy continuation of `prompt` (scripts/peer/generate.py).
 fn hf_generate(base: &Path, adapter: &Path, prompt: &serde_json::Value, new: usize) -> serde_json::Value {
+    hf_generate_in(base, adapter, prompt, new, "fp32")
+}
+
+/// [`hf_generate`] with the base model in `dtype` (`fp32` or `bf16`).
+fn hf_generate_in(
+    base: &Path,
+    adapter: &Path,
+    prompt: &serde_json::Value,
+    new: usize,
+    dtype: &str,
+) -> serde_json::Value {
     let mut child = Command::new(python())
         .arg(repo_root().join("scripts/peer/generate.py"))
         .args([base.as_os_str(), adapter.as_os_str(), "1".as_ref()])
@@ -729,7 +798,7 @@ fn hf_generate(base: &Path, adapter: &Path, prompt: &serde_json::Value, new: usi
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let req = serde_json::json!({"prompt_ids": prompt, "max_new_tokens": new});
+    let req = serde_json::json!({"prompt_ids": prompt, "max_new_tokens": new, "dtype": dtype});
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), req.to_string().as_bytes()).unwrap();
     let hf = child.wait_with_output().unwrap();
     assert!(hf.status.success(), "scripts/peer/generate.py failed");
@@ -758,6 +827,35 @@ fn generate_greedy_equals_hf_generate_with_an_adapter() {
     );
     assert_eq!(ours["ids"], hf["ids"], "greedy continuations differ");
     assert_eq!(ours["ids"].as_array().unwrap().len(), 64);
+}
+
+/// `llora generate --precision bf16` (bf16 weights, activations and key/value cache; f32 norm
+/// statistics, softmax and adapters) continues the prompt as transformers' greedy generate does
+/// on the bf16 model with PEFT's f32 adapter: the same ids.
+#[test]
+fn generate_in_bf16_equals_hf_generate_in_bf16() {
+    let dir = llama3_fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(&dir, tmp.path());
+    let tok = llama3_tokenizer(tmp.path());
+    let (b, d, t) = (base.to_str().unwrap(), dir.to_str().unwrap(), tok.to_str().unwrap());
+    let prompt = "The Government Accountability Office reported that";
+    let ours = llora_generate(&[
+        "--model",
+        b,
+        "--adapter",
+        d,
+        "--tokenizer",
+        t,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "32",
+        "--precision",
+        "bf16",
+    ]);
+    let hf = hf_generate_in(&base, &dir, &ours["prompt_ids"], 32, "bf16");
+    assert_eq!(ours["ids"], hf["ids"], "bf16 greedy continuations differ");
 }
 
 /// `llora generate --chat`: the conversation is rendered with the template's generation prompt

@@ -15,8 +15,10 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorView};
 
 use crate::config::LlamaConfig;
-use crate::llama::{BuildOptions, LlamaForCausalLM, ParamMut, WeightSource};
+use crate::llama::{BuildOptions, LlamaForCausalLM};
+use crate::load::WeightSource;
 use crate::lora::{LoraAdapter, LoraSpec};
+use crate::params::ParamMut;
 
 /// One memory-mapped safetensors file with its parsed header.
 struct Shard {
@@ -326,12 +328,9 @@ pub fn tensor_f32<const D: usize>(t: &Tensor<D>) -> (Vec<usize>, Vec<f32>) {
 /// file written atomically; transformers' `LlamaForCausalLM.from_pretrained` reads it.
 pub fn save_hf_checkpoint(model: &mut LlamaForCausalLM, dir: &Path) -> anyhow::Result<()> {
     let mut tensors = Vec::new();
-    let tied = model.config.tie_word_embeddings;
-    for (name, p) in model.params_mut(crate::llama::ParamKind::Base) {
-        // A tied head is the embedding: stored once, as transformers' save_pretrained does.
-        if tied && name == "lm_head.weight" {
-            continue;
-        }
+    // A tied head is the embedding (no lm_head parameter): stored once, as transformers'
+    // save_pretrained does.
+    for (name, p) in model.params_mut(crate::params::ParamKind::Base) {
         let (shape, values) = match &p {
             ParamMut::Vector(p) => tensor_f32(&p.val()),
             ParamMut::Matrix(p) => tensor_f32(&p.val()),

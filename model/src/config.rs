@@ -318,10 +318,32 @@ impl LlamaConfig {
         Self::build(512, 128, 344, 4, 4, 2, 1024)
     }
 
+    /// The chat demo's Llama-3-style model: `demo`'s shape over the synthetic words plus Llama
+    /// 3's 16 named special tokens (vocab 528, `llora_data::synth_chat`), tied embeddings,
+    /// Llama 3.1's RoPE (theta 500000, llama3 scaling by 8 past 64 positions: the demo's
+    /// 256-token rows reach 4x into the extended range, as 131072 is 16x Llama 3.1's 8192) and
+    /// its eos list (`<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`).
+    pub fn demo_llama3() -> Self {
+        Self {
+            rope_theta: 500000.0,
+            rope_scaling: Some(Llama3Scaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64,
+            }),
+            tie_word_embeddings: true,
+            bos_token_id: Some(512),
+            eos_token_ids: vec![513, 520, 521],
+            ..Self::build(528, 128, 344, 4, 4, 2, 1024)
+        }
+    }
+
     /// Looks a preset up by the name configs use.
     pub fn preset(name: &str) -> anyhow::Result<Self> {
         Ok(match name {
             "demo" => Self::demo(),
+            "demo-llama3" => Self::demo_llama3(),
             "tiny" => Self::tiny(),
             "tiny-gqa" => Self::tiny_gqa(),
             "small" => Self::small(),
@@ -334,7 +356,8 @@ impl LlamaConfig {
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
-pub const PRESETS: &[&str] = &["demo", "tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama2-70b-1layer"];
+pub const PRESETS: &[&str] =
+    &["demo", "demo-llama3", "tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama2-70b-1layer"];
 
 #[cfg(test)]
 mod tests {

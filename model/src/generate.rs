@@ -61,7 +61,7 @@ impl LlamaForCausalLM {
         }
         cache.len = end;
         let last = self.norm.forward(x.narrow(1, s - 1, 1));
-        let head = self.lm_head.val().cast(last.dtype());
+        let head = self.head().cast(last.dtype());
         Ok(crate::lora::linear_t(last, head).reshape([b, self.config.vocab_size]).cast(burn::tensor::DType::F32))
     }
 }

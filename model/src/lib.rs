@@ -8,10 +8,13 @@ pub mod dropout;
 pub mod fp8;
 pub mod generate;
 pub mod llama;
+pub mod load;
 pub mod lora;
 pub mod loss;
 pub mod norm;
+pub mod params;
 pub mod precision;
+pub mod recompute;
 pub mod rope;
 pub mod shard;
 

@@ -88,7 +88,7 @@ fn sharded_and_single_file_load_the_same_weights() {
     // The o_proj weight was written as the constant 0.06 (the 6th tensor).
     let o = a.layers[0].self_attn.o_proj.weight.val().into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
     assert!(o.iter().all(|&x| x == 0.06f32), "{o:?}");
-    assert_eq!(a.lm_head.val().into_data(), b.lm_head.val().into_data());
+    assert_eq!(a.head().into_data(), b.head().into_data());
 }
 
 #[test]

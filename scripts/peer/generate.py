@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """HF transformers' greedy generate on a base model + PEFT adapter, the peer of `llora generate`:
-reads {"prompt_ids": [...], "max_new_tokens": N} on stdin, prints {"ids": [...new tokens...],
+reads {"prompt_ids": [...], "max_new_tokens": N[, "dtype": "bf16"]} on stdin (dtype: the base
+model's, fp32 by default; PEFT keeps its adapters in f32 either way), prints {"ids": [...new tokens...],
 "decode_tokens_per_s": ..., "prefill_s": ..., "versions": {...}}. Stops at the model's
 eos_token_id list, as `llora generate` does. Nothing is downloaded.
 
@@ -27,7 +28,8 @@ def main():
     if len(sys.argv) == 4:
         torch.set_num_threads(int(sys.argv[3]))
     req = json.load(sys.stdin)
-    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[req.get("dtype", "fp32")]
+    model = LlamaForCausalLM.from_pretrained(base, dtype=dtype)
     if adapter != "-":
         model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
     model.eval()

@@ -309,6 +309,11 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, timings) instead of streaming the text.
     #[arg(long)]
     pub json: bool,
+    /// Compute as training in this precision does: `fp32`, or `bf16` (bf16 weights,
+    /// activations and key/value cache; f32 norm statistics, RoPE tables, softmax and adapters,
+    /// as transformers + PEFT run a bf16 model), or `fp8`.
+    #[arg(long, default_value = "fp32", value_parser = parse_compute)]
+    pub precision: llora_model::precision::Compute,
     /// `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: llora_model::device::DeviceSpec,

@@ -35,6 +35,11 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         llora_model::checkpoint::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
     }
+    // After the adapter (it loads into f32 parameters), as `llora eval` does.
+    let spec = llora_model::precision::PrecisionSpec { compute: a.precision, ..Default::default() };
+    if !spec.is_fp32() {
+        model.set_precision(&spec)?;
+    }
     let tokenizer = load_tokenizer(&a.tokenizer)?;
     anyhow::ensure!(
         tokenizer.get_vocab_size(true) <= model.config.vocab_size,

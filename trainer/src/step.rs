@@ -89,7 +89,12 @@ pub fn micro_batch_grads(
         .trainable_params_mut()
         .iter()
         .map(|(name, p)| {
-            grads.iter().find_map(|gr| p.grad_flat(gr)).unwrap_or_else(|| panic!("{name} got no gradient"))
+            // A tied embedding has a part in the head's segment and one in the embedding's.
+            grads
+                .iter()
+                .filter_map(|gr| p.grad_flat(gr))
+                .reduce(|a, b| a + b)
+                .unwrap_or_else(|| panic!("{name} got no gradient"))
         })
         .collect();
     Ok((loss, g, forward_s, t.elapsed().as_secs_f64() - forward_s))

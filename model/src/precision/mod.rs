@@ -41,127 +41,16 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 use crate::fp8::{AmaxSpec, DelayedScaling, Fp8Format, Fp8Tensor, amax_tch, dequantize_tch, quantize_tch};
-use crate::shard::WeightShard;
 use scaled_mm::{Fp8Operand, fp8_gemm};
 
 pub mod bf16;
 pub mod blocked;
 pub mod scaled_mm;
+mod spec;
+mod weights;
 
-/// The number format of the linear layers' GEMM inputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Compute {
-    /// f32 everywhere.
-    #[default]
-    Fp32,
-    /// bf16 activations and bf16 GEMMs (f32 accumulation); frozen weights stored in bf16.
-    Bf16,
-    /// E4M3 forward / E5M2 backward GEMM inputs with delayed scaling.
-    Fp8,
-}
-
-impl Compute {
-    /// The name MLPerf's `lowest_numerical_precision_*` keys use.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Fp32 => "fp32",
-            Self::Bf16 => "bf16",
-            Self::Fp8 => "fp8",
-        }
-    }
-}
-
-/// Which precision a model trains in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PrecisionSpec {
-    /// GEMM input format of the linear layers (base and LoRA).
-    pub compute: Compute,
-    /// Store saved activations (linear inputs, SwiGLU inputs) as FP8 + scale.
-    pub fp8_activations: bool,
-    /// Store frozen base weights as FP8 + scale (needs `compute = Fp8`).
-    pub fp8_weights: bool,
-    /// Delayed-scaling settings.
-    pub amax: AmaxSpec,
-}
-
-impl PrecisionSpec {
-    /// Whether this is plain f32 (no extension op needed around the linear layers).
-    pub fn is_fp32(&self) -> bool {
-        self.compute == Compute::Fp32 && !self.fp8_activations
-    }
-
-    /// Checks the combination; the message names the offending keys.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.fp8_weights && self.compute != Compute::Fp8 {
-            return Err(format!(
-                "precision.fp8_weights = true needs precision.compute = \"fp8\" (it is {:?})",
-                self.compute.name()
-            ));
-        }
-        if !(1..=1024).contains(&self.amax.history_len) {
-            return Err(format!("precision.amax_history_len must be in 1..=1024, got {}", self.amax.history_len));
-        }
-        if !(0..=16).contains(&self.amax.margin) {
-            return Err(format!("precision.amax_margin must be in 0..=16, got {}", self.amax.margin));
-        }
-        Ok(())
-    }
-
-    /// The format the activations (and attention) compute in: fp32, or bf16 for bf16 and FP8.
-    pub fn activation_compute(&self) -> Compute {
-        if self.compute == Compute::Fp32 { Compute::Fp32 } else { Compute::Bf16 }
-    }
-
-    /// The dtype of the activations between the linear layers: f32 for `fp32`; bf16 for
-    /// `bf16` and `fp8` (FP8 is the GEMM operands' format, not the activations', as in
-    /// Transformer Engine: its GEMMs take bf16 in and give bf16 out).
-    pub fn activation_dtype(&self) -> burn::tensor::DType {
-        match self.compute {
-            Compute::Fp32 => burn::tensor::DType::F32,
-            Compute::Bf16 | Compute::Fp8 => burn::tensor::DType::BF16,
-        }
-    }
-
-    /// The precision of a layer's LoRA adapter GEMMs. Adapters are rank-r GEMMs (under 1% of
-    /// a step's FLOPs) on f32 master weights that change every step:
-    /// - `bf16`: f32 GEMMs on the upcast bf16 input, as PEFT runs its f32 adapters on a bf16
-    ///   model (its default `autocast_adapter_dtype`): bf16 GEMMs there measurably moved the
-    ///   gradients further from fp32's than PEFT's (cosine 0.99995 vs 0.99996, tests/parity.rs),
-    ///   for no speed that matters;
-    /// - `fp8`: bf16 GEMMs, as NeMo/Transformer Engine and the MLPerf reference run them (FP8
-    ///   with delayed scales would buy nothing at rank 16).
-    pub fn for_adapters(&self) -> PrecisionSpec {
-        let compute = if self.compute == Compute::Fp8 { Compute::Bf16 } else { Compute::Fp32 };
-        PrecisionSpec { compute, fp8_weights: false, ..*self }
-    }
-
-    /// Whether frozen base weights are kept in reduced precision (bf16, or FP8 + scale).
-    pub fn stores_frozen_weights(&self) -> bool {
-        self.compute == Compute::Bf16 || (self.compute == Compute::Fp8 && self.fp8_weights)
-    }
-
-    /// How the SwiGLU inputs are stored for backward.
-    pub fn activation_storage(&self) -> Storage {
-        match (self.fp8_activations, self.compute) {
-            (true, _) => Storage::Fp8,
-            (false, Compute::Bf16) => Storage::Bf16,
-            _ => Storage::F32,
-        }
-    }
-}
-
-/// The dtype a tensor saved for backward is kept in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Storage {
-    /// As computed (4 bytes per element).
-    #[default]
-    F32,
-    /// bf16 (2 bytes).
-    Bf16,
-    /// E4M3 + per-tensor scale (1 byte).
-    Fp8,
-}
+pub use spec::{Compute, PrecisionSpec, Storage};
+pub use weights::{FrozenWeight, StoredWeight};
 
 /// Bytes of activations the ops in this module saved for backward since the last
 /// [`take_saved_bytes`]; benchmarks read it to compare storage formats.
@@ -170,91 +59,6 @@ static SAVED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// Returns the activation bytes saved for backward by this module's ops and resets the count.
 pub fn take_saved_bytes() -> usize {
     SAVED_BYTES.swap(0, Ordering::Relaxed)
-}
-
-/// A frozen weight held outside Burn's parameter: in reduced precision, or (sharded) in f32.
-#[derive(Debug, Clone)]
-pub enum StoredWeight {
-    /// f32 (the whole weight of a sharded f32 layer while gathered).
-    F32(TchTensor),
-    /// bf16 copy.
-    Bf16(TchTensor),
-    /// E4M3 codes `[out, in]` and the inverse of the scale.
-    Fp8 {
-        /// The codes, row-major.
-        codes: TchTensor,
-        /// `1 / scale`.
-        scale_inv: f32,
-        /// The codes transposed, `[in, out]` row-major, on CUDA: `_scaled_mm` there wants its
-        /// second operand column-major, which for the input-gradient GEMM `g · W` is this
-        /// tensor's transpose view. Kept rather than made at every backward (a 70B MLP
-        /// weight's transpose is 235 MB of copying per layer per step).
-        transposed: Option<TchTensor>,
-    },
-}
-
-impl StoredWeight {
-    /// The f32 weight the stored one stands for.
-    pub fn dequantize(&self) -> tch::Tensor {
-        match self {
-            Self::F32(w) => w.tensor.shallow_clone(),
-            Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
-            Self::Fp8 { codes, scale_inv, .. } => dequantize_tch(&codes.tensor, *scale_inv),
-        }
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        match self {
-            Self::F32(w) => w.tensor.numel() * 4,
-            Self::Bf16(w) => w.tensor.numel() * 2,
-            Self::Fp8 { codes, transposed, .. } => codes.tensor.numel() * (1 + usize::from(transposed.is_some())) + 4,
-        }
-    }
-
-    /// `[out, in]`.
-    pub fn dims(&self) -> [usize; 2] {
-        let t = match self {
-            Self::F32(w) | Self::Bf16(w) | Self::Fp8 { codes: w, .. } => &w.tensor,
-        };
-        let s = t.size();
-        [s[0] as usize, s[1] as usize]
-    }
-}
-
-/// Where a layer's frozen weight lives when not in its Burn parameter.
-#[derive(Debug, Clone)]
-pub enum FrozenWeight {
-    /// The whole weight on this rank.
-    Whole(StoredWeight),
-    /// This rank's slice; gathered around the block's forward and backward.
-    Sharded(Arc<WeightShard>),
-}
-
-impl FrozenWeight {
-    /// The whole weight (for a sharded one: while gathered).
-    pub fn whole(&self) -> StoredWeight {
-        match self {
-            Self::Whole(w) => w.clone(),
-            Self::Sharded(s) => s.whole(),
-        }
-    }
-
-    /// `[out, in]`.
-    pub fn dims(&self) -> [usize; 2] {
-        match self {
-            Self::Whole(w) => w.dims(),
-            Self::Sharded(s) => s.dims(),
-        }
-    }
-
-    /// Bytes this rank holds (outside a gather).
-    pub fn bytes(&self) -> usize {
-        match self {
-            Self::Whole(w) => w.bytes(),
-            Self::Sharded(s) => s.local_bytes(),
-        }
-    }
 }
 
 /// The delayed-scaling states of one linear layer, by tensor role.

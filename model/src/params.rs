@@ -1,0 +1,174 @@
+//! Walks over the model's parameters and linear layers, each named as HF / PEFT save it: what
+//! checkpoints, the optimizer, gradient all-reduce and precision switches iterate over.
+
+use burn::module::Param;
+use burn::tensor::Tensor;
+
+use crate::llama::{Attention, DecoderLayer, LlamaForCausalLM, Mlp};
+use crate::lora::{LoraAdapter, LoraLinear};
+
+impl LlamaForCausalLM {
+    /// Every adapter with its PEFT module path, in forward order
+    /// (`base_model.model.model.layers.0.self_attn.q_proj`, ...).
+    pub fn adapters(&self) -> Vec<(String, &LoraAdapter)> {
+        let mut out = Vec::new();
+        for (name, layer) in self.named_linears() {
+            if let Some(a) = &layer.lora {
+                out.push((format!("base_model.model.{name}"), a));
+            }
+        }
+        out
+    }
+
+    /// Mutable access to every adapter, in the order of [`LlamaForCausalLM::adapters`].
+    pub fn adapters_mut(&mut self) -> Vec<(String, &mut LoraAdapter)> {
+        let mut out = Vec::new();
+        for (name, layer) in self.named_linears_mut() {
+            if let Some(a) = layer.lora.as_mut() {
+                out.push((format!("base_model.model.{name}"), a));
+            }
+        }
+        out
+    }
+
+    /// Every linear layer with its HF module path (`model.layers.0.self_attn.q_proj`).
+    pub fn named_linears(&self) -> Vec<(String, &LoraLinear)> {
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let a = &layer.self_attn;
+            let p = format!("model.layers.{l}");
+            for (n, m) in
+                [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("qkv_proj", &a.qkv_proj)]
+            {
+                if let Some(m) = m {
+                    out.push((format!("{p}.self_attn.{n}"), m));
+                }
+            }
+            out.push((format!("{p}.self_attn.o_proj"), &a.o_proj));
+            let m = &layer.mlp;
+            out.push((format!("{p}.mlp.gate_proj"), &m.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &m.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &m.down_proj));
+        }
+        out
+    }
+
+    /// Mutable variant of [`LlamaForCausalLM::named_linears`], same order.
+    pub fn named_linears_mut(&mut self) -> Vec<(String, &mut LoraLinear)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(l, layer)| layer_linears_mut(l, &mut layer.self_attn, &mut layer.mlp))
+            .collect()
+    }
+
+    /// Every parameter of one kind, named as it is saved: base weights with HF names
+    /// (`model.layers.0.mlp.up_proj.weight`), adapters with PEFT names
+    /// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). In forward order.
+    pub fn params_mut(&mut self, kind: ParamKind) -> Vec<(String, ParamMut<'_>)> {
+        let mut out = Vec::new();
+        match kind {
+            ParamKind::Adapters => {
+                for (name, a) in self.adapters_mut() {
+                    out.push((format!("{name}.lora_A.weight"), ParamMut::Matrix(&mut a.a)));
+                    out.push((format!("{name}.lora_B.weight"), ParamMut::Matrix(&mut a.b)));
+                }
+            }
+            ParamKind::Base => {
+                out.push(("model.embed_tokens.weight".to_string(), ParamMut::Matrix(&mut self.embed_tokens)));
+                for (l, layer) in self.layers.iter_mut().enumerate() {
+                    let p = format!("model.layers.{l}");
+                    let DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp } = layer;
+                    out.push((format!("{p}.input_layernorm.weight"), ParamMut::Vector(&mut input_layernorm.weight)));
+                    out.push((
+                        format!("{p}.post_attention_layernorm.weight"),
+                        ParamMut::Vector(&mut post_attention_layernorm.weight),
+                    ));
+                    for (name, linear) in layer_linears_mut(l, self_attn, mlp) {
+                        out.push((format!("{name}.weight"), ParamMut::Matrix(&mut linear.weight)));
+                    }
+                }
+                out.push(("model.norm.weight".to_string(), ParamMut::Vector(&mut self.norm.weight)));
+                if let Some(head) = self.lm_head.as_mut() {
+                    out.push(("lm_head.weight".to_string(), ParamMut::Matrix(head)));
+                }
+            }
+        }
+        out
+    }
+
+    /// The parameters training updates: every base weight under full fine-tuning, else the
+    /// adapters.
+    pub fn trainable_params_mut(&mut self) -> Vec<(String, ParamMut<'_>)> {
+        let full = self.embed_tokens.val().is_require_grad();
+        self.params_mut(if full { ParamKind::Base } else { ParamKind::Adapters })
+    }
+}
+
+/// The linear layers of decoder layer `l` with their HF module paths, in forward order.
+fn layer_linears_mut<'a>(l: usize, a: &'a mut Attention, m: &'a mut Mlp) -> Vec<(String, &'a mut LoraLinear)> {
+    let mut out = Vec::new();
+    let p = format!("model.layers.{l}");
+    for (n, m) in
+        [("q_proj", &mut a.q_proj), ("k_proj", &mut a.k_proj), ("v_proj", &mut a.v_proj), ("qkv_proj", &mut a.qkv_proj)]
+    {
+        if let Some(m) = m.as_mut() {
+            out.push((format!("{p}.self_attn.{n}"), m));
+        }
+    }
+    out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
+    out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
+    out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
+    out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+    out
+}
+
+/// Which parameters [`LlamaForCausalLM::params_mut`] lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamKind {
+    /// Embeddings, norms, linear weights, LM head (HF names).
+    Base,
+    /// LoRA A and B (PEFT names).
+    Adapters,
+}
+
+/// A mutable parameter of either rank the model has.
+pub enum ParamMut<'a> {
+    /// A norm gain `[d]`.
+    Vector(&'a mut Param<Tensor<1>>),
+    /// A weight matrix.
+    Matrix(&'a mut Param<Tensor<2>>),
+}
+
+impl ParamMut<'_> {
+    /// The value flattened to one dimension (same autodiff node: gradients can be looked up).
+    pub fn flat(&self) -> Tensor<1> {
+        match self {
+            Self::Vector(p) => p.val(),
+            Self::Matrix(p) => p.val().flatten(0, 1),
+        }
+    }
+
+    /// The gradient of this parameter in `grads`, flattened.
+    pub fn grad_flat(&self, grads: &burn::tensor::Gradients) -> Option<Tensor<1>> {
+        match self {
+            Self::Vector(p) => p.val().grad(grads),
+            Self::Matrix(p) => p.val().grad(grads).map(|g| g.flatten(0, 1)),
+        }
+    }
+
+    /// Replaces the value with `new` (flattened, plain backend), keeping the id and trainability.
+    pub fn set_flat(&mut self, new: Tensor<1>) {
+        match self {
+            Self::Vector(p) => {
+                let trainable = p.val().is_require_grad();
+                **p = Param::initialized(p.id, Tensor::from_inner(new).set_require_grad(trainable));
+            }
+            Self::Matrix(p) => {
+                let dims: [usize; 2] = p.shape().dims();
+                let t = Tensor::from_inner(new.reshape(dims)).set_require_grad(p.val().is_require_grad());
+                **p = Param::initialized(p.id, t);
+            }
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Activation recomputation: a training micro-batch's gradients block by block, with the first
+//! blocks' activations recomputed in backward instead of kept, and each sharded block's weights
+//! gathered for its forward and again for its backward.
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor};
+
+use crate::llama::{LlamaForCausalLM, embed};
+use crate::precision::tch_device;
+
+/// Dropout seeds per decoder block of one forward pass: one draw from the device's generator
+/// (which the trainer seeds per micro-batch), then block k reseeds the generator from it and k.
+/// A block's masks then do not depend on what ran before it, so a recomputed block draws the
+/// same masks again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BlockSeeds(Option<u64>);
+
+impl BlockSeeds {
+    /// A base seed for a training pass on a LibTorch device (None otherwise: no reseeding).
+    pub(crate) fn draw(device: &Device, train: bool) -> Self {
+        if !train || tch_device(device).is_none() {
+            return Self(None);
+        }
+        let base = tch::Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu)).int64_value(&[0]) as u64;
+        Self(Some(base))
+    }
+
+    /// Reseeds the generator for block `k`.
+    pub(crate) fn seed(self, device: &Device, k: usize) {
+        if let Some(base) = self.0 {
+            device.seed(base.wrapping_add((k as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        }
+    }
+}
+
+impl LlamaForCausalLM {
+    /// Gradients of `loss_sum / norm` of a training micro-batch, computed block by block, with
+    /// the first `recompute` decoder blocks recomputed: a forward without autodiff keeps only
+    /// each of those blocks' input; the rest of the model runs with autodiff and backpropagates
+    /// to the input of block `recompute`; then each recomputed block, last first, runs its
+    /// forward again from its saved input and backpropagates the gradient it receives (as the
+    /// gradient of `sum(y · g)`). Dropout masks are drawn from a seed per block and FP8 scales
+    /// change only between steps, so the second forward is the first one: results equal the
+    /// plain backward's.
+    ///
+    /// A sharded model runs every block as its own segment (the others keep their autodiff
+    /// graph from the forward): each block's weights are gathered for its forward and again
+    /// for its backward, and freed after each. Returns the loss value and one `Gradients` per
+    /// segment; every trainable parameter's gradient is in exactly one of them, except a tied
+    /// embedding's under full fine-tuning: its head part and its embedding part, to be summed.
+    ///
+    /// # Shapes
+    /// - input_ids, labels: `[batch, seq]`
+    pub fn recomputed_backward(
+        &self,
+        input_ids: Tensor<2, Int>,
+        labels: Tensor<2, Int>,
+        norm: f64,
+        recompute: usize,
+    ) -> anyhow::Result<(f64, Vec<burn::tensor::Gradients>)> {
+        /// What the backward of one block starts from.
+        enum Segment {
+            /// The block's input, to run its forward again.
+            Recompute(Tensor<3>),
+            /// The block's input (a graph leaf) and output, with the graph between them.
+            Graph(Tensor<3>, Tensor<3>),
+        }
+        let n = recompute.min(self.layers.len());
+        // Blocks [0, n) are recomputed, [n, split) keep their own graphs, [split, L) share the
+        // head's graph.
+        let split = if self.is_sharded() { self.layers.len() } else { n };
+        let [_, s] = input_ids.dims();
+        let device = input_ids.device();
+        let (cos, sin) = self.rope(s, &device);
+        let blocks = BlockSeeds::draw(&device, true);
+        let inner = self.valid();
+        let (cos_i, sin_i) = (cos.clone().inner(), sin.clone().inner());
+        let mut x = embed(inner.embed_tokens.val(), input_ids.clone().inner(), self.activations);
+        let mut segments = Vec::with_capacity(split);
+        for k in 0..split {
+            blocks.seed(&device, k);
+            self.layers[k].gather(k)?;
+            if k + 1 < split {
+                self.prefetch(k + 1)?;
+            }
+            if k < n {
+                segments.push(Segment::Recompute(x.clone()));
+                x = inner.layers[k].forward(x, cos_i.clone(), sin_i.clone(), true);
+            } else {
+                let input = Tensor::from_inner(x).require_grad();
+                let y = self.layers[k].forward(input.clone(), cos.clone(), sin.clone(), true);
+                x = y.clone().inner();
+                segments.push(Segment::Graph(input, y));
+            }
+            self.layers[k].release();
+        }
+        drop(inner);
+        let top_in = Tensor::from_inner(x).require_grad();
+        let mut h = top_in.clone();
+        for (k, layer) in self.layers.iter().enumerate().skip(split) {
+            blocks.seed(&device, k);
+            h = layer.forward(h, cos.clone(), sin.clone(), true);
+        }
+        let loss =
+            crate::loss::target_rows_loss(self.norm.forward(h), self.head(), labels).loss_sum.sum().div_scalar(norm);
+        let value = loss.clone().into_scalar::<f32>() as f64;
+        let grads = loss.backward();
+        let mut g = top_in.grad(&grads);
+        let mut out = vec![grads];
+        // Each block below the head's graph, last first.
+        for (k, segment) in segments.into_iter().enumerate().rev() {
+            let Some(upstream) = g.take() else {
+                self.layers[k].release(); // prefetched, not needed
+                break;
+            };
+            let layer = &self.layers[k];
+            layer.gather(k)?;
+            if k > 0 {
+                self.prefetch(k - 1)?;
+            }
+            let (input, y) = match segment {
+                Segment::Recompute(x) => {
+                    let input = Tensor::from_inner(x).require_grad();
+                    blocks.seed(&device, k);
+                    (input.clone(), layer.forward(input, cos.clone(), sin.clone(), true))
+                }
+                Segment::Graph(input, y) => (input, y),
+            };
+            let grads = (y * Tensor::from_inner(upstream)).sum().backward();
+            layer.release();
+            g = input.grad(&grads);
+            out.push(grads);
+        }
+        // A trainable embedding (full fine-tuning) takes the gradient of block 0's input.
+        if let Some(upstream) = g.filter(|_| self.embed_tokens.val().is_require_grad()) {
+            let emb = embed(self.embed_tokens.val(), input_ids, self.activations);
+            out.push((emb * Tensor::from_inner(upstream)).sum().backward());
+        }
+        Ok((value, out))
+    }
+}
