@@ -235,6 +235,38 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
     assert!(std::fs::read(again).unwrap() == before[3], "the same command (one thread) trains the same adapters");
 }
 
+/// #24's end-to-end, as the README runs it (`scripts/demo-chat.sh`, here with the built binary):
+/// the synthetic task as Llama-3-style conversations through the chat template, a tied,
+/// llama3-RoPE model pre-trained (tied full fine-tuning) and LoRA-trained to the target, then
+/// `llora generate --chat` answering held-out conversations it never trained on: each answer
+/// opens with the abstract of its report's topic, word for word.
+#[test]
+fn llama3_chat_demo_reaches_the_target_and_answers_held_out_conversations() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new("bash")
+        .arg(common::root().join("scripts/demo-chat.sh"))
+        .args(["--set", "run.threads=1"])
+        .current_dir(common::root())
+        .env("LLORA", common::llora_bin())
+        .env("OUT", dir.path())
+        .env("THREADS", "1")
+        .env("OMP_WAIT_POLICY", "PASSIVE")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "demo-chat.sh failed:\n{stdout}\n{stderr}");
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(last["status"], "success", "{stdout}");
+    assert!(last["eval_loss"].as_f64().unwrap() <= 0.925, "{last}");
+    let config = llora_model::LlamaConfig::from_hf_dir(&dir.path().join("demo-llama3-base")).unwrap();
+    assert!(config.tie_word_embeddings && config.rope_scaling.is_some(), "the base is Llama-3-style");
+    // Each answer opens with its report's topic's 24-word abstract (the topic recognised from
+    // the report; a model that did not learn it would not produce one word of 24 in order).
+    assert_eq!(last["answers"], 4);
+    assert!(last["min_prefix"].as_u64().unwrap() >= 24, "an answer misses its topic's abstract:\n{stdout}");
+}
+
 /// The resume test: a run killed with SIGKILL at a random step and resumed from its
 /// last checkpoint ends with bitwise the same adapters as an uninterrupted run (CPU, one thread).
 #[test]

@@ -10,6 +10,7 @@ pub mod loader;
 pub mod parquet_io;
 pub mod prefetch;
 pub mod synth;
+pub mod synth_chat;
 pub mod text;
 
 /// The tokenizers crate's tokenizer, which the text paths take.

@@ -2,8 +2,8 @@
 //! learnable function of their report, in the MLPerf token layout, with no download.
 //!
 //! Token space, Llama-like: 0 `<unk>` (also padding), 1 `<s>`, 2 `</s>`, 3..=8 the template
-//! words `###`, `Summarize`, `the`, `following`, `text:`, `Summary:`; content tokens from 16,
-//! each a made-up word ([`word`]). [`tokenizer_vocab`] lists them all, so the same corpus
+//! words `###`, `Summarize`, `the`, `following`, `text:`, `Summary:`, 9..=11 the chat roles;
+//! content tokens from 16, each a made-up word ([`word`]). [`tokenizer_vocab`] lists them all, so the same corpus
 //! exists as text (SCROLLS' `input`/`output`) and as MLPerf token ids, and a word-level
 //! tokenizer maps one onto the other exactly.
 //! Each report is written about one of `topics` topics: its tokens follow that topic's Zipf
@@ -29,9 +29,22 @@ pub const PROMPT: [u32; 5] = [3, 4, 5, 6, 7];
 pub const SUMMARY_MARK: [u32; 2] = [3, 8];
 /// First content token id.
 pub const FIRST_CONTENT: u32 = 16;
-/// The words of ids 0..=8; ids 9..16 are unused (`<unused_N>`).
-pub const SPECIAL_WORDS: [&str; 9] =
-    ["<unk>", "<s>", "</s>", "###", "Summarize", "the", "following", "text:", "Summary:"];
+/// The words of ids 0..=11: the MLPerf template's, then the chat roles (the corpus in chat
+/// form, [`crate::synth_chat`]); ids 12..16 are unused (`<unused_N>`).
+pub const SPECIAL_WORDS: [&str; 12] = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "###",
+    "Summarize",
+    "the",
+    "following",
+    "text:",
+    "Summary:",
+    "system",
+    "user",
+    "assistant",
+];
 
 /// The made-up word of content token `id` (≥ [`FIRST_CONTENT`]): the id's base-16 digits as
 /// syllables, at least two, so every id has its own word and none is a template word.

@@ -240,6 +240,10 @@ pub struct SynthArgs {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Write the corpus as Llama-3-style conversations instead (`messages` rows, a tokenizer
+    /// with Llama 3's special tokens and chat template) for `llora data prepare --format chat`.
+    #[arg(long)]
+    pub chat: bool,
     /// Replace an existing `--out` (swapped in once the new one is complete).
     #[arg(long)]
     pub overwrite: bool,

@@ -148,9 +148,11 @@ impl Default for ModelConfig {
 /// `[model.pretrain]`: how to make the base checkpoint when `model.path` has none.
 ///
 /// Full fine-tuning of the randomly initialised `model.preset` on a synthetic corpus like
-/// `[data.synthetic]` but drawn from `corpus_seed` (other topics and abstracts), until its eval
-/// loss reaches `target_loss` or `steps` run out; the result is saved to `model.path` as an HF
-/// checkpoint and reused by later runs. LoRA then has new topics to learn.
+/// `[data.synthetic]` but drawn from `corpus_seed` (other topics and abstracts, or the same
+/// ones with the same seed), or, when the data are files, on `data.train` itself (evaluated on
+/// `data.eval`), until its eval loss reaches `target_loss` or `steps` run out; the result is
+/// saved to `model.path` as an HF checkpoint and reused by later runs. LoRA then has the rest
+/// to learn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PretrainConfig {
@@ -158,7 +160,7 @@ pub struct PretrainConfig {
     pub steps: usize,
     /// Peak learning rate (cosine to 0 over `steps`).
     pub lr: f64,
-    /// Seed of the pre-training corpus.
+    /// Seed of the pre-training corpus (a synthetic one; files are read as they are).
     pub corpus_seed: u64,
     /// Stop once the pre-training eval loss is at or below this.
     pub target_loss: f64,
@@ -660,10 +662,10 @@ impl Config {
                 "needs model.path (where the base is saved) and model.preset (what to pre-train)",
             );
             p.check(
-                self.data.synthetic.is_some(),
+                self.data.synthetic.is_some() || (self.data.train.is_some() && self.data.eval.is_some()),
                 "model.pretrain",
                 &"[model.pretrain]",
-                "needs a [data.synthetic] section (the pre-training corpus is synthetic)",
+                "needs a corpus: a [data.synthetic] section, or data.train and data.eval",
             );
             p.check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
             p.check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");

@@ -71,6 +71,9 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         ..SynthConfig::default()
     })?;
     crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
+    if a.chat {
+        return synth_chat(a, &synth);
+    }
     crate::paths::write_dir_atomic(&a.out, |out| {
         for (split, name, n) in [(0, "train", a.train), (1, "validation", a.eval)] {
             let docs = synth.documents(split, n);
@@ -85,6 +88,34 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         write_atomic(&out.join("tokenizer.json"), json.as_bytes())
     })?;
     println!("{}", json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab}));
+    Ok(())
+}
+
+/// `llora data synth --chat`: both splits as conversation rows (`train.jsonl`,
+/// `validation.jsonl`) and the Llama-3-style tokenizer directory (`tokenizer.json`,
+/// `tokenizer_config.json` with the chat template) that `llora data prepare --format chat`
+/// and `llora generate --chat` take.
+fn synth_chat(a: &SynthArgs, synth: &Synth) -> anyhow::Result<()> {
+    use llora_data::synth_chat::{SPECIAL_TOKENS, conversation, tokenizer, tokenizer_config};
+    crate::paths::write_dir_atomic(&a.out, |out| {
+        for (split, name, n) in [(0, "train", a.train), (1, "validation", a.eval)] {
+            let mut text = String::new();
+            for doc in synth.documents(split, n) {
+                text += &conversation(&doc).to_string();
+                text.push('\n');
+            }
+            write_atomic(&out.join(format!("{name}.jsonl")), text.as_bytes())?;
+        }
+        let json =
+            tokenizer(a.vocab)?.to_string(true).map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))?;
+        write_atomic(&out.join("tokenizer.json"), json.as_bytes())?;
+        write_atomic(&out.join("tokenizer_config.json"), serde_json::to_string_pretty(&tokenizer_config())?.as_bytes())
+    })?;
+    println!(
+        "{}",
+        json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab,
+               "model_vocab": a.vocab + SPECIAL_TOKENS, "format": "chat"})
+    );
     Ok(())
 }
 

@@ -784,10 +784,10 @@ fn load_model(
     }
 }
 
-/// Makes the base checkpoint `model.path` by full fine-tuning `model.preset` on a synthetic
-/// corpus of other topics (see [`PretrainConfig`]), then moves it into place.
+/// Makes the base checkpoint `model.path` by full fine-tuning `model.preset` on the
+/// pre-training corpus (see [`PretrainConfig`]), then moves it into place.
 fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> anyhow::Result<()> {
-    info!(path = %path.display(), steps = pt.steps, "no base checkpoint yet: pre-training one (full fine-tuning, synthetic corpus)");
+    info!(path = %path.display(), steps = pt.steps, "no base checkpoint yet: pre-training one (full fine-tuning)");
     let mut c = config.clone();
     c.model.path = None;
     c.model.pretrain = None;
