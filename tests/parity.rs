@@ -805,21 +805,42 @@ fn hf_generate_in(
     serde_json::from_slice(&hf.stdout).unwrap()
 }
 
-/// #24 Must-show 4: `llora generate` (KV-cached, greedy) continues a prompt exactly as HF
-/// transformers' greedy `generate` does, 64 new tokens, on the Llama-3-style checkpoint with its
-/// PEFT adapter, the prompt tokenised by the Llama 3 tokenizer.
-#[test]
-fn generate_greedy_equals_hf_generate_with_an_adapter() {
+/// `llora generate --precision PRECISION` (greedy, `new` tokens) on the Llama-3-style checkpoint
+/// with its PEFT adapter, the prompt tokenised by the Llama 3 tokenizer, and transformers'
+/// greedy `generate` on the model in that dtype (`fp32` or `bf16`): (ours, HF's).
+fn generate_against_hf(precision: &str, new: usize) -> (serde_json::Value, serde_json::Value) {
     let dir = llama3_fixture();
     let tmp = tempfile::tempdir().unwrap();
     let base = base_only_copy(&dir, tmp.path());
     let tok = llama3_tokenizer(tmp.path());
     let (b, d, t) = (base.to_str().unwrap(), dir.to_str().unwrap(), tok.to_str().unwrap());
     let prompt = "The Government Accountability Office reported that";
-    let ours =
-        llora_generate(&["--model", b, "--adapter", d, "--tokenizer", t, "--prompt", prompt, "--max-new-tokens", "64"]);
+    let n = new.to_string();
+    let ours = llora_generate(&[
+        "--model",
+        b,
+        "--adapter",
+        d,
+        "--tokenizer",
+        t,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        &n,
+        "--precision",
+        precision,
+    ]);
     assert_eq!(ours["prompt_ids"][0], 128000, "the tokenizer's <|begin_of_text|> starts the prompt");
-    let hf = hf_generate(&base, &dir, &ours["prompt_ids"], 64);
+    let hf = hf_generate_in(&base, &dir, &ours["prompt_ids"], new, precision);
+    (ours, hf)
+}
+
+/// #24 Must-show 4: `llora generate` (KV-cached, greedy) continues a prompt exactly as HF
+/// transformers' greedy `generate` does, 64 new tokens, on the Llama-3-style checkpoint with its
+/// PEFT adapter.
+#[test]
+fn generate_greedy_equals_hf_generate_with_an_adapter() {
+    let (ours, hf) = generate_against_hf("fp32", 64);
     eprintln!(
         "generate: llora {:.0} tokens/s, HF {:.0} tokens/s (decode, 1 thread)",
         ours["decode_tokens_per_s"].as_f64().unwrap(),
@@ -834,28 +855,9 @@ fn generate_greedy_equals_hf_generate_with_an_adapter() {
 /// on the bf16 model with PEFT's f32 adapter: the same ids.
 #[test]
 fn generate_in_bf16_equals_hf_generate_in_bf16() {
-    let dir = llama3_fixture();
-    let tmp = tempfile::tempdir().unwrap();
-    let base = base_only_copy(&dir, tmp.path());
-    let tok = llama3_tokenizer(tmp.path());
-    let (b, d, t) = (base.to_str().unwrap(), dir.to_str().unwrap(), tok.to_str().unwrap());
-    let prompt = "The Government Accountability Office reported that";
-    let ours = llora_generate(&[
-        "--model",
-        b,
-        "--adapter",
-        d,
-        "--tokenizer",
-        t,
-        "--prompt",
-        prompt,
-        "--max-new-tokens",
-        "32",
-        "--precision",
-        "bf16",
-    ]);
-    let hf = hf_generate_in(&base, &dir, &ours["prompt_ids"], 32, "bf16");
+    let (ours, hf) = generate_against_hf("bf16", 32);
     assert_eq!(ours["ids"], hf["ids"], "bf16 greedy continuations differ");
+    assert_eq!(ours["ids"].as_array().unwrap().len(), 32);
 }
 
 /// `llora generate --chat`: the conversation is rendered with the template's generation prompt
