@@ -1,8 +1,9 @@
-//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and two
+//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and three
 //! C++ shims compiled against the same LibTorch, as tch builds its own C++ wrapper: the fused
-//! attention forwards tch does not bind (`src/attention/sdpa_shim.cpp`) and what LibTorch
-//! build llora runs with (`src/torch_info.cpp`, beside `device.rs`). They need only LibTorch's
-//! own headers.
+//! attention forwards tch does not bind (`src/attention/sdpa_shim.cpp`), what LibTorch build
+//! llora runs with (`src/torch_info.cpp`, beside `device.rs`), and LibTorch's profiler, op
+//! counter and device statistics (`src/profile_shim.cpp`, beside `profile.rs`). They need only
+//! LibTorch's own headers.
 
 use std::path::PathBuf;
 
@@ -11,7 +12,7 @@ mod rpath;
 
 fn main() {
     rpath::main();
-    let shims = ["src/attention/sdpa_shim.cpp", "src/torch_info.cpp"];
+    let shims = ["src/attention/sdpa_shim.cpp", "src/torch_info.cpp", "src/profile_shim.cpp"];
     for f in shims {
         println!("cargo:rerun-if-changed={f}");
     }

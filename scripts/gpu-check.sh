@@ -17,16 +17,20 @@
 # elsewhere against the node's torch, docs/gpu.md) and a Python with torch, transformers and
 # peft (PYTHON=..., default .venv/bin/python when present, else python3).
 #
+# Every process it runs must exit 0: a non-zero exit (a panic, an abort at exit) fails the
+# report even when the process printed a good result. TRACE=1 adds a Chrome/Perfetto trace of
+# one step of each llora bench (REPORT_DIR/trace-PRESET-SEQ-PRECISION.json).
+#
 #   scripts/gpu-check.sh                      # on a GPU node, all of the above
 #   scripts/gpu-check.sh --cpu                # the same report path on the CPU, small shapes
-#   REPORT_DIR=/tmp/r SHAPES="small:2048" scripts/gpu-check.sh
+#   REPORT_DIR=/tmp/r SHAPES="small:2048" TRACE=1 scripts/gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -38,6 +42,18 @@ fi
 "$PYTHON" -c 'import torch, transformers, peft, safetensors' 2>/dev/null \
   || { echo "gpu-check.sh: $PYTHON lacks torch, transformers, peft or safetensors" >&2; exit 1; }
 TORCHRUN=("$PYTHON" -m torch.distributed.run)
+# A llora built on another machine (scripts/gpu-bundle.sh) loads the node's LibTorch, CUDA,
+# cuDNN and NCCL from this Python's torch wheel: torch/lib and every nvidia/*/lib folder.
+torch_libs=$("$PYTHON" - <<'PY'
+import glob, os, torch
+lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+site = os.path.dirname(os.path.dirname(torch.__file__))
+nvidia = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(site, "nvidia", "**", "lib*.so*"), recursive=True)})
+print(":".join([lib] + nvidia))
+PY
+)
+export LD_LIBRARY_PATH="$torch_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+"$LLORA" --version >/dev/null 2>&1 || { echo "gpu-check.sh: $LLORA does not start here: $("$LLORA" --version 2>&1 | head -3)" >&2; exit 1; }
 REPORT_DIR=${REPORT_DIR:-gpu-check-$(hostname)-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$REPORT_DIR"
 work="$REPORT_DIR/work"
@@ -63,6 +79,8 @@ else
 fi
 row() { echo "$1" >>"$rows"; }
 say() { echo "# gpu-check: $*" >&2; }
+# exited WHAT RC: records a process's exit status (the report fails on any non-zero).
+exited() { row "{\"section\": \"exit\", \"what\": \"$1\", \"rc\": $2}"; }
 
 # 1. The machine.
 say "machine"
@@ -76,11 +94,16 @@ row "{\"section\": \"machine\", \"mode\": \"$MODE\", \"gpus\": $gpus, \"peer\": 
 
 # 2. Self-tests: this process alone (NCCL on one GPU), then one rank per GPU for the bus bandwidth.
 say "self-tests on $DEVICE"
-"$LLORA" selftest --device "$DEVICE" --threads "$THREADS" 2>"$work/selftest.log" | tail -1 \
-  | sed 's/^{/{"section": "selftest", /' >>"$rows" || true
+rc=0
+"$LLORA" selftest --device "$DEVICE" --threads "$THREADS" 2>"$work/selftest.log" >"$work/selftest.out" || rc=$?
+exited "llora selftest --device $DEVICE" "$rc"
+tail -1 "$work/selftest.out" | sed 's/^{/{"section": "selftest", /' >>"$rows" || true
 say "all-reduce over $NGPU ranks"
+rc=0
 "${TORCHRUN[@]}" --standalone --nproc-per-node "$NGPU" --no-python "$LLORA" selftest --device "${DEVICE%%:*}" \
-  --threads "$THREADS" --only all-reduce 2>"$work/allreduce.log" | tail -1 | sed 's/^{/{"section": "allreduce", /' >>"$rows" || true
+  --threads "$THREADS" --only all-reduce 2>"$work/allreduce.log" >"$work/allreduce.out" || rc=$?
+exited "torchrun x$NGPU llora selftest --only all-reduce" "$rc"
+tail -1 "$work/allreduce.out" | sed 's/^{/{"section": "allreduce", /' >>"$rows" || true
 
 # 3. Parity with HF + PEFT: a fixture (base, adapter, batch and PEFT's losses in fp32 and bf16,
 # computed by scripts/peer/fixtures.py on the CPU) evaluated by llora on the device.
@@ -97,8 +120,11 @@ pq.write_table(pa.table({"input_ids": [list(map(int, r)) for r in b["input_ids"]
                sys.argv[1] + "/batch.parquet")
 PY
   for precision in fp32 bf16; do
+    rc=0
     "$LLORA" eval --model "$fx" --adapter "$fx" --data "$fx/batch.parquet" --batch-size 2 --precision "$precision" \
-      --device "$DEVICE" --threads "$THREADS" 2>>"$work/eval.log" | tail -1 \
+      --device "$DEVICE" --threads "$THREADS" 2>>"$work/eval.log" >"$work/eval-$precision.out" || rc=$?
+    exited "llora eval --precision $precision" "$rc"
+    tail -1 "$work/eval-$precision.out" \
       | "$PYTHON" -c 'import json,sys; d=json.load(sys.stdin); e=json.load(open(sys.argv[2]+"/expected.json")); fp32=e["losses"][0]; want=e["bf16_loss"] if sys.argv[1]=="bf16" else fp32; got=d["loss_per_token"]; print(json.dumps({"section": "parity", "precision": sys.argv[1], "llora_loss": got, "peft_loss": want, "peft_fp32_loss": fp32, "rel_diff": abs(got-want)/abs(want), "ok": abs(got-fp32) <= 2*abs(want-fp32) + 1e-4*abs(fp32) if sys.argv[1]=="bf16" else abs(got-want) <= 1e-5*abs(want)}))' "$precision" "$fx" >>"$rows"
   done
 else
@@ -116,10 +142,12 @@ peak_sampler() { # writes the largest memory.used (MiB) of GPU 0 while its paren
 }
 run_sampled() { # run_sampled OUTFILE CMD...: the command's last stdout line, plus device_peak_mb
   local out=$1; shift
-  local peak="$work/peak.$$" pid=
+  local peak="$work/peak.$$" pid= rc=0
   echo 0 >"$peak"
   if [[ $MODE == gpu ]]; then peak_sampler "$peak" & pid=$!; fi
-  "$@" 2>>"$work/bench.log" | tail -1 >"$out.line" || true
+  "$@" 2>>"$work/bench.log" >"$out.all" || rc=$?
+  exited "$(basename "$1") ${*:2:8}" "$rc"
+  tail -1 "$out.all" >"$out.line" || true
   [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
   "$PYTHON" -c 'import json,sys; l=open(sys.argv[1]).read().strip(); d=json.loads(l) if l else {"error": "no output"}; d["device_peak_mb"]=float(open(sys.argv[2]).read() or 0) or None; print(json.dumps(d))' \
     "$out.line" "$peak" >"$out"
@@ -130,6 +158,11 @@ for shape in $SHAPES; do
     common=(--preset "$preset" --seq-len "$seq" --batch 1 --warmup 2 --steps "$STEPS" --threads "$THREADS")
     extra=(--precision "$precision")
     [[ $precision == fp8 ]] && extra=(--precision fp8 --fp8-weights --fp8-activations)
+    if [[ ${TRACE:-0} == 1 ]]; then
+      trace="$REPORT_DIR/trace-$preset-$seq-$precision.json"
+      rm -f "$trace"
+      extra+=(--trace "$trace")
+    fi
     say "bench $preset s$seq $precision: llora"
     run_sampled "$work/l.json" "$LLORA" bench "${common[@]}" "${extra[@]}" --device "$DEVICE" --tag llora
     say "bench $preset s$seq bf16: peer"
@@ -154,6 +187,11 @@ row = {"section": "bench", "preset": l.get("preset"), "seq_len": l.get("seq_len"
        "llora_peak_mb": l.get(mem), "peer_peak_mb": p.get(mem),
        "peer_peak_cuda_allocated_mb": p.get("peak_cuda_allocated_mb"), "gpu": gpu or None,
        "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"),
+       "llora_fwd_s": l.get("fwd_s_median"), "llora_bwd_s": l.get("bwd_s_median"), "llora_opt_s": l.get("opt_s_median"),
+       "peer_fwd_s": p.get("fwd_s_median"), "peer_bwd_s": p.get("bwd_s_median"), "peer_opt_s": p.get("opt_s_median"),
+       "llora_device_peak_allocated_mb": l.get("device_peak_allocated_mb"),
+       "llora_device_peak_reserved_mb": l.get("device_peak_reserved_mb"),
+       "ops_per_step": l.get("ops_per_step"), "host_syncs_per_step": l.get("host_syncs_per_step"),
        "fp8_gemms_fallback": l.get("fp8_gemms_fallback"), "error": l.get("error") or p.get("error")}
 if row["llora_peak_mb"] and row["planned_peak_mb"]:
     row["measured_over_planned"] = row["llora_peak_mb"] / row["planned_peak_mb"]
@@ -183,6 +221,9 @@ for r in by("parity"):
         md.append(f"| skipped: {r['skipped']} | | | | |")
     else:
         md.append(f"| {r['precision']} | {r['llora_loss']:.6f} | {r['peft_loss']:.6f} | {r['rel_diff']:.2e} | {'yes' if r['ok'] else '**no**'} |")
+md += ["", "## Exit statuses (every process must exit 0)", "", "| process | exit |", "|---|---|"]
+for r in by("exit"):
+    md.append(f"| {r['what']} | {r['rc'] if r['rc'] == 0 else '**' + str(r['rc']) + '**'} |")
 md += ["", "## llora against PyTorch + PEFT (bf16)", "",
        "| shape | llora precision | llora step s | PEFT bf16 step s | ratio | llora TFLOP/s | PEFT TFLOP/s | of bf16 peak | llora peak MB | PEFT peak MB | planned MB | measured/planned | attention |",
        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -191,9 +232,17 @@ for r in by("bench"):
     md.append(f"| {r['preset']} s{r['seq_len']} | {r['precision']} | {f(r['llora_step_s'],4)} | {f(r['peer_bf16_step_s'],4)} | {f(r['ratio'])} | "
               f"{f(r['llora_tflops'],4)} | {f(r['peer_tflops'],4)} | {f(r['llora_mfu_bf16_peak'])} | {f(r['llora_peak_mb'],0)} | {f(r['peer_peak_mb'],0)} | "
               f"{f(r['planned_peak_mb'],0)} | {f(r.get('measured_over_planned'))} | {','.join(r.get('attn_impl') or [])} |")
+md += ["", "## Where the step goes (llora's phases synchronised with the device; allocator peaks)", "",
+       "| shape | llora precision | llora fwd / bwd / opt s | PEFT fwd / bwd / opt s | ops per step | host syncs per step | device peak allocated / reserved MB |",
+       "|---|---|---|---|---|---|---|"]
+for r in by("bench"):
+    md.append(f"| {r['preset']} s{r['seq_len']} | {r['precision']} | {f(r.get('llora_fwd_s'),4)} / {f(r.get('llora_bwd_s'),4)} / {f(r.get('llora_opt_s'),4)} | "
+              f"{f(r.get('peer_fwd_s'),4)} / {f(r.get('peer_bwd_s'),4)} / {f(r.get('peer_opt_s'),4)} | {f(r.get('ops_per_step'))} | {f(r.get('host_syncs_per_step'))} | "
+              f"{f(r.get('llora_device_peak_allocated_mb'),0)} / {f(r.get('llora_device_peak_reserved_mb'),0)} |")
 open(f"{out}/report.md", "w").write("\n".join(md) + "\n")
 failed = [c["name"] for s in by("selftest") + by("allreduce") for c in s.get("checks", []) if c["required"] and not c["ok"]]
 failed += [f"parity {r['precision']}" for r in by("parity") if "skipped" not in r and not r["ok"]]
+failed += [f"exit {r['rc']}: {r['what']}" for r in by("exit") if r["rc"] != 0]
 missing = [s for s in ("selftest", "allreduce", "parity", "bench") if not by(s)]
 print("\n".join(md))
 if failed or missing:

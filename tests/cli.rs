@@ -335,8 +335,52 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
         assert!(r["ratio"].as_f64().unwrap() > 0.0 && r["measured_over_planned"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["error"].is_null(), "{r}");
     }
+    // Every process it ran is listed with its exit status, and all exited 0.
+    let exits = section("exit");
+    assert!(exits.len() >= 6, "{exits:?}");
+    assert!(exits.iter().all(|r| r["rc"] == 0), "{exits:?}");
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.contains("## Self-tests") && md.contains("## llora against PyTorch + PEFT"), "{md}");
+    assert!(md.contains("## Exit statuses") && md.contains("## Where the step goes"), "{md}");
+}
+
+/// The launch and synchronisation budgets of a training step, held on the CPU so that a new
+/// per-layer readback or a cast storm is caught without a GPU (issue #37): one host-device
+/// synchronisation per optimizer step in fp32 and bf16 (loss and gradient norms read together),
+/// two in FP8 (plus delayed scaling's amaxes, once), none more with accumulation or recomputed
+/// blocks; a bf16 step dispatches at most 1.15x the ops of an fp32 one, an FP8 step 2.6x. The
+/// `--trace` of the extra step is a Chrome trace, and an existing trace file is refused.
+#[test]
+fn step_budgets_of_syncs_and_ops_hold_on_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let bench = |extra: &[&str]| -> serde_json::Value {
+        let mut args =
+            vec!["bench", "--preset", "tiny", "--seq-len", "64", "--threads", "1", "--warmup", "1", "--steps", "1"];
+        args.extend(extra);
+        let out = llora(&args);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let fp32 = bench(&[]);
+    let bf16 = bench(&["--precision", "bf16", "--accum", "3", "--trace", trace.to_str().unwrap()]);
+    let fp8 = bench(&["--precision", "fp8", "--fp8-weights", "--fp8-activations", "--recompute-layers", "1"]);
+    let syncs = |r: &serde_json::Value| r["host_syncs_per_step"].as_u64().unwrap();
+    let ops_of = |r: &serde_json::Value| r["ops_per_step"].as_u64().unwrap() as f64;
+    assert_eq!(syncs(&fp32), 1, "{fp32}");
+    assert_eq!(syncs(&bf16), 1, "three micro-batches, still one read: {bf16}");
+    assert!(syncs(&fp8) <= 2, "{fp8}");
+    // bf16 ran 3 micro-batches: compare per micro-batch.
+    let per_micro = ops_of(&bf16) / 3.0;
+    assert!(per_micro <= 1.15 * ops_of(&fp32), "bf16 {per_micro} ops per micro-batch vs fp32 {}", ops_of(&fp32));
+    assert!(ops_of(&fp8) <= 2.6 * ops_of(&fp32), "FP8 {} ops vs fp32 {}", ops_of(&fp8), ops_of(&fp32));
+    let events: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let names: std::collections::BTreeSet<&str> =
+        events["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    assert!(names.contains("aten::mm") || names.contains("aten::matmul"), "{names:?}");
+    let out = llora(&["bench", "--preset", "tiny", "--seq-len", "16", "--trace", trace.to_str().unwrap()]);
+    assert!(!out.status.success() && text(&out).1.contains("--trace"), "{}", text(&out).1);
 }
 
 /// Command flags get the validation of the config keys they stand for (#29): each bad value is
@@ -439,6 +483,41 @@ fn data_outputs_are_replaced_only_on_request() {
     assert!(std::fs::read(&train).unwrap() != before, "another seed, other samples");
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 2, "no temporary files or directories left: {left:?}");
+
+    // --overwrite replaces only what the command writes (#41): a file or folder of the user's in
+    // the directory makes it refuse, plain and --chat, and everything stays as it was.
+    std::fs::write(synth_dir.join("notes.txt"), b"mine").unwrap();
+    std::fs::create_dir(synth_dir.join("keep")).unwrap();
+    let now = std::fs::read(&train).unwrap();
+    for chat in [false, true] {
+        let mut args = [&synth[..], &["--overwrite"]].concat();
+        if chat {
+            args.push("--chat");
+        }
+        let out = llora(&args);
+        let (_, stderr) = text(&out);
+        assert!(
+            !out.status.success() && stderr.contains("keep, notes.txt") && stderr.contains("does not write"),
+            "{stderr}"
+        );
+        assert_eq!(std::fs::read(synth_dir.join("notes.txt")).unwrap(), b"mine");
+        assert!(synth_dir.join("keep").is_dir() && std::fs::read(&train).unwrap() == now);
+    }
+
+    // `plot --out` never replaces an existing file unless told to (#41).
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{\"samples\": 8, \"loss\": 2.0}\n").unwrap();
+    let svg = dir.path().join("result_0.txt");
+    std::fs::write(&svg, b"an MLPerf log").unwrap();
+    let plot = ["plot", run.to_str().unwrap(), "--out", svg.to_str().unwrap()];
+    let out = llora(&plot);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success() && stderr.contains("already exists") && stderr.contains("--overwrite"), "{stderr}");
+    assert_eq!(std::fs::read(&svg).unwrap(), b"an MLPerf log");
+    let out = llora(&[&plot[..], &["--overwrite"]].concat());
+    assert!(out.status.success(), "{}", text(&out).1);
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
 }
 
 /// Sizes that used to end in an OOM kill or a long hang are refused before anything is

@@ -263,7 +263,7 @@ fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
         let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
         let mb = llora_trainer::step::MicroBatch {
             ids: Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device),
-            labels: Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device),
+            labels: Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device).into(),
             seed: None,
         };
         let (loss, grads, _, _) = llora_trainer::step::micro_batch_grads(&mut model, mb, n_target, recompute).unwrap();
@@ -378,9 +378,9 @@ fn training_steps_match_torch_adamw() {
             &mut model,
             &mut optim,
             &llora_trainer::dist::SingleProcess,
-            vec![MicroBatch { ids, labels, seed: None }],
+            vec![MicroBatch { ids, labels: labels.into(), seed: None }],
             n_tokens,
-            StepOptions { lr, clip_grad_norm: optim_cfg.clip_grad_norm, recompute_layers: 0 },
+            StepOptions { lr, clip_grad_norm: optim_cfg.clip_grad_norm, recompute_layers: 0, sync_phases: false },
         )
         .unwrap();
         let ref_loss = fx.json["losses"][k - 1].as_f64().unwrap();
@@ -640,8 +640,8 @@ fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let mut optim = AdamW::new(OptimConfig::default());
-        let opts = StepOptions { lr: 4e-4, clip_grad_norm: 0.3, recompute_layers: 0 };
-        let batch = vec![MicroBatch { ids, labels, seed: None }];
+        let opts = StepOptions { lr: 4e-4, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false };
+        let batch = vec![MicroBatch { ids, labels: labels.into(), seed: None }];
         let stats = train_step(&mut model, &mut optim, &llora_trainer::dist::SingleProcess, batch, n_tokens, opts)?;
         Ok((stats.loss, adapted))
     };

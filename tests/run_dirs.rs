@@ -9,11 +9,15 @@ use std::path::{Path, PathBuf};
 
 use common::{checkpoint_step, llora, mllog, random_base_config, short_run_args, strs, text};
 
-/// Every file under `dir` with its bytes.
+/// Every file under `dir` with its bytes (but the run lock, which names the last process that
+/// held the directory: process state, not a run's output).
 fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
     fn walk(dir: &Path, out: &mut BTreeMap<PathBuf, Vec<u8>>) {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
+            if path.file_name().is_some_and(|n| n == ".llora-run.lock") {
+                continue;
+            }
             if path.is_dir() {
                 walk(&path, out);
             } else {

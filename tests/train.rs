@@ -95,6 +95,16 @@ fn reaching_the_target_logs_an_mlperf_run() {
     // PEFT-format adapter and per-step metrics are left in the run directory.
     assert!(run_dir.join("adapter/adapter_model.safetensors").is_file());
     assert!(run_dir.join("adapter/adapter_config.json").is_file());
+    // The adapter was in place before run_stop was logged (#41: a kill between the two must
+    // never leave a logged run_stop without its adapter), and no temporary folder is left.
+    let mtime = |p: &std::path::Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    assert!(mtime(&run_dir.join("adapter/adapter_model.safetensors")) <= mtime(&run_dir.join("result_0.txt")));
+    let stray: Vec<_> = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.') && n != ".llora-run.lock")
+        .collect();
+    assert!(stray.is_empty(), "{stray:?}");
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     assert!(metrics.lines().count() >= 2 && metrics.contains("\"grad_norm\""), "{metrics}");
 }

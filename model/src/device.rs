@@ -103,12 +103,22 @@ impl DeviceSpec {
             Self::CudaLocal => Self::Cuda(0).init(threads),
             Self::Cuda(n) => {
                 let count = tch::Cuda::device_count();
-                if (*n as i64) >= count {
+                if count == 0 {
                     anyhow::bail!(
-                        "run.device = \"cuda:{n}\" but LibTorch sees {count} CUDA device(s) on this machine; \
-                         use run.device = \"cpu\" or a device index below {count}"
+                        "device cuda:{n} asked for, but LibTorch sees no CUDA device on this machine \
+                         ({}); use the device \"cpu\"",
+                        libtorch_summary()
                     );
                 }
+                if (*n as i64) >= count {
+                    anyhow::bail!(
+                        "device cuda:{n} asked for, but LibTorch sees {count} CUDA device(s) on this machine; \
+                         use a device index below {count} (or \"cuda\": cuda:LOCAL_RANK under a launcher)"
+                    );
+                }
+                // Kernels that take no tensor, cuBLAS handles and NCCL communicators use the
+                // current device: each rank's must be its own GPU, not GPU 0.
+                crate::profile::set_current_device(*n).map_err(anyhow::Error::msg)?;
                 set_torch_threads(threads);
                 Ok(Device::libtorch_cuda(*n))
             }

@@ -53,9 +53,14 @@ pub trait DropoutBackend: Backend {
 /// those of one long stream), which keeps the transient at 16 KB instead of 4 bytes per element.
 const CHUNK: usize = 16 * 1024;
 
-/// A fresh mask seed: one draw from LibTorch's CPU generator.
-fn draw_seed() -> u64 {
-    tch::Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu)).int64_value(&[0]) as u64
+/// A fresh seed: one draw from LibTorch's CPU generator (which `Device::seed` seeds). The
+/// value is copied out of the CPU tensor, not read as a scalar op: it never waits for a GPU,
+/// and the step's synchronisation count (`crate::profile`) leaves it out.
+pub(crate) fn draw_seed() -> u64 {
+    let t = tch::Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu));
+    let mut v = [0i64];
+    t.copy_data(&mut v, 1);
+    v[0] as u64
 }
 
 /// Writes into `keep` true with probability 1 − p: word k of the ChaCha8 stream seeded with

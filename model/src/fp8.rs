@@ -153,6 +153,36 @@ pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
     x
 }
 
+/// Current scaling without reading anything back: `x` quantised with `max / amax(x)` (1 where
+/// the amax is zero or not finite, as [`scale_for_amax`] with margin 0), the scale computed on
+/// the device. Returns the codes and `1 / scale` as a 0-dim f32 tensor on `x`'s device: the
+/// same f32 arithmetic as [`Fp8Tensor::quantize_current`], so the same codes.
+pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
+    let max = f64::from(format.max());
+    let amax = if x.numel() == 0 {
+        tch::Tensor::zeros([] as [i64; 0], (tch::Kind::Float, x.device()))
+    } else {
+        x.abs().max().to_kind(tch::Kind::Float)
+    };
+    // `max / amax` as one f32 division (the host's `fp8_max / amax`). Few ops on purpose: on a
+    // small model the host's launches are the bottleneck. An amax of 0 gives +inf and a NaN
+    // amax NaN, both 1 after nan_to_num; an infinite amax gives 0, made 1 by adding (s == 0).
+    let mut scale = amax.full_like(max) / &amax;
+    let _ = scale.nan_to_num_(1.0, 1.0, 1.0);
+    let _ = scale.g_add_(&scale.eq(0.0));
+    let mut scaled = x.to_kind(tch::Kind::Float);
+    let _ = scaled.g_mul_(&scale);
+    let _ = scaled.clamp_(-max, max);
+    (scaled.to_kind(format.kind()), scale.reciprocal())
+}
+
+/// `float(q) · scale_inv` in f32, the factor a 0-dim f32 tensor on q's device.
+pub fn dequantize_with(q: &tch::Tensor, scale_inv: &tch::Tensor) -> tch::Tensor {
+    let mut x = q.to_kind(tch::Kind::Float);
+    let _ = x.g_mul_(scale_inv);
+    x
+}
+
 /// `max |x|` as an f32 (NaN if x holds a NaN; 0 for an empty tensor).
 pub fn amax_tch(x: &tch::Tensor) -> f32 {
     if x.numel() == 0 {
@@ -434,6 +464,48 @@ mod tests {
     }
 
     /// Hand-derived delayed scaling: history 3, E4M3 (max 448).
+    /// Current scaling computed on the device gives the host path's codes and factor, bit for
+    /// bit: random bf16 and f32 tensors, all zeros, one holding an infinity, one a NaN, and an
+    /// amax so small that max/amax overflows.
+    #[test]
+    fn current_scaling_on_the_device_equals_the_host_path() {
+        let opts = (tch::Kind::Float, tch::Device::Cpu);
+        let cases = [
+            tch::Tensor::randn([64, 33], opts) * 7.0,
+            (tch::Tensor::randn([5, 40], opts) * 1e-3).to_kind(tch::Kind::BFloat16),
+            tch::Tensor::zeros([4, 4], opts),
+            tch::Tensor::from_slice(&[1.0f32, f32::INFINITY, -2.0]),
+            tch::Tensor::from_slice(&[1.0f32, f32::NAN, -2.0]),
+            tch::Tensor::from_slice(&[1e-44f32, -1e-45]),
+        ];
+        for (i, x) in cases.iter().enumerate() {
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                let host = Fp8Tensor::quantize_current(x, format);
+                let (codes, scale_inv) = quantize_current_on_device(x, format);
+                let bits =
+                    |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).flatten(0, -1)).unwrap();
+                assert_eq!(bits(&codes), bits(&host.data), "case {i} {format:?}: codes");
+                let s = scale_inv.double_value(&[]) as f32;
+                assert_eq!(
+                    s.to_bits(),
+                    host.scale_inv.to_bits(),
+                    "case {i} {format:?}: 1/scale {s} vs {}",
+                    host.scale_inv
+                );
+                let back = dequantize_with(&codes, &scale_inv);
+                let want = host.dequantize();
+                let same = back.isnan().eq_tensor(&want.isnan()).all().int64_value(&[]) == 1
+                    && back
+                        .nan_to_num(0.0, None, None)
+                        .eq_tensor(&want.nan_to_num(0.0, None, None))
+                        .all()
+                        .int64_value(&[])
+                        == 1;
+                assert!(same, "case {i} {format:?}: dequantised values differ");
+            }
+        }
+    }
+
     #[test]
     fn amax_history_semantics() {
         let spec = AmaxSpec { history_len: 3, algo: AmaxAlgo::Max, margin: 0 };

@@ -14,6 +14,7 @@ pub mod loss;
 pub mod norm;
 pub mod params;
 pub mod precision;
+pub mod profile;
 pub mod recompute;
 pub mod rope;
 pub mod shard;

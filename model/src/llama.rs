@@ -262,6 +262,9 @@ pub struct LlamaForCausalLM {
     /// [`PrecisionSpec::activation_dtype`]).
     #[module(skip)]
     pub activations: DType,
+    /// The RoPE tables of the longest sequence seen (see [`crate::rope::RopeCache`]).
+    #[module(skip)]
+    pub rope_cache: crate::rope::RopeCache,
 }
 
 impl LlamaForCausalLM {
@@ -295,7 +298,7 @@ impl LlamaForCausalLM {
     /// # Shapes
     /// - output: (cos, sin), each `[1, 1, seq, head_dim]`
     pub fn rope(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
-        self.rope_at(0..seq, device)
+        self.rope_cache.get(seq, device, self.activations, |n| self.rope_at(0..n, device))
     }
 
     /// [`Self::rope`] for the positions `positions` only.
@@ -343,7 +346,7 @@ impl LlamaForCausalLM {
     pub fn loss(
         &self,
         input_ids: Tensor<2, Int>,
-        labels: Tensor<2, Int>,
+        labels: impl Into<crate::loss::Labels>,
         train: bool,
     ) -> anyhow::Result<crate::loss::LossSums> {
         Ok(crate::loss::target_rows_loss(self.hidden(input_ids, train)?, self.head(), labels))
@@ -444,10 +447,33 @@ impl LlamaForCausalLM {
         out
     }
 
+    /// Reads back, in one host-device transfer, the amaxes the step's FP8 GEMMs left on the
+    /// device, and records them in their scaling states (see `LinearQuant::scale_for`).
+    pub fn settle_fp8_amaxes(&self) {
+        let quants = self.quant_states();
+        let (mut owners, mut parts) = (Vec::new(), Vec::new());
+        for (i, q) in quants.iter().enumerate() {
+            for (role, amax) in q.take_lazy_amaxes() {
+                owners.push((i, role));
+                parts.push(amax);
+            }
+        }
+        if parts.is_empty() {
+            return;
+        }
+        crate::profile::count_host_read();
+        let values =
+            Vec::<f32>::try_from(tch::Tensor::stack(&parts, 0).to_device(tch::Device::Cpu)).expect("f32 amaxes");
+        for ((i, role), v) in owners.into_iter().zip(values) {
+            quants[i].record_amax(role, v);
+        }
+    }
+
     /// The amaxes recorded since the last scale update (input, weight, gradient of every layer,
     /// in a fixed order; −1 where none was recorded): data-parallel ranks max-reduce these so
     /// that every rank's scales follow the global batch's amaxes.
     pub fn fp8_pending_amaxes(&self) -> Vec<f32> {
+        self.settle_fp8_amaxes();
         let mut out = Vec::new();
         for q in self.quant_states() {
             let s = q.scales.lock().unwrap();
@@ -469,6 +495,7 @@ impl LlamaForCausalLM {
 
     /// Ends a training step for delayed scaling: every recorded amax joins its history.
     pub fn update_fp8_scales(&self) {
+        self.settle_fp8_amaxes();
         for (_, linear) in self.named_linears() {
             if let Some(q) = &linear.quant {
                 q.update();

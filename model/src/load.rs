@@ -157,6 +157,7 @@ impl LlamaForCausalLM {
             lm_head: lm_head.map(|t| Param::from_tensor(t).set_require_grad(trainable)),
             config: c.clone(),
             activations: DType::F32,
+            rope_cache: Default::default(),
         };
         if let Some(spec) = precision {
             model.set_precision(spec)?;

@@ -16,6 +16,41 @@ use burn::tensor::{Int, Tensor, TensorData};
 /// Label value that takes no loss (prompt and padding), as in HF and PyTorch.
 pub const IGNORE_INDEX: i64 = -100;
 
+/// A batch's labels on the compute device, with the host values they were uploaded from when
+/// the caller has them: [`target_rows_loss`] selects its rows on the host, and with the host
+/// copy it reads nothing back from the device (a synchronisation per micro-batch otherwise).
+#[derive(Debug, Clone)]
+pub struct Labels {
+    /// `[batch, seq]` on the compute device.
+    pub tensor: Tensor<2, Int>,
+    /// The same values, row-major, when known on the host.
+    pub host: Option<Arc<[i64]>>,
+}
+
+impl Labels {
+    /// Labels from host values (`[batch, seq]`, row-major), uploaded to `device`.
+    pub fn from_host(values: Vec<i64>, shape: [usize; 2], device: &burn::tensor::Device) -> Self {
+        let host: Arc<[i64]> = values.into();
+        Self { tensor: Tensor::from_data(TensorData::new(host.to_vec(), shape), device), host: Some(host) }
+    }
+
+    /// The host values: the copy when there is one, else read back from the device (counted).
+    fn host_values(self) -> Arc<[i64]> {
+        match self.host {
+            Some(h) => h,
+            None => {
+                crate::profile::to_host(self.tensor).convert::<i64>().into_vec::<i64>().expect("integer labels").into()
+            }
+        }
+    }
+}
+
+impl From<Tensor<2, Int>> for Labels {
+    fn from(tensor: Tensor<2, Int>) -> Self {
+        Self { tensor, host: None }
+    }
+}
+
 /// Per-sample sums of token losses and target-token counts.
 #[derive(Debug, Clone)]
 pub struct LossSums {
@@ -56,11 +91,11 @@ pub fn causal_lm_loss(logits: Tensor<3>, labels: Tensor<2, Int>) -> LossSums {
 /// - hidden: `[batch, seq, d]`
 /// - lm_head: `[vocab, d]`
 /// - labels: `[batch, seq]`
-pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: Tensor<2, Int>) -> LossSums {
+pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: impl Into<Labels>) -> LossSums {
     let [b, s, d] = hidden.dims();
     let v = lm_head.dims()[0];
     let device = hidden.device();
-    let host = labels.to_data().convert::<i64>().into_vec::<i64>().expect("integer labels");
+    let host = labels.into().host_values();
     let (mut rows, mut targets, mut counts) = (Vec::new(), Vec::new(), vec![0f32; b]);
     for i in 0..b {
         for t in 0..s.saturating_sub(1) {

@@ -21,8 +21,7 @@ impl BlockSeeds {
         if !train || tch_device(device).is_none() {
             return Self(None);
         }
-        let base = tch::Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, tch::Device::Cpu)).int64_value(&[0]) as u64;
-        Self(Some(base))
+        Self(Some(crate::dropout::draw_seed()))
     }
 
     /// Reseeds the generator for block `k`.
@@ -45,7 +44,8 @@ impl LlamaForCausalLM {
     ///
     /// A sharded model runs every block as its own segment (the others keep their autodiff
     /// graph from the forward): each block's weights are gathered for its forward and again
-    /// for its backward, and freed after each. Returns the loss value and one `Gradients` per
+    /// for its backward, and freed after each. Returns the loss (`[1]`, on the device, not read
+    /// back: no host-device synchronisation here) and one `Gradients` per
     /// segment; every trainable parameter's gradient is in exactly one of them, except a tied
     /// embedding's under full fine-tuning: its head part and its embedding part, to be summed.
     ///
@@ -54,10 +54,10 @@ impl LlamaForCausalLM {
     pub fn recomputed_backward(
         &self,
         input_ids: Tensor<2, Int>,
-        labels: Tensor<2, Int>,
+        labels: impl Into<crate::loss::Labels>,
         norm: f64,
         recompute: usize,
-    ) -> anyhow::Result<(f64, Vec<burn::tensor::Gradients>)> {
+    ) -> anyhow::Result<(Tensor<1>, Vec<burn::tensor::Gradients>)> {
         /// What the backward of one block starts from.
         enum Segment {
             /// The block's input, to run its forward again.
@@ -103,7 +103,8 @@ impl LlamaForCausalLM {
         }
         let loss =
             crate::loss::target_rows_loss(self.norm.forward(h), self.head(), labels).loss_sum.sum().div_scalar(norm);
-        let value = loss.clone().into_scalar::<f32>() as f64;
+        // Kept on the device: the caller reads it with the step's other values, in one sync.
+        let value = loss.clone().inner();
         let grads = loss.backward();
         let mut g = top_in.grad(&grads);
         let mut out = vec![grads];

@@ -120,6 +120,52 @@ pub fn rope_tables_at(
     (Tensor::from_data(TensorData::new(cos, shape), device), Tensor::from_data(TensorData::new(sin, shape), device))
 }
 
+/// The RoPE tables of the longest sequence seen so far, on one device in one dtype, shared by
+/// a model and its clones.
+///
+/// Why: the tables are computed on the host (2·seq·head_dim sines and cosines) and uploaded; at
+/// 8192 tokens that took 18 ms per micro-batch on the first GPU node, with the device idle, and
+/// the upload from pageable memory is a host-device synchronisation. Each position's row depends
+/// on that position alone, so a shorter sequence reads the first rows of the longer tables.
+#[derive(Debug, Clone, Default)]
+pub struct RopeCache(std::sync::Arc<std::sync::Mutex<Option<RopeTables>>>);
+
+/// One pair of cached tables and what they were made for.
+#[derive(Debug)]
+pub struct RopeTables {
+    device: Device,
+    dtype: burn::tensor::DType,
+    cos: Tensor<4>,
+    sin: Tensor<4>,
+}
+
+impl RopeCache {
+    /// The tables of positions `0..seq` on `device` in `dtype`; `make(n)` computes those of
+    /// `0..n` when the cache has none long enough (then they replace it).
+    ///
+    /// # Shapes
+    /// - output: (cos, sin), each `[1, 1, seq, head_dim]`
+    pub fn get(
+        &self,
+        seq: usize,
+        device: &Device,
+        dtype: burn::tensor::DType,
+        make: impl FnOnce(usize) -> (Tensor<4>, Tensor<4>),
+    ) -> (Tensor<4>, Tensor<4>) {
+        let mut cached = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let fits = cached.as_ref().is_some_and(|c| c.device == *device && c.dtype == dtype && c.cos.dims()[2] >= seq);
+        if !fits {
+            let (cos, sin) = make(seq);
+            *cached = Some(RopeTables { device: device.clone(), dtype, cos, sin });
+        }
+        let c = cached.as_ref().expect("filled above");
+        if c.cos.dims()[2] == seq {
+            return (c.cos.clone(), c.sin.clone());
+        }
+        (c.cos.clone().narrow(2, 0, seq), c.sin.clone().narrow(2, 0, seq))
+    }
+}
+
 /// `x·cos + rotate_half(x)·sin`, with `rotate_half(x) = cat(-x[hd/2:], x[:hd/2])`.
 ///
 /// # Shapes
@@ -137,6 +183,33 @@ pub fn apply_rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cache computes the tables once for the longest sequence, and a shorter one reads
+    /// exactly what computing it directly gives; another dtype or a longer sequence recomputes.
+    #[test]
+    fn rope_cache_serves_shorter_sequences_from_the_longest() {
+        let device = Device::libtorch();
+        let cache = RopeCache::default();
+        let made = std::cell::Cell::new(0);
+        let make = |n: usize| {
+            made.set(made.get() + 1);
+            rope_tables_at(0..n, 16, 10000.0, None, &device)
+        };
+        let f32 = burn::tensor::DType::F32;
+        let _ = cache.get(9, &device, f32, make);
+        let (cos, sin) = cache.get(5, &device, f32, make);
+        assert_eq!(made.get(), 1);
+        let (want_cos, want_sin) = rope_tables_at(0..5, 16, 10000.0, None, &device);
+        assert_eq!(cos.dims(), [1, 1, 5, 16]);
+        assert_eq!(cos.into_data(), want_cos.into_data());
+        assert_eq!(sin.into_data(), want_sin.into_data());
+        let _ = cache.get(12, &device, f32, make);
+        let _ = cache.get(12, &device, burn::tensor::DType::BF16, |n| {
+            let (c, s) = make(n);
+            (c.cast(burn::tensor::DType::BF16), s.cast(burn::tensor::DType::BF16))
+        });
+        assert_eq!(made.get(), 3);
+    }
 
     /// Llama 3.1 8B's frequencies (θ 500000, hd 128, factor 8, 1, 4, 8192) by hand at the three
     /// bands: the highest frequency kept, the lowest divided by 8, one in between interpolated.

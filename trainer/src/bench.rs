@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use llora_model::device::HeapBytes;
+use llora_model::device::{DeviceSpec, HeapBytes};
 use llora_model::precision::scaled_mm::take_gemm_counts;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use rand::{Rng, SeedableRng};
@@ -74,14 +74,14 @@ fn random_batch(
     seq: usize,
     vocab: usize,
     device: &Device,
-) -> (Tensor<2, Int>, Tensor<2, Int>, usize) {
+) -> (Tensor<2, Int>, llora_model::loss::Labels, usize) {
     let ids: Vec<i64> = (0..batch * seq).map(|_| rng.random_range(0..vocab as i64)).collect();
     let labels: Vec<i64> = ids.iter().enumerate().map(|(j, &t)| if j % seq < seq / 2 { -100 } else { t }).collect();
     // Position t predicts label t+1, so the last position of a row has no target.
     let targets = batch * (seq - seq / 2 - 1);
     (
         Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
-        Tensor::from_data(TensorData::new(labels, [batch, seq]), device),
+        llora_model::loss::Labels::from_host(labels, [batch, seq], device),
         targets,
     )
 }
@@ -91,12 +91,15 @@ fn random_batch(
 pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     validate(args)?;
     let dist = crate::dist::init(&crate::dist::DistConfig::default(), args.device.is_cuda())?;
+    let device = dist.device(args.device);
     let record = match &args.load {
-        Some(dir) => load(args, dir)?,
+        Some(dir) => load(args, device, dir)?,
         None if args.allreduce_values > 0 => allreduce(args, &dist)?,
-        None => train(args, &dist)?,
+        None => train(args, device, &dist)?,
     };
-    Ok(dist.is_main().then_some(record))
+    let main = dist.is_main();
+    dist.shutdown()?;
+    Ok(main.then_some(record))
 }
 
 /// Checks the flags with the validations of the config keys they stand for (`lora.rank` for
@@ -140,6 +143,9 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
             &args.seq_len,
             &format!("must be at most the preset's {max} positions"),
         );
+    }
+    if let Some(trace) = &args.trace {
+        p.check(!trace.exists(), "--trace", trace, "already exists: llora never writes over a file");
     }
     p.check(
         !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
@@ -250,8 +256,8 @@ fn rss_mb() -> Option<f64> {
 }
 
 /// Loads a checkpoint in the asked precision and compares the peak RSS with the loading bound.
-fn load(args: &BenchArgs, dir: &std::path::Path) -> anyhow::Result<Value> {
-    let device = args.device.init(args.threads)?;
+fn load(args: &BenchArgs, spec: DeviceSpec, dir: &std::path::Path) -> anyhow::Result<Value> {
+    let device = spec.init(args.threads)?;
     // The runtime's own memory (LibTorch's libraries and allocator) before any weight.
     drop(Tensor::<1>::zeros([1], &device));
     let baseline = rss_mb().unwrap_or(0.0);
@@ -300,13 +306,45 @@ fn allreduce(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value
     }))
 }
 
+/// One training step of the bench on fresh random tokens. Every rank draws the whole global
+/// batch from the same generator and trains its share, so any world size sees the same data.
+/// On CUDA the phases are timed with the device waited for at each boundary.
+fn bench_step(
+    args: &BenchArgs,
+    config: &LlamaConfig,
+    dist: &crate::dist::Dist,
+    model: &mut LlamaForCausalLM,
+    optim: &mut AdamW,
+    rng: &mut impl Rng,
+    device: &Device,
+) -> anyhow::Result<crate::step::StepStats> {
+    let world = dist.world.size;
+    let mut all: Vec<_> = (0..args.accum * world)
+        .map(|_| random_batch(rng, args.batch, args.seq_len, config.vocab_size, device))
+        .collect();
+    let targets: usize = all.iter().map(|b| b.2).sum();
+    let mine: Vec<MicroBatch> = all
+        .drain(..)
+        .skip(dist.world.rank * args.accum)
+        .take(args.accum)
+        .map(|(ids, labels, _)| MicroBatch { ids, labels, seed: None })
+        .collect();
+    let opts = StepOptions {
+        lr: args.lr,
+        clip_grad_norm: args.max_grad_norm,
+        recompute_layers: args.recompute_layers,
+        sync_phases: args.device.is_cuda(),
+    };
+    train_step(model, optim, dist.comm.as_ref(), mine, targets, opts)
+}
+
 /// Timed LoRA steps of a preset on random tokens.
-fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
+fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
     anyhow::ensure!(args.accum >= 1, "--accum must be at least 1");
     anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
     let la0 = loadavg();
-    let device = args.device.init(args.threads)?;
+    let device = device_spec.init(args.threads)?;
     let train_device = device.clone().autodiff();
     train_device.seed(args.seed);
     let rss_before_build = rss_mb();
@@ -370,27 +408,19 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     let mut window = None;
     let mut saved_bytes = 0;
     // FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
-    let mut fp8_gemms = (0, 0);
+    let mut fp8_gemms = llora_model::precision::scaled_mm::GemmCounts::default();
+    let cuda_index = match device_spec {
+        DeviceSpec::Cuda(n) => Some(n),
+        _ => None,
+    };
+    if let Some(n) = cuda_index {
+        llora_model::profile::reset_device_peaks(n).map_err(anyhow::Error::msg)?;
+    }
     for step in 0..args.warmup + args.steps {
-        // Every rank draws the whole global batch from the same generator and trains its share,
-        // so any world size sees the same data.
-        let world = dist.world.size;
-        let mut all: Vec<_> = (0..args.accum * world)
-            .map(|_| random_batch(&mut rng, args.batch, args.seq_len, config.vocab_size, &train_device))
-            .collect();
-        let targets: usize = all.iter().map(|b| b.2).sum();
-        let mine: Vec<MicroBatch> = all
-            .drain(..)
-            .skip(dist.world.rank * args.accum)
-            .take(args.accum)
-            .map(|(ids, labels, _)| MicroBatch { ids, labels, seed: None })
-            .collect();
         let (c0, t0) = (cpu_seconds(), Instant::now());
         let _ = llora_model::precision::take_saved_bytes();
         let _ = take_gemm_counts();
-        let opts =
-            StepOptions { lr: args.lr, clip_grad_norm: args.max_grad_norm, recompute_layers: args.recompute_layers };
-        let s = train_step(&mut model, &mut optim, dist.comm.as_ref(), mine, targets, opts)?;
+        let s = bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
         saved_bytes = llora_model::precision::take_saved_bytes();
         fp8_gemms = take_gemm_counts();
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
@@ -416,6 +446,17 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         );
     }
     let (heap_peak, heap_resident_peak) = heap_peak.finish();
+    // The caching allocator's peaks over warm-up and timed steps (what `llora plan` predicts).
+    let device_peaks = cuda_index.map(llora_model::profile::device_peaks).transpose().map_err(anyhow::Error::msg)?;
+    // One extra step, counted (the op observer costs time, so it never runs in a timed step).
+    let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
+    bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
+    let counts = counter.finish();
+    if let Some(path) = &args.trace {
+        let trace = llora_model::profile::Trace::start(cuda_index.is_some()).map_err(anyhow::Error::msg)?;
+        bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
+        trace.finish(path).map_err(anyhow::Error::msg)?;
+    }
     // Read before the one-block measurement below (which stays far under the step's peak).
     let peak_rss = peak_rss_mb();
     let block = block_memory(&model, args.batch, args.seq_len, &train_device);
@@ -450,8 +491,21 @@ fn train(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
         "block_memory": block.map(|b| json!({
             "saved_bytes": b.saved, "transient_fwd_bytes": b.transient_fwd, "transient_bwd_bytes": b.transient_bwd,
         })),
-        "fp8_gemms_scaled_mm": fp8_gemms.0,
-        "fp8_gemms_fallback": fp8_gemms.1,
+        // Per optimizer step, counted on one extra step (`llora_model::profile`): LibTorch ops
+        // dispatched, and host-device synchronisations (scalar reads + llora's host reads).
+        "ops_per_step": counts.ops, "host_syncs_per_step": counts.host_syncs,
+        "device_peak_allocated_mb": device_peaks.map(|(a, _)| (a as f64 / (1 << 20) as f64 * 10.0).round() / 10.0),
+        "device_peak_reserved_mb": device_peaks.map(|(_, r)| (r as f64 / (1 << 20) as f64 * 10.0).round() / 10.0),
+        "trace": args.trace.as_ref().map(|p| p.display().to_string()),
+        "phases_synchronised": cuda_index.is_some(),
+        "fp8_gemms_scaled_mm": fp8_gemms.scaled_mm,
+        "fp8_gemms_emulated": fp8_gemms.emulated,
+        "fp8_gemms_fallback": fp8_gemms.fallback,
+        // Which FP8 GEMM the CPU runs, and the probe's seconds for one 128³ GEMM of each.
+        "fp8_cpu_gemm": (fp8_gemms.emulated + fp8_gemms.scaled_mm > 0 && cuda_index.is_none()).then(|| {
+            let (path, t_scaled, t_emulated) = llora_model::precision::scaled_mm::cpu_path();
+            json!({"path": path.name(), "scaled_mm_s": t_scaled, "emulated_s": t_emulated})
+        }),
         "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
         "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()), "attn_impl": llora_model::attention::kernels_used(),

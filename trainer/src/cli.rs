@@ -511,6 +511,10 @@ pub struct BenchArgs {
     /// Free-form label copied into the JSON.
     #[arg(long)]
     pub tag: Option<String>,
+    /// Writes a Chrome/Perfetto trace (LibTorch's Kineto profiler: CPU ops, and CUDA kernels on
+    /// a GPU) of one extra training step after the timed ones, to this file.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
 }
 
 /// `llora plot`.
@@ -525,6 +529,9 @@ pub struct PlotArgs {
     /// Target eval loss, drawn as a line.
     #[arg(long, default_value_t = 0.925)]
     pub target: f64,
+    /// Replace an existing `--out` file (without it, an existing file is refused).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// `llora export`.

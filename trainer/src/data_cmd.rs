@@ -71,6 +71,14 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         ..SynthConfig::default()
     })?;
     crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
+    // The whole directory is swapped for the new one: with --overwrite it may hold only what
+    // this command writes.
+    let written: &[&str] = if a.chat {
+        &["train.jsonl", "validation.jsonl", "tokenizer.json", "tokenizer_config.json"]
+    } else {
+        &["train.jsonl", "validation.jsonl", "train.parquet", "validation.parquet", "tokenizer.json"]
+    };
+    crate::paths::ensure_only_own_files("--out", &a.out, written)?;
     if a.chat {
         return synth_chat(a, &synth);
     }

@@ -76,17 +76,18 @@ fn run(command: Command) -> anyhow::Result<()> {
                     let resumed = train::load_resume(dir, &args.config.overrides)?;
                     let dist = dist::init(&resumed.config.dist, resumed.config.run.device.is_cuda())?;
                     let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
-                    (train::resume(resumed, &dist)?, target)
+                    let outcome = train::resume(resumed, &dist)?;
+                    dist.shutdown()?;
+                    (outcome, target)
                 }
                 None => {
                     let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
                     let name =
                         args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
                     let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
-                    (
-                        train::run(&config, &name, &dist, args.overwrite)?,
-                        (config.eval.target_loss, config.schedule.max_steps),
-                    )
+                    let outcome = train::run(&config, &name, &dist, args.overwrite)?;
+                    dist.shutdown()?;
+                    (outcome, (config.eval.target_loss, config.schedule.max_steps))
                 }
             };
             let (outcome, (target, max_steps)) = outcome;
@@ -128,7 +129,9 @@ fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
             let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
-            if let Some(score) = llora_trainer::mlperf::run_many(&config, &name, args.runs, &args.out, &dist)? {
+            let score = llora_trainer::mlperf::run_many(&config, &name, args.runs, &args.out, &dist)?;
+            dist.shutdown()?;
+            if let Some(score) = score {
                 print!("{}", score.table());
                 println!("{}", score.json());
             }
@@ -140,10 +143,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Plot(args) => llora_trainer::plot::plot_command(&args),
         Command::Selftest(args) => {
             let spec = args.device;
-            let args = llora_trainer::cli::SelftestArgs {
-                device: spec.for_local_rank(std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)),
-                ..args
-            };
+            let args = llora_trainer::cli::SelftestArgs { device: spec.for_local_rank(dist::local_rank()), ..args };
             let record = llora_trainer::selftest::run(&args)?;
             // Under a launcher only rank 0 prints.
             if std::env::var("RANK").map_or(true, |r| r == "0") {

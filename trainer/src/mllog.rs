@@ -46,13 +46,25 @@ impl MlLogger {
     }
 
     fn line(&mut self, event_type: &str, key: &str, value: Value, extra: Map<String, Value>, at: &Location<'_>) {
+        self.line_at(now_ms(), event_type, key, value, extra, at);
+    }
+
+    fn line_at(
+        &mut self,
+        time_ms: u64,
+        event_type: &str,
+        key: &str,
+        value: Value,
+        extra: Map<String, Value>,
+        at: &Location<'_>,
+    ) {
         let mut metadata = Map::new();
         metadata.insert("file".into(), json!(at.file()));
         metadata.insert("lineno".into(), json!(at.line()));
         metadata.extend(extra);
         let record = json!({
             "namespace": "",
-            "time_ms": now_ms(),
+            "time_ms": time_ms,
             "event_type": event_type,
             "key": key,
             "value": value,
@@ -90,6 +102,12 @@ impl MlLogger {
     #[track_caller]
     pub fn end(&mut self, key: &str, metadata: Value) {
         self.line("INTERVAL_END", key, Value::Null, as_map(metadata), Location::caller());
+    }
+
+    /// An `INTERVAL_END` event stamped `time_ms` (an end taken before work that must not count).
+    #[track_caller]
+    pub fn end_at(&mut self, key: &str, metadata: Value, time_ms: u64) {
+        self.line_at(time_ms, "INTERVAL_END", key, Value::Null, as_map(metadata), Location::caller());
     }
 }
 
@@ -192,15 +210,22 @@ impl RunLog {
     /// The run ends (an open training block is closed first); only the first call writes, so
     /// a failure after a `run_stop` does not add a second one.
     pub fn run_stop(&mut self, samples: usize, status: &str) {
+        self.run_stop_at(samples, status, now_ms());
+    }
+
+    /// [`Self::run_stop`] stamped `time_ms`: the run's end, taken before its final outputs are
+    /// saved (they are written before `run_stop`, so that a log with a `run_stop` always has
+    /// them, and saving them does not count in the time to train).
+    pub fn run_stop_at(&mut self, samples: usize, status: &str, time_ms: u64) {
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }
         let in_block = std::mem::replace(&mut self.in_block, false);
         if let Some(ml) = self.out.as_mut() {
             if in_block {
-                ml.end("block_stop", json!({"samples_count": samples}));
+                ml.end_at("block_stop", json!({"samples_count": samples}), time_ms);
             }
-            ml.end("run_stop", json!({"samples_count": samples, "status": status}));
+            ml.end_at("run_stop", json!({"samples_count": samples, "status": status}), time_ms);
         }
     }
 

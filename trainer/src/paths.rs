@@ -47,6 +47,32 @@ pub fn ensure_new_output(flag: &str, out: &Path, overwrite: bool) -> anyhow::Res
     Ok(())
 }
 
+/// Refuses an `--overwrite` of the directory `out` (`flag`) when it holds entries other than
+/// `names`, the ones the command writes: replacing the directory would delete them.
+pub fn ensure_only_own_files(flag: &str, out: &Path, names: &[&str]) -> anyhow::Result<()> {
+    let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
+    let foreign: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !names.contains(&n.as_str()))
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    let mut shown = foreign.clone();
+    shown.sort();
+    shown.truncate(5);
+    anyhow::bail!(
+        "{flag} {} holds {} entr{} this command does not write ({}{}): --overwrite replaces only what the \
+         command writes; move them away or choose another {flag}",
+        out.display(),
+        foreign.len(),
+        if foreign.len() == 1 { "y" } else { "ies" },
+        shown.join(", "),
+        if foreign.len() > shown.len() { ", ..." } else { "" }
+    )
+}
+
 /// Makes the directory `out` with `fill` in a temporary directory beside it, then swaps it in
 /// by renames: an existing `out` is replaced only by a complete new one, and a failure leaves
 /// it as it was (and no temporary directory behind).

@@ -13,13 +13,21 @@
 //! - a restarted attempt (torchrun `--max-restarts`, SLURM requeue) whose predecessor wrote
 //!   into `DIR-N` (because `DIR` held an earlier run) finds that directory again: the last one
 //!   of the `DIR`, `DIR-2`, ... chain; if its predecessor died before its first checkpoint,
-//!   the attempt starts over there, replacing those partial outputs;
+//!   the attempt starts over there, replacing those partial outputs; if its predecessor
+//!   finished there (a run that ended without reaching its target exits 1, and the launcher
+//!   restarts it), the attempt reports that run's outcome and trains nothing: a restart only
+//!   ever continues an interrupted run, never repeats a finished one;
 //! - `--overwrite`: the earlier outputs are moved into `DIR/.replaced/` and deleted only once the
 //!   new run has saved its first checkpoint or its results; if it fails before that, they are
 //!   moved back.
 //!
 //! With several ranks, rank 0 decides (and moves files), publishes its decision in the c10d
 //! store, and every rank follows it, or fails with rank 0's reason.
+//!
+//! A live run holds a lock on its directory (`flock` on `.llora-run.lock`, which names its PID
+//! and host): a second `llora train` on the same directory, fresh, `--overwrite`, `--resume` or
+//! auto-resumed, is refused naming the live run, before it moves or writes anything. The lock
+//! goes with the process, so a crashed or killed run never leaves one behind.
 
 use std::path::{Path, PathBuf};
 
@@ -43,6 +51,68 @@ pub const RESUME: &str = "resume";
 /// Where `--overwrite` keeps the outputs it replaces until the new run has saved something.
 const REPLACED: &str = ".replaced";
 
+/// The file a live run locks in its directory (see the module doc).
+pub const LOCK: &str = ".llora-run.lock";
+
+/// A run directory's lock, held while the run lives (released on drop or at the process's end).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
+/// Takes the lock of `dir` (created if absent), or fails naming the live run that holds it.
+pub fn lock(dir: &Path) -> anyhow::Result<RunLock> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join(LOCK);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Err(live_run(dir)),
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("cannot lock {}", path.display()));
+        }
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "unknown host".into());
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let owner = format!("llora PID {} on {}, since unix time {since}\n", std::process::id(), host.trim());
+    file.set_len(0)
+        .and_then(|()| file.write_all(owner.as_bytes()))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(RunLock { _file: file })
+}
+
+/// The error for a directory a live run holds, naming it from its lock file.
+fn live_run(dir: &Path) -> anyhow::Error {
+    let owner = std::fs::read_to_string(dir.join(LOCK)).unwrap_or_default();
+    anyhow::anyhow!(
+        "run.dir {} is in use by a live llora run ({}): a second run there would mix with it. Wait for it to \
+         end, stop it (SIGINT checkpoints it), or choose another run.dir",
+        dir.display(),
+        owner.trim().trim_start_matches("llora ")
+    )
+}
+
+/// Refuses `dir` while a live run holds its lock; changes nothing in it (an earlier run's
+/// directory stays byte for byte as it was).
+fn refuse_if_live(dir: &Path) -> anyhow::Result<()> {
+    let Ok(file) = std::fs::File::open(dir.join(LOCK)) else { return Ok(()) };
+    match file.try_lock() {
+        Ok(()) => {
+            let _ = file.unlock();
+            Ok(())
+        }
+        Err(std::fs::TryLockError::WouldBlock) => Err(live_run(dir)),
+        Err(std::fs::TryLockError::Error(_)) => Ok(()),
+    }
+}
+
 /// Everything a run writes in its directory; other files there are not llora's and stay.
 const OUTPUTS: &[&str] = &[RESULT_LOG, METRICS, PLOT, ADAPTER, FULL_CHECKPOINT, RESUME];
 
@@ -64,13 +134,25 @@ pub fn inspect(dir: &Path) -> Holds {
     if !OUTPUTS.iter().any(|name| dir.join(name).symlink_metadata().is_ok()) {
         return Holds::Nothing;
     }
-    if dir.join(ADAPTER).exists() || dir.join(FULL_CHECKPOINT).exists() {
+    let checkpoints = !crate::checkpoints::list(dir).is_empty();
+    // Final weights are saved before `run_stop` is logged: with checkpoints and no `run_stop`,
+    // the run was stopped while saving them, and resuming completes it.
+    let saved = dir.join(ADAPTER).exists() || dir.join(FULL_CHECKPOINT).exists();
+    if saved && (!checkpoints || has_run_stop(dir)) {
         Holds::Finished
-    } else if !crate::checkpoints::list(dir).is_empty() {
+    } else if checkpoints {
         Holds::Interrupted
     } else {
         Holds::Partial
     }
+}
+
+/// Whether the result log in `dir` has its `run_stop`.
+fn has_run_stop(dir: &Path) -> bool {
+    let Ok(log) = std::fs::read_to_string(dir.join(RESULT_LOG)) else { return false };
+    log.lines()
+        .filter_map(|l| l.strip_prefix(":::MLLOG "))
+        .any(|json| serde_json::from_str::<serde_json::Value>(json).is_ok_and(|v| v["key"] == "run_stop"))
 }
 
 /// How a fresh run treats what it finds in `run.dir`.
@@ -82,6 +164,33 @@ pub struct Policy {
     pub auto_resume: bool,
     /// A launcher restarted this job (attempt > 0).
     pub restarted: bool,
+    /// [`job_hash`] of the launcher's job id, when it has one.
+    pub job: Option<u64>,
+}
+
+/// The file in a run directory naming the launcher job that wrote it (torchrun's run id,
+/// SLURM's job id): a restarted attempt recognises its own finished run by it.
+pub const JOB: &str = "launcher-job";
+
+/// A stable hash of a launcher job id (the same binary computes it in every attempt).
+pub fn job_hash(id: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    id.hash(&mut h);
+    h.finish()
+}
+
+/// Records in `dir` that `job` writes there (rank 0, as a run starts or resumes).
+pub fn mark_job(dir: &Path, job: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join(JOB);
+    std::fs::write(&path, format!("{job}\n")).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Whether `dir` was written by the job `policy.job` names.
+fn same_job(dir: &Path, policy: Policy) -> bool {
+    let Some(job) = policy.job else { return false };
+    std::fs::read_to_string(dir.join(JOB)).is_ok_and(|id| job_hash(id.trim()) == job)
 }
 
 /// Whether the interrupted run in a directory can be continued with this run's config: `Err`
@@ -99,12 +208,13 @@ pub fn claim(
     // One key per requested directory: `llora mlperf run` claims one directory per run.
     let key = format!("run-dir/claim/{}", requested.display());
     if comm.world_size() == 1 {
-        return decide(requested, policy, compatible);
+        return decide_locked(requested, policy, compatible);
     }
     if comm.rank() == 0 {
-        let decided = decide(requested, policy, compatible);
+        let decided = decide_locked(requested, policy, compatible);
         let message = match &decided {
             Ok(c) if c.resume => format!("resume\n{}", c.dir.display()),
+            Ok(c) if c.finished => format!("finished\n{}", c.dir.display()),
             Ok(c) => format!("ok\n{}", c.dir.display()),
             Err(e) => format!("error\n{e:#}"),
         };
@@ -115,9 +225,25 @@ pub fn claim(
     match message.split_once('\n') {
         Some(("ok", dir)) => Ok(Claim::existing(PathBuf::from(dir))),
         Some(("resume", dir)) => Ok(Claim::resuming(Path::new(dir))),
+        Some(("finished", dir)) => Ok(Claim::finished_run(Path::new(dir))),
         Some((_, reason)) => anyhow::bail!("rank 0 refused run.dir {}: {reason}", requested.display()),
         None => anyhow::bail!("rank 0 published no decision on run.dir {}", requested.display()),
     }
+}
+
+/// [`decide`] with the directories' locks: a live run in the requested directory, or in the
+/// job's own directory of its chain, is refused before anything is moved (also with
+/// `--overwrite`); the chosen directory's lock is taken and kept by the claim (if that fails,
+/// the claim is dropped, which puts back what an `--overwrite` moved).
+fn decide_locked(requested: &Path, policy: Policy, compatible: Compatible<'_>) -> anyhow::Result<Claim> {
+    refuse_if_live(requested)?;
+    refuse_if_live(&last_taken(requested))?;
+    let mut claim = decide(requested, policy, compatible)?;
+    if !claim.finished {
+        claim.created = !claim.dir.exists();
+        claim.lock = Some(lock(&claim.dir)?);
+    }
+    Ok(claim)
 }
 
 /// Rank 0's decision, with the moves `overwrite` makes.
@@ -160,6 +286,10 @@ fn decide(requested: &Path, policy: Policy, compatible: Compatible<'_>) -> anyho
         Holds::Interrupted if policy.auto_resume && compatible(&last).is_ok() => {
             info!(requested = %requested.display(), dir = %last.display(), "run.dir holds an earlier run; continuing the interrupted run of this config beside it");
             return Ok(Claim::resuming(&last));
+        }
+        Holds::Finished if policy.restarted && (same_job(&last, policy) || compatible(&last).is_ok()) => {
+            info!(dir = %last.display(), "restarted: the previous attempt of this job finished; reporting its outcome (a restart never repeats a finished run)");
+            return Ok(Claim::finished_run(&last));
         }
         Holds::Partial if policy.restarted => {
             info!(dir = %last.display(), "restarted: the previous attempt stopped before its first checkpoint; starting over in its directory");
@@ -223,7 +353,8 @@ fn free_sibling(dir: &Path) -> anyhow::Result<PathBuf> {
 fn displace(dir: &Path) -> anyhow::Result<Claim> {
     let replaced = dir.join(REPLACED);
     std::fs::create_dir(&replaced).with_context(|| format!("cannot create {}", replaced.display()))?;
-    let claim = Claim { dir: dir.to_path_buf(), replaced: Some(replaced.clone()), resume: false };
+    let mut claim = Claim::existing(dir.to_path_buf());
+    claim.replaced = Some(replaced.clone());
     for name in OUTPUTS {
         let from = dir.join(name);
         if from.symlink_metadata().is_ok() {
@@ -244,17 +375,39 @@ pub struct Claim {
     dir: PathBuf,
     replaced: Option<PathBuf>,
     resume: bool,
+    finished: bool,
+    /// The directory's lock, on the rank that writes there.
+    lock: Option<RunLock>,
+    /// The directory did not exist before the lock made it.
+    created: bool,
 }
 
 impl Claim {
     /// A directory taken as it is (a free one, a resumed run's, or rank 0's decision).
     pub fn existing(dir: PathBuf) -> Self {
-        Self { dir, replaced: None, resume: false }
+        Self { dir, replaced: None, resume: false, finished: false, lock: None, created: false }
+    }
+
+    /// A run directory to continue (`llora train --resume DIR`), locked on the writing rank
+    /// (`main`): refused while a live run holds it.
+    pub fn resumed(dir: PathBuf, main: bool) -> anyhow::Result<Self> {
+        let lock = if main { Some(lock(&dir)?) } else { None };
+        Ok(Self { dir, replaced: None, resume: false, finished: false, lock, created: false })
     }
 
     /// The interrupted run in `dir`, to be continued (`run.resume = "auto"`).
     fn resuming(dir: &Path) -> Self {
-        Self { dir: dir.to_path_buf(), replaced: None, resume: true }
+        Self { dir: dir.to_path_buf(), replaced: None, resume: true, finished: false, lock: None, created: false }
+    }
+
+    /// The finished run of this job in `dir`, found by a restarted attempt: nothing to train.
+    fn finished_run(dir: &Path) -> Self {
+        Self { dir: dir.to_path_buf(), replaced: None, resume: false, finished: true, lock: None, created: false }
+    }
+
+    /// Whether the job's run in [`Self::dir`] has already finished (a restarted attempt).
+    pub fn finished(&self) -> bool {
+        self.finished
     }
 
     /// Whether the run continues the interrupted run in [`Self::dir`].
@@ -310,6 +463,17 @@ impl Drop for Claim {
                 ),
             }
         }
+        // A directory made only to hold the lock, by a run refused before writing anything,
+        // goes again: a refused command leaves nothing behind.
+        if self.created {
+            let only_lock =
+                std::fs::read_dir(&self.dir).is_ok_and(|d| d.flatten().all(|e| e.file_name().to_str() == Some(LOCK)));
+            if only_lock {
+                self.lock.take();
+                let _ = std::fs::remove_file(self.dir.join(LOCK));
+                let _ = std::fs::remove_dir(&self.dir);
+            }
+        }
     }
 }
 
@@ -337,6 +501,12 @@ mod tests {
         std::fs::write(path, b"x").unwrap();
     }
 
+    /// A result log that ends with `run_stop`, as the logger writes it.
+    fn stopped(run: &Path) {
+        std::fs::create_dir_all(run).unwrap();
+        std::fs::write(run.join(RESULT_LOG), ":::MLLOG {\"key\":\"run_stop\",\"value\":null}\n").unwrap();
+    }
+
     #[test]
     fn what_a_directory_holds() {
         let dir = tempfile::tempdir().unwrap();
@@ -349,6 +519,8 @@ mod tests {
         touch(&run.join("resume/step-00000004/state.json"));
         assert_eq!(inspect(&run), Holds::Interrupted);
         touch(&run.join("adapter/adapter_config.json"));
+        assert_eq!(inspect(&run), Holds::Interrupted, "adapters saved, stopped before run_stop: resumable");
+        stopped(&run);
         assert_eq!(inspect(&run), Holds::Finished);
     }
 
@@ -408,6 +580,8 @@ mod tests {
         touch(&dir.path().join("resume/step-00000001/state.json"));
         assert!(check_resumable(dir.path()).is_ok());
         touch(&dir.path().join("adapter/adapter_model.safetensors"));
+        assert!(check_resumable(dir.path()).is_ok(), "stopped while saving its adapters: resumable");
+        stopped(dir.path());
         let err = check_resumable(dir.path()).unwrap_err().to_string();
         assert!(err.contains("finished") && err.contains("nothing to resume"), "{err}");
     }
@@ -428,6 +602,7 @@ mod tests {
         assert!(err.contains("cannot continue") && err.contains("lora.rank"), "{err}");
 
         touch(&run.join("adapter/adapter_config.json"));
+        stopped(&run);
         touch(&dir.path().join("run-2/resume/step-00000006/state.json"));
         let claim = decide(&run, auto, &any).unwrap();
         assert!(claim.resumes() && claim.dir() == dir.path().join("run-2"));
@@ -441,5 +616,69 @@ mod tests {
         assert!(!claim.resumes() && claim.dir() == dir.path().join("run-3"));
         assert!(!dir.path().join("run-3/result_0.txt").exists() && dir.path().join("run-3/mine.txt").exists());
         assert_eq!(decide(&run, auto, &other).unwrap().dir(), dir.path().join("run-3"), "run-3 is free again");
+    }
+
+    /// A live run's directory is refused to a fresh run, to `--overwrite` (nothing moved), to
+    /// auto-resume and to `--resume`, naming the live process; once its lock is released (its
+    /// process ended), the same calls go through.
+    #[test]
+    fn a_live_run_is_never_joined() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        touch(&run.join("resume/step-00000002/state.json"));
+        touch(&run.join(RESULT_LOG));
+        let live = lock(&run).unwrap();
+        let me = format!("PID {}", std::process::id());
+        for policy in [
+            Policy::default(),
+            Policy { overwrite: true, ..Policy::default() },
+            Policy { auto_resume: true, ..Policy::default() },
+        ] {
+            let err = format!("{:#}", decide_locked(&run, policy, &any).unwrap_err());
+            assert!(err.contains("in use by a live llora run") && err.contains(&me), "{err}");
+            assert!(run.join(RESULT_LOG).exists() && !run.join(REPLACED).exists(), "nothing moved");
+        }
+        let err = format!("{:#}", Claim::resumed(run.clone(), true).unwrap_err());
+        assert!(err.contains(&me), "{err}");
+        drop(live);
+        let claim = decide_locked(&run, Policy { auto_resume: true, ..Policy::default() }, &any).unwrap();
+        assert!(claim.resumes() && claim.dir() == run);
+        let err = format!("{:#}", Claim::resumed(run.clone(), true).unwrap_err());
+        assert!(err.contains(&me), "the claim holds the lock now: {err}");
+        drop(claim);
+        assert!(Claim::resumed(run.clone(), true).is_ok());
+    }
+
+    /// A restarted attempt whose predecessor finished (the launcher restarts a run that ended
+    /// without reaching its target) finds that run and trains nothing; a fresh job, or a run of
+    /// another config, still goes to the next free directory.
+    #[test]
+    fn a_restart_never_repeats_a_finished_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        touch(&run.join("adapter/adapter_config.json"));
+        touch(&run.join("resume/step-00000006/state.json"));
+        stopped(&run);
+        let restarted = Policy { restarted: true, auto_resume: true, ..Policy::default() };
+        let claim = decide(&run, restarted, &any).unwrap();
+        assert!(claim.finished() && !claim.resumes() && claim.dir() == run);
+        let other = |_: &Path| -> anyhow::Result<()> { anyhow::bail!("lora.rank differs") };
+        let claim = decide(&run, restarted, &other).unwrap();
+        assert!(!claim.finished() && claim.dir() == dir.path().join("run-2"));
+        let fresh = Policy { auto_resume: true, ..Policy::default() };
+        let claim = decide(&run, fresh, &any).unwrap();
+        assert!(!claim.finished() && claim.dir() == dir.path().join("run-2"));
+        // Beside an unrelated finished run in `run`, the job's own finished run is run-2.
+        touch(&dir.path().join("run-2/adapter/adapter_config.json"));
+        let claim = decide(&run, restarted, &any).unwrap();
+        assert!(claim.finished() && claim.dir() == dir.path().join("run-2"));
+        // A finished run without checkpoints is recognised by the launcher's job id alone.
+        let bare = dir.path().join("bare");
+        touch(&bare.join("adapter/adapter_config.json"));
+        mark_job(&bare, "job-7").unwrap();
+        let mine = Policy { job: Some(job_hash("job-7")), ..restarted };
+        assert!(decide(&bare, mine, &other).unwrap().finished());
+        let theirs = Policy { job: Some(job_hash("job-8")), ..restarted };
+        assert!(!decide(&bare, theirs, &other).unwrap().finished());
     }
 }

@@ -180,6 +180,11 @@ fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
         (format!("one process, {backend}"), comm)
     };
     let (n, rank) = (comm.world_size(), comm.rank());
+    if let (DeviceSpec::Cuda(want), Some(bound)) = (spec, comm.bound_device())
+        && *want != bound
+    {
+        return Err(format!("rank {rank}'s NCCL group is bound to cuda:{bound}, its device is cuda:{want}"));
+    }
     let mut buf = vec![(rank + 1) as f32; 1024];
     comm.all_reduce_f32(&mut buf, ReduceOp::Sum).map_err(|e| e.to_string())?;
     let want = (n * (n + 1) / 2) as f32;
@@ -196,5 +201,7 @@ fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
     let s = t.elapsed().as_secs_f64() / reps as f64;
     let bytes = (big.len() * 4) as f64;
     let busbw = if n > 1 { 2.0 * (n - 1) as f64 / n as f64 * bytes / s / 1e9 } else { 0.0 };
+    // Ended here, on success, while CUDA is up (the first GPU run aborted at exit without it).
+    comm.shutdown().map_err(|e| e.to_string())?;
     Ok(format!("{label}: sum exact; 64 MB in {:.2} ms, bus bandwidth {busbw:.1} GB/s", s * 1e3))
 }

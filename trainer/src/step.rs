@@ -9,6 +9,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_data::Sample;
 use llora_data::batch::{Collated, Padding, eval_batches};
 use llora_model::LlamaForCausalLM;
+use llora_model::loss::Labels;
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
@@ -18,8 +19,8 @@ use crate::optim::{AdamW, clip_coefficient};
 pub struct MicroBatch {
     /// `[batch, seq]` token ids.
     pub ids: Tensor<2, Int>,
-    /// `[batch, seq]` labels (−100 = no loss).
-    pub labels: Tensor<2, Int>,
+    /// `[batch, seq]` labels (−100 = no loss), with their host values when known.
+    pub labels: Labels,
     /// Reseeds the device's generator before the forward, when set.
     pub seed: Option<u64>,
 }
@@ -39,10 +40,10 @@ pub fn dropout_seed(run_seed: u64, step: usize, micro: usize) -> u64 {
 ///
 /// # Shapes
 /// - output: (input_ids, labels), each `[batch, seq]`
-pub fn upload(c: Collated, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+pub fn upload(c: Collated, device: &Device) -> (Tensor<2, Int>, Labels) {
     (
         Tensor::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), device),
-        Tensor::from_data(TensorData::new(c.labels, [c.batch, c.seq]), device),
+        Labels::from_host(c.labels, [c.batch, c.seq], device),
     )
 }
 
@@ -55,20 +56,59 @@ pub struct StepOptions {
     pub clip_grad_norm: f64,
     /// Decoder blocks, from the first, whose activations are recomputed in backward (0 = none).
     pub recompute_layers: usize,
+    /// Waits for the device at the phase boundaries (after the forward, after the backward,
+    /// after the optimizer) so that the phase times are real on an asynchronous device (CUDA);
+    /// `llora bench` sets it, training does not (each wait stalls the launch queue).
+    pub sync_phases: bool,
+}
+
+/// Waits until `device` has finished the work queued on it (a no-op on the CPU).
+pub fn device_sync(device: &Device) {
+    if let Some(tch::Device::Cuda(n)) = llora_model::precision::tch_device(device) {
+        tch::Cuda::synchronize(n as i64);
+    }
 }
 
 /// One micro-batch's loss (`loss_sum / norm`) and the flattened gradients of every trainable
 /// parameter, in `trainable_params_mut` order, with the first `recompute` blocks recomputed
-/// ([`LlamaForCausalLM::recomputed_backward`]); also the forward and backward seconds.
+/// ([`LlamaForCausalLM::recomputed_backward`]); also the forward and backward seconds (real on
+/// CUDA: the device is waited for after the forward and at the end).
 pub fn micro_batch_grads(
     model: &mut LlamaForCausalLM,
     mb: MicroBatch,
     norm: f64,
     recompute: usize,
 ) -> anyhow::Result<(f64, Vec<Tensor<1>>, f64, f64)> {
+    let g = grads_on_device(model, mb, norm, recompute, true)?;
+    let loss = llora_model::profile::to_host(g.loss).convert::<f32>().try_into_vec::<f32>().expect("f32")[0] as f64;
+    Ok((loss, g.grads, g.forward_s, g.backward_s))
+}
+
+/// A micro-batch's loss and gradients, left on the device.
+pub struct MicroGrads {
+    /// `loss_sum / norm`, `[1]` (f32), not read back.
+    pub loss: Tensor<1>,
+    /// The flattened gradient of each trainable parameter, in `trainable_params_mut` order.
+    pub grads: Vec<Tensor<1>>,
+    /// Seconds of the forward (0 when it interleaves with the backward: recompute, sharding).
+    pub forward_s: f64,
+    /// Seconds of the backward and the gradients' gathering.
+    pub backward_s: f64,
+}
+
+/// [`micro_batch_grads`] without reading anything back: the host queues the forward and the
+/// backward without waiting for the device, unless `sync` asks for real phase times.
+pub fn grads_on_device(
+    model: &mut LlamaForCausalLM,
+    mb: MicroBatch,
+    norm: f64,
+    recompute: usize,
+    sync: bool,
+) -> anyhow::Result<MicroGrads> {
     let t = Instant::now();
+    let device = mb.ids.device();
     if let Some(seed) = mb.seed {
-        mb.ids.device().seed(seed);
+        device.seed(seed);
     }
     let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
         // Forward and backward interleave block by block: all of it counts as backward.
@@ -79,11 +119,12 @@ pub fn micro_batch_grads(
             let _span = debug_span!("forward").entered();
             model.loss(mb.ids, mb.labels, true)?.loss_sum.sum().div_scalar(norm)
         };
-        // Reading the loss waits for the forward (asynchronous devices), so the split is real.
-        let value = loss.clone().into_scalar::<f32>() as f64;
+        if sync {
+            device_sync(&device);
+        }
         let forward_s = t.elapsed().as_secs_f64();
         let _span = debug_span!("backward").entered();
-        (value, vec![loss.backward()], forward_s)
+        (loss.clone().inner(), vec![loss.backward()], forward_s)
     };
     let g: Vec<Tensor<1>> = model
         .trainable_params_mut()
@@ -97,7 +138,11 @@ pub fn micro_batch_grads(
                 .unwrap_or_else(|| panic!("{name} got no gradient"))
         })
         .collect();
-    Ok((loss, g, forward_s, t.elapsed().as_secs_f64() - forward_s))
+    if sync {
+        device_sync(&device);
+    }
+    let loss = loss.cast(burn::tensor::DType::F32);
+    Ok(MicroGrads { loss, grads: g, forward_s, backward_s: t.elapsed().as_secs_f64() - forward_s })
 }
 
 /// One optimizer step over this rank's micro-batches of a global batch.
@@ -109,6 +154,10 @@ pub fn micro_batch_grads(
 /// FP8 amaxes max-reduced, and every rank clips by the same global L2 norm and takes the same
 /// AdamW step, so the adapters stay identical everywhere. Returns the loss, the pre-clip norm and
 /// where the time went; a non-finite loss or norm is an error and leaves the adapters untouched.
+///
+/// On one rank the host reads the device once per step: the micro-batches' losses and each
+/// gradient's squared norm, together, for the clip coefficient and the non-finite check (sums
+/// in f64 on the host, in a fixed order). With several ranks the gradient bucket crosses too.
 pub fn train_step(
     model: &mut LlamaForCausalLM,
     optim: &mut AdamW,
@@ -120,24 +169,29 @@ pub fn train_step(
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
     let mut grads_acc: TreeSum<Vec<Tensor<1>>> = TreeSum::default();
-    let mut loss_acc: TreeSum<f64> = TreeSum::default();
+    let mut losses = Vec::with_capacity(micro_batches.len());
     let (mut forward_s, mut backward_s) = (0.0, 0.0);
     for mb in micro_batches {
-        let (loss, g, f, b) = micro_batch_grads(model, mb, norm, opts.recompute_layers)?;
-        loss_acc.push(loss, |a, b| a + b);
-        grads_acc.push(g, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
-        forward_s += f;
-        backward_s += b;
+        let g = grads_on_device(model, mb, norm, opts.recompute_layers, opts.sync_phases)?;
+        losses.push(g.loss);
+        grads_acc.push(g.grads, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
+        forward_s += g.forward_s;
+        backward_s += g.backward_s;
     }
     let (lr, clip_grad_norm) = (opts.lr, opts.clip_grad_norm);
     let t = Instant::now();
     let _span = debug_span!("optimizer").entered();
     let grads = grads_acc.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
     let grads = all_reduce_bucket(comm, grads)?;
+    let (micro_losses, square_norms) = read_losses_and_norms(losses, &grads);
+    let mut loss_acc: TreeSum<f64> = TreeSum::default();
+    for l in micro_losses {
+        loss_acc.push(l, |a, b| a + b);
+    }
     let mut loss = [loss_acc.finish(|a, b| a + b).unwrap_or(0.0)];
     comm.all_reduce_f64(&mut loss, ReduceOp::Sum)?;
     let loss_sum = loss[0];
-    let total_norm = grads.iter().map(|g| g.clone().square().sum().into_scalar::<f32>() as f64).sum::<f64>().sqrt();
+    let total_norm = square_norms.iter().sum::<f64>().sqrt();
     if !loss_sum.is_finite() || !total_norm.is_finite() {
         bail!("loss {loss_sum} / gradient norm {total_norm} is not finite; run aborted");
     }
@@ -155,6 +209,11 @@ pub fn train_step(
         }
     }
     model.update_fp8_scales();
+    if opts.sync_phases
+        && let Some(g) = model.trainable_params_mut().first().map(|(_, p)| p.flat().inner())
+    {
+        device_sync(&g.device());
+    }
     Ok(StepStats {
         loss: loss_sum,
         grad_norm: total_norm,
@@ -162,6 +221,26 @@ pub fn train_step(
         backward_s,
         optimizer_s: t.elapsed().as_secs_f64(),
     })
+}
+
+/// The micro-batches' losses and each gradient's squared L2 norm (f32 sums on the device, as
+/// f64), read back in one host-device transfer.
+///
+/// # Shapes
+/// - losses: `[1]` each (f32); grads: `[n_i]` each
+fn read_losses_and_norms(losses: Vec<Tensor<1>>, grads: &[Tensor<1>]) -> (Vec<f64>, Vec<f64>) {
+    let m = losses.len();
+    let parts: Vec<Tensor<1>> = losses
+        .into_iter()
+        .chain(grads.iter().map(|g| g.clone().cast(burn::tensor::DType::F32).square().sum()))
+        .collect();
+    if parts.is_empty() {
+        return (vec![], vec![]);
+    }
+    let host =
+        llora_model::profile::to_host(Tensor::cat(parts, 0)).convert::<f32>().try_into_vec::<f32>().expect("f32");
+    let values: Vec<f64> = host.into_iter().map(f64::from).collect();
+    (values[..m].to_vec(), values[m..].to_vec())
 }
 
 /// A sum in a fixed binary tree over the order of its terms: ((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7)).
@@ -382,7 +461,7 @@ mod tests {
             let labels: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| if i % 48 < 20 { -100 } else { t }).collect();
             let mb = || MicroBatch {
                 ids: Tensor::from_data(TensorData::new(ids.clone(), [2, 48]), &device),
-                labels: Tensor::from_data(TensorData::new(labels.clone(), [2, 48]), &device),
+                labels: Labels::from_host(labels.clone(), [2, 48], &device),
                 seed: Some(11),
             };
             let (loss0, plain, _, _) = micro_batch_grads(&mut model, mb(), 40.0, 0).unwrap();
@@ -427,9 +506,9 @@ mod tests {
             &mut model,
             &mut optim,
             &SingleProcess,
-            vec![MicroBatch { ids, labels, seed: None }],
+            vec![MicroBatch { ids, labels: labels.into(), seed: None }],
             0,
-            StepOptions { lr: 1e-3, clip_grad_norm: 0.3, recompute_layers: 0 },
+            StepOptions { lr: 1e-3, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false },
         )
         .unwrap();
         assert_eq!((s.loss, s.grad_norm), (0.0, 0.0));

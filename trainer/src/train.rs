@@ -75,13 +75,23 @@ pub struct Outcome {
 pub fn run(config: &Config, config_name: &str, dist: &Dist, overwrite: bool) -> anyhow::Result<Outcome> {
     // Ranks agree on the config, run.dir included, before rank 0 decides for all of them.
     crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
-    let policy =
-        run_dir::Policy { overwrite, auto_resume: config.run.resume.is_auto(), restarted: dist.world.attempt > 0 };
+    let policy = run_dir::Policy {
+        overwrite,
+        auto_resume: config.run.resume.is_auto(),
+        restarted: dist.world.attempt > 0,
+        job: dist.world.job.as_deref().map(run_dir::job_hash),
+    };
     let compatible = |dir: &Path| -> anyhow::Result<()> {
         let (saved, step) = resume::peek(dir)?;
         resume::check_compatible(&saved, config, step)
     };
     let claim = run_dir::claim(&config.run.dir, policy, &compatible, dist.comm.as_ref())?;
+    if claim.finished() {
+        return finished_outcome(claim.dir());
+    }
+    if let (Some(job), true) = (&dist.world.job, dist.is_main()) {
+        run_dir::mark_job(claim.dir(), job)?;
+    }
     if claim.resumes() {
         let checkpoint = resume::load(claim.dir())?;
         let saved =
@@ -105,6 +115,26 @@ pub fn run(config: &Config, config_name: &str, dist: &Dist, overwrite: bool) -> 
     config.run.dir = claim.dir().to_path_buf();
     let mut t = Trainer::setup(&config, config_name, dist, None, claim)?;
     t.train()
+}
+
+/// The outcome of the finished run in `dir`, read from its result log (a restarted attempt
+/// reports it instead of training again).
+fn finished_outcome(dir: &Path) -> anyhow::Result<Outcome> {
+    let result_log = dir.join(run_dir::RESULT_LOG);
+    let r = crate::mlperf::read_result(&result_log)?;
+    let status = if r.converged() { RunStatus::Success } else { RunStatus::Aborted };
+    info!(
+        dir = %dir.display(),
+        status = status.name(),
+        "this job's run finished in an earlier attempt; nothing to train"
+    );
+    Ok(Outcome {
+        status,
+        samples: r.samples.unwrap_or(0) as usize,
+        eval_loss: None,
+        time_to_train_s: r.minutes.unwrap_or(0.0) * 60.0,
+        result_log,
+    })
 }
 
 /// A checkpoint to resume from, with the config it was saved with (`--set` applied, validated).
@@ -136,7 +166,7 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
 /// Continues a run from its checkpoint on `dist`'s ranks (any world size: the data order is global).
 pub fn resume(resumed: Resumed, dist: &Dist) -> anyhow::Result<Outcome> {
     crate::dist::check_same_config(dist.comm.as_ref(), &resumed.config.to_toml())?;
-    let claim = run_dir::Claim::existing(resumed.config.run.dir.clone());
+    let claim = run_dir::Claim::resumed(resumed.config.run.dir.clone(), dist.is_main())?;
     continue_run(resumed, dist, claim)
 }
 
@@ -248,7 +278,7 @@ impl<'a> Trainer<'a> {
         claim: run_dir::Claim,
     ) -> anyhow::Result<Self> {
         let (world, comm) = (&dist.world, dist.comm.as_ref());
-        let device_spec = config.run.device.for_local_rank(world.local_rank);
+        let device_spec = dist.device(config.run.device);
         let device = device_spec
             .init(config.run.threads)
             .with_context(|| format!("cannot start on run.device = \"{}\" (rank {})", config.run.device, world.rank))?;
@@ -413,6 +443,7 @@ impl<'a> Trainer<'a> {
             lr,
             clip_grad_norm: config.optim.clip_grad_norm,
             recompute_layers: config.train.recompute_layers,
+            sync_phases: false,
         };
         let stats = train_step(&mut self.model, &mut self.state.optim, comm, micro, batch.target_tokens, opts)
             .and_then(|s| {
@@ -545,13 +576,37 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// `run_stop`, then rank 0 saves the adapters (or the full checkpoint) and the loss plot.
+    /// The run's final weights (rank 0): the adapters in PEFT format, or the full HF checkpoint,
+    /// written beside their place and renamed into it whole.
+    fn save_outputs(&mut self) -> anyhow::Result<std::path::PathBuf> {
+        let run_dir = &self.config.run.dir;
+        Ok(match self.config.model.trainable {
+            Trainable::All => {
+                let dir = run_dir.join(run_dir::FULL_CHECKPOINT);
+                let model = &mut self.model;
+                crate::paths::write_dir_atomic(&dir, |tmp| save_hf_checkpoint(model, tmp))?;
+                dir
+            }
+            Trainable::Lora => {
+                let dir = run_dir.join(run_dir::ADAPTER);
+                let (model, spec, base) = (&self.model, &self.spec, &self.base_name);
+                crate::paths::write_dir_atomic(&dir, |tmp| save_peft_adapter(model, spec, tmp, base))?;
+                dir
+            }
+        })
+    }
+
+    /// Rank 0 saves the adapters (or the full checkpoint), each swapped in whole, then logs
+    /// `run_stop` stamped with the training's end (a run whose log has a `run_stop` always has
+    /// its adapters: a kill while saving leaves an interrupted run that `--resume` completes),
+    /// then draws the loss plot.
     fn finish(&mut self, status: RunStatus) -> anyhow::Result<Outcome> {
         self.verify_replicas()?;
         self.bar.finish();
         let run_stop = now_ms();
         let samples = self.state.progress.samples;
-        self.log.run_stop(samples, status.name());
+        let saved = if self.dist.is_main() { Some(self.save_outputs()?) } else { None };
+        self.log.run_stop_at(samples, status.name(), run_stop);
         let ttt = run_stop.saturating_sub(self.state.progress.run_start_ms) as f64 / 1000.0;
         let last_eval = self.state.progress.last_eval;
         let outcome = Outcome {
@@ -561,22 +616,8 @@ impl<'a> Trainer<'a> {
             time_to_train_s: ttt,
             result_log: self.result_log.clone(),
         };
-        if !self.dist.is_main() {
-            return Ok(outcome);
-        }
+        let Some(saved) = saved else { return Ok(outcome) };
         let run_dir = &self.config.run.dir;
-        let saved = match self.config.model.trainable {
-            Trainable::All => {
-                let dir = run_dir.join(run_dir::FULL_CHECKPOINT);
-                save_hf_checkpoint(&mut self.model, &dir)?;
-                dir
-            }
-            Trainable::Lora => {
-                let dir = run_dir.join(run_dir::ADAPTER);
-                save_peft_adapter(&self.model, &self.spec, &dir, &self.base_name)?;
-                dir
-            }
-        };
         self.claim.settle();
         let plot = run_dir.join(run_dir::PLOT);
         let curve = crate::plot::Curve {
@@ -842,7 +883,7 @@ pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     crate::config::check_workers(&mut p, "--workers", args.workers);
     p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
-    let device = args.device.init(args.threads)?;
+    let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
     let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
     if let Some(adapter) = &args.adapter {

@@ -162,8 +162,16 @@ impl Problem {
     }
 }
 
-/// For one kind of problem: the candidates not yet refused, and whether the first is verified.
-type Candidates = (Vec<FusedKernel>, bool);
+/// For one kind of problem: the candidates not yet refused, whether the first is verified, and
+/// the sequence lengths seen.
+type Candidates = (Vec<FusedKernel>, bool, std::collections::BTreeSet<i64>);
+
+/// Distinct sequence lengths cuDNN SDPA is kept for. It builds and caches an execution graph per
+/// shape (the first GPU run's check took 2.8 s for cuDNN, 19 ms for flash attention), so a run
+/// whose batches take many lengths (`data.padding = "longest"`) spends its time building graphs:
+/// past this many lengths the problem moves to the next candidate (flash attention), which
+/// takes any length as it comes. Fixed-length jobs (MLPerf's 8192 tokens) keep cuDNN.
+const CUDNN_MAX_LENGTHS: usize = 4;
 
 /// The candidates of every kind of problem seen.
 static CHOICES: Mutex<Option<HashMap<Problem, Candidates>>> = Mutex::new(None);
@@ -171,9 +179,30 @@ static CHOICES: Mutex<Option<HashMap<Problem, Candidates>>> = Mutex::new(None);
 /// The fused kernel for `p`, verifying candidates on first use; `None` when none passes (then
 /// the generic attention runs).
 pub fn choose(p: Problem) -> Option<FusedKernel> {
+    choose_for(p, None)
+}
+
+/// [`choose`] for a problem of `seq` tokens: also moves a problem off cuDNN SDPA once it has
+/// seen more than [`CUDNN_MAX_LENGTHS`] sequence lengths. A length's first forward decides,
+/// so the forward and the recomputed forward of one micro-batch run the same kernel.
+pub fn choose_for(p: Problem, seq: Option<i64>) -> Option<FusedKernel> {
     let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
     let map = guard.get_or_insert_with(HashMap::new);
-    let (left, verified) = map.entry(p).or_insert_with(|| (p.candidates().to_vec(), false));
+    let (left, verified, lengths) =
+        map.entry(p).or_insert_with(|| (p.candidates().to_vec(), false, Default::default()));
+    if let Some(seq) = seq {
+        lengths.insert(seq);
+        if lengths.len() > CUDNN_MAX_LENGTHS && left.first() == Some(&FusedKernel::CudaCudnn) && left.len() > 1 {
+            tracing::info!(
+                device = p.device,
+                dtype = ?p.kind,
+                lengths = lengths.len(),
+                "attention: sequence lengths vary (cuDNN builds a graph per length); moving to the next kernel"
+            );
+            left.remove(0);
+            *verified = false;
+        }
+    }
     while let Some(&kernel) = left.first() {
         if *verified {
             return Some(kernel);
@@ -205,7 +234,7 @@ pub fn choose(p: Problem) -> Option<FusedKernel> {
 /// verifies the next candidate.
 pub fn refuse(p: Problem, kernel: FusedKernel, err: &tch::TchError) {
     let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((left, verified)) = guard.get_or_insert_with(HashMap::new).get_mut(&p)
+    if let Some((left, verified, _)) = guard.get_or_insert_with(HashMap::new).get_mut(&p)
         && left.first() == Some(&kernel)
     {
         tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} failed, trying the next: {err}", kernel.name());

@@ -40,24 +40,60 @@ impl FusedKernel {
     }
 }
 
+/// A kernel output that its backward takes back and that the kernel may leave undefined: the
+/// cumulative sequence lengths of flash / cuDNN for dense (not variable-length) inputs, the
+/// philox seed and offset of every CUDA kernel without dropout. `TchTensor::new` reads a
+/// tensor's storage, which an undefined tensor lacks (the first GPU run panicked there), so an
+/// undefined output is kept as `None` and handed back as an undefined tensor.
+#[derive(Debug, Clone)]
+pub struct MaybeTensor(Option<TchTensor>);
+
+impl MaybeTensor {
+    /// Keeps `t`, defined or not.
+    pub fn keep(t: tch::Tensor) -> Self {
+        Self(t.defined().then(|| TchTensor::new(t)))
+    }
+
+    /// The tensor kept (an undefined tensor where the kernel returned one).
+    pub fn get(&self) -> tch::Tensor {
+        self.0.as_ref().map_or_else(tch::Tensor::new, |t| t.tensor.shallow_clone())
+    }
+}
+
 /// What a kernel's backward needs besides q, k, v, the output and the log-sum-exp.
 #[derive(Debug, Clone)]
 pub enum Kept {
     /// CPU flash attention: nothing more.
     Cpu,
     /// Memory-efficient attention: its dropout RNG state (unused with dropout 0, but required).
-    Efficient { seed: TchTensor, offset: TchTensor },
+    Efficient { seed: MaybeTensor, offset: MaybeTensor },
     /// Flash attention or cuDNN SDPA.
     Sdpa {
         /// Which of the two.
         flash: bool,
-        cum_seq_q: TchTensor,
-        cum_seq_k: TchTensor,
+        cum_seq_q: MaybeTensor,
+        cum_seq_k: MaybeTensor,
         max_q: i64,
         max_k: i64,
-        seed: TchTensor,
-        offset: TchTensor,
+        seed: MaybeTensor,
+        offset: MaybeTensor,
     },
+}
+
+impl Kept {
+    /// What a flash (`flash`) or cuDNN forward keeps for its backward.
+    fn sdpa(flash: bool, f: cuda::SdpaForward) -> (TchTensor, TchTensor, Self) {
+        let kept = Self::Sdpa {
+            flash,
+            cum_seq_q: MaybeTensor::keep(f.cum_seq_q),
+            cum_seq_k: MaybeTensor::keep(f.cum_seq_k),
+            max_q: f.max_q,
+            max_k: f.max_k,
+            seed: MaybeTensor::keep(f.philox_seed),
+            offset: MaybeTensor::keep(f.philox_offset),
+        };
+        (TchTensor::new(f.out), TchTensor::new(f.logsumexp), kept)
+    }
 }
 
 /// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
@@ -121,7 +157,7 @@ fn cpu_kernel_kind(x: &tch::Tensor) -> tch::Kind {
 /// - q: `[batch, heads, seq, head_dim]`; k, v: `[batch, kv_heads, seq, head_dim]`
 pub fn forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
     let Some(p) = Problem::of(q, k) else { return forward_with(FusedKernel::CpuFlash, q, k, v, causal) };
-    while let Some(kernel) = cuda::choose(p) {
+    while let Some(kernel) = cuda::choose_for(p, Some(q.size()[2])) {
         match forward_with(kernel, q, k, v, causal) {
             Ok(saved) => return Ok(saved),
             Err(e) => cuda::refuse(p, kernel, &e),
@@ -170,21 +206,13 @@ pub fn forward_with(
                 causal,
                 None,
             )?;
-            Ok(Saved { out: t(out), lse: t(lse), kept: Kept::Efficient { seed: t(seed), offset: t(offset) } })
+            let kept = Kept::Efficient { seed: MaybeTensor::keep(seed), offset: MaybeTensor::keep(offset) };
+            Ok(Saved { out: t(out), lse: t(lse), kept })
         }
         FusedKernel::CudaFlash | FusedKernel::CudaCudnn => {
             let flash = kernel == FusedKernel::CudaFlash;
-            let f = cuda::sdpa_forward(flash, q, k, v, causal)?;
-            let kept = Kept::Sdpa {
-                flash,
-                cum_seq_q: t(f.cum_seq_q),
-                cum_seq_k: t(f.cum_seq_k),
-                max_q: f.max_q,
-                max_k: f.max_k,
-                seed: t(f.philox_seed),
-                offset: t(f.philox_offset),
-            };
-            Ok(Saved { out: t(f.out), lse: t(f.logsumexp), kept })
+            let (out, lse, kept) = Kept::sdpa(flash, cuda::sdpa_forward(flash, q, k, v, causal)?);
+            Ok(Saved { out, lse, kept })
         }
     }
 }
@@ -251,8 +279,8 @@ pub fn backward(
                 s_k,
                 lse,
                 0.0,
-                &seed.tensor,
-                &offset.tensor,
+                &seed.get(),
+                &offset.get(),
                 i64::from(causal),
                 false,
                 None,
@@ -270,14 +298,14 @@ pub fn backward(
                 v,
                 out,
                 lse,
-                &cum_seq_q.tensor,
-                &cum_seq_k.tensor,
+                &cum_seq_q.get(),
+                &cum_seq_k.get(),
                 *max_q,
                 *max_k,
                 0.0,
                 causal,
-                &seed.tensor,
-                &offset.tensor,
+                &seed.get(),
+                &offset.get(),
                 None,
             )
         }
@@ -289,11 +317,11 @@ pub fn backward(
                 v,
                 out,
                 lse,
-                &seed.tensor,
-                &offset.tensor,
+                &seed.get(),
+                &offset.get(),
                 &tch::Tensor::new(), // no attention bias: an undefined tensor
-                &cum_seq_q.tensor,
-                &cum_seq_k.tensor,
+                &cum_seq_q.get(),
+                &cum_seq_k.get(),
                 *max_q,
                 *max_k,
                 0.0,
@@ -363,4 +391,49 @@ pub fn verify(
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What cuDNN and flash attention return for dense inputs without dropout: no cumulative
+    /// lengths and no philox state (undefined tensors). The saved state keeps them as undefined
+    /// (cloned as the autodiff node clones it), hands them back undefined, and the backward is
+    /// reached: on the CPU, where the CUDA kernels do not exist, it fails with an error rather
+    /// than the panic in `TchTensor::new` that the first GPU run hit.
+    #[test]
+    fn undefined_kernel_outputs_stay_undefined_through_the_saved_state() {
+        let (b, h, s, hd) = (1, 2, 8, 16);
+        let opts = (tch::Kind::Float, tch::Device::Cpu);
+        let q = tch::Tensor::randn([b, h, s, hd], opts);
+        for flash in [true, false] {
+            let f = cuda::SdpaForward {
+                out: q.copy(),
+                logsumexp: tch::Tensor::zeros([b, h, s], opts),
+                cum_seq_q: tch::Tensor::new(),
+                cum_seq_k: tch::Tensor::new(),
+                max_q: s,
+                max_k: s,
+                philox_seed: tch::Tensor::new(),
+                philox_offset: tch::Tensor::new(),
+            };
+            let (out, lse, kept) = Kept::sdpa(flash, f);
+            let saved = Saved { out, lse, kept }.clone();
+            let Kept::Sdpa { cum_seq_q, cum_seq_k, seed, offset, max_q, .. } = &saved.kept else {
+                panic!("an SDPA state")
+            };
+            for t in [cum_seq_q, cum_seq_k, seed, offset] {
+                assert!(t.0.is_none() && !t.get().defined());
+            }
+            assert_eq!(*max_q, s);
+            let err = backward(&q, &q, &q, &q, &saved, true).unwrap_err();
+            eprintln!("flash {flash} backward on the CPU: {}", err.to_string().lines().next().unwrap_or(""));
+        }
+        // A defined output comes back as the same tensor.
+        let t = tch::Tensor::from_slice(&[3i64, 5]);
+        let kept = MaybeTensor::keep(t.shallow_clone());
+        assert!(kept.0.is_some());
+        assert_eq!(Vec::<i64>::try_from(&kept.get()).unwrap(), vec![3, 5]);
+    }
 }

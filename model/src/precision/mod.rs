@@ -40,7 +40,10 @@ use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use tch::Kind;
 
-use crate::fp8::{AmaxSpec, DelayedScaling, Fp8Format, Fp8Tensor, amax_tch, dequantize_tch, quantize_tch};
+use crate::fp8::{
+    AmaxSpec, DelayedScaling, Fp8Format, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device,
+    quantize_tch,
+};
 use scaled_mm::{Fp8Operand, fp8_gemm};
 
 pub mod bf16;
@@ -72,7 +75,31 @@ pub struct LinearScales {
     pub grad: DelayedScaling,
 }
 
+/// Which delayed-scaling state of a layer a tensor feeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The forward input.
+    Input,
+    /// The weight.
+    Weight,
+    /// The output gradient.
+    Grad,
+}
+
+impl Role {
+    const ALL: [Role; 3] = [Role::Input, Role::Weight, Role::Grad];
+}
+
 impl LinearScales {
+    /// The state of `role`.
+    pub fn get_mut(&mut self, role: Role) -> &mut DelayedScaling {
+        match role {
+            Role::Input => &mut self.input,
+            Role::Weight => &mut self.weight,
+            Role::Grad => &mut self.grad,
+        }
+    }
+
     fn new() -> Self {
         Self {
             input: DelayedScaling::new(Fp8Format::E4M3),
@@ -90,6 +117,10 @@ pub struct LinearQuant {
     pub spec: PrecisionSpec,
     /// The delayed-scaling states.
     pub scales: Mutex<LinearScales>,
+    /// Amaxes of this step still on the device (0-dim f32), per [`Role`]: delayed scaling needs
+    /// them only at the step's end, where the model reads all of them at once
+    /// (`LlamaForCausalLM::settle_fp8_amaxes`), not once per GEMM.
+    lazy: Mutex<[Vec<tch::Tensor>; 3]>,
     /// The frozen weight, when it is kept here (reduced precision, or sharded) rather than in
     /// the layer's parameter.
     pub stored: Option<FrozenWeight>,
@@ -129,15 +160,18 @@ enum SavedInput {
     AsIs(TchTensor),
     /// bf16.
     Bf16(TchTensor),
-    /// E4M3 codes and the inverse scale.
+    /// E4M3 codes and the inverse scale (delayed scaling: known on the host).
     Fp8(TchTensor, f32),
+    /// E4M3 codes and the inverse scale as a 0-dim tensor on the device (current scaling,
+    /// computed there: see [`crate::fp8::quantize_current_on_device`]).
+    Fp8Current(TchTensor, TchTensor),
 }
 
 impl SavedInput {
     fn bytes(&self) -> usize {
         match self {
             Self::AsIs(t) | Self::Bf16(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
-            Self::Fp8(t, _) => t.tensor.numel() + 4,
+            Self::Fp8(t, _) | Self::Fp8Current(t, _) => t.tensor.numel() + 4,
         }
     }
 }
@@ -145,7 +179,46 @@ impl SavedInput {
 impl LinearQuant {
     /// A fresh state; `stored` is the frozen weight in reduced precision, if any.
     pub fn new(spec: PrecisionSpec, stored: Option<FrozenWeight>) -> Self {
-        Self { spec, scales: Mutex::new(LinearScales::new()), stored }
+        Self { spec, scales: Mutex::new(LinearScales::new()), lazy: Mutex::new(Default::default()), stored }
+    }
+
+    /// The scale to quantise `x` with as `role`, recording its amax in training. Once the
+    /// role has a scale (every use after its first), the amax stays on the device until
+    /// [`Self::take_lazy_amaxes`]: quantising waits for nothing. The first use, and evaluation
+    /// of a never-trained layer, read the amax now ([`scale_of`]).
+    fn scale_for(&self, role: Role, x: &tch::Tensor, train: bool) -> f32 {
+        let mut st = self.scales.lock().unwrap();
+        let state = st.get_mut(role);
+        if train && state.initialized && x.numel() > 0 {
+            let amax = x.abs().max().to_kind(Kind::Float);
+            self.lazy.lock().unwrap()[role as usize].push(amax);
+            return state.scale;
+        }
+        scale_of(state, amax_tch(x), &self.spec.amax, train)
+    }
+
+    /// The amaxes recorded on the device since the last call, one 0-dim f32 tensor per role
+    /// that has any: the largest finite one, or −1 where none is finite (non-finite amaxes are
+    /// not recorded, as [`DelayedScaling::observe`] skips them).
+    pub fn take_lazy_amaxes(&self) -> Vec<(Role, tch::Tensor)> {
+        let mut lazy = self.lazy.lock().unwrap();
+        let mut out = Vec::new();
+        for role in Role::ALL {
+            let list = std::mem::take(&mut lazy[role as usize]);
+            if list.is_empty() {
+                continue;
+            }
+            let all = tch::Tensor::stack(&list, 0);
+            out.push((role, all.masked_fill(&all.isfinite().logical_not(), -1.0).max()));
+        }
+        out
+    }
+
+    /// Records an amax read back from [`Self::take_lazy_amaxes`] (negative: none finite).
+    pub fn record_amax(&self, role: Role, amax: f32) {
+        if amax >= 0.0 {
+            let _ = self.scales.lock().unwrap().get_mut(role).observe(amax, &self.spec.amax);
+        }
     }
 
     /// Stores a frozen `[out, in]` f32 weight, given as host values, as `spec` asks (bf16 for
@@ -202,8 +275,12 @@ impl LinearQuant {
         })
     }
 
-    /// Ends a step: every amax recorded since the last update joins its history.
+    /// Ends a step: every amax recorded since the last update joins its history (amaxes still
+    /// on the device are read here; the model reads all of its layers' at once before).
     pub fn update(&self) {
+        for (role, amax) in self.take_lazy_amaxes() {
+            self.record_amax(role, amax.double_value(&[]) as f32);
+        }
         let mut s = self.scales.lock().unwrap();
         let spec = self.spec.amax;
         s.input.update(&spec);
@@ -251,10 +328,7 @@ impl LinearQuant {
             Some(StoredWeight::F32(t) | StoredWeight::Bf16(t)) => &t.tensor,
             None => w,
         };
-        let s = scale.unwrap_or_else(|| {
-            let mut st = self.scales.lock().unwrap();
-            scale_of(&mut st.weight, amax_tch(w), &self.spec.amax, train)
-        });
+        let s = scale.unwrap_or_else(|| self.scale_for(Role::Weight, w, train));
         Fp8Weight { codes: quantize_tch(w, s, Fp8Format::E4M3), transposed: None, scale_inv: 1.0 / s, scale: s }
     }
 
@@ -270,10 +344,7 @@ impl LinearQuant {
         let fp8_store = self.spec.fp8_activations;
         let (y, saved, w_scale) = match self.spec.compute {
             Compute::Fp8 => {
-                let s = {
-                    let mut st = self.scales.lock().unwrap();
-                    scale_of(&mut st.input, amax_tch(&x2), &self.spec.amax, train)
-                };
+                let s = self.scale_for(Role::Input, &x2, train);
                 let q = quantize_tch(&x2, s, Fp8Format::E4M3);
                 let wq = self.fp8_weight(w, None, train);
                 // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
@@ -294,8 +365,8 @@ impl LinearQuant {
                 // (an adapter of a bf16 layer) upcasts them, as PEFT does.
                 let saved = keep_input.then(|| {
                     if fp8_store {
-                        let q = Fp8Tensor::quantize_current(&x2, Fp8Format::E4M3);
-                        SavedInput::Fp8(TchTensor::new(q.data), q.scale_inv)
+                        let (q, scale_inv) = quantize_current_on_device(&x2, Fp8Format::E4M3);
+                        SavedInput::Fp8Current(TchTensor::new(q), TchTensor::new(scale_inv))
                     } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
                         // The activation itself: no copy.
                         SavedInput::Bf16(x_in.clone())
@@ -328,6 +399,7 @@ impl LinearQuant {
             }
             SavedInput::Bf16(x) => x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]).to_kind(Kind::Float),
             SavedInput::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+            SavedInput::Fp8Current(q, scale_inv) => dequantize_with(&q.tensor, &scale_inv.tensor),
         }
     }
 
@@ -349,7 +421,7 @@ impl LinearQuant {
                 (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), g2.shallow_clone())
             }
             Compute::Fp8 => {
-                let s = self.scales.lock().unwrap().grad.observe(amax_tch(&g2), &self.spec.amax);
+                let s = self.scale_for(Role::Grad, &g2, true);
                 let q = quantize_tch(&g2, s, Fp8Format::E5M2);
                 // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
                 let dx = want_dx.then(|| {
@@ -488,8 +560,8 @@ impl Backward<LibTorch, 2> for QuantLinearBackward {
 enum Kept {
     /// As computed, or cast to bf16.
     Plain(TchTensor),
-    /// E4M3 codes and the inverse scale.
-    Fp8(TchTensor, f32),
+    /// E4M3 codes and the inverse scale (current scaling, a 0-dim tensor on the device).
+    Fp8(TchTensor, TchTensor),
 }
 
 impl Kept {
@@ -498,8 +570,8 @@ impl Kept {
             Storage::F32 => Self::Plain(x),
             Storage::Bf16 => Self::Plain(TchTensor::new(x.tensor.to_kind(Kind::BFloat16))),
             Storage::Fp8 => {
-                let q = Fp8Tensor::quantize_current(&x.tensor, Fp8Format::E4M3);
-                Self::Fp8(TchTensor::new(q.data), q.scale_inv)
+                let (q, scale_inv) = quantize_current_on_device(&x.tensor, Fp8Format::E4M3);
+                Self::Fp8(TchTensor::new(q), TchTensor::new(scale_inv))
             }
         }
     }
@@ -508,7 +580,7 @@ impl Kept {
     fn get(&self, kind: Kind) -> tch::Tensor {
         match self {
             Self::Plain(t) => t.tensor.to_kind(kind),
-            Self::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv).to_kind(kind),
+            Self::Fp8(q, scale_inv) => dequantize_with(&q.tensor, &scale_inv.tensor).to_kind(kind),
         }
     }
 
@@ -662,8 +734,10 @@ mod tests {
             let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
             let grads = (y.clone() * g0.clone()).sum().backward();
             let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
-            // y and dx ran on `_scaled_mm`; dW (a trainable FP8 weight) is emulated in f32.
-            assert_eq!(scaled_mm::take_gemm_counts(), (2, 0));
+            // y and dx ran as FP8 GEMMs (on the CPU: `_scaled_mm` or its emulation, whichever
+            // the probe chose); dW (a trainable FP8 weight) is emulated in f32.
+            let c = scaled_mm::take_gemm_counts();
+            assert_eq!((c.scaled_mm + c.emulated, c.fallback), (2, 0), "{c:?}");
 
             let (xh, wh, gh) = (host(&x0), host(&w0), host(&g0));
             let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);

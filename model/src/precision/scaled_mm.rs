@@ -8,20 +8,105 @@
 //! fall back to f32 on the dequantised operands (the same values, so the same result up to
 //! summation order), are counted ([`take_gemm_counts`], reported by `llora bench`), and the
 //! first one is logged with its reason.
+//!
+//! On the CPU the GEMM takes whichever of `_scaled_mm` and the emulated recipe (the f32 GEMM of
+//! the dequantised operands, the same values) a one-time probe measured faster, `_scaled_mm`
+//! only when it is at least twice as fast, so that the choice cannot flip between runs on one
+//! machine: on a Sapphire Rapids (AMX) CPU torch's CPU `_scaled_mm` ran at 0.04-0.06 GFLOP/s
+//! against 17.6 for the f32 GEMM, which made an FP8 training step 300x slower than fp32.
 
 use std::cell::Cell;
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
 
 use tch::{Kind, Tensor};
 
 use crate::fp8::{Fp8Format, dequantize_tch, quantize_tch};
 
+/// FP8 GEMMs run since the last [`take_gemm_counts`], by path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GemmCounts {
+    /// Through `_scaled_mm` (FP8 tensor cores on CUDA, oneDNN on the CPU).
+    pub scaled_mm: usize,
+    /// Emulated on the CPU by choice ([`cpu_path`]): the f32 GEMM of the dequantised operands.
+    pub emulated: usize,
+    /// Fallen back to f32 because `_scaled_mm` refused the operands (see the module doc).
+    pub fallback: usize,
+}
+
 thread_local! {
-    /// FP8 GEMMs on this thread: through `_scaled_mm`, fallen back to f32. Per thread because
-    /// a step's forward and backward run on the thread that calls them.
-    static COUNTS: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+    /// FP8 GEMMs on this thread. Per thread because a step's forward and backward run on the
+    /// thread that calls them.
+    static COUNTS: Cell<GemmCounts> = const { Cell::new(GemmCounts { scaled_mm: 0, emulated: 0, fallback: 0 }) };
 }
 static WARNED: Once = Once::new();
+
+/// How FP8 GEMMs run on the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuPath {
+    /// torch's CPU `_scaled_mm`.
+    ScaledMm,
+    /// The f32 GEMM of the dequantised operands.
+    Emulated,
+}
+
+impl CpuPath {
+    /// The name `llora bench` reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ScaledMm => "_scaled_mm",
+            Self::Emulated => "emulated (f32 GEMM of the dequantised operands)",
+        }
+    }
+}
+
+/// The CPU path and the probe's seconds for one 128³ GEMM: (path, `_scaled_mm`, emulated).
+static CPU_PROBE: OnceLock<(CpuPath, f64, f64)> = OnceLock::new();
+
+/// The CPU's FP8 GEMM path, measured once per process (best of 3 on a 128³ problem: ~0.1 ms
+/// each on an AVX2 CPU, ~80 ms for `_scaled_mm` on an AMX one).
+pub fn cpu_path() -> (CpuPath, f64, f64) {
+    *CPU_PROBE.get_or_init(|| {
+        let _guard = tch::no_grad_guard();
+        // Values from no generator: the probe runs inside the first FP8 forward, and drawing
+        // from torch's generator there would change that step's dropout masks.
+        let r = |shift: i64| {
+            Tensor::arange(128 * 128, (Kind::Float, tch::Device::Cpu))
+                .g_add_scalar(shift as f64)
+                .fmod(17.0)
+                .reshape([128, 128])
+                - 8.0
+        };
+        let a = quantize_tch(&r(0), 16.0, Fp8Format::E4M3);
+        let w = quantize_tch(&r(5), 16.0, Fp8Format::E4M3);
+        let (a, b) =
+            (Fp8Operand { codes: &a, scale_inv: 1.0 / 16.0 }, Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 16.0 });
+        let best = |f: &dyn Fn() -> Option<Tensor>| {
+            (0..3)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    f().map(|_| t.elapsed().as_secs_f64()).unwrap_or(f64::INFINITY)
+                })
+                .fold(f64::INFINITY, f64::min)
+        };
+        let t_scaled = best(&|| scaled_mm(a, b, Kind::BFloat16, false).ok());
+        let t_emulated = best(&|| Some(emulated(a, b, Kind::BFloat16)));
+        let path = if t_scaled * 2.0 <= t_emulated { CpuPath::ScaledMm } else { CpuPath::Emulated };
+        tracing::debug!(path = path.name(), t_scaled, t_emulated, "CPU FP8 GEMM path");
+        (path, t_scaled, t_emulated)
+    })
+}
+
+/// The f32 GEMM of the dequantised operands, cast to `out`, `b` taken a column block at a time.
+///
+/// # Shapes
+/// - a: `[m, k]`; b: `[k, n]`; output: `[m, n]`
+fn emulated(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind) -> Tensor {
+    let x = dequantize_tch(a.codes, a.scale_inv);
+    super::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, |blk| {
+        x.f_matmul(&dequantize_tch(blk, b.scale_inv)).map(|y| y.to_kind(out))
+    })
+    .expect("a GEMM of valid shapes")
+}
 
 /// One operand of an FP8 GEMM: E4M3 or E5M2 codes and `1 / scale` (what multiplies the codes
 /// back to values).
@@ -33,16 +118,15 @@ pub struct Fp8Operand<'a> {
     pub scale_inv: f32,
 }
 
-/// FP8 GEMMs this thread ran since the last call: `(through _scaled_mm, fallen back to f32)`.
-pub fn take_gemm_counts() -> (usize, usize) {
+/// FP8 GEMMs this thread ran since the last call, by path.
+pub fn take_gemm_counts() -> GemmCounts {
     COUNTS.take()
 }
 
-fn count(scaled: usize, fallback: usize) {
-    COUNTS.set({
-        let (a, b) = COUNTS.get();
-        (a + scaled, b + fallback)
-    });
+fn count(f: impl FnOnce(&mut GemmCounts)) {
+    let mut c = COUNTS.get();
+    f(&mut c);
+    COUNTS.set(c);
 }
 
 /// Why torch's CUDA `_scaled_mm` would refuse `a · b`, if it would (the CPU kernel takes any
@@ -71,18 +155,22 @@ fn refused_on_cuda(a: &Tensor, b: &Tensor) -> Option<String> {
 /// - output: `[m, n]` in `out`
 pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Tensor {
     let device = a.codes.device();
+    if device == tch::Device::Cpu && cpu_path().0 == CpuPath::Emulated {
+        count(|c| c.emulated += 1);
+        return emulated(a, b, out);
+    }
     let refused = if device.is_cuda() { refused_on_cuda(a.codes, b.codes) } else { None };
     let refused = match refused {
         Some(why) => why,
         None => match scaled_mm(a, b, out, fast_accum) {
             Ok(y) => {
-                count(1, 0);
+                count(|c| c.scaled_mm += 1);
                 return y;
             }
             Err(e) => e.to_string(),
         },
     };
-    count(0, 1);
+    count(|c| c.fallback += 1);
     WARNED.call_once(|| tracing::warn!("FP8 GEMM falls back to f32 on the dequantised operands: {refused}"));
     dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv)).to_kind(out)
 }
@@ -91,7 +179,10 @@ pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: boo
 /// operands to f32: [`super::blocked`]).
 fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Result<Tensor, tch::TchError> {
     let device = a.codes.device();
-    let (sa, sb) = (Tensor::from(a.scale_inv).to_device(device), Tensor::from(b.scale_inv).to_device(device));
+    // Filled on the device: a host scalar copied from pageable memory would make the host wait
+    // for the device at every GEMM (two synchronisations per FP8 GEMM on the first GPU run).
+    let scalar = |v: f32| Tensor::full([] as [i64; 0], f64::from(v), (Kind::Float, device));
+    let (sa, sb) = (scalar(a.scale_inv), scalar(b.scale_inv));
     let call = |b: &Tensor| a.codes.f_internal_scaled_mm(b, &sa, &sb, None::<Tensor>, None::<Tensor>, out, fast_accum);
     if device.is_cuda() {
         return call(b.codes);
@@ -122,9 +213,9 @@ pub fn check_layer_gemms(device: tch::Device) -> Result<String, String> {
         Kind::BFloat16,
         false,
     );
-    let (on_scaled_mm, fallback) = take_gemm_counts();
-    if fallback > 0 {
-        return Err(format!("{fallback} of 2 GEMMs fell back from _scaled_mm"));
+    let counts = take_gemm_counts();
+    if counts.fallback > 0 {
+        return Err(format!("{} of 2 GEMMs fell back from _scaled_mm", counts.fallback));
     }
     let rel = |got: &Tensor, want: &Tensor| {
         let err = (got.to_kind(Kind::Float) - want).abs().max().double_value(&[]);
@@ -136,7 +227,8 @@ pub fn check_layer_gemms(device: tch::Device) -> Result<String, String> {
     if ey > 1.0 / 128.0 || edx > 1.0 / 128.0 {
         return Err(format!("relative error y {ey:.2e}, dx {edx:.2e} (bf16 output allows 7.8e-3)"));
     }
-    Ok(format!("{on_scaled_mm} GEMMs on _scaled_mm; relative error y {ey:.2e}, dx {edx:.2e}"))
+    let path = if counts.emulated > 0 { cpu_path().0.name() } else { "_scaled_mm" };
+    Ok(format!("2 GEMMs on {path}; relative error y {ey:.2e}, dx {edx:.2e}"))
 }
 
 #[cfg(test)]
@@ -157,18 +249,46 @@ mod tests {
                 let (a, b) =
                     (Fp8Operand { codes: &a, scale_inv: 0.125 }, Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 });
                 let want = dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv));
-                let _ = take_gemm_counts();
-                let y = fp8_gemm(a, b, Kind::Float, false);
-                assert_eq!(take_gemm_counts(), (1, 0), "the CPU kernel ran");
-                let err = (&y - &want).abs().max().double_value(&[]);
                 let scale = want.abs().max().double_value(&[]);
-                assert!(err <= 1e-5 * scale, "{a_format:?} {m}x{k}x{n}: f32 out off by {err:e} of {scale:e}");
-                let y = fp8_gemm(a, b, Kind::BFloat16, true);
-                assert_eq!(y.kind(), Kind::BFloat16);
-                let err = (y.to_kind(Kind::Float) - &want).abs().max().double_value(&[]);
-                assert!(err <= scale / 256.0, "{a_format:?} {m}x{k}x{n}: bf16 out off by {err:e} of {scale:e}");
+                // torch's CPU kernel itself, and the path `fp8_gemm` takes on this CPU.
+                let direct = |out, fast| scaled_mm(a, b, out, fast).unwrap();
+                let chosen = |out, fast| {
+                    let _ = take_gemm_counts();
+                    let y = fp8_gemm(a, b, out, fast);
+                    let c = take_gemm_counts();
+                    assert_eq!((c.scaled_mm + c.emulated, c.fallback), (1, 0), "{c:?}");
+                    y
+                };
+                for (name, y) in [("_scaled_mm", direct(Kind::Float, false)), ("fp8_gemm", chosen(Kind::Float, false))]
+                {
+                    let err = (&y - &want).abs().max().double_value(&[]);
+                    assert!(
+                        err <= 1e-5 * scale,
+                        "{name} {a_format:?} {m}x{k}x{n}: f32 out off by {err:e} of {scale:e}"
+                    );
+                }
+                for (name, y) in
+                    [("_scaled_mm", direct(Kind::BFloat16, true)), ("fp8_gemm", chosen(Kind::BFloat16, true))]
+                {
+                    assert_eq!(y.kind(), Kind::BFloat16);
+                    let err = (y.to_kind(Kind::Float) - &want).abs().max().double_value(&[]);
+                    assert!(
+                        err <= scale / 256.0,
+                        "{name} {a_format:?} {m}x{k}x{n}: bf16 out off by {err:e} of {scale:e}"
+                    );
+                }
             }
         }
+    }
+
+    /// The probe measured both CPU paths and picked `_scaled_mm` only where it is at least twice
+    /// as fast as the emulation.
+    #[test]
+    fn the_cpu_path_is_never_slower_than_the_emulation() {
+        let (path, t_scaled, t_emulated) = cpu_path();
+        assert!(t_scaled > 0.0 && t_emulated > 0.0 && t_emulated.is_finite(), "{t_scaled} {t_emulated}");
+        assert_eq!(path == CpuPath::ScaledMm, t_scaled * 2.0 <= t_emulated);
+        eprintln!("CPU FP8 GEMM: {} (_scaled_mm {t_scaled:.2e} s, emulated {t_emulated:.2e} s)", path.name());
     }
 
     /// What CUDA refuses is named before calling it.

@@ -5,8 +5,9 @@
 //! tensor over its memory, no copy); an NCCL one copies it to this rank's GPU and back.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::{Backend, Collective, DistError, PendingBytes, ReduceOp, World};
@@ -20,9 +21,13 @@ unsafe extern "C" {
         rank: c_int,
         world: c_int,
         backend: c_int,
+        cuda_device: c_int,
         timeout_ms: i64,
         err: *mut *mut c_char,
     ) -> *mut c_void;
+    fn llora_c10d_shutdown(g: *mut c_void, err: *mut *mut c_char) -> c_int;
+    fn llora_c10d_abort(g: *mut c_void);
+    fn llora_c10d_bound_device(g: *mut c_void) -> c_int;
     fn llora_c10d_free_group(g: *mut c_void);
     fn llora_c10d_free(s: *mut c_char);
     fn llora_c10d_all_reduce(g: *mut c_void, t: *mut torch_sys::C_tensor, op: c_int, err: *mut *mut c_char) -> c_int;
@@ -124,6 +129,12 @@ fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
 }
 
 /// A c10d process group with its store, and a heartbeat that tells which rank was lost.
+///
+/// It ends as PyTorch's `destroy_process_group` ends one: [`ProcessGroup::shutdown`] on success
+/// (the heartbeat thread stopped and joined, then NCCL's communicators finalised while CUDA is
+/// up), an abort when dropped without it (an error path: a peer may be gone). Either way the
+/// shim's group is freed by this thread before `main` returns, never by the heartbeat thread
+/// after it (the first GPU run's SIGABRT at exit).
 pub struct ProcessGroup {
     handle: Arc<Handle>,
     world: World,
@@ -131,6 +142,8 @@ pub struct ProcessGroup {
     device: tch::Device,
     heartbeat: Duration,
     stop: Arc<AtomicBool>,
+    beating: Mutex<Option<JoinHandle<()>>>,
+    ended: AtomicBool,
 }
 
 impl ProcessGroup {
@@ -142,6 +155,10 @@ impl ProcessGroup {
         // torch's own rule under torchrun's agent store is `/worker/attempt_N`; llora's keys
         // live apart from it and, like torch's, per attempt.
         let prefix = CString::new(format!("llora/attempt_{}", world.attempt)).expect("no NUL in a number");
+        let cuda_device = match backend {
+            Backend::Gloo => -1,
+            Backend::Nccl => world.local_rank as c_int,
+        };
         let mut err = std::ptr::null_mut();
         // SAFETY: valid C strings; err receives a malloc'd message on failure.
         let g = unsafe {
@@ -153,6 +170,7 @@ impl ProcessGroup {
                 world.rank as c_int,
                 world.size as c_int,
                 c_int::from(backend == Backend::Nccl),
+                cuda_device,
                 timeout.as_millis() as i64,
                 &mut err,
             )
@@ -175,6 +193,8 @@ impl ProcessGroup {
             device,
             heartbeat: Duration::from_millis(500),
             stop: Arc::new(AtomicBool::new(false)),
+            beating: Mutex::new(None),
+            ended: AtomicBool::new(false),
         };
         pg.start_heartbeat();
         Ok(pg)
@@ -185,7 +205,7 @@ impl ProcessGroup {
     fn start_heartbeat(&self) {
         let (handle, stop, every) = (self.handle.clone(), self.stop.clone(), self.heartbeat);
         let key = CString::new(format!("heartbeat/{}", self.world.rank)).expect("no NUL");
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("llora-heartbeat".into())
             .spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
@@ -195,10 +215,45 @@ impl ProcessGroup {
                     if check(ok, err).is_err() {
                         return; // The store is gone; a collective will say so.
                     }
-                    std::thread::sleep(every);
+                    // Woken early by `stop_heartbeat`.
+                    std::thread::park_timeout(every);
                 }
             })
             .expect("spawn the heartbeat thread");
+        *self.beating.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread);
+    }
+
+    /// Stops the heartbeat and waits for its thread, which then holds no reference to the group.
+    fn stop_heartbeat(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.beating.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            thread.thread().unpark();
+            let _ = thread.join();
+        }
+    }
+
+    /// Ends the group after successful work, as `destroy_process_group` does; idempotent. Every
+    /// rank must call it (NCCL's finalisation is collective).
+    pub fn shutdown(&self) -> Result<(), String> {
+        if self.ended.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.stop_heartbeat();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handle; err receives a malloc'd message on failure.
+        check(unsafe { llora_c10d_shutdown(self.handle.0, &mut err) }, err)
+    }
+
+    /// Whether the heartbeat thread is still running (tests of the shutdown order).
+    #[cfg(test)]
+    fn heartbeat_running(&self) -> bool {
+        self.beating.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// The CUDA device the group is bound to (`None` for Gloo).
+    pub fn bound_device(&self) -> Option<usize> {
+        // SAFETY: live handle.
+        usize::try_from(unsafe { llora_c10d_bound_device(self.handle.0) }).ok()
     }
 
     fn counter(&self, rank: usize) -> Result<i64, String> {
@@ -287,7 +342,14 @@ impl ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        if self.ended.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Dropped without `shutdown`: an error unwound past the group, and a peer may be gone,
+        // so nothing collective is waited for.
+        self.stop_heartbeat();
+        // SAFETY: live handle (freed after this, when the last Arc goes).
+        unsafe { llora_c10d_abort(self.handle.0) }
     }
 }
 
@@ -305,6 +367,18 @@ impl Collective for ProcessGroup {
             Backend::Gloo => "c10d Gloo",
             Backend::Nccl => "c10d NCCL",
         }
+    }
+
+    fn shutdown(&self) -> Result<(), DistError> {
+        ProcessGroup::shutdown(self).map_err(|m| DistError::Setup {
+            rank: self.world.rank,
+            world: self.world.size,
+            message: format!("cannot shut the {} group down: {m}", self.backend),
+        })
+    }
+
+    fn bound_device(&self) -> Option<usize> {
+        ProcessGroup::bound_device(self)
     }
 
     fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), DistError> {
@@ -383,5 +457,38 @@ impl Collective for ProcessGroup {
         let v = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
         unsafe { llora_c10d_free(data as *mut c_char) };
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-rank Gloo group on a local store: `shutdown` stops and joins the heartbeat thread
+    /// first (so the group is freed by this thread, not by the heartbeat after `main`), is
+    /// idempotent, and the group still drops cleanly afterwards; a group dropped without it
+    /// (an error path) stops its heartbeat too.
+    #[test]
+    fn shutdown_joins_the_heartbeat_before_the_group_goes() {
+        for graceful in [true, false] {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let world = World { master_addr: "127.0.0.1".into(), master_port: port, ..World::single() };
+            let pg = ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
+            assert!(pg.heartbeat_running());
+            assert_eq!(pg.bound_device(), None, "Gloo binds no CUDA device");
+            let mut buf = [2.0f32, 3.0];
+            pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            assert_eq!(buf, [2.0, 3.0]);
+            let beat = pg.handle.clone();
+            if graceful {
+                pg.shutdown().unwrap();
+                assert!(!pg.heartbeat_running(), "the heartbeat thread outlived shutdown");
+                pg.shutdown().unwrap();
+                // Only this test's clone and the group hold the handle: the heartbeat let go.
+                assert_eq!(Arc::strong_count(&beat), 2);
+            }
+            drop(pg);
+            assert_eq!(Arc::strong_count(&beat), 1, "graceful {graceful}: someone still holds the group");
+        }
     }
 }

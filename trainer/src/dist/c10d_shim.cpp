@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #ifdef LLORA_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -60,8 +61,11 @@ extern "C" {
 // The backend of a new group: 0 = Gloo (CPU tensors), 1 = NCCL (CUDA tensors).
 // `is_server`: this process serves the TCPStore (rank 0 without torchrun's agent store).
 // `prefix`: every key of the group lives under it (llora's, per launcher attempt).
+// `cuda_device`: for NCCL, this rank's GPU (LOCAL_RANK): made the current device and bound to
+// the group, as torch.distributed.init_process_group(device_id=...) does, so that no rank opens
+// a context or a communicator on GPU 0.
 void* llora_c10d_new(const char* host, uint16_t port, int is_server, const char* prefix, int rank, int world,
-                     int backend, int64_t timeout_ms, char** err) {
+                     int backend, int cuda_device, int64_t timeout_ms, char** err) {
   Group* group = nullptr;
   guarded(err, [&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
@@ -87,9 +91,12 @@ void* llora_c10d_new(const char* host, uint16_t port, int is_server, const char*
       pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, o);
     } else {
 #ifdef LLORA_WITH_NCCL
+      auto device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(cuda_device));
+      c10::cuda::set_device(device.index());
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, o);
+      pg->setBoundDeviceId(device);
 #else
       throw std::runtime_error("this llora was built without NCCL (no CUDA headers at build time)");
 #endif
@@ -97,6 +104,37 @@ void* llora_c10d_new(const char* host, uint16_t port, int is_server, const char*
     group = new Group{store, pg, timeout};
   });
   return group;
+}
+
+// Ends the group as torch.distributed.destroy_process_group does on success: NCCL finalises and
+// destroys its communicators and joins its watchdog while the CUDA runtime is still up. A
+// ProcessGroupNCCL destroyed without this aborts in its destructor, which after main returns
+// meets "CUDA error: driver shutting down" and SIGABRT (the first GPU run). Gloo holds no
+// device state: nothing to do.
+int llora_c10d_shutdown(void* g, char** err) {
+  auto* group = static_cast<Group*>(g);
+  return guarded(err, [&] {
+#ifdef LLORA_WITH_NCCL
+    if (auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL*>(group->backend.get())) nccl->shutdown();
+#endif
+  });
+}
+
+// Ends the group on an error path (a peer may be dead, so nothing waits for it): NCCL aborts its
+// communicators now, while the CUDA runtime is up, rather than in a destructor at exit.
+void llora_c10d_abort(void* g) {
+  auto* group = static_cast<Group*>(g);
+  try {
+    group->backend->abort();
+  } catch (...) {
+  }
+}
+
+// The group's current device: what the NCCL half bound (-1 for Gloo, or without NCCL).
+int llora_c10d_bound_device(void* g) {
+  auto* group = static_cast<Group*>(g);
+  auto d = group->backend->getBoundDeviceId();
+  return d.has_value() ? static_cast<int>(d->index()) : -1;
 }
 
 void llora_c10d_free_group(void* g) { delete static_cast<Group*>(g); }

@@ -50,6 +50,9 @@ pub struct World {
     pub attempt: u64,
     /// Who launched us.
     pub launcher: Launcher,
+    /// The launcher's id of the whole job, the same in every restarted attempt
+    /// (`TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID`): how a restart recognises its job's run directory.
+    pub job: Option<String>,
 }
 
 impl World {
@@ -65,6 +68,7 @@ impl World {
             agent_store: false,
             attempt: 0,
             launcher: Launcher::Single,
+            job: None,
         }
     }
 
@@ -98,11 +102,17 @@ impl World {
             .map(|v| v.trim().parse::<u64>().map_err(|_| format!("{restarts}={v:?} is not a number")))
             .transpose()?
             .unwrap_or(0);
+        let job = match launcher {
+            Launcher::Torchrun => env("TORCHELASTIC_RUN_ID"),
+            _ => env("SLURM_JOB_ID"),
+        }
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty());
         if size == 0 || rank >= size {
             return Err(format!("rank {rank} is not in 0..{size} (world size from the {launcher:?} variables)"));
         }
         if size == 1 {
-            return Ok(Self { launcher, attempt, ..Self::single() });
+            return Ok(Self { launcher, attempt, job, ..Self::single() });
         }
         let master_addr = env("MASTER_ADDR").or_else(|| config.master_addr.clone()).ok_or_else(|| {
             "MASTER_ADDR is not set: export it (e.g. the first host of `scontrol show hostnames \
@@ -114,7 +124,7 @@ impl World {
             None => config.master_port,
         };
         let agent_store = env("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True");
-        Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, attempt, launcher })
+        Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, attempt, launcher, job })
     }
 
     /// Whether a launcher that restarts or requeues jobs by itself started this process:
@@ -272,6 +282,15 @@ pub trait Collective: Send + Sync {
     fn publish(&self, key: &str, value: &[u8]) -> Result<(), DistError>;
     /// The value under `key`, waiting (up to the timeout) until a rank publishes it.
     fn fetch(&self, key: &str) -> Result<Vec<u8>, DistError>;
+    /// Ends the group after successful work (every rank calls it): for NCCL, communicators
+    /// finalised while CUDA is still up. A group dropped without it aborts instead.
+    fn shutdown(&self) -> Result<(), DistError> {
+        Ok(())
+    }
+    /// The CUDA device the group's collectives are bound to (`None` off CUDA).
+    fn bound_device(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// An all-gather in flight: the tensor it writes, and c10d's work (none when nothing is in
@@ -325,6 +344,16 @@ impl Collective for SingleProcess {
     fn fetch(&self, key: &str) -> Result<Vec<u8>, DistError> {
         Err(DistError::Setup { rank: 0, world: 1, message: format!("no store in a single process (key {key})") })
     }
+}
+
+/// This process's rank on its node as the launcher gives it (`LOCAL_RANK`, `SLURM_LOCALID`; 0
+/// without a launcher): the GPU a command that joins no group (`eval`, `selftest`) takes for
+/// the device `cuda`.
+pub fn local_rank() -> usize {
+    ["LOCAL_RANK", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0)
 }
 
 /// Whether this build has the NCCL half of the c10d shim (CUDA headers found at build time).
@@ -384,6 +413,18 @@ impl Dist {
     /// Rank 0 writes the run's files; the others compute the same steps silently.
     pub fn is_main(&self) -> bool {
         self.world.rank == 0
+    }
+
+    /// The device this rank computes on for the configured `spec`: `cuda` is `cuda:LOCAL_RANK`
+    /// (train and bench pick it here; `DeviceSpec::init` then makes it the current device).
+    pub fn device(&self, spec: llora_model::device::DeviceSpec) -> llora_model::device::DeviceSpec {
+        spec.for_local_rank(self.world.local_rank)
+    }
+
+    /// Ends the process group after the command's work succeeded (see [`Collective::shutdown`]);
+    /// on an error path the group is dropped instead, which aborts it.
+    pub fn shutdown(self) -> anyhow::Result<()> {
+        Ok(self.comm.shutdown()?)
     }
 }
 
@@ -496,10 +537,37 @@ mod tests {
         assert!(World::from_env(env(&vars), &DistConfig::default()).unwrap().serves_store());
         let restarted = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("TORCHELASTIC_RESTART_COUNT", "3")];
         assert_eq!(World::from_env(env(&restarted), &DistConfig::default()).unwrap().attempt, 3);
+        let job = [("RANK", "0"), ("WORLD_SIZE", "1"), ("TORCHELASTIC_RUN_ID", "abc123")];
+        assert_eq!(World::from_env(env(&job), &DistConfig::default()).unwrap().job.as_deref(), Some("abc123"));
         let slurm = [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("MASTER_ADDR", "h"), ("SLURM_RESTART_COUNT", "2")];
         assert_eq!(World::from_env(env(&slurm), &DistConfig::default()).unwrap().attempt, 2);
         let bad = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("TORCHELASTIC_RESTART_COUNT", "x")];
         assert!(World::from_env(env(&bad), &DistConfig::default()).unwrap_err().contains("TORCHELASTIC_RESTART_COUNT"));
+    }
+
+    /// Each rank of an 8-GPU node computes on its own GPU: `cuda` is `cuda:LOCAL_RANK` (no two
+    /// local ranks share one), an explicit `cuda:N` and the CPU are kept.
+    #[test]
+    fn each_rank_picks_its_own_gpu() {
+        use llora_model::device::DeviceSpec;
+        let picked: Vec<DeviceSpec> = (0..8)
+            .map(|r| {
+                let (rank, local) = ((8 + r).to_string(), r.to_string());
+                let vars = [
+                    ("RANK", rank.as_str()),
+                    ("WORLD_SIZE", "16"),
+                    ("LOCAL_RANK", local.as_str()),
+                    ("LOCAL_WORLD_SIZE", "8"),
+                    ("MASTER_ADDR", "node0"),
+                ];
+                let world = World::from_env(env(&vars), &DistConfig::default()).unwrap();
+                Dist { world, comm: Arc::new(SingleProcess) }.device(DeviceSpec::CudaLocal)
+            })
+            .collect();
+        assert_eq!(picked, (0..8).map(DeviceSpec::Cuda).collect::<Vec<_>>());
+        let dist = Dist { world: World { local_rank: 5, ..World::single() }, comm: Arc::new(SingleProcess) };
+        assert_eq!(dist.device(DeviceSpec::Cuda(2)), DeviceSpec::Cuda(2));
+        assert_eq!(dist.device(DeviceSpec::Cpu), DeviceSpec::Cpu);
     }
 
     #[test]

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds llora against a given torch and writes one small folder that runs on a GPU node with
+# only Python + that torch (no Rust toolchain, no network): the stripped, xz-compressed binary,
+# scripts/gpu-check.sh with the PyTorch + PEFT peer (scripts/peer/), the configs, and the demo
+# base when this checkout has one (runs/demo-base). On the node:
+#
+#   OUT/gpu-check.sh [--cpu]      # unpacks the binary once, then runs scripts/gpu-check.sh
+#   OUT/llora ARGS...             # the binary itself, after the first gpu-check.sh (or unxz)
+#
+# gpu-check.sh finds the node's LibTorch, CUDA and NCCL libraries through its Python's torch
+# (torch/lib and every nvidia/*/lib folder), so a binary built here runs against the node's
+# own torch wheel, which must be the version built against (llora --version names it).
+#
+# Usage: scripts/gpu-bundle.sh [--torch VERSION] OUT        (VERSION defaults to 2.11.0)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TORCH=2.11.0
+OUT=
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --torch) [[ $# -ge 2 ]] || { echo "gpu-bundle.sh: --torch needs a version, e.g. --torch 2.11.0" >&2; exit 2; }
+      TORCH=$2; shift ;;
+    --torch=*) TORCH=${1#--torch=} ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -*) echo "gpu-bundle.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
+    *) [[ -z $OUT ]] || { echo "gpu-bundle.sh: one OUT folder, not '$OUT' and '$1'" >&2; exit 2; }
+      OUT=$1 ;;
+  esac
+  shift
+done
+[[ -n $OUT ]] || { echo "gpu-bundle.sh: name the OUT folder (see --help)" >&2; exit 2; }
+if [[ -e $OUT && -n $(ls -A "$OUT" 2>/dev/null) ]]; then
+  echo "gpu-bundle.sh: $OUT exists and is not empty: llora never writes over a folder; name a new one" >&2
+  exit 1
+fi
+command -v xz >/dev/null || { echo "gpu-bundle.sh: xz not found (Debian: apt-get install xz-utils)" >&2; exit 1; }
+cd "$ROOT"
+./scripts/setup.sh --torch "$TORCH" --parity --quiet
+cargo build --release --quiet -p llora-trainer --bin llora
+built=$(./target/release/llora --version)
+[[ $built == *"LibTorch $TORCH"* ]] || { echo "gpu-bundle.sh: built '$built', not against torch $TORCH" >&2; exit 1; }
+mkdir -p "$OUT/scripts" "$OUT/configs"
+tmp=$(mktemp)
+strip -o "$tmp" target/release/llora
+xz -T0 -6 -c "$tmp" >"$OUT/llora.xz"
+rm -f "$tmp"
+cp scripts/gpu-check.sh "$OUT/scripts/"
+cp -r scripts/peer "$OUT/scripts/"
+rm -rf "$OUT/scripts/peer/__pycache__"
+cp configs/*.toml "$OUT/configs/"
+if [[ -f runs/demo-base/config.json ]]; then
+  mkdir -p "$OUT/runs"
+  cp -r runs/demo-base "$OUT/runs/"
+fi
+cat >"$OUT/gpu-check.sh" <<'SH'
+#!/usr/bin/env bash
+# Unpacks llora (once) and runs its gpu-check here; see scripts/gpu-check.sh --help.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+[[ -x llora ]] || { xz -dc llora.xz >llora.tmp && chmod +x llora.tmp && mv llora.tmp llora; }
+LLORA=${LLORA:-$PWD/llora} exec scripts/gpu-check.sh "$@"
+SH
+chmod +x "$OUT/gpu-check.sh"
+echo "$built" >"$OUT/VERSION"
+du -sh "$OUT"
+echo "gpu-bundle.sh: $OUT holds llora $built; on the node: $OUT/gpu-check.sh" >&2
