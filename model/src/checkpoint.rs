@@ -21,15 +21,15 @@ use crate::lora::{LoraAdapter, LoraSpec};
 use crate::params::ParamMut;
 
 /// One memory-mapped safetensors file with its parsed header.
-struct Shard {
-    path: PathBuf,
+pub(crate) struct Shard {
+    pub(crate) path: PathBuf,
     mmap: Mmap,
     header_len: usize,
-    meta: Metadata,
+    pub(crate) meta: Metadata,
 }
 
 impl Shard {
-    fn open(path: &Path) -> anyhow::Result<Self> {
+    pub(crate) fn open(path: &Path) -> anyhow::Result<Self> {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: the file is opened read-only and llora never writes a checkpoint it is
         // reading; a concurrent external writer would be a user error the header check catches
@@ -40,8 +40,16 @@ impl Shard {
         Ok(Self { path: path.to_path_buf(), mmap, header_len, meta })
     }
 
+    /// The stored bytes of the named tensor (its dtype and shape are in `meta`).
+    pub(crate) fn raw(&self, name: &str) -> anyhow::Result<&[u8]> {
+        let info =
+            self.meta.info(name).with_context(|| format!("tensor {name} is missing from {}", self.path.display()))?;
+        let (start, end) = info.data_offsets;
+        Ok(&self.mmap[8 + self.header_len + start..8 + self.header_len + end])
+    }
+
     /// The named tensor converted to f32, checked against `expected` shape.
-    fn read_f32(&self, name: &str, expected: &[usize]) -> anyhow::Result<TensorData> {
+    pub(crate) fn read_f32(&self, name: &str, expected: &[usize]) -> anyhow::Result<TensorData> {
         let info =
             self.meta.info(name).with_context(|| format!("tensor {name} is missing from {}", self.path.display()))?;
         ensure!(
@@ -61,10 +69,17 @@ impl Shard {
                 self.path.display()
             ),
         };
-        // The pages just read count in this process's RSS until dropped; a 70B load would
-        // otherwise hold the whole checkpoint resident (in the page cache they stay).
+        self.forget(name);
+        Ok(TensorData::new(values, expected.to_vec()))
+    }
+
+    /// Drops the named tensor's mapped pages from this process's RSS: a 70B load (or export)
+    /// would otherwise hold the whole checkpoint resident (in the page cache they stay).
+    pub(crate) fn forget(&self, name: &str) {
+        let Some(info) = self.meta.info(name) else { return };
+        let (start, end) = info.data_offsets;
         // SAFETY: the mapping is read-only and private; dropped pages are read again from the
-        // file if touched, and nothing borrows these bytes any more.
+        // file if touched, and no borrow of these bytes outlives the call that read them.
         let _ = unsafe {
             self.mmap.unchecked_advise_range(
                 memmap2::UncheckedAdvice::DontNeed,
@@ -72,7 +87,6 @@ impl Shard {
                 end - start,
             )
         };
-        Ok(TensorData::new(values, expected.to_vec()))
     }
 }
 
@@ -83,7 +97,7 @@ pub struct HfCheckpoint {
     pub dir: PathBuf,
     /// The architecture from `config.json` (with `fused_qkv` detected from the tensors).
     pub config: LlamaConfig,
-    shards: Vec<Shard>,
+    pub(crate) shards: Vec<Shard>,
     /// Tensor name → index into `shards`.
     index: HashMap<String, usize>,
 }

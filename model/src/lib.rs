@@ -11,6 +11,7 @@ pub mod llama;
 pub mod load;
 pub mod lora;
 pub mod loss;
+pub mod merge;
 pub mod norm;
 pub mod params;
 pub mod precision;

@@ -551,6 +551,10 @@ pub struct ExportArgs {
     /// Output directory (created; must not hold a checkpoint already).
     #[arg(long)]
     pub out: PathBuf,
+    /// The dtype of the merged weights: `f32`, `bf16` or `f16` (default: each tensor's own,
+    /// the base checkpoint's).
+    #[arg(long, value_parser = ["f32", "bf16", "f16"])]
+    pub dtype: Option<String>,
 }
 
 /// `llora config ...`.

@@ -927,16 +927,33 @@ pub fn export_merged(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
         "{} already holds a checkpoint; choose a new --out directory",
         args.out.display()
     );
-    let device = llora_model::device::DeviceSpec::Cpu.init(0)?;
+    crate::paths::ensure_new_output("--out", &args.out, false)?;
+    crate::paths::ensure_not_an_input("--out", &args.out, &[("--model", &args.model), ("--adapter", &args.adapter)])?;
+    let dtype = args.dtype.as_deref().map(|d| match d {
+        "bf16" => llora_model::merge::Dtype::BF16,
+        "f16" => llora_model::merge::Dtype::F16,
+        _ => llora_model::merge::Dtype::F32,
+    });
     let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
-    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
-    let spec = llora_model::checkpoint::load_peft_adapter(&mut model, &args.adapter, &device)
-        .with_context(|| format!("loading the adapter {}", args.adapter.display()))?;
-    let merged = model.adapters().len();
-    model.merge_adapters();
-    save_hf_checkpoint(&mut model, &args.out)?;
-    info!(modules = merged, rank = spec.rank, alpha = spec.alpha, out = %args.out.display(), "merged checkpoint written");
-    println!("{}", json!({"out": args.out.display().to_string(), "merged_modules": merged}));
+    let spec = llora_model::checkpoint::read_peft_config(&args.adapter)?;
+    let mut done = None;
+    // Written beside --out and renamed into place whole: a failure leaves nothing behind.
+    crate::paths::write_dir_atomic(&args.out, |tmp| {
+        done = Some(
+            llora_model::merge::export_merged(&ckpt, &args.adapter, tmp, dtype)
+                .with_context(|| format!("merging the adapter {}", args.adapter.display()))?,
+        );
+        Ok(())
+    })?;
+    let done = done.expect("written");
+    info!(modules = done.merged_modules, rank = spec.rank, alpha = spec.alpha, out = %args.out.display(),
+        bytes = done.bytes, "merged checkpoint written, tensor by tensor");
+    println!(
+        "{}",
+        json!({"out": args.out.display().to_string(), "merged_modules": done.merged_modules, "tensors": done.tensors,
+               "bytes": done.bytes, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,
+               "peak_rss_mb": crate::bench::peak_rss_mb()})
+    );
     Ok(())
 }
 
