@@ -831,6 +831,15 @@ fn generate_against_hf(precision: &str, new: usize) -> (serde_json::Value, serde
         precision,
     ]);
     assert_eq!(ours["prompt_ids"][0], 128000, "the tokenizer's <|begin_of_text|> starts the prompt");
+    if precision == "fp32" {
+        // Past max_position_embeddings: refused before any token, nothing streamed (#41 item 14).
+        let far = "1000000000";
+        let out =
+            common::llora(&["generate", "--model", b, "--tokenizer", t, "--prompt", prompt, "--max-new-tokens", far]);
+        let (stdout, stderr) = common::text(&out);
+        assert!(!out.status.success() && stdout.is_empty(), "{stdout}");
+        assert!(stderr.contains("max_position_embeddings") && stderr.contains("--max-new-tokens"), "{stderr}");
+    }
     let hf = hf_generate_in(&base, &dir, &ours["prompt_ids"], new, precision);
     (ours, hf)
 }

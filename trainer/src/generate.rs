@@ -66,6 +66,17 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         stop.push(llora_data::chat::special_ids(&tokenizer)?.1);
     }
     let ids = prompt.get_ids().to_vec();
+    // Checked before any token is produced: running out of positions halfway would lose what
+    // was streamed (and all of it with --json).
+    let positions = model.config.max_position_embeddings;
+    anyhow::ensure!(
+        ids.len().saturating_add(a.max_new_tokens) <= positions,
+        "the prompt ({} tokens) plus --max-new-tokens {} exceeds the model's max_position_embeddings ({positions}): \
+         lower --max-new-tokens to at most {} or shorten the prompt",
+        ids.len(),
+        a.max_new_tokens,
+        positions.saturating_sub(ids.len())
+    );
     let sampling = if a.temperature == 0.0 {
         Sampling::Greedy
     } else {

@@ -31,7 +31,14 @@ pub struct RunResult {
     pub samples: Option<u64>,
     /// run_stop − run_start in minutes (`None` without `run_stop`).
     pub minutes: Option<f64>,
+    /// `submission_benchmark`, when logged.
+    pub benchmark: Option<String>,
+    /// `submission_platform` (the system), when logged.
+    pub platform: Option<String>,
 }
+
+/// The benchmark `llora mlperf score` scores.
+pub const BENCHMARK: &str = "llama2_70b_lora";
 
 impl RunResult {
     /// Converged: `run_stop` with status `success`.
@@ -59,6 +66,7 @@ pub struct Score {
 pub fn read_result(path: &Path) -> anyhow::Result<RunResult> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let (mut start, mut stop, mut status, mut samples, mut seed) = (None, None, None, None, None);
+    let (mut benchmark, mut platform) = (None, None);
     for (i, line) in text.lines().enumerate() {
         let Some(record) = line.find(":::MLLOG").map(|at| &line[at + ":::MLLOG".len()..]) else { continue };
         let v: Value = serde_json::from_str(record.trim())
@@ -77,6 +85,8 @@ pub fn read_result(path: &Path) -> anyhow::Result<RunResult> {
                 samples = v["metadata"]["samples_count"].as_u64();
             }
             Some("seed") => seed = v["value"].as_u64(),
+            Some("submission_benchmark") => benchmark = Some(v["value"].as_str().unwrap_or_default().to_string()),
+            Some("submission_platform") => platform = Some(v["value"].as_str().unwrap_or_default().to_string()),
             _ => {}
         }
     }
@@ -91,6 +101,8 @@ pub fn read_result(path: &Path) -> anyhow::Result<RunResult> {
         status: stop.and(status.or(Some("unknown".into()))),
         samples,
         minutes: stop.map(|stop| (stop - start) / 60_000.0),
+        benchmark,
+        platform,
     })
 }
 
@@ -147,6 +159,25 @@ pub fn score_dir(dir: &Path) -> anyhow::Result<Score> {
 /// The olympic mean of `runs` × `scaling`, in minutes.
 pub fn score(runs: Vec<RunResult>, scaling: f64) -> anyhow::Result<Score> {
     ensure!(runs.len() >= 3, "{} runs: an olympic mean needs at least 3 (MLPerf asks for 10)", runs.len());
+    // One benchmark on one system: a score over another benchmark's logs, or a mix, means nothing.
+    for r in &runs {
+        if let Some(b) = r.benchmark.as_deref().filter(|b| *b != BENCHMARK) {
+            bail!(
+                "{} is a result log of the benchmark {b:?}, not {BENCHMARK}: it cannot be scored here",
+                r.file.display()
+            );
+        }
+    }
+    let mut platforms = runs.iter().filter_map(|r| r.platform.as_deref().map(|p| (p, &r.file)));
+    if let Some((first, first_file)) = platforms.next()
+        && let Some((other, file)) = platforms.find(|(p, _)| p != &first)
+    {
+        bail!(
+            "the logs come from different systems: {} ran on {first:?}, {} on {other:?}; score each system's runs apart",
+            first_file.display(),
+            file.display()
+        );
+    }
     let failed: Vec<&RunResult> = runs.iter().filter(|r| !r.converged()).collect();
     if failed.len() > 1 {
         let names: Vec<String> = failed
@@ -272,7 +303,26 @@ mod tests {
             status: Some(status.into()),
             samples: Some(1),
             minutes: Some(minutes),
+            benchmark: Some(BENCHMARK.into()),
+            platform: Some("1xcpu".into()),
         }
+    }
+
+    /// Logs of another benchmark, or of several systems, are refused naming the log (#41).
+    #[test]
+    fn scores_one_benchmark_on_one_system() {
+        let runs = || vec![run(3.0, "success"), run(1.0, "success"), run(10.0, "success")];
+        let mut other = runs();
+        other[1].benchmark = Some("bert".into());
+        let err = score(other, 1.0).unwrap_err().to_string();
+        assert!(err.contains("result_1.txt") && err.contains("\"bert\""), "{err}");
+        let mut mixed = runs();
+        mixed[2].platform = Some("8xH100".into());
+        let err = score(mixed, 1.0).unwrap_err().to_string();
+        assert!(err.contains("result_10.txt") && err.contains("8xH100") && err.contains("different systems"), "{err}");
+        let mut unlabelled = runs();
+        unlabelled[0].platform = None;
+        assert!(score(unlabelled, 1.0).is_ok(), "a log without the key is not a mix");
     }
 
     #[test]
