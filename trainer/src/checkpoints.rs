@@ -196,6 +196,31 @@ pub fn verify(dir: &Path) -> anyhow::Result<()> {
         path.display(),
         manifest.format
     );
+    // What the manifest vouches for must be the checkpoint: its own step, every file in it
+    // (and none outside it), so that no file is read unchecked and nothing else is read.
+    if let Some(step) = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(STEP_PREFIX)) {
+        ensure!(
+            step.parse::<usize>().ok() == Some(manifest.step),
+            "{}: says step {}, but the checkpoint is {}",
+            path.display(),
+            manifest.step,
+            dir.display()
+        );
+    }
+    for rel in manifest.files.keys() {
+        let inside = Path::new(rel).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        ensure!(
+            inside && !rel.is_empty(),
+            "{}: lists {rel:?}, which is not a file inside the checkpoint",
+            path.display()
+        );
+    }
+    let on_disk = files(dir)?;
+    let listed: Vec<&String> = manifest.files.keys().collect();
+    if let Some(extra) = on_disk.iter().find(|f| !manifest.files.contains_key(*f)) {
+        anyhow::bail!("{}: {extra} is in the checkpoint but not in its manifest", path.display());
+    }
+    ensure!(!listed.is_empty(), "{}: lists no file", path.display());
     for (rel, want) in &manifest.files {
         let file = dir.join(rel);
         ensure!(file.is_file(), "{}: missing (listed in {MANIFEST})", file.display());
@@ -216,6 +241,13 @@ pub fn verify(dir: &Path) -> anyhow::Result<()> {
 /// a warning for each newer one that is damaged; an error listing every damage when none is
 /// intact.
 pub fn newest_intact(path: &Path) -> anyhow::Result<PathBuf> {
+    newest_usable(path, |dir| Ok(dir.to_path_buf()))
+}
+
+/// [`newest_intact`] whose contents `open` also accepts (it reads and checks them): a
+/// checkpoint whose manifest holds but whose contents are inconsistent (an optimizer moment of
+/// the wrong shape) is skipped like a damaged one, with a warning, for the previous one.
+pub fn newest_usable<T>(path: &Path, open: impl Fn(&Path) -> anyhow::Result<T>) -> anyhow::Result<T> {
     let candidates = match path.join(MANIFEST).is_file() {
         true => vec![path.to_path_buf()],
         false => list(path).into_iter().map(|(_, d)| d).collect(),
@@ -228,12 +260,12 @@ pub fn newest_intact(path: &Path) -> anyhow::Result<PathBuf> {
     );
     let mut damaged = Vec::new();
     for dir in candidates {
-        match verify(&dir) {
-            Ok(()) => {
+        match verify(&dir).and_then(|()| open(&dir)) {
+            Ok(opened) => {
                 if !damaged.is_empty() {
                     tracing::warn!(using = %dir.display(), "a newer checkpoint is damaged; resuming from the previous one");
                 }
-                return Ok(dir);
+                return Ok(opened);
             }
             Err(e) => {
                 tracing::warn!("checkpoint {} is damaged: {e:#}", dir.display());
@@ -282,6 +314,47 @@ mod tests {
         let err = format!("{:#}", newest_intact(run.path()).unwrap_err());
         assert!(err.contains("no intact checkpoint") && err.contains("w.bin") && err.contains("state.json"), "{err}");
         assert!(err.contains("1 bytes") && err.contains("truncated"), "{err}");
+    }
+
+    /// A manifest vouches for exactly its checkpoint (#41): one listing no file, skipping a
+    /// file, claiming another step or naming a path outside is refused, with the reason named;
+    /// and a checkpoint whose contents `open` rejects falls back to the previous one.
+    #[test]
+    fn a_manifest_must_be_its_checkpoints() {
+        let run = tempfile::tempdir().unwrap();
+        save_files(run.path(), 2, 2, "two");
+        let dir = save_files(run.path(), 4, 2, "four");
+        let manifest = dir.join(MANIFEST);
+        let good = std::fs::read_to_string(&manifest).unwrap();
+        let m: serde_json::Value = serde_json::from_str(&good).unwrap();
+        let tamper = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = m.clone();
+            f(&mut v);
+            std::fs::write(&manifest, v.to_string()).unwrap();
+            format!("{:#}", verify(&dir).unwrap_err())
+        };
+        let err = tamper(&|v| v["files"] = serde_json::json!({}));
+        assert!(err.contains("not in its manifest") || err.contains("lists no file"), "{err}");
+        let err = tamper(&|v| {
+            v["files"].as_object_mut().unwrap().remove("state.json");
+        });
+        assert!(err.contains("state.json") && err.contains("not in its manifest"), "{err}");
+        let err = tamper(&|v| v["step"] = 7.into());
+        assert!(err.contains("says step 7"), "{err}");
+        let err = tamper(&|v| {
+            let sum = v["files"]["state.json"].clone();
+            v["files"]["../../outside"] = sum;
+        });
+        assert!(err.contains("\"../../outside\"") && err.contains("not a file inside"), "{err}");
+        std::fs::write(&manifest, &good).unwrap();
+        verify(&dir).unwrap();
+        // Contents rejected by the reader: the previous checkpoint is used.
+        let opened = newest_usable(run.path(), |d| {
+            anyhow::ensure!(!d.ends_with("step-00000004"), "optimizer moment x has 3 values, its parameter 4");
+            Ok(d.to_path_buf())
+        })
+        .unwrap();
+        assert_eq!(opened, root(run.path()).join("step-00000002"));
     }
 
     /// A failing fill (a full disk) leaves the earlier checkpoints and no temporary directory.

@@ -216,7 +216,14 @@ pub fn peek(run_dir: &Path) -> anyhow::Result<(Config, usize)> {
 /// Reads the newest intact checkpoint of the run directory `run_dir` (or the checkpoint
 /// directory `run_dir` itself), falling back past damaged ones with a warning.
 pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
-    let dir = checkpoints::newest_intact(run_dir)?;
+    checkpoints::newest_usable(run_dir, read)
+}
+
+/// One checkpoint's contents, checked for consistency on their own (every parameter with both
+/// moments of its size once an optimizer step was taken, no stray moment): what
+/// [`Checkpoint::restore`] then checks against the model.
+fn read(dir: &Path) -> anyhow::Result<Checkpoint> {
+    let dir = dir.to_path_buf();
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: StateFile = serde_json::from_str(&text)
@@ -228,15 +235,57 @@ pub fn load(run_dir: &Path) -> anyhow::Result<Checkpoint> {
         state.format
     );
     let config_path = dir.join("config.toml");
+    let params = read_safetensors_f32(&dir.join("params.safetensors"))?;
+    let moments = read_safetensors_f32(&dir.join("optimizer.safetensors"))?;
+    check_moments(&params, &moments, state.optimizer_step, &dir.join("optimizer.safetensors"))?;
     Ok(Checkpoint {
         progress: state.progress,
         optimizer_step: state.optimizer_step,
         config_toml: std::fs::read_to_string(&config_path)
             .with_context(|| format!("cannot read {}", config_path.display()))?,
-        params: read_safetensors_f32(&dir.join("params.safetensors"))?,
-        moments: read_safetensors_f32(&dir.join("optimizer.safetensors"))?,
+        params,
+        moments,
         dir,
     })
+}
+
+/// Every parameter's AdamW moments are there with its number of values (after the first
+/// optimizer step; before it, none need be), and every moment belongs to a parameter.
+fn check_moments(
+    params: &llora_model::checkpoint::F32Tensors,
+    moments: &llora_model::checkpoint::F32Tensors,
+    optimizer_step: u64,
+    file: &Path,
+) -> anyhow::Result<()> {
+    let numel = |shape: &[usize]| shape.iter().product::<usize>();
+    for (name, (shape, _)) in params {
+        for which in ["exp_avg", "exp_avg_sq"] {
+            let key = format!("{name}.{which}");
+            match moments.get(&key) {
+                Some((m, _)) => ensure!(
+                    numel(m) == numel(shape),
+                    "{}: optimizer moment {key} has {} values, its parameter {}",
+                    file.display(),
+                    numel(m),
+                    numel(shape)
+                ),
+                None => ensure!(
+                    optimizer_step == 0,
+                    "{}: optimizer moment {key} is missing (the checkpoint is after optimizer step {optimizer_step})",
+                    file.display()
+                ),
+            }
+        }
+    }
+    for key in moments.keys() {
+        let param = key.strip_suffix(".exp_avg_sq").or_else(|| key.strip_suffix(".exp_avg"));
+        ensure!(
+            param.is_some_and(|p| params.contains_key(p)),
+            "{}: moment {key} belongs to no saved parameter",
+            file.display()
+        );
+    }
+    Ok(())
 }
 
 impl Checkpoint {
@@ -303,5 +352,35 @@ impl Checkpoint {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Moments of the wrong size, missing after a step, or of no parameter are refused naming
+    /// the moment (#41: a wrong shape used to panic in burn's Add on every retry); before the
+    /// first step none are needed.
+    #[test]
+    fn moments_must_match_their_parameters() {
+        let file = Path::new("optimizer.safetensors");
+        let t = |n: usize| (vec![n], vec![0.0f32; n]);
+        let params: llora_model::checkpoint::F32Tensors = [("a".to_string(), t(4))].into();
+        let moments = |m: usize, v: usize| -> llora_model::checkpoint::F32Tensors {
+            [("a.exp_avg".to_string(), t(m)), ("a.exp_avg_sq".to_string(), t(v))].into()
+        };
+        check_moments(&params, &moments(4, 4), 3, file).unwrap();
+        let err = check_moments(&params, &moments(4, 3), 3, file).unwrap_err().to_string();
+        assert!(err.contains("a.exp_avg_sq has 3 values, its parameter 4"), "{err}");
+        let mut missing = moments(4, 4);
+        missing.remove("a.exp_avg");
+        let err = check_moments(&params, &missing, 3, file).unwrap_err().to_string();
+        assert!(err.contains("a.exp_avg is missing") && err.contains("step 3"), "{err}");
+        check_moments(&params, &Default::default(), 0, file).unwrap();
+        let mut stray = moments(4, 4);
+        stray.insert("b.exp_avg".into(), t(2));
+        let err = check_moments(&params, &stray, 3, file).unwrap_err().to_string();
+        assert!(err.contains("b.exp_avg belongs to no saved parameter"), "{err}");
     }
 }
