@@ -37,18 +37,34 @@ unsafe extern "C" {
     fn llora_current_device() -> c_int;
 }
 
-/// The shim's (status, message) as a Result.
-fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
+/// A C shim's (status, message) as a Result: `ok != 0` is success; otherwise `err` is the
+/// shim's malloc'd message (or null), released with the shim's own `free`. The shims of
+/// llora-model and llora-trainer (c10d) share this convention.
+///
+/// # Safety
+/// `err` is null or a NUL-terminated string that `free` releases, not used after this call.
+pub unsafe fn shim_status(
+    ok: c_int,
+    err: *mut c_char,
+    what: &str,
+    free: unsafe extern "C" fn(*mut c_char),
+) -> Result<(), String> {
     if ok != 0 {
         return Ok(());
     }
     if err.is_null() {
-        return Err("LibTorch failed without a message".into());
+        return Err(format!("{what} failed without a message"));
     }
-    // SAFETY: a NUL-terminated malloc'd message from the shim, freed once.
+    // SAFETY: the shim wrote a NUL-terminated malloc'd string, freed once here by its owner.
     let msg = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
-    unsafe { llora_profile_free(err) };
+    unsafe { free(err) };
     Err(msg)
+}
+
+/// This shim's (status, message) as a Result.
+fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
+    // SAFETY: `err` comes from this shim, which mallocs it for llora_profile_free.
+    unsafe { shim_status(ok, err, "LibTorch", llora_profile_free) }
 }
 
 /// One trace at a time: Kineto has one profiler per process.

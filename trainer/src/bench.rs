@@ -448,6 +448,9 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     let (heap_peak, heap_resident_peak) = heap_peak.finish();
     // The caching allocator's peaks over warm-up and timed steps (what `llora plan` predicts).
     let device_peaks = cuda_index.map(llora_model::profile::device_peaks).transpose().map_err(anyhow::Error::msg)?;
+    // Read before the extra counted/traced steps and the one-block measurement below (the
+    // profiler's buffers are not the step's memory).
+    let peak_rss = peak_rss_mb();
     // One extra step, counted (the op observer costs time, so it never runs in a timed step).
     let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
     bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
@@ -457,8 +460,6 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
         trace.finish(path).map_err(anyhow::Error::msg)?;
     }
-    // Read before the one-block measurement below (which stays far under the step's peak).
-    let peak_rss = peak_rss_mb();
     let block = block_memory(&model, args.batch, args.seq_len, &train_device);
     // Other processes' share of the machine during the timed steps: a noisy bench says so.
     let others = window.and_then(|(ps0, pc0, pw0)| {

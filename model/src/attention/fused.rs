@@ -334,7 +334,10 @@ pub fn backward(
 
 /// Checks `kernel`'s forward and backward on `device` against plain LibTorch ops (f32 matmul,
 /// softmax, autograd on the same rounded inputs) for a random problem with these head counts,
-/// causal and not: relative error 1e-3 of the largest value in f32, 2e-2 in bf16/f16.
+/// causal and not: in f32 an error under 1e-3 of the largest value; in bf16/f16 a norm-wise
+/// relative error ‖got − want‖/‖want‖ under 1e-2 (bf16 outputs round every value, and the
+/// largest single error of a gradient summed over 133 positions reached 2.0e-2 of its largest
+/// value on random inputs now and then: a flaky check).
 pub fn verify(
     kernel: FusedKernel,
     device: tch::Device,
@@ -346,7 +349,7 @@ pub fn verify(
     let _guard = tch::no_grad_guard();
     // More than one 128-row block, and a length no kernel's tiling divides.
     let (b, s) = (2, 133);
-    let tol = if kind == tch::Kind::Float { 1e-3 } else { 2e-2 };
+    let tol = if kind == tch::Kind::Float { 1e-3 } else { 1e-2 };
     let rand = |h: i64| {
         tch::Tensor::f_randn([b, h, s, head_dim], (tch::Kind::Float, device))
             .and_then(|x| x.f_to_kind(kind))
@@ -378,12 +381,16 @@ pub fn verify(
                 if got.size() != want.size() {
                     return Err(format!("{name} has shape {:?}, expected {:?}", got.size(), want.size()));
                 }
-                let err = (got.to_kind(tch::Kind::Float) - want).abs().max().double_value(&[]);
-                let scale = want.abs().max().double_value(&[]).max(1e-6);
+                let diff = got.to_kind(tch::Kind::Float) - want;
+                let (err, scale) = if kind == tch::Kind::Float {
+                    (diff.abs().max().double_value(&[]), want.abs().max().double_value(&[]).max(1e-6))
+                } else {
+                    (diff.norm().double_value(&[]), want.norm().double_value(&[]).max(1e-6))
+                };
                 let close = err / scale < tol; // false for NaN, which must count as a mismatch
                 if !close {
                     return Err(format!(
-                        "{name} differs (causal {causal}): max |error| {err:.3e} against max |value| {scale:.3e}"
+                        "{name} differs (causal {causal}): error {err:.3e} against {scale:.3e} (max in f32, norm in bf16)"
                     ));
                 }
             }

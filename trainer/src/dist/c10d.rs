@@ -4,7 +4,7 @@
 //! Buffers cross as host slices: a Gloo collective runs in place on the slice (a LibTorch
 //! tensor over its memory, no copy); an NCCL one copies it to this rank's GPU and back.
 
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -116,16 +116,8 @@ impl Drop for Work {
 
 /// Turns the shim's (status, message) into a Result.
 fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
-    if ok != 0 {
-        return Ok(());
-    }
-    if err.is_null() {
-        return Err("c10d failed without a message".into());
-    }
-    // SAFETY: the shim wrote a NUL-terminated malloc'd string.
-    let msg = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
-    unsafe { llora_c10d_free(err) };
-    Err(msg)
+    // SAFETY: `err` comes from the c10d shim, which mallocs it for llora_c10d_free.
+    unsafe { llora_model::profile::shim_status(ok, err, "c10d", llora_c10d_free) }
 }
 
 /// A c10d process group with its store, and a heartbeat that tells which rank was lost.
