@@ -9,8 +9,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use llora_data::parquet_io::{OnBadRow, ReadOptions, parquet_bytes, read_parquet};
-use llora_model::checkpoint::{HfCheckpoint, read_peft_config, read_safetensors_f32, safetensors_bytes};
+use llora_model::checkpoint::{HfCheckpoint, read_safetensors_f32, safetensors_bytes};
 use llora_model::config::LlamaConfig;
+use llora_model::peft::read_peft_config;
 use llora_trainer::config::{Config, Override};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as Runner, RngSeed};
@@ -263,7 +264,7 @@ fn adapter_config_json() {
         let obj = json.as_object_mut().unwrap();
         if remove { obj.remove(&field); } else { obj.insert(field.clone(), value.clone()); }
         std::fs::write(dir.path().join("adapter_config.json"), json.to_string()).unwrap();
-        if let Ok(spec) = read_peft_config(dir.path()) {
+        if let Ok(spec) = read_peft_config(dir.path()).map(|c| c.spec) {
             prop_assert!(spec.rank >= 1 && spec.alpha.is_finite() && !spec.targets.is_empty(), "{field} = {value}: {spec:?}");
         }
     });

@@ -17,8 +17,9 @@ use std::process::Command;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_model::BuildOptions;
-use llora_model::checkpoint::{HfCheckpoint, load_peft_adapter};
+use llora_model::checkpoint::HfCheckpoint;
 use llora_model::loss::causal_lm_loss;
+use llora_model::peft::load_peft_adapter;
 use safetensors::SafeTensors;
 
 fn repo_root() -> PathBuf {
@@ -298,7 +299,7 @@ fn adapter_and_merged_export_load_in_hf(base: &Path) {
     randomise_b(&mut model, &device);
     let out_dir = tempfile::tempdir().unwrap();
     let adapter_dir = out_dir.path().join("adapter");
-    llora_model::checkpoint::save_peft_adapter(&model, &spec, &adapter_dir, base.to_str().unwrap()).unwrap();
+    llora_model::peft::save_peft_adapter(&model, &spec, &adapter_dir, base.to_str().unwrap()).unwrap();
 
     let fx = load_fixture(&base);
     let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
@@ -579,7 +580,7 @@ fn mlperf_targets_on_separate_projections_adapt_q_k_v_and_o() {
     randomise_b(&mut model, &device);
     let tmp = tempfile::tempdir().unwrap();
     let adapter = tmp.path().join("adapter");
-    llora_model::checkpoint::save_peft_adapter(&model, &spec, &adapter, "base").unwrap();
+    llora_model::peft::save_peft_adapter(&model, &spec, &adapter, "base").unwrap();
     let saved: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(saved["target_modules"], serde_json::json!(["q_proj", "k_proj", "v_proj", "o_proj"]));
@@ -912,4 +913,102 @@ fn generate_answers_a_conversation_as_transformers_does() {
     assert_eq!(ours["prompt_ids"], reference["ask_ids"][0], "the rendered conversation differs from transformers'");
     let hf = hf_generate(&base, &dir, &ours["prompt_ids"], 16);
     assert_eq!(ours["ids"], hf["ids"], "the answers differ");
+}
+
+/// PEFT's adapter of the GQA fixture with its `adapter_config.json` rewritten to select modules
+/// by pattern and exclusion (tensors of modules it no longer selects removed, as PEFT would
+/// have saved them): llora's logits and merged export equal transformers + PEFT loading the same
+/// directory; PEFT's key matching is the reference. Tensors of an excluded module are refused,
+/// naming it.
+#[test]
+fn peft_target_patterns_and_exclusions_match_peft() {
+    let fixture = gqa_fixture();
+    let fx = load_fixture(&fixture);
+    let device = Device::libtorch();
+    let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(&fixture, tmp.path());
+    let tensors = llora_model::checkpoint::read_safetensors_f32(&fixture.join("adapter_model.safetensors")).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("adapter_config.json")).unwrap()).unwrap();
+    for (i, (targets, exclude, dropped)) in [
+        (
+            serde_json::json!(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"),
+            serde_json::json!(["model.layers.0.self_attn.v_proj", "o_proj"]),
+            &["layers.0.self_attn.v_proj", "o_proj"][..],
+        ),
+        (
+            serde_json::json!(["layers.1.self_attn.q_proj", "k_proj"]),
+            serde_json::json!(r".*\.0\.self_attn\.k_proj"),
+            &["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "v_proj", "o_proj"],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        config["target_modules"] = targets;
+        config["exclude_modules"] = exclude;
+        let adapter = tmp.path().join(format!("adapter{i}"));
+        std::fs::create_dir_all(&adapter).unwrap();
+        std::fs::write(adapter.join("adapter_config.json"), config.to_string()).unwrap();
+        let write_tensors = |keep: &dyn Fn(&str) -> bool| {
+            let kept: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+                .iter()
+                .filter(|(n, _)| keep(n))
+                .map(|(n, (shape, v))| (n.clone(), shape.clone(), v.clone()))
+                .collect();
+            std::fs::write(
+                adapter.join("adapter_model.safetensors"),
+                llora_model::checkpoint::safetensors_bytes(&kept).unwrap(),
+            )
+            .unwrap();
+            kept.len()
+        };
+        let selected = |n: &str| !dropped.iter().any(|d| n.contains(&format!(".{d}.lora_")));
+        let kept = write_tensors(&selected);
+        assert!(kept > 0 && kept < tensors.len(), "case {i} keeps {kept} of {} tensors", tensors.len());
+
+        let ckpt = HfCheckpoint::open(&base).unwrap();
+        let mut model = ckpt.load_model(&BuildOptions::default(), &device).unwrap();
+        let spec = load_peft_adapter(&mut model, &adapter, &device).unwrap();
+        assert_eq!(model.adapters().len() * 2, kept, "case {i}: {spec:?}");
+        let ours = values(model.forward(ids.clone(), false).unwrap());
+        let peft = peft_logits(&base, &adapter, &fixture, tmp.path());
+        let err = rel_err(&ours, &peft);
+        eprintln!("case {i}: logits relative error against PEFT {err:e}");
+        assert!(err <= 1e-4, "case {i}: logits differ from PEFT's: {err:e}");
+
+        let merged = tmp.path().join(format!("merged{i}"));
+        let out = common::llora(&[
+            "export",
+            "--merged",
+            "--model",
+            base.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", common::text(&out).1);
+        let report: serde_json::Value = serde_json::from_str(common::text(&out).0.trim()).unwrap();
+        assert_eq!(report["merged_modules"], kept / 2, "case {i}: {report}");
+
+        // The excluded modules' tensors left in: refused, naming one, by load and by export.
+        write_tensors(&|_| true);
+        let mut model = ckpt.load_model(&BuildOptions::default(), &device).unwrap();
+        let err = format!("{:#}", load_peft_adapter(&mut model, &adapter, &device).unwrap_err());
+        assert!(err.contains("do not select") && err.contains("lora_"), "case {i}: {err}");
+        let out = common::llora(&[
+            "export",
+            "--merged",
+            "--model",
+            base.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--out",
+            tmp.path().join(format!("refused{i}")).to_str().unwrap(),
+        ]);
+        assert!(!out.status.success() && common::text(&out).1.contains("do not select"), "{}", common::text(&out).1);
+    }
 }

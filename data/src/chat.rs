@@ -191,6 +191,14 @@ pub fn chat_sample(tokenizer: &Tokenizer, template: &ChatTemplate, messages: &[M
                  turns cannot be found"
             ));
         }
+        // A template that drops assistant content (or all of the turn) would leave nothing,
+        // or only a header, to learn from.
+        let content = messages[i].content.trim();
+        if through.len() == before.len() || !through[before.len()..].contains(content) {
+            return Err(format!(
+                "the chat template does not render assistant message {i}'s content: nothing to learn from it"
+            ));
+        }
         spans.push(before.len()..through.len());
     }
     let enc = tokenizer.encode(full.as_str(), false).map_err(|e| format!("tokenising: {e}"))?;
@@ -202,6 +210,9 @@ pub fn chat_sample(tokenizer: &Tokenizer, template: &ChatTemplate, messages: &[M
             Some(_) => return Err(format!("token {j} crosses the edge of an assistant turn")),
             None => {}
         }
+    }
+    if labels.iter().all(|&l| l == IGNORE_INDEX) {
+        return Err("the chat template renders no assistant token: nothing to learn from".into());
     }
     Ok(Sample { input_ids: ids, labels })
 }
@@ -269,6 +280,24 @@ mod tests {
         for (row, want) in cases {
             let e = parse_messages(&row).unwrap_err();
             assert!(e.contains(want), "{e}");
+        }
+    }
+
+    /// A template that leaves out assistant content (the turn, or its text under a header)
+    /// gives no sample rather than one with nothing to learn from.
+    #[test]
+    fn templates_that_drop_assistant_content_are_refused() {
+        let tok = crate::synth_chat::tokenizer(64).unwrap();
+        let chat = [msg("user", "w1 w2"), msg("assistant", "w3 w4")];
+        let keeps = template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}");
+        let sample = chat_sample(&tok, &keeps, &chat).unwrap();
+        assert!(sample.labels.iter().any(|&l| l != IGNORE_INDEX));
+        for source in [
+            "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }} {% endif %}{% endfor %}",
+            "{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'user' %}{{ m['content'] }}{% endif %} {% endfor %}",
+        ] {
+            let e = chat_sample(&tok, &template(source), &chat).unwrap_err();
+            assert!(e.contains("assistant message 1") && e.contains("nothing to learn"), "{source}: {e}");
         }
     }
 }

@@ -8,14 +8,15 @@
 //! being copied; the output keeps the base's shard layout, `config.json` (its `torch_dtype`
 //! changed only when another dtype is asked for) and tokenizer files.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 pub use safetensors::tensor::Dtype;
 
-use crate::checkpoint::{HfCheckpoint, Shard, read_peft_config};
+use crate::checkpoint::{HfCheckpoint, Shard};
+use crate::peft::{adapter_tensor_names, read_peft_config, stray_tensor_error};
 
 /// What an export wrote.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,19 +64,31 @@ struct Adapter {
     scale: f32,
     /// PEFT name without the adapter name (`...lora_A.weight`) → stored name; removed when used.
     unused: HashMap<String, String>,
+    /// The modules its config selects (`model.layers.0.self_attn.q_proj`); removed when merged.
+    selected: HashSet<String>,
 }
 
 impl Adapter {
-    fn open(dir: &Path) -> anyhow::Result<Self> {
-        let spec = read_peft_config(dir)?;
+    fn open(dir: &Path, config: &crate::LlamaConfig) -> anyhow::Result<Self> {
+        let peft = read_peft_config(dir)?;
+        let mut selected = peft.select.modules(config);
+        if config.fused_qkv {
+            // A q/k/v adapter folds into a fused qkv_proj by rows (see `update_of`).
+            let parts = peft.select.modules(&crate::LlamaConfig { fused_qkv: false, ..config.clone() });
+            selected = match (selected, parts) {
+                (Ok(mut a), Ok(b)) => {
+                    a.extend(b);
+                    Ok(a)
+                }
+                (Err(_), Ok(b)) => Ok(b),
+                (a, _) => a,
+            };
+        }
+        let selected = selected.with_context(|| dir.join("adapter_config.json").display().to_string())?;
         let shard = Shard::open(&dir.join("adapter_model.safetensors"))?;
-        let unused = shard
-            .meta
-            .tensors()
-            .into_keys()
-            .map(|n| (n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."), n))
-            .collect();
-        Ok(Self { shard, scale: (spec.alpha / spec.rank as f64) as f32, unused })
+        let unused = adapter_tensor_names(&shard);
+        let scale = (peft.spec.alpha / peft.spec.rank as f64) as f32;
+        Ok(Self { shard, scale, unused, selected: selected.into_iter().collect() })
     }
 
     /// `(α/r)·B·A` of `module` (`model.layers.0.self_attn.q_proj`) as `[out · in]` f32 values,
@@ -84,8 +97,14 @@ impl Adapter {
     /// # Shapes
     /// - lora_A: `[r, in]`; lora_B: `[out, r]`; output: `out · in` values, row-major
     fn delta(&mut self, module: &str, out: usize, inp: usize) -> anyhow::Result<Option<Vec<f32>>> {
+        if !self.selected.remove(module) {
+            return Ok(None);
+        }
         let key = |which: &str| format!("base_model.model.{module}.{which}.weight");
-        let Some(a_name) = self.unused.remove(&key("lora_A")) else { return Ok(None) };
+        let a_name = self
+            .unused
+            .remove(&key("lora_A"))
+            .with_context(|| format!("{} is missing from the adapter", key("lora_A")))?;
         let b_name = self
             .unused
             .remove(&key("lora_B"))
@@ -195,7 +214,7 @@ pub fn export_merged(
     out: &Path,
     dtype: Option<Dtype>,
 ) -> anyhow::Result<MergedExport> {
-    let mut adapter = Adapter::open(adapter_dir)?;
+    let mut adapter = Adapter::open(adapter_dir, &ckpt.config)?;
     let mut done = MergedExport { merged_modules: 0, tensors: 0, bytes: 0 };
     for shard in &ckpt.shards {
         let name = shard.path.file_name().context("a shard has a file name")?;
@@ -204,11 +223,8 @@ pub fn export_merged(
         done.tensors += tensors;
         done.bytes += bytes;
     }
-    if let Some(extra) = adapter.unused.keys().next() {
-        bail!(
-            "{}: tensor {extra} matches no weight of the base model (wrong base, or a target llora does not know)",
-            adapter_dir.join("adapter_model.safetensors").display()
-        );
+    if let Some(extra) = adapter.unused.keys().min() {
+        return Err(stray_tensor_error(&adapter_dir.join("adapter_model.safetensors"), extra, &ckpt.config));
     }
     ensure!(done.merged_modules > 0, "{}: the adapter changed no weight of the base", adapter_dir.display());
     let mut config: serde_json::Value = serde_json::from_str(
@@ -245,7 +261,8 @@ pub fn export_merged(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::{save_hf_checkpoint, save_peft_adapter};
+    use crate::checkpoint::save_hf_checkpoint;
+    use crate::peft::save_peft_adapter;
     use crate::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
     use burn::tensor::Device;
 
@@ -365,6 +382,6 @@ mod tests {
         let out3 = dir.path().join("merged3");
         std::fs::create_dir(&out3).unwrap();
         let err = format!("{:#}", export_merged(&ckpt, &other, &out3, None).unwrap_err());
-        assert!(err.contains("layers.99") && err.contains("matches no weight"), "{err}");
+        assert!(err.contains("layers.99") && err.contains("matches no module of the base model"), "{err}");
     }
 }

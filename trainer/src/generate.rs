@@ -32,7 +32,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let ckpt = HfCheckpoint::open(&a.model).with_context(|| format!("--model {}", a.model.display()))?;
     let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
     if let Some(adapter) = &a.adapter {
-        llora_model::checkpoint::load_peft_adapter(&mut model, adapter, &device)
+        llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
     }
     // After the adapter (it loads into f32 parameters), as `llora eval` does.

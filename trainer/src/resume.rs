@@ -20,7 +20,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, ensure};
 use burn::tensor::{Device, Tensor, TensorData};
 use llora_data::loader::Position;
-use llora_model::checkpoint::{read_safetensors_f32, safetensors_bytes, save_peft_adapter, write_atomic};
+use llora_model::checkpoint::{read_safetensors_f32, safetensors_bytes, write_atomic};
+use llora_model::peft::save_peft_adapter;
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use serde::{Deserialize, Serialize};
 

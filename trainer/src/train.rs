@@ -19,7 +19,8 @@ use llora_data::loader::SampleOrder;
 use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
 use llora_data::prefetch::Prefetched;
 use llora_data::synth::{Synth, SynthConfig};
-use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint, save_peft_adapter};
+use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint};
+use llora_model::peft::save_peft_adapter;
 use llora_model::shard::Sharding;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use serde_json::{Value, json};
@@ -887,7 +888,7 @@ pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     let ckpt = HfCheckpoint::open(&args.model)?;
     let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
     if let Some(adapter) = &args.adapter {
-        llora_model::checkpoint::load_peft_adapter(&mut model, adapter, &device)
+        llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
     }
     // After the adapter: its weights load into f32 parameters, then everything switches.
@@ -935,7 +936,7 @@ pub fn export_merged(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
         _ => llora_model::merge::Dtype::F32,
     });
     let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
-    let spec = llora_model::checkpoint::read_peft_config(&args.adapter)?;
+    let spec = llora_model::peft::read_peft_config(&args.adapter)?.spec;
     let mut done = None;
     // Written beside --out and renamed into place whole: a failure leaves nothing behind.
     crate::paths::write_dir_atomic(&args.out, |tmp| {
