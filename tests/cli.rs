@@ -149,7 +149,7 @@ fn data_synth_prepare_inspect_round_trip() {
     std::fs::write(&bad_path, parquet_bytes(&bad).unwrap()).unwrap();
     fails_naming(
         &["data", "inspect", bad_path.to_str().unwrap(), "--vocab", "4096"],
-        &["bad.parquet", "row 5", "labels has"],
+        &["bad.parquet", "row 6", "labels has"],
     );
 }
 
@@ -581,4 +581,97 @@ fn oversized_runs_are_refused_before_allocating() {
     }
     assert!(!run.exists() && !std::path::Path::new(synth_out).exists(), "a refused command wrote its output");
     assert_eq!(std::fs::read_dir(&clash).unwrap().count(), 1, "the clashing directory changed");
+}
+
+/// A small BPE `tokenizer.json` (the bound on a row's bytes needs a BPE model): the letters a-z,
+/// a space, `<s>` and `</s>` when asked.
+fn bpe_tokenizer(dir: &std::path::Path, specials: bool) -> std::path::PathBuf {
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in ('a'..='z').chain([' ']).enumerate() {
+        vocab.insert(c.to_string(), i.into());
+    }
+    let mut added = Vec::new();
+    if specials {
+        for (k, t) in ["<s>", "</s>"].iter().enumerate() {
+            vocab.insert(t.to_string(), (27 + k).into());
+            added.push(serde_json::json!({"id": 27 + k, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true}));
+        }
+    }
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []},
+    });
+    let path = dir.join(if specials { "tok.json" } else { "tok-nospecial.json" });
+    std::fs::write(&path, json.to_string()).unwrap();
+    path
+}
+
+/// Issue #41 items 13, 15, 17: a 64 MB JSONL line is skipped unread (counted as too long, the
+/// peak RSS within 32 MB of the same file without it), errors name the file's line (blank lines
+/// counted, JSON and content errors alike), and a tokenizer without `<s>`/`<|begin_of_text|>`
+/// is blamed on --tokenizer, not on a row.
+#[test]
+fn raw_rows_are_bounded_and_named_by_their_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = bpe_tokenizer(dir.path(), true);
+    let row = |p: &str, c: &str| serde_json::json!({"prompt": p, "completion": c}).to_string();
+    let normal: Vec<String> = (0..200).map(|i| row(&format!("ask {i}"), " answer")).collect();
+    let prepare = |rows: &str, name: &str| {
+        let input = dir.path().join(format!("{name}.jsonl"));
+        std::fs::write(&input, rows).unwrap();
+        let out = dir.path().join(format!("{name}.parquet"));
+        llora(&[
+            "data",
+            "prepare",
+            "--format",
+            "completion",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--max-seq-len",
+            "64",
+        ])
+    };
+    let report = |out: &std::process::Output| -> serde_json::Value {
+        assert!(out.status.success(), "{}", text(out).1);
+        serde_json::from_str(text(out).0.trim()).unwrap()
+    };
+    let plain = report(&prepare(&normal.join("\n"), "plain"));
+    let huge = row("x", &"a".repeat(64 << 20));
+    let with_huge =
+        report(&prepare(&format!("{}\n{huge}\n{}", normal[..100].join("\n"), normal[100..].join("\n")), "huge"));
+    assert_eq!((with_huge["rows"].as_u64(), with_huge["written"].as_u64()), (Some(201), Some(200)), "{with_huge}");
+    assert_eq!(with_huge["dropped_too_long"], 1, "{with_huge}");
+    let grew = with_huge["peak_rss_mb"].as_f64().unwrap() - plain["peak_rss_mb"].as_f64().unwrap();
+    assert!(grew < 32.0, "a 64 MB line raised the peak RSS by {grew:.1} MB");
+
+    // One numbering: the file's line, for a JSON error and for a content error.
+    let out = prepare(&format!("{}\n\n{{\"prompt\": ", normal[0]), "badjson");
+    assert!(!out.status.success() && text(&out).1.contains("badjson.jsonl: line 3"), "{}", text(&out).1);
+    let out = prepare(&format!("{}\n\n{}", normal[0], serde_json::json!({"prompt": "p"})), "badrow");
+    assert!(!out.status.success() && text(&out).1.contains("badrow.jsonl: line 3"), "{}", text(&out).1);
+
+    let nospecial = bpe_tokenizer(dir.path(), false);
+    let input = dir.path().join("plain.jsonl");
+    fails_naming(
+        &[
+            "data",
+            "prepare",
+            "--format",
+            "completion",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            nospecial.to_str().unwrap(),
+            "--out",
+            dir.path().join("x.parquet").to_str().unwrap(),
+        ],
+        &["--tokenizer", "tok-nospecial.json", "<s>"],
+    );
 }

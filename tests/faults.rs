@@ -274,7 +274,7 @@ fn a_failure_after_run_start_ends_the_result_log() {
     let out = llora(&["train", path.to_str().unwrap(), "--set", &format!("run.dir=\"{}\"", run.display())]);
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("train.parquet") && stderr.contains("row 0"), "{stderr}");
+    assert!(stderr.contains("train.parquet") && stderr.contains("row 1"), "{stderr}");
     let log = mllog(&run.join("result_0.txt"));
     assert!(log.iter().any(|l| l["key"] == "run_start"), "the data is read after run_start");
     let last = log.last().unwrap();

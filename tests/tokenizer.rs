@@ -401,7 +401,10 @@ fn chat_data_prepares_like_apply_chat_template_with_assistant_only_labels() {
     std::fs::write(&bad, rows.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("\n")).unwrap();
     let res = llora(&common::strs(&args(&bad, &dir.path().join("bad.parquet"), &[])));
     let (_, stderr) = text(&res);
-    assert!(!res.status.success() && stderr.contains("row 1") && stderr.contains("unknown role \"robot\""), "{stderr}");
+    assert!(
+        !res.status.success() && stderr.contains("line 2") && stderr.contains("unknown role \"robot\""),
+        "{stderr}"
+    );
     assert!(!dir.path().join("bad.parquet").exists());
     let res = llora(&common::strs(&args(&bad, &dir.path().join("bad.parquet"), &["--skip-bad-rows"])));
     let (stdout, stderr) = text(&res);

@@ -9,12 +9,32 @@ pub mod chat;
 pub mod loader;
 pub mod parquet_io;
 pub mod prefetch;
+pub mod rows;
 pub mod synth;
 pub mod synth_chat;
 pub mod text;
 
 /// The tokenizers crate's tokenizer, which the text paths take.
 pub use tokenizers::Tokenizer;
+
+/// Where a row is in its file: a JSONL file's line, or a parquet / Arrow file's row, both
+/// counted from 1 (blank JSONL lines count: the number is the line an editor shows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowPlace {
+    /// Line of a `.jsonl` file.
+    Line(usize),
+    /// Row of a columnar file.
+    Row(usize),
+}
+
+impl std::fmt::Display for RowPlace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Line(n) => write!(f, "line {n}"),
+            Self::Row(n) => write!(f, "row {n}"),
+        }
+    }
+}
 
 /// Label value that takes no loss.
 pub const IGNORE_INDEX: i64 = -100;

@@ -15,7 +15,7 @@ use arrow_schema::{ArrowError, DataType, Field, Schema};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
-use crate::Sample;
+use crate::{RowPlace, Sample};
 
 /// What to do with a row that fails validation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -183,10 +183,10 @@ pub fn for_each_row(path: &Path, opts: &ReadOptions, mut each: impl FnMut(Sample
             })();
             match (result, opts.on_bad_row) {
                 (Ok(sample), _) => each(sample),
-                (Err(reason), OnBadRow::Error) => bail!("{}: row {row}: {reason}", path.display()),
+                (Err(reason), OnBadRow::Error) => bail!("{}: {}: {reason}", path.display(), RowPlace::Row(row + 1)),
                 (Err(reason), OnBadRow::Skip) => {
                     report.skipped += 1;
-                    report.problems.push(format!("row {row}: {reason}"));
+                    report.problems.push(format!("{}: {reason}", RowPlace::Row(row + 1)));
                 }
             }
         }
@@ -270,7 +270,7 @@ mod tests {
             let good = sample(&[1, 5, 6], &[-100, 5, 6]);
             std::fs::write(&p, parquet_bytes(&[good.clone(), bad.clone(), good.clone()]).unwrap()).unwrap();
             let err = read_parquet(&p, &opts()).unwrap_err().to_string();
-            assert!(err.contains(&format!("bad{i}.parquet: row 1: ")) && err.contains(reason), "{err}");
+            assert!(err.contains(&format!("bad{i}.parquet: row 2: ")) && err.contains(reason), "{err}");
             let (rows, report) = read_parquet(&p, &ReadOptions { on_bad_row: OnBadRow::Skip, ..opts() }).unwrap();
             assert_eq!(rows, vec![good.clone(), good]);
             assert_eq!((report.rows, report.skipped), (3, 1));
@@ -278,7 +278,7 @@ mod tests {
         let p = dir.path().join("mask.parquet");
         write_int32_with_mask(&p, &[(vec![1, 4, 5], vec![-100, 4, 5], vec![1, 1, 0])]);
         let err = read_parquet(&p, &opts()).unwrap_err().to_string();
-        assert!(err.contains("row 0: attention_mask[2] = 0"), "{err}");
+        assert!(err.contains("row 1: attention_mask[2] = 0"), "{err}");
     }
 
     /// The HF `datasets` cache holds Arrow IPC streams; the file format is read too. Both with

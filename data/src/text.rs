@@ -41,44 +41,21 @@ pub fn target_text(output: &str, eos: &str) -> String {
     format!("{output}{eos}")
 }
 
-/// Reads report/summary pairs from `.jsonl` (one `{"input": .., "output": ..}` per line) or
-/// parquet / Arrow IPC with string columns `input` and `output` (other columns ignored).
-pub fn read_pairs(path: &Path) -> anyhow::Result<Vec<TextPair>> {
-    read_rows(path)?
-        .into_iter()
-        .enumerate()
-        .map(|(i, row)| {
-            serde_json::from_value::<TextPair>(row).with_context(|| {
-                format!("{}: row {i}: expected string fields \"input\" and \"output\"", path.display())
-            })
-        })
-        .collect()
-}
-
-/// Every row of a `.jsonl` file, or of a parquet / Arrow IPC file, as a JSON object.
-pub fn read_rows(path: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
-    if path.extension().is_some_and(|e| e == "jsonl" || e == "json") {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        return text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(i, l)| {
-                serde_json::from_str(l)
-                    .with_context(|| format!("{}: line {}: not a JSON object", path.display(), i + 1))
-            })
-            .collect();
+/// Report/summary pairs of a `.jsonl` file (one `{"input": .., "output": ..}` per line) or a
+/// parquet / Arrow IPC file with string columns `input` and `output` (other columns ignored),
+/// and how many rows were over `max_bytes` (not read: too long for any sample).
+pub fn read_pairs(path: &Path, max_bytes: Option<usize>) -> anyhow::Result<(Vec<TextPair>, usize)> {
+    let (mut pairs, mut too_long) = (Vec::new(), 0);
+    for row in crate::rows::read_rows(path, max_bytes)? {
+        let Some(value) = row.value else {
+            too_long += 1;
+            continue;
+        };
+        pairs.push(serde_json::from_value::<TextPair>(value).with_context(|| {
+            format!("{}: {}: expected string fields \"input\" and \"output\"", path.display(), row.place)
+        })?);
     }
-    let mut rows = Vec::new();
-    crate::parquet_io::for_each_batch(path, |batch, _| {
-        let mut writer = arrow_json::ArrayWriter::new(Vec::new());
-        writer.write(batch).with_context(|| format!("{}: cannot read its rows", path.display()))?;
-        writer.finish()?;
-        let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner())?;
-        rows.extend(values);
-        Ok(())
-    })?;
-    Ok(rows)
+    Ok((pairs, too_long))
 }
 
 /// Loads a `tokenizer.json`, naming the file on failure.
@@ -187,8 +164,8 @@ mod tests {
     fn bad_jsonl_names_the_line() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("raw.jsonl");
-        std::fs::write(&p, "{\"input\": \"a\", \"output\": \"b\"}\n{\"input\": \"a\"}\n").unwrap();
-        let err = format!("{:#}", read_pairs(&p).unwrap_err());
-        assert!(err.contains("raw.jsonl: row 1") && err.contains("output"), "{err}");
+        std::fs::write(&p, "{\"input\": \"a\", \"output\": \"b\"}\n\n{\"input\": \"a\"}\n").unwrap();
+        let err = format!("{:#}", read_pairs(&p, None).unwrap_err());
+        assert!(err.contains("raw.jsonl: line 3") && err.contains("output"), "{err}");
     }
 }

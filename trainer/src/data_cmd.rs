@@ -133,14 +133,20 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
     crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
     let tok = llora_data::chat::load_tokenizer(&a.tokenizer)?;
+    if a.format != DataFormat::Chat {
+        // The tokenizer's fault, said once (not as every row's).
+        llora_data::chat::special_ids(&tok).with_context(|| format!("--tokenizer {}", a.tokenizer.display()))?;
+    }
+    // Rows this long cannot fit --max-seq-len: skipped unread rather than tokenised whole.
+    let max_bytes = llora_data::rows::max_row_bytes(&tok, a.max_seq_len);
     let (rows, samples, dropped, bad) = match a.format {
         DataFormat::Mlperf => {
-            let pairs = read_pairs(&a.input)?;
+            let (pairs, too_long) = read_pairs(&a.input, max_bytes)?;
             let out = tokenize_pairs(&tok, &pairs, a.max_seq_len)
                 .with_context(|| format!("tokenising {}", a.input.display()))?;
-            (pairs.len(), out.samples, out.dropped.len(), 0)
+            (pairs.len() + too_long, out.samples, out.dropped.len() + too_long, 0)
         }
-        DataFormat::Chat | DataFormat::Completion => instruction_samples(a, &tok)?,
+        DataFormat::Chat | DataFormat::Completion => instruction_samples(a, &tok, max_bytes)?,
     };
     if dropped > 0 {
         tracing::warn!(dropped, max_seq_len = a.max_seq_len, "samples longer than max_seq_len dropped");
@@ -155,7 +161,8 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     write_atomic(&a.out, &parquet_bytes(&samples)?)?;
     println!(
         "{}",
-        json!({"rows": rows, "written": samples.len(), "dropped_too_long": dropped, "bad_rows": bad, "out": a.out.display().to_string()})
+        json!({"rows": rows, "written": samples.len(), "dropped_too_long": dropped, "bad_rows": bad,
+               "out": a.out.display().to_string(), "peak_rss_mb": crate::bench::peak_rss_mb()})
     );
     Ok(())
 }
@@ -165,17 +172,22 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
 fn instruction_samples(
     a: &PrepareArgs,
     tok: &llora_data::Tokenizer,
+    max_bytes: Option<usize>,
 ) -> anyhow::Result<(usize, Vec<Sample>, usize, usize)> {
     use llora_data::chat::{ChatTemplate, chat_sample, completion_sample, parse_messages};
-    use llora_data::text::read_rows;
+    use llora_data::rows::read_rows;
     let template = match a.format {
         DataFormat::Chat => Some(ChatTemplate::for_tokenizer(&a.tokenizer)?),
         _ => None,
     };
-    let rows = read_rows(&a.input)?;
+    let rows = read_rows(&a.input, max_bytes)?;
     let plain = llora_data::chat::plain(tok);
     let (mut samples, mut dropped, mut bad) = (Vec::with_capacity(rows.len()), 0, 0);
-    for (i, row) in rows.iter().enumerate() {
+    for raw in &rows {
+        let Some(row) = &raw.value else {
+            dropped += 1;
+            continue;
+        };
         let sample = match &template {
             Some(t) => parse_messages(row).and_then(|m| chat_sample(tok, t, &m)),
             None => {
@@ -185,15 +197,16 @@ fn instruction_samples(
                 }
             }
         };
+        let place = raw.place;
         match sample {
             Ok(s) if s.input_ids.len() > a.max_seq_len => dropped += 1,
             Ok(s) => samples.push(s),
             Err(why) if a.skip_bad_rows => {
-                tracing::warn!(row = i, "{}: row {i} skipped: {why}", a.input.display());
+                tracing::warn!("{}: {place} skipped: {why}", a.input.display());
                 bad += 1;
             }
             Err(why) => {
-                anyhow::bail!("{}: row {i}: {why} (--skip-bad-rows skips such rows)", a.input.display())
+                anyhow::bail!("{}: {place}: {why} (--skip-bad-rows skips such rows)", a.input.display())
             }
         }
     }
