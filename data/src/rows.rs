@@ -57,7 +57,7 @@ pub fn read_rows(path: &Path, max_bytes: Option<usize>) -> anyhow::Result<Vec<Ra
         let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner())?;
         for value in values {
             let place = RowPlace::Row(rows.len() + 1);
-            let fits = serde_json::to_vec(&value).map_or(false, |b| b.len() <= cap);
+            let fits = serde_json::to_vec(&value).is_ok_and(|b| b.len() <= cap);
             rows.push(RawRow { place, value: fits.then_some(value) });
         }
         Ok(())
