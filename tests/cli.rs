@@ -265,7 +265,9 @@ fn plan_of_the_mlperf_job_names_a_recipe_that_fits() {
     args.extend(fp8);
     let out = llora(&args);
     let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stderr}");
+    // Exit 3: the plan is printed whole, and a script can tell "does not fit" from an error.
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("does not fit"), "{stderr}");
     let plan: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(plan["fits"], false);
     let cheapest = &plan["cheapest"];
@@ -674,4 +676,34 @@ fn raw_rows_are_bounded_and_named_by_their_line() {
         ],
         &["--tokenizer", "tok-nospecial.json", "<s>"],
     );
+}
+
+/// Issue #41 item 19: inputs that used to be accepted silently are refused before any work,
+/// each naming what is wrong: a device size without a unit, a WORLD_SIZE that is no number, a
+/// NaN plot target, fewer MLPerf runs than a score needs.
+#[test]
+fn silently_accepted_inputs_are_refused_up_front() {
+    fails_naming_with(2, &["plan", "--device-memory", "80"], &["--device-memory", "no unit", "80GiB"]);
+    let out = common::llora_command(&common::root(), &["plan"]).env("WORLD_SIZE", "abc").output().unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("WORLD_SIZE=\"abc\""), "{stderr}");
+    fails_naming_with(2, &["plot", "--target", "nan", "--out", "x.svg", "runs/a"], &["--target", "finite"]);
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("results");
+    fails_naming_with(2, &["mlperf", "run", "--runs", "2", "--out", out_dir.to_str().unwrap()], &["--runs", "2"]);
+    assert!(!out_dir.exists(), "nothing is trained or written for a refused --runs");
+    // A plan that fits exits 0.
+    let out = llora(&["plan", "--device-memory", "1TiB"]);
+    assert!(out.status.success(), "{}", text(&out).1);
+}
+
+/// `args` fails with exit status `code` (2: clap's usage errors), stderr naming every needle.
+fn fails_naming_with(code: i32, args: &[&str], needles: &[&str]) {
+    let out = llora(args);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(code), "{args:?}:\n{stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{args:?}: stderr lacks {n:?}:\n{stderr}");
+    }
 }

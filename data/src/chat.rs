@@ -82,7 +82,13 @@ impl ChatTemplate {
                 .and_then(|t| t["template"].as_str())
                 .map(str::to_string)
                 .with_context(|| format!("{}: no chat template named \"default\"", path.display()))?,
-            _ => bail!("{}: no chat_template (is this a base model's tokenizer?)", path.display()),
+            None | Some(serde_json::Value::Null) => {
+                bail!("{}: no chat_template (is this a base model's tokenizer?)", path.display())
+            }
+            Some(other) => bail!(
+                "{}: chat_template = {other} is neither a template string nor a list of named templates",
+                path.display()
+            ),
         };
         let template = Self {
             source,
@@ -279,6 +285,18 @@ mod tests {
         ];
         for (row, want) in cases {
             let e = parse_messages(&row).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+
+    /// `chat_template` of the wrong type is said to be that, not missing.
+    #[test]
+    fn a_chat_template_of_the_wrong_type_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        for (value, want) in [("5", "chat_template = 5 is neither"), ("null", "no chat_template")] {
+            std::fs::write(dir.path().join("tokenizer_config.json"), format!("{{\"chat_template\": {value}}}"))
+                .unwrap();
+            let e = format!("{:#}", ChatTemplate::from_tokenizer_dir(dir.path()).unwrap_err());
             assert!(e.contains(want), "{e}");
         }
     }

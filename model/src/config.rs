@@ -117,8 +117,22 @@ impl LlamaConfig {
         }
         let mut theta = hf.rope_theta;
         let mut rope_scaling = None;
-        for (key, v) in [("rope_scaling", &hf.rope_scaling), ("rope_parameters", &hf.rope_parameters)] {
-            let Some(v) = v.as_ref().filter(|v| !v.is_null()) else { continue };
+        // transformers (5.23) reads `rope_scaling` when a config has both and ignores
+        // `rope_parameters`: so does llora, saying so when the two differ.
+        let set = |v: &Option<serde_json::Value>| v.clone().filter(|v| !v.is_null());
+        let (legacy, current) = (set(&hf.rope_scaling), set(&hf.rope_parameters));
+        if let (Some(l), Some(c)) = (&legacy, &current)
+            && l != c
+        {
+            tracing::warn!(rope_scaling = %l, rope_parameters = %c,
+                "config.json has both rope_scaling and rope_parameters, and they differ: using rope_scaling, as transformers does");
+        }
+        let chosen = match legacy {
+            Some(l) => ("rope_scaling", Some(l)),
+            None => ("rope_parameters", current),
+        };
+        for (key, v) in [chosen] {
+            let Some(v) = v.as_ref() else { continue };
             let kind = rope_type(v).unwrap_or_else(|| "default".into());
             if kind == "llama3" {
                 rope_scaling = Some(
@@ -236,6 +250,14 @@ impl LlamaConfig {
         }
         if !c.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", c.head_dim);
+        }
+        // A stop id the model can never produce would let generation run to the length limit.
+        let outside = |id: u32| id as usize >= c.vocab_size;
+        if let Some(id) = c.eos_token_ids.iter().copied().find(|&id| outside(id)) {
+            bail!("eos_token_id {id} is outside the vocabulary (vocab_size {})", c.vocab_size);
+        }
+        if let Some(id) = c.bos_token_id.filter(|&id| outside(id)) {
+            bail!("bos_token_id {id} is outside the vocabulary (vocab_size {})", c.vocab_size);
         }
         // A negative ε makes mean(x²) + ε reach 0 or below: the norm's 1/√ is NaN or inf.
         if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps >= 0.0) {
@@ -374,6 +396,49 @@ mod tests {
             "num_attention_heads":2,"rope_parameters":{"rope_type":"default","rope_theta":500000.0}}"#;
         let c = LlamaConfig::from_hf_json(v5).unwrap();
         assert_eq!((c.rope_theta, c.num_key_value_heads, c.head_dim), (500000.0, 2, 4));
+    }
+
+    #[test]
+    /// Issue #41 item 10: with both keys, transformers 5.23's `LlamaConfig.from_pretrained`
+    /// (checked by hand: llama3 `rope_scaling` + top-level `rope_theta` 500000 beside
+    /// `rope_parameters` `{"rope_type": "default", "rope_theta": 10000}` gives llama3 and
+    /// 500000) takes `rope_scaling`; so does llora, in both orders of disagreement.
+    #[test]
+    fn rope_scaling_wins_over_rope_parameters_as_in_transformers() {
+        let both = r#"{"vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+            "num_attention_heads":2,"max_position_embeddings":16384,"rope_theta":500000.0,
+            "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+                "original_max_position_embeddings":8192},
+            "rope_parameters":{"rope_type":"default","rope_theta":10000.0}}"#;
+        let c = LlamaConfig::from_hf_json(both).unwrap();
+        assert_eq!((c.rope_scaling.map(|s| s.factor), c.rope_theta), (Some(8.0), 500000.0));
+        let plain_legacy = r#"{"vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+            "num_attention_heads":2,"rope_scaling":{"rope_type":"default"},
+            "rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0}}"#;
+        assert_eq!(LlamaConfig::from_hf_json(plain_legacy).unwrap().rope_scaling, None);
+        // A factor given as a string is said to be one, not "missing".
+        let text = r#"{"vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+            "num_attention_heads":2,"rope_scaling":{"rope_type":"llama3","factor":"8","low_freq_factor":1.0,"high_freq_factor":4.0}}"#;
+        let e = format!("{:#}", LlamaConfig::from_hf_json(text).unwrap_err());
+        assert!(e.contains("factor = \"8\" is not a number"), "{e}");
+    }
+
+    /// Issue #41 item 19: a stop or start id outside the vocabulary is refused, naming it.
+    #[test]
+    fn special_ids_must_be_in_the_vocabulary() {
+        let with = |ids: &str| {
+            LlamaConfig::from_hf_json(&format!(
+                r#"{{"vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+                "num_attention_heads":2,{ids}}}"#
+            ))
+        };
+        with(r#""bos_token_id":1,"eos_token_id":[2,99]"#).unwrap();
+        for (ids, want) in
+            [(r#""eos_token_id":[2,100]"#, "eos_token_id 100"), (r#""bos_token_id":128000"#, "bos_token_id 128000")]
+        {
+            let e = with(ids).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("vocab_size 100"), "{e}");
+        }
     }
 
     #[test]

@@ -25,7 +25,8 @@ impl Llama3Scaling {
     /// the fallback for `original_max_position_embeddings`, as in transformers.
     pub fn from_hf(v: &serde_json::Value, max_pos: usize) -> anyhow::Result<Self> {
         let num = |key: &str| -> anyhow::Result<f64> {
-            let x = v.get(key).and_then(serde_json::Value::as_f64).with_context(|| format!("{key} is missing"))?;
+            let x = v.get(key).with_context(|| format!("{key} is missing"))?;
+            let x = x.as_f64().with_context(|| format!("{key} = {x} is not a number"))?;
             ensure!(x.is_finite() && x > 0.0, "{key} = {x} must be a finite number > 0");
             Ok(x)
         };

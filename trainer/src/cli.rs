@@ -379,9 +379,9 @@ pub struct MlperfRunArgs {
     /// The run's configuration.
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// Number of runs (MLPerf: 10).
-    #[arg(long, default_value_t = 10)]
-    pub runs: usize,
+    /// Number of runs (MLPerf: 10; the score's olympic mean needs at least 3).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(3..))]
+    pub runs: u32,
     /// Results directory.
     #[arg(long)]
     pub out: PathBuf,
@@ -396,7 +396,9 @@ pub struct PlanArgs {
     /// Data-parallel ranks (default: the launcher's WORLD_SIZE, else 1).
     #[arg(long)]
     pub world: Option<usize>,
-    /// Memory of one device (or of the host for `run.device = "cpu"`), e.g. `80GiB`, `141GB`.
+    /// Memory of one device (or of the host for `run.device = "cpu"`) with its unit, e.g.
+    /// `80GiB`, `141GB` (a number without a unit is refused). With it, `llora plan` exits 3
+    /// when the config does not fit (0 when it does, 1 on an error).
     #[arg(long, value_parser = parse_bytes)]
     pub device_memory: Option<f64>,
     /// Print one JSON object instead of the tables.
@@ -404,14 +406,16 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
-/// Bytes from `80GiB`, `141GB`, `512MiB`, `2.5TiB` or a plain number of bytes.
+/// Bytes from `80GiB`, `141GB`, `512MiB`, `2.5TiB` or `1000000B`: a bare number is refused
+/// (80 could mean bytes or GiB; the unit says which).
 pub fn parse_bytes(s: &str) -> Result<f64, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let n: f64 = num.trim().parse().map_err(|_| format!("{s:?} is not a size like 80GiB or 141GB"))?;
     let scale = match unit.trim() {
-        "" | "B" => 1.0,
+        "" => return Err(format!("{s:?} has no unit: write 80GiB, 141GB or a number of bytes with B")),
+        "B" => 1.0,
         "KB" => 1e3,
         "MB" => 1e6,
         "GB" => 1e9,
@@ -426,6 +430,11 @@ pub fn parse_bytes(s: &str) -> Result<f64, String> {
         return Err(format!("{s:?}: the size must be positive"));
     }
     Ok(n * scale)
+}
+
+/// A finite number (not NaN or an infinity).
+pub fn parse_finite(s: &str) -> Result<f64, String> {
+    s.trim().parse::<f64>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{s:?} is not a finite number"))
 }
 
 /// `llora bench`: defaults are the peer's (`scripts/peer/step_bench.py`).
@@ -527,7 +536,7 @@ pub struct PlotArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Target eval loss, drawn as a line.
-    #[arg(long, default_value_t = 0.925)]
+    #[arg(long, default_value_t = 0.925, value_parser = parse_finite)]
     pub target: f64,
     /// Replace an existing `--out` file (without it, an existing file is refused).
     #[arg(long)]

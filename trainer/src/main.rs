@@ -24,6 +24,8 @@ fn main() -> ExitCode {
             eprintln!("error: {}", user_message(&format!("{e:#}")));
             if e.downcast_ref::<llora_trainer::train::Interrupted>().is_some() {
                 ExitCode::from(130)
+            } else if e.downcast_ref::<llora_trainer::plan::DoesNotFit>().is_some() {
+                ExitCode::from(3)
             } else {
                 ExitCode::FAILURE
             }
@@ -129,7 +131,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
             let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
-            let score = llora_trainer::mlperf::run_many(&config, &name, args.runs, &args.out, &dist)?;
+            let score = llora_trainer::mlperf::run_many(&config, &name, args.runs as usize, &args.out, &dist)?;
             dist.shutdown()?;
             if let Some(score) = score {
                 print!("{}", score.table());
