@@ -398,7 +398,6 @@ mod tests {
         assert_eq!((c.rope_theta, c.num_key_value_heads, c.head_dim), (500000.0, 2, 4));
     }
 
-    #[test]
     /// Issue #41 item 10: with both keys, transformers 5.23's `LlamaConfig.from_pretrained`
     /// (checked by hand: llama3 `rope_scaling` + top-level `rope_theta` 500000 beside
     /// `rope_parameters` `{"rope_type": "default", "rope_theta": 10000}` gives llama3 and
