@@ -212,6 +212,21 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
             std::fs::write(&broken, kept.join("\n") + "\n").unwrap();
             let (passed, said) = common::mlperf_check(&broken);
             assert!(!passed && said.contains("global_batch_size"), "a log without global_batch_size passed:\n{said}");
+            // Another benchmark's log, a ruleset the checker lacks: one line each, no Python
+            // traceback, no argparse usage (#41 item 16).
+            let other = dir.path().join("bert.txt");
+            std::fs::write(&other, text.replace("llama2_70b_lora", "bert")).unwrap();
+            let (passed, said) = common::mlperf_check(&other);
+            assert!(!passed && said.contains("\"bert\"") && !said.contains("Traceback"), "{said}");
+            let out = llora(&["mlperf", "check", log.to_str().unwrap(), "--ruleset", "6.9.9"]);
+            let said = text(&out).1;
+            assert!(!out.status.success() && said.contains("choose one of") && said.contains("'6.1.0'"), "{said}");
+            assert!(!said.contains("usage:"), "{said}");
+            // Ruleset 2.0.0 predates this benchmark: the checker crashes; its exception is said.
+            let out = llora(&["mlperf", "check", log.to_str().unwrap(), "--ruleset", "2.0.0"]);
+            let said = text(&out).1;
+            assert!(!out.status.success() && said.contains("a crash, not a verdict"), "{said}");
+            assert!(said.contains("FileNotFoundError") && !said.contains("Traceback"), "{said}");
         }
         let linear = mllog(&log).into_iter().find(|e| e["key"] == "lowest_numerical_precision_in_linear").unwrap();
         assert_eq!(linear["value"], name, "the log must say what ran");

@@ -31,6 +31,17 @@ pub fn check(log: &Path, ruleset: &str) -> anyhow::Result<Verdict> {
         !ruleset.is_empty() && ruleset.chars().all(|c| c.is_ascii_digit() || c == '.'),
         "--ruleset {ruleset:?}: expected a version such as {DEFAULT_RULESET}"
     );
+    // The checker's rules for another benchmark are not llora's to judge (and it answers an
+    // unknown one with a Python traceback).
+    if let Ok(r) = crate::mlperf::read_result(log)
+        && let Some(b) = r.benchmark.filter(|b| b != crate::mlperf::BENCHMARK)
+    {
+        bail!(
+            "{} is a result log of the benchmark {b:?}: llora checks {} logs; run mlperf_logging's checker on it directly",
+            log.display(),
+            crate::mlperf::BENCHMARK
+        );
+    }
     let python = checker_python()?;
     let scratch = tempfile::tempdir().context("cannot create a temporary directory for the checker's log")?;
     let out = Command::new(&python)
@@ -42,7 +53,17 @@ pub fn check(log: &Path, ruleset: &str) -> anyhow::Result<Verdict> {
         .with_context(|| format!("cannot run {}", python.display()))?;
     let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if out.status.code() == Some(2) && output.contains("usage:") {
-        bail!("the checker refused its arguments (does {CHECKER_SPEC} ship training ruleset {ruleset}?):\n{output}");
+        // argparse's last line names the choices: say that, not its whole usage text.
+        let choices = output.lines().rev().find_map(|l| l.split("(choose from ").nth(1)).map(|c| c.trim_end_matches(')'));
+        match choices {
+            Some(c) => bail!("--ruleset {ruleset} is not a training ruleset of {CHECKER_SPEC}: choose one of {c}"),
+            None => bail!("the checker refused its arguments (does {CHECKER_SPEC} ship training ruleset {ruleset}?)"),
+        }
+    }
+    if let Some(at) = output.find("Traceback (most recent call last)") {
+        // The checker crashed rather than judged: its exception, without Python's stack.
+        let exception = output[at..].lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with(' ')).unwrap_or("");
+        bail!("the MLPerf checker failed on {} (a crash, not a verdict): {exception}", log.display());
     }
     Ok(Verdict { passed: out.status.success() && output.contains("SUCCESS"), output })
 }
