@@ -204,6 +204,7 @@ fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "rank 0 must fail: {stderr}");
     assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    assert!(!stderr.contains(".cc:") && !stderr.contains(".cpp:"), "no C++ source locations:\n{stderr}");
     // A lost rank is a failure after run_start: rank 0 ended the result log.
     let last = mllog(&killed.join("result_0.txt")).pop().unwrap();
     assert!(last["key"] == "run_stop" && last["metadata"]["status"] == "aborted", "{last}");

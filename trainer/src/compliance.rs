@@ -54,7 +54,8 @@ pub fn check(log: &Path, ruleset: &str) -> anyhow::Result<Verdict> {
     let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if out.status.code() == Some(2) && output.contains("usage:") {
         // argparse's last line names the choices: say that, not its whole usage text.
-        let choices = output.lines().rev().find_map(|l| l.split("(choose from ").nth(1)).map(|c| c.trim_end_matches(')'));
+        let choices =
+            output.lines().rev().find_map(|l| l.split("(choose from ").nth(1)).map(|c| c.trim_end_matches(')'));
         match choices {
             Some(c) => bail!("--ruleset {ruleset} is not a training ruleset of {CHECKER_SPEC}: choose one of {c}"),
             None => bail!("the checker refused its arguments (does {CHECKER_SPEC} ship training ruleset {ruleset}?)"),

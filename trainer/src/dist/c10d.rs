@@ -271,6 +271,7 @@ impl ProcessGroup {
     }
 
     fn fail(&self, op: &'static str, message: String) -> DistError {
+        let message = super::plain_c10d_message(&message);
         DistError::Collective { op, rank: self.world.rank, world: self.world.size, lost: self.lost_ranks(), message }
     }
 

@@ -237,6 +237,45 @@ pub enum DistError {
     ConfigMismatch(String),
 }
 
+/// c10d's message as a user reads it: without the C++ source locations gloo and NCCL put in
+/// (`[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] `) and without LibTorch's stack
+/// lines (`Exception raised from ...`, `frame #N: ...`), which say nothing about what failed.
+pub fn plain_c10d_message(message: &str) -> String {
+    let is_location = |inside: &str| {
+        let Some((file, line)) = inside.rsplit_once(':') else { return false };
+        !line.is_empty()
+            && line.bytes().all(|b| b.is_ascii_digit())
+            && [".cc", ".cpp", ".cu", ".h", ".hpp"].iter().any(|ext| file.ends_with(ext))
+    };
+    let mut lines = Vec::new();
+    for line in message.lines() {
+        let t = line.trim_start();
+        if t.starts_with("Exception raised from") || t.starts_with("frame #") {
+            continue;
+        }
+        let mut out = String::new();
+        let mut rest = line;
+        while let Some(open) = rest.find('[') {
+            let Some(close) = rest[open..].find(']').map(|c| open + c) else { break };
+            out.push_str(&rest[..open]);
+            if is_location(&rest[open + 1..close]) {
+                rest = rest[close + 1..].strip_prefix(' ').unwrap_or(&rest[close + 1..]);
+            } else {
+                out.push_str(&rest[open..=close]);
+                rest = &rest[close + 1..];
+            }
+        }
+        out.push_str(rest);
+        // Unbracketed locations too (NCCL's "error in: /path/ProcessGroupNCCL.cpp:3356, ...").
+        let words: Vec<&str> = out.split(' ').filter(|w| !is_location(w.trim_end_matches(','))).collect();
+        let out = words.join(" ");
+        if !out.trim().is_empty() {
+            lines.push(out);
+        }
+    }
+    lines.join("\n")
+}
+
 fn lost_text(lost: &[usize]) -> String {
     match lost {
         [] => "no rank's heartbeat stopped (a peer hung or the network failed)".into(),
@@ -247,7 +286,7 @@ fn lost_text(lost: &[usize]) -> String {
 
 impl DistError {
     fn setup(world: &World, message: String) -> Self {
-        Self::Setup { rank: world.rank, world: world.size, message }
+        Self::Setup { rank: world.rank, world: world.size, message: plain_c10d_message(&message) }
     }
 }
 
@@ -515,6 +554,30 @@ mod tests {
 
     fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    /// Issue #41 item 18: gloo's and NCCL's messages as they come (copied from real failures)
+    /// lose their C++ locations and stack lines and keep what happened, addresses included.
+    #[test]
+    fn c10d_messages_lose_their_cpp_locations() {
+        let cases = [
+            (
+                "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: Connection reset by peer",
+                "Read error [127.0.0.1]:29500: Connection reset by peer",
+            ),
+            (
+                "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation to complete",
+                "Timed out waiting 30000ms for recv operation to complete",
+            ),
+            (
+                "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited\nException raised from checkForNCCLErrorsInternal at /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:617 (most recent call first):\nframe #0: c10::Error::Error() + 0x98",
+                "NCCL error in: remote process exited",
+            ),
+            ("plain [text] stays [a.cc] [x.cc:y]", "plain [text] stays [a.cc] [x.cc:y]"),
+        ];
+        for (raw, want) in cases {
+            assert_eq!(plain_c10d_message(raw), want);
+        }
     }
 
     #[test]
