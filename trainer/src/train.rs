@@ -76,6 +76,7 @@ pub struct Outcome {
 pub fn run(config: &Config, config_name: &str, dist: &Dist, overwrite: bool) -> anyhow::Result<Outcome> {
     // Ranks agree on the config, run.dir included, before rank 0 decides for all of them.
     crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
+    check_same_data(config, dist)?;
     let policy = run_dir::Policy {
         overwrite,
         auto_resume: config.run.resume.is_auto(),
@@ -164,9 +165,20 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
     Ok(Resumed { checkpoint, config, name })
 }
 
+/// The ranks agree on the data files they will read (the same paths may hold other files on
+/// other nodes), before anything is claimed or trained.
+fn check_same_data(config: &Config, dist: &Dist) -> anyhow::Result<()> {
+    let files: Vec<(&str, &Path)> = [("data.train", &config.data.train), ("data.eval", &config.data.eval)]
+        .into_iter()
+        .filter_map(|(key, path)| path.as_deref().map(|p| (key, p)))
+        .collect();
+    Ok(crate::dist::check_same_data(dist.comm.as_ref(), &files)?)
+}
+
 /// Continues a run from its checkpoint on `dist`'s ranks (any world size: the data order is global).
 pub fn resume(resumed: Resumed, dist: &Dist) -> anyhow::Result<Outcome> {
     crate::dist::check_same_config(dist.comm.as_ref(), &resumed.config.to_toml())?;
+    check_same_data(&resumed.config, dist)?;
     let claim = run_dir::Claim::resumed(resumed.config.run.dir.clone(), dist.is_main())?;
     continue_run(resumed, dist, claim)
 }

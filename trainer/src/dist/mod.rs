@@ -9,6 +9,7 @@
 mod c10d;
 
 use std::fmt;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -517,35 +518,98 @@ pub fn single_process_group(cuda: bool) -> anyhow::Result<(Backend, Arc<dyn Coll
 /// Every rank publishes its resolved config; each compares it with rank 0's, and all learn
 /// which ranks differ. A mismatch is an error on every rank naming the ranks and the keys.
 pub fn check_same_config(comm: &dyn Collective, config_toml: &str) -> Result<(), DistError> {
+    let diff = |reference: &str| crate::config::differing_keys(reference, config_toml);
+    match agree_with_rank_0(comm, "config", config_toml, diff)? {
+        None => Ok(()),
+        Some(detail) => Err(DistError::ConfigMismatch(format!(
+            "{detail}: every rank must run the same config and --set overrides (ranks were started with a config \
+             different from rank 0's)"
+        ))),
+    }
+}
+
+/// Every rank fingerprints the data files it will read (`(key, path)`, e.g. `data.train`);
+/// ranks that would read other data than rank 0 under the same paths (a file that differs per
+/// node) are an error on every rank, naming the ranks and the keys.
+pub fn check_same_data(comm: &dyn Collective, files: &[(&str, &Path)]) -> Result<(), DistError> {
     if comm.world_size() == 1 {
         return Ok(());
     }
-    let rank = comm.rank();
-    if rank == 0 {
-        comm.publish("config/0", config_toml.as_bytes())?;
+    // (key, fingerprint) is compared; the path is only shown (ranks may mount data elsewhere).
+    let mut mine = Vec::new();
+    for (key, path) in files {
+        let print = data_fingerprint(path).unwrap_or_else(|e| format!("unreadable: {e}"));
+        mine.push((format!("{key}\t{print}"), format!("{key} {} ({print})", path.display())));
     }
-    let reference = String::from_utf8_lossy(&comm.fetch("config/0")?).into_owned();
-    let keys = crate::config::differing_keys(&reference, config_toml);
+    let text: Vec<&str> = mine.iter().map(|(line, _)| line.as_str()).collect();
+    let text = text.join("\n");
+    let diff = |reference: &str| {
+        let theirs: Vec<&str> = reference.lines().collect();
+        mine.iter().filter(|(line, _)| !theirs.contains(&line.as_str())).map(|(_, shown)| shown.clone()).collect()
+    };
+    match agree_with_rank_0(comm, "data", &text, diff)? {
+        None => Ok(()),
+        Some(detail) => Err(DistError::ConfigMismatch(format!(
+            "{detail}: these ranks would read other data than rank 0 under the same paths (a file that differs \
+             between nodes?); copy the same files to every node"
+        ))),
+    }
+}
+
+/// Size and SHA-256 of the first and last MiB of a data file (a parquet file's footer, with
+/// its row groups' statistics, is in its last bytes): cheap at any size, and two copies of one
+/// dataset agree while two different files almost never do.
+pub fn data_fingerprint(path: &Path) -> std::io::Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::{Read, Seek, SeekFrom};
+    const PART: u64 = 1 << 20;
+    let mut file = std::fs::File::open(path)?;
+    let bytes = file.metadata()?.len();
+    let mut hasher = Sha256::new();
+    let mut buf = Vec::new();
+    (&mut file).take(PART).read_to_end(&mut buf)?;
+    hasher.update(&buf);
+    if bytes > PART {
+        file.seek(SeekFrom::Start(bytes.saturating_sub(PART).max(PART)))?;
+        buf.clear();
+        file.read_to_end(&mut buf)?;
+        hasher.update(&buf);
+    }
+    let digest: String = hasher.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    Ok(format!("{bytes} bytes, sha256 {digest}"))
+}
+
+/// Rank 0 publishes `text` under `what`; every rank lists how its own differs (`diff` of rank
+/// 0's text, empty when equal), and all learn every rank's answer: `Some("ranks [..] differ
+/// from rank 0 (rank r: differences)")` on every rank when any differs.
+fn agree_with_rank_0(
+    comm: &dyn Collective,
+    what: &str,
+    text: &str,
+    diff: impl Fn(&str) -> Vec<String>,
+) -> Result<Option<String>, DistError> {
+    if comm.world_size() == 1 {
+        return Ok(None);
+    }
+    let rank = comm.rank();
+    let fetch = |key: &str| comm.fetch(key).map(|b| String::from_utf8_lossy(&b).into_owned());
+    if rank == 0 {
+        comm.publish(&format!("{what}/0"), text.as_bytes())?;
+    }
+    let keys = diff(&fetch(&format!("{what}/0"))?);
     if !keys.is_empty() {
-        comm.publish(&format!("config-diff/{rank}"), keys.join(", ").as_bytes())?;
+        comm.publish(&format!("{what}-diff/{rank}"), keys.join(", ").as_bytes())?;
     }
     let flags = comm.all_gather_f64(&[f64::from(u8::from(!keys.is_empty()))])?;
     let bad: Vec<usize> = flags.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
     if bad.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let detail: Vec<String> = bad
         .iter()
-        .map(|r| {
-            let keys = comm.fetch(&format!("config-diff/{r}")).map(|k| String::from_utf8_lossy(&k).into_owned());
-            format!("rank {r}: {}", keys.unwrap_or_else(|_| "?".into()))
-        })
+        .map(|r| format!("rank {r}: {}", fetch(&format!("{what}-diff/{r}")).unwrap_or_else(|_| "?".into())))
         .collect();
-    Err(DistError::ConfigMismatch(format!(
-        "ranks {bad:?} were started with a config different from rank 0's (every rank must run the same \
-         config and --set overrides); differing keys: {}",
-        detail.join("; ")
-    )))
+    Ok(Some(format!("ranks {bad:?} differ from rank 0 ({})", detail.join("; "))))
 }
 
 #[cfg(test)]
@@ -554,6 +618,62 @@ mod tests {
 
     fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    /// Issue #41 item 9: two Gloo ranks (threads of this test, a real TCPStore) with the same
+    /// data paths: equal files pass; a file whose content differs on rank 1 (a node with another
+    /// copy) fails on both ranks naming rank 1 and the key; one that is missing on rank 1 too.
+    #[test]
+    fn ranks_that_would_read_other_data_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let [a, b] = ["a", "b"].map(|n| dir.path().join(n));
+        for d in [&a, &b] {
+            std::fs::create_dir(d).unwrap();
+            std::fs::write(d.join("eval.parquet"), vec![7u8; 3 << 20]).unwrap();
+        }
+        std::fs::write(a.join("train.parquet"), vec![1u8; 5 << 20]).unwrap();
+        let mut other = vec![1u8; 5 << 20];
+        other[(5 << 20) - 10] = 2; // differs in the footer only
+        std::fs::write(b.join("train.parquet"), &other).unwrap();
+        let two_ranks = |files: [std::path::PathBuf; 2]| -> Vec<Result<(), String>> {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let file = files[rank].clone();
+                    std::thread::spawn(move || {
+                        let world = World {
+                            rank,
+                            size: 2,
+                            local_rank: rank,
+                            local_size: 2,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            ..World::single()
+                        };
+                        let pg = c10d::ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
+                        let r = check_same_data(&pg, &[("data.train", &file)]).map_err(|e| e.to_string());
+                        pg.shutdown().unwrap();
+                        r
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        };
+        for r in two_ranks([a.join("eval.parquet"), b.join("eval.parquet")]) {
+            r.unwrap();
+        }
+        for (case, files) in [
+            ("content", [a.join("train.parquet"), b.join("train.parquet")]),
+            ("missing", [a.join("train.parquet"), b.join("absent.parquet")]),
+        ] {
+            for (rank, r) in two_ranks(files).into_iter().enumerate() {
+                let e = r.unwrap_err();
+                assert!(
+                    e.contains("ranks [1]") && e.contains("data.train") && e.contains("other data"),
+                    "{case}, rank {rank}: {e}"
+                );
+            }
+        }
     }
 
     /// Issue #41 item 18: gloo's and NCCL's messages as they come (copied from real failures)
