@@ -118,7 +118,7 @@ fn corpus() -> Vec<String> {
 fn llama2_tokenizer_json_encodes_like_the_packages_own_encoder() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, js) = make_tokenizer(dir.path());
-    let tok = llora_data::text::load_tokenizer(&tokenizer).unwrap();
+    let tok = llora_data::tokenizer::load_tokenizer(&tokenizer).unwrap();
     assert_eq!(
         (tok.token_to_id("<unk>"), tok.token_to_id("<s>"), tok.token_to_id("</s>")),
         (Some(0), Some(1), Some(2))
@@ -193,7 +193,7 @@ fn prepare_with_the_llama2_tokenizer_makes_the_reference_samples() {
     let joint: Vec<String> =
         rows[..3].iter().map(|(_, i, o)| format!("{}\n ### Summary:\n {o}", i_prompt(i))).collect();
     let (p, s, j) = (js_encode(&js, &prompts), js_encode(&js, &summaries), js_encode(&js, &joint));
-    let tok = llora_data::text::load_tokenizer(&tokenizer).unwrap();
+    let tok = llora_data::tokenizer::load_tokenizer(&tokenizer).unwrap();
     for (k, sample) in samples.iter().enumerate() {
         let mut want = vec![1u32];
         want.extend(&p[k]);
@@ -258,7 +258,7 @@ fn js3_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
 fn llama3_tokenizer_json_encodes_like_llama3_tokenizer_js() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, js) = make_llama3_tokenizer(dir.path());
-    let tok = llora_data::chat::plain(&llora_data::chat::load_tokenizer(&tokenizer).unwrap());
+    let tok = llora_data::tokenizer::plain(&llora_data::tokenizer::load_tokenizer(&tokenizer).unwrap());
     assert_eq!(
         (tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|eot_id|>"), tok.get_vocab_size(true)),
         (Some(128000), Some(128009), 128256)
@@ -362,7 +362,7 @@ fn chat_data_prepares_like_apply_chat_template_with_assistant_only_labels() {
     assert!(res.status.success(), "{}", text(&res).1);
     let samples = prepared(&out);
     let reference = transformers_ids(&tokenizer, &serde_json::json!({"chats": chats}));
-    let tok = llora_data::chat::load_tokenizer(&tokenizer).unwrap();
+    let tok = llora_data::tokenizer::load_tokenizer(&tokenizer).unwrap();
     for (k, (sample, chat)) in samples.iter().zip(&chats).enumerate() {
         let want: Vec<u32> = serde_json::from_value(reference["chat_ids"][k].clone()).unwrap();
         assert_eq!(sample.input_ids, want, "conversation {k}: ids differ from apply_chat_template");

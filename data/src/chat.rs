@@ -132,20 +132,6 @@ impl ChatTemplate {
     }
 }
 
-/// Loads a `tokenizer.json`, or the one in an HF tokenizer directory.
-pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
-    let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
-    crate::text::load_tokenizer(&file)
-}
-
-/// `tokenizer` reading all text as plain text: a string that spells a special token
-/// (`<|eot_id|>`) is encoded as its characters, not as that token.
-pub fn plain(tokenizer: &Tokenizer) -> Tokenizer {
-    let mut t = tokenizer.clone();
-    t.set_encode_special_tokens(true);
-    t
-}
-
 /// The conversation in a row's `messages`, or why it cannot be trained on.
 pub fn parse_messages(row: &serde_json::Value) -> Result<Vec<Message>, String> {
     let list = row.get("messages").ok_or("no \"messages\" field")?.as_array().ok_or("\"messages\" is not a list")?;
@@ -227,7 +213,7 @@ pub fn chat_sample(tokenizer: &Tokenizer, template: &ChatTemplate, messages: &[M
 /// each part tokenised as plain text (give [`plain`]'s tokenizer: text spelling a special
 /// token stays text).
 pub fn completion_sample(tokenizer: &Tokenizer, prompt: &str, completion: &str) -> Result<Sample, String> {
-    let (bos, eos) = special_ids(tokenizer).map_err(|e| format!("{e:#}"))?;
+    let (bos, eos) = crate::tokenizer::special_ids(tokenizer).map_err(|e| format!("{e:#}"))?;
     let enc =
         |t: &str| tokenizer.encode(t, false).map(|e| e.get_ids().to_vec()).map_err(|e| format!("tokenising: {e}"));
     let (p, c) = (enc(prompt)?, enc(completion)?);
@@ -241,15 +227,6 @@ pub fn completion_sample(tokenizer: &Tokenizer, prompt: &str, completion: &str) 
     ids.push(eos);
     let labels = ids.iter().enumerate().map(|(j, &id)| if j < prompt_len { IGNORE_INDEX } else { id as i64 }).collect();
     Ok(Sample { input_ids: ids, labels })
-}
-
-/// The tokenizer's beginning- and end-of-sequence ids (Llama 3's `<|begin_of_text|>` and
-/// `<|end_of_text|>`, Llama 2's `<s>` and `</s>`).
-pub fn special_ids(tokenizer: &Tokenizer) -> anyhow::Result<(u32, u32)> {
-    let find = |names: &[&str]| names.iter().find_map(|n| tokenizer.token_to_id(n));
-    let bos = find(&["<|begin_of_text|>", "<s>"]).context("the tokenizer has no <|begin_of_text|> or <s> token")?;
-    let eos = find(&["<|end_of_text|>", "</s>"]).context("the tokenizer has no <|end_of_text|> or </s> token")?;
-    Ok((bos, eos))
 }
 
 #[cfg(test)]

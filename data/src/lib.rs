@@ -13,6 +13,7 @@ pub mod rows;
 pub mod synth;
 pub mod synth_chat;
 pub mod text;
+pub mod tokenizer;
 
 /// The tokenizers crate's tokenizer, which the text paths take.
 pub use tokenizers::Tokenizer;

@@ -4,15 +4,13 @@
 //! A JSONL file is read a line at a time, and a line longer than the bound is skipped without
 //! being held: one 1 GB line costs no more memory than the bound, instead of the line and then
 //! its tokenisation (~50 bytes per token in an `Encoding`). The bound comes from the tokenizer
-//! and the longest sample wanted ([`max_row_bytes`]), so a skipped row is one that could not
-//! have fitted anyway.
+//! and the longest sample wanted (`tokenizer::max_row_bytes`), so a skipped row is one that
+//! could not have fitted anyway.
 
 use std::io::BufRead;
 use std::path::Path;
 
 use anyhow::Context;
-use tokenizers::Tokenizer;
-use tokenizers::models::ModelWrapper;
 
 pub use crate::RowPlace;
 
@@ -98,24 +96,6 @@ fn read_line_capped(r: &mut impl BufRead, buf: &mut Vec<u8>, cap: usize) -> std:
     Ok(any.then_some(fits))
 }
 
-/// The byte length past which a row surely tokenises to more than `max_tokens` tokens, or
-/// `None` when the tokenizer gives no such bound.
-///
-/// A BPE token stands for at most as many bytes as its vocabulary entry is long (a byte-level
-/// entry spells each byte with one or two; a SentencePiece `▁` stands for a 1-byte space), and
-/// an unknown character is one token unless unknowns are fused (then no bound). A row's JSON can
-/// be up to 6 times its text (`\uXXXX` escapes) and templates only add tokens; the bound takes
-/// 8 times the text's and a megabyte more. Word-level and WordPiece models map a whole unknown
-/// word to one token: no bound.
-pub fn max_row_bytes(tokenizer: &Tokenizer, max_tokens: usize) -> Option<usize> {
-    let ModelWrapper::BPE(bpe) = tokenizer.get_model() else { return None };
-    if bpe.fuse_unk && !bpe.byte_fallback && bpe.unk_token.is_some() {
-        return None;
-    }
-    let longest = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(4);
-    Some(max_tokens.saturating_mul(longest).saturating_mul(8).saturating_add(1 << 20))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,28 +127,5 @@ mod tests {
         std::fs::write(&p, "{\"x\": 1}\n{\"x\": \n").unwrap();
         let err = format!("{:#}", read_rows(&p, None).unwrap_err());
         assert!(err.contains("raw.jsonl: line 2: not a JSON object"), "{err}");
-    }
-
-    /// The bound is the longest vocabulary entry (at least 4 bytes) per token, times 8, plus a
-    /// megabyte, for BPE; none for a word-level model.
-    #[test]
-    fn byte_bounds_follow_the_tokenizer_model() {
-        let word = crate::text::synthetic_tokenizer(64).unwrap();
-        assert_eq!(max_row_bytes(&word, 100), None);
-        let bpe = |fuse_unk: bool, byte_fallback: bool| {
-            let json = serde_json::json!({
-                "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
-                "pre_tokenizer": null, "post_processor": null, "decoder": null,
-                "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
-                    "end_of_word_suffix": null, "fuse_unk": fuse_unk, "byte_fallback": byte_fallback,
-                    "vocab": {"a": 0, "b": 1, "ab": 2, "<unk>": 3, "abab": 4, "abababab": 5},
-                    "merges": ["a b", "ab ab", "abab abab"]},
-            });
-            json.to_string().parse::<Tokenizer>().unwrap()
-        };
-        assert_eq!(max_row_bytes(&bpe(false, false), 100), Some(100 * 8 * 8 + (1 << 20)));
-        assert_eq!(max_row_bytes(&bpe(true, true), 100), Some(100 * 8 * 8 + (1 << 20)));
-        // Fused unknowns: a run of unknown characters of any length is one token.
-        assert_eq!(max_row_bytes(&bpe(true, false), 100), None);
     }
 }

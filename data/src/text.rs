@@ -58,11 +58,6 @@ pub fn read_pairs(path: &Path, max_bytes: Option<usize>) -> anyhow::Result<(Vec<
     Ok((pairs, too_long))
 }
 
-/// Loads a `tokenizer.json`, naming the file on failure.
-pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| anyhow::anyhow!("{}: not a usable tokenizer.json: {e}", path.display()))
-}
-
 /// What [`tokenize_pairs`] produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tokenized {
@@ -81,7 +76,7 @@ const ENCODE_CHUNK: usize = 256;
 /// batch encoding), the tokenizer's beginning-of-sequence token first (`<s>`, or Llama 3's
 /// `<|begin_of_text|>`), prompt labels -100; drops samples over `max_seq_len`.
 pub fn tokenize_pairs(tokenizer: &Tokenizer, pairs: &[TextPair], max_seq_len: usize) -> anyhow::Result<Tokenized> {
-    let (bos, eos) = crate::chat::special_ids(tokenizer)?;
+    let (bos, eos) = crate::tokenizer::special_ids(tokenizer)?;
     let eos = tokenizer.id_to_token(eos).context("the end-of-sequence id has no token")?;
     let enc = |texts: Vec<String>| tokenizer.encode_batch(texts, false).map_err(|e| anyhow::anyhow!("tokenising: {e}"));
     let mut out = Tokenized { samples: Vec::with_capacity(pairs.len()), dropped: Vec::new() };

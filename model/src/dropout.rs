@@ -24,7 +24,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::libtorch::TchTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Device, Distribution, Tensor};
 
 /// Zeroes each element with probability `p` and scales the rest by `1/(1−p)`.
 ///
@@ -142,6 +142,30 @@ impl<C: CheckpointStrategy> DropoutBackend for Autodiff<LibTorch, C> {
                 prep.finish((seed, p), TchTensor::new(out))
             }
             OpsKind::UnTracked(prep) => prep.finish(TchTensor::new(forward(&x.into_primitive().tensor, p).0)),
+        }
+    }
+}
+
+/// Dropout seeds per decoder block of one forward pass: one draw from the device's generator
+/// (which the trainer seeds per micro-batch), then block k reseeds the generator from it and k.
+/// A block's masks then do not depend on what ran before it, so a recomputed block draws the
+/// same masks again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BlockSeeds(Option<u64>);
+
+impl BlockSeeds {
+    /// A base seed for a training pass on a LibTorch device (None otherwise: no reseeding).
+    pub(crate) fn draw(device: &Device, train: bool) -> Self {
+        if !train || crate::precision::tch_device(device).is_none() {
+            return Self(None);
+        }
+        Self(Some(draw_seed()))
+    }
+
+    /// Reseeds the generator for block `k`.
+    pub(crate) fn seed(self, device: &Device, k: usize) {
+        if let Some(base) = self.0 {
+            device.seed(base.wrapping_add((k as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
         }
     }
 }

@@ -13,8 +13,8 @@ use crate::lora::{LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
 pub use crate::rope::{apply_rope, rope_tables, rope_tables_at};
 
+use crate::dropout::BlockSeeds;
 use crate::precision::{Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
-use crate::recompute::BlockSeeds;
 use crate::shard::{Sharding, WeightShard};
 
 /// The token embeddings of `ids` in the activations' dtype `dtype` (a bf16 embedding table is

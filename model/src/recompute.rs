@@ -3,34 +3,10 @@
 //! gathered for its forward and again for its backward.
 
 use burn::module::Module;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 
+use crate::dropout::BlockSeeds;
 use crate::llama::{LlamaForCausalLM, embed};
-use crate::precision::tch_device;
-
-/// Dropout seeds per decoder block of one forward pass: one draw from the device's generator
-/// (which the trainer seeds per micro-batch), then block k reseeds the generator from it and k.
-/// A block's masks then do not depend on what ran before it, so a recomputed block draws the
-/// same masks again.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct BlockSeeds(Option<u64>);
-
-impl BlockSeeds {
-    /// A base seed for a training pass on a LibTorch device (None otherwise: no reseeding).
-    pub(crate) fn draw(device: &Device, train: bool) -> Self {
-        if !train || tch_device(device).is_none() {
-            return Self(None);
-        }
-        Self(Some(crate::dropout::draw_seed()))
-    }
-
-    /// Reseeds the generator for block `k`.
-    pub(crate) fn seed(self, device: &Device, k: usize) {
-        if let Some(base) = self.0 {
-            device.seed(base.wrapping_add((k as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
-        }
-    }
-}
 
 impl LlamaForCausalLM {
     /// Gradients of `loss_sum / norm` of a training micro-batch, computed block by block, with

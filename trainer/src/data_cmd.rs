@@ -132,13 +132,13 @@ fn synth_chat(a: &SynthArgs, synth: &Synth) -> anyhow::Result<()> {
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
     crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
-    let tok = llora_data::chat::load_tokenizer(&a.tokenizer)?;
+    let tok = llora_data::tokenizer::load_tokenizer(&a.tokenizer)?;
     if a.format != DataFormat::Chat {
         // The tokenizer's fault, said once (not as every row's).
-        llora_data::chat::special_ids(&tok).with_context(|| format!("--tokenizer {}", a.tokenizer.display()))?;
+        llora_data::tokenizer::special_ids(&tok).with_context(|| format!("--tokenizer {}", a.tokenizer.display()))?;
     }
     // Rows this long cannot fit --max-seq-len: skipped unread rather than tokenised whole.
-    let max_bytes = llora_data::rows::max_row_bytes(&tok, a.max_seq_len);
+    let max_bytes = llora_data::tokenizer::max_row_bytes(&tok, a.max_seq_len);
     let (rows, samples, dropped, bad) = match a.format {
         DataFormat::Mlperf => {
             let (pairs, too_long) = read_pairs(&a.input, max_bytes)?;
@@ -181,7 +181,7 @@ fn instruction_samples(
         _ => None,
     };
     let rows = read_rows(&a.input, max_bytes)?;
-    let plain = llora_data::chat::plain(tok);
+    let plain = llora_data::tokenizer::plain(tok);
     let (mut samples, mut dropped, mut bad) = (Vec::with_capacity(rows.len()), 0, 0);
     for raw in &rows {
         let Some(row) = &raw.value else {
@@ -410,7 +410,7 @@ fn report_text(rng: &mut impl rand::Rng, n: usize) -> String {
 fn bench_tokenizer(a: &crate::cli::TokenizerBenchArgs) -> anyhow::Result<()> {
     use rand::SeedableRng;
     use std::time::Instant;
-    let tokenizer = llora_data::text::load_tokenizer(&a.tokenizer)?;
+    let tokenizer = llora_data::tokenizer::load_tokenizer(&a.tokenizer)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let t = Instant::now();
     let pairs: Vec<TextPair> = (0..a.docs)

@@ -5,7 +5,8 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::Context;
-use llora_data::chat::{ChatTemplate, Message, load_tokenizer};
+use llora_data::chat::{ChatTemplate, Message};
+use llora_data::tokenizer::load_tokenizer;
 use llora_model::BuildOptions;
 use llora_model::checkpoint::HfCheckpoint;
 use llora_model::generate::{Sampling, generate};
@@ -41,7 +42,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let mut stop = ckpt.config.eos_token_ids.clone();
     let ids = prompt_ids(a, &tokenizer, ckpt.config.max_position_embeddings, &mut stop)?;
     if stop.is_empty() {
-        stop.push(llora_data::chat::special_ids(&tokenizer)?.1);
+        stop.push(llora_data::tokenizer::special_ids(&tokenizer)?.1);
     }
     // Checked before any token is produced: running out of positions halfway would lose what
     // was streamed (and all of it with --json).
@@ -118,7 +119,7 @@ fn prompt_ids(
     positions: usize,
     stop: &mut Vec<u32>,
 ) -> anyhow::Result<Vec<u32>> {
-    let bound = llora_data::rows::max_row_bytes(tokenizer, positions).unwrap_or(usize::MAX);
+    let bound = llora_data::tokenizer::max_row_bytes(tokenizer, positions).unwrap_or(usize::MAX);
     let too_long = |what: String, bytes: u64| {
         anyhow::anyhow!(
             "{what} is {bytes} bytes: more than the model's {positions} positions can hold with this tokenizer \

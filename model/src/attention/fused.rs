@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use burn::backend::libtorch::TchTensor;
 
-use super::cuda::{self, Problem};
+use super::cuda;
 
 /// A fused LibTorch attention kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -150,23 +150,7 @@ fn cpu_kernel_kind(x: &tch::Tensor) -> tch::Kind {
     crate::precision::bf16::operand_kind(x.kind(), x.device())
 }
 
-/// The fused forward for the tensors' device: torch's CPU flash attention on the CPU, the
-/// first CUDA kernel that passes its check on CUDA (see `cuda.rs`).
-///
-/// # Shapes
-/// - q: `[batch, heads, seq, head_dim]`; k, v: `[batch, kv_heads, seq, head_dim]`
-pub fn forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
-    let Some(p) = Problem::of(q, k) else { return forward_with(FusedKernel::CpuFlash, q, k, v, causal) };
-    while let Some(kernel) = cuda::choose_for(p, Some(q.size()[2])) {
-        match forward_with(kernel, q, k, v, causal) {
-            Ok(saved) => return Ok(saved),
-            Err(e) => cuda::refuse(p, kernel, &e),
-        }
-    }
-    Err(tch::TchError::Torch(format!("no fused CUDA attention kernel runs {p:?}")))
-}
-
-/// [`forward`] with a given kernel.
+/// The fused forward with a given kernel (`choice::forward` picks it).
 ///
 /// # Shapes
 /// As [`forward`].

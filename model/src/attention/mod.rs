@@ -8,10 +8,12 @@
 //! SDPA or flash attention in bf16/f16 (grouped K/V as they are) and the memory-efficient kernel
 //! in f32 (K/V repeated). Other devices take Burn's generic attention (correct, but quadratic).
 //!
-//! Files: `fused.rs` runs the kernels (forward, backward, their check against plain LibTorch);
-//! `cuda.rs` chooses among the CUDA kernels, each checked on first use, and calls the forwards
-//! tch does not bind through `sdpa_shim.cpp` (built by `model/build.rs`).
+//! Files (each uses only the ones after it): `choice.rs` chooses the kernel for a problem (the
+//! CUDA ones each checked on first use) and dispatches the forward; `fused.rs` runs the kernels
+//! (forward, backward, their check against plain LibTorch); `cuda.rs` calls the forwards tch
+//! does not bind through `sdpa_shim.cpp` (built by `model/build.rs`).
 
+mod choice;
 mod cuda;
 mod fused;
 
@@ -53,20 +55,20 @@ pub enum AttentionKernel {
 impl AttentionKernel {
     /// The kernel [`attention`] uses for `q` (`[batch, heads, seq, head_dim]`) with
     /// `kv_heads` K/V heads: on CUDA, whether a fused kernel passed its check for this dtype
-    /// and these head counts (checked on first use, see `cuda.rs`).
+    /// and these head counts (checked on first use, see `choice.rs`).
     pub fn for_query(q: &Tensor<4>, kv_heads: usize) -> Self {
         match q.device().inner().as_dispatch() {
             DispatchDevice::LibTorch(LibTorchDevice::Cpu) => Self::TorchFused,
             DispatchDevice::LibTorch(LibTorchDevice::Cuda(n)) => {
                 let [_, heads, _, head_dim] = q.dims();
-                let problem = cuda::Problem {
+                let problem = choice::Problem {
                     device: *n,
                     kind: tch_kind(q.dtype()),
                     heads: heads as i64,
                     kv_heads: kv_heads as i64,
                     head_dim: head_dim as i64,
                 };
-                if cuda::choose(problem).is_some() { Self::TorchFused } else { Self::Generic }
+                if choice::choose(problem).is_some() { Self::TorchFused } else { Self::Generic }
             }
             _ => Self::Generic,
         }
@@ -138,7 +140,7 @@ pub trait FusedAttentionBackend: Backend {
 
 impl FusedAttentionBackend for LibTorch {
     fn fused_attention(q: TchTensor, k: TchTensor, v: TchTensor, causal: bool) -> TchTensor {
-        fused::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out
+        choice::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out
     }
 }
 
@@ -186,7 +188,7 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
         // Node handles first: `into_primitive` consumes the autodiff tensors.
         let nodes = [q.node(), k.node(), v.node()];
         let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-        let saved = fused::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward");
+        let saved = choice::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward");
         match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 // One TchTensor shared by the state and the output: burn-tch writes in place

@@ -1,0 +1,78 @@
+//! The tokenizer and what llora asks of it: loading an HF `tokenizer.json`, its begin/end of
+//! sequence ids, a copy that reads special-token spellings as text, and how many bytes a row of
+//! at most N tokens can take.
+
+use std::path::Path;
+
+use anyhow::Context;
+use tokenizers::Tokenizer;
+use tokenizers::models::ModelWrapper;
+
+/// Loads a `tokenizer.json`, or the one in an HF tokenizer directory, naming the file on failure.
+pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
+    let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+    Tokenizer::from_file(&file).map_err(|e| anyhow::anyhow!("{}: not a usable tokenizer.json: {e}", file.display()))
+}
+
+/// `tokenizer` reading all text as plain text: a string that spells a special token
+/// (`<|eot_id|>`) is encoded as its characters, not as that token.
+pub fn plain(tokenizer: &Tokenizer) -> Tokenizer {
+    let mut t = tokenizer.clone();
+    t.set_encode_special_tokens(true);
+    t
+}
+
+/// The tokenizer's beginning- and end-of-sequence ids (Llama 3's `<|begin_of_text|>` and
+/// `<|end_of_text|>`, Llama 2's `<s>` and `</s>`).
+pub fn special_ids(tokenizer: &Tokenizer) -> anyhow::Result<(u32, u32)> {
+    let find = |names: &[&str]| names.iter().find_map(|n| tokenizer.token_to_id(n));
+    let bos = find(&["<|begin_of_text|>", "<s>"]).context("the tokenizer has no <|begin_of_text|> or <s> token")?;
+    let eos = find(&["<|end_of_text|>", "</s>"]).context("the tokenizer has no <|end_of_text|> or </s> token")?;
+    Ok((bos, eos))
+}
+
+/// The byte length past which a row surely tokenises to more than `max_tokens` tokens, or
+/// `None` when the tokenizer gives no such bound.
+///
+/// A BPE token stands for at most as many bytes as its vocabulary entry is long (a byte-level
+/// entry spells each byte with one or two; a SentencePiece `▁` stands for a 1-byte space), and
+/// an unknown character is one token unless unknowns are fused (then no bound). A row's JSON can
+/// be up to 6 times its text (`\uXXXX` escapes) and templates only add tokens; the bound takes
+/// 8 times the text's and a megabyte more. Word-level and WordPiece models map a whole unknown
+/// word to one token: no bound.
+pub fn max_row_bytes(tokenizer: &Tokenizer, max_tokens: usize) -> Option<usize> {
+    let ModelWrapper::BPE(bpe) = tokenizer.get_model() else { return None };
+    if bpe.fuse_unk && !bpe.byte_fallback && bpe.unk_token.is_some() {
+        return None;
+    }
+    let longest = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(4);
+    Some(max_tokens.saturating_mul(longest).saturating_mul(8).saturating_add(1 << 20))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bound is the longest vocabulary entry (at least 4 bytes) per token, times 8, plus a
+    /// megabyte, for BPE; none for a word-level model.
+    #[test]
+    fn byte_bounds_follow_the_tokenizer_model() {
+        let word = crate::text::synthetic_tokenizer(64).unwrap();
+        assert_eq!(max_row_bytes(&word, 100), None);
+        let bpe = |fuse_unk: bool, byte_fallback: bool| {
+            let json = serde_json::json!({
+                "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+                "pre_tokenizer": null, "post_processor": null, "decoder": null,
+                "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                    "end_of_word_suffix": null, "fuse_unk": fuse_unk, "byte_fallback": byte_fallback,
+                    "vocab": {"a": 0, "b": 1, "ab": 2, "<unk>": 3, "abab": 4, "abababab": 5},
+                    "merges": ["a b", "ab ab", "abab abab"]},
+            });
+            json.to_string().parse::<Tokenizer>().unwrap()
+        };
+        assert_eq!(max_row_bytes(&bpe(false, false), 100), Some(100 * 8 * 8 + (1 << 20)));
+        assert_eq!(max_row_bytes(&bpe(true, true), 100), Some(100 * 8 * 8 + (1 << 20)));
+        // Fused unknowns: a run of unknown characters of any length is one token.
+        assert_eq!(max_row_bytes(&bpe(true, false), 100), None);
+    }
+}

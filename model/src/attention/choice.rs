@@ -1,0 +1,149 @@
+//! Which fused attention kernel runs a problem, and the forward that dispatches to it.
+//!
+//! The CPU has one (torch's CPU flash attention). On CUDA the kernels differ in what they take:
+//! cuDNN SDPA and flash attention want bf16 or f16 and take K/V with fewer heads than Q (no
+//! repeated copy, forward or backward); the memory-efficient kernel also takes f32 but needs K/V
+//! repeated to Q's head count. torch's own `scaled_dot_product_attention` prefers cuDNN on
+//! sm_90. Each candidate is checked against plain LibTorch on the first problem of its kind
+//! (device, dtype, head counts, head size) before it is used, and a candidate that fails that
+//! check or a later forward is dropped, with a warning, for the next. The kernel chosen is
+//! logged once per kind of problem.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::fused::{FusedKernel, Saved, forward_with, verify};
+
+/// The fused forward for the tensors' device: torch's CPU flash attention on the CPU, the
+/// first CUDA kernel that passes its check on CUDA.
+///
+/// # Shapes
+/// - q: `[batch, heads, seq, head_dim]`; k, v: `[batch, kv_heads, seq, head_dim]`
+pub fn forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) -> Result<Saved, tch::TchError> {
+    let Some(p) = Problem::of(q, k) else { return forward_with(FusedKernel::CpuFlash, q, k, v, causal) };
+    while let Some(kernel) = choose_for(p, Some(q.size()[2])) {
+        match forward_with(kernel, q, k, v, causal) {
+            Ok(saved) => return Ok(saved),
+            Err(e) => refuse(p, kernel, &e),
+        }
+    }
+    Err(tch::TchError::Torch(format!("no fused CUDA attention kernel runs {p:?}")))
+}
+
+/// A kind of attention problem: what decides which kernels can run it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Problem {
+    /// CUDA device index.
+    pub device: usize,
+    /// Element type of q, k and v.
+    pub kind: tch::Kind,
+    /// Query heads.
+    pub heads: i64,
+    /// Key/value heads (dividing `heads`).
+    pub kv_heads: i64,
+    /// Size of one head.
+    pub head_dim: i64,
+}
+
+impl Problem {
+    /// The problem `q` and `k` pose.
+    ///
+    /// # Shapes
+    /// - q: `[batch, heads, seq, head_dim]`; k: `[batch, kv_heads, seq, head_dim]`
+    pub fn of(q: &tch::Tensor, k: &tch::Tensor) -> Option<Self> {
+        let tch::Device::Cuda(device) = q.device() else { return None };
+        let (qs, ks) = (q.size(), k.size());
+        Some(Self { device, kind: q.kind(), heads: qs[1], kv_heads: ks[1], head_dim: qs[3] })
+    }
+
+    /// The kernels to try, fastest first.
+    fn candidates(&self) -> &'static [FusedKernel] {
+        match self.kind {
+            tch::Kind::BFloat16 | tch::Kind::Half => {
+                &[FusedKernel::CudaCudnn, FusedKernel::CudaFlash, FusedKernel::CudaEfficient]
+            }
+            _ => &[FusedKernel::CudaEfficient],
+        }
+    }
+}
+
+/// For one kind of problem: the candidates not yet refused, whether the first is verified, and
+/// the sequence lengths seen.
+type Candidates = (Vec<FusedKernel>, bool, std::collections::BTreeSet<i64>);
+
+/// Distinct sequence lengths cuDNN SDPA is kept for. It builds and caches an execution graph per
+/// shape (the first GPU run's check took 2.8 s for cuDNN, 19 ms for flash attention), so a run
+/// whose batches take many lengths (`data.padding = "longest"`) spends its time building graphs:
+/// past this many lengths the problem moves to the next candidate (flash attention), which
+/// takes any length as it comes. Fixed-length jobs (MLPerf's 8192 tokens) keep cuDNN.
+const CUDNN_MAX_LENGTHS: usize = 4;
+
+/// The candidates of every kind of problem seen.
+static CHOICES: Mutex<Option<HashMap<Problem, Candidates>>> = Mutex::new(None);
+
+/// The fused kernel for `p`, verifying candidates on first use; `None` when none passes (then
+/// the generic attention runs).
+pub fn choose(p: Problem) -> Option<FusedKernel> {
+    choose_for(p, None)
+}
+
+/// [`choose`] for a problem of `seq` tokens: also moves a problem off cuDNN SDPA once it has
+/// seen more than [`CUDNN_MAX_LENGTHS`] sequence lengths. A length's first forward decides,
+/// so the forward and the recomputed forward of one micro-batch run the same kernel.
+pub fn choose_for(p: Problem, seq: Option<i64>) -> Option<FusedKernel> {
+    let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let (left, verified, lengths) =
+        map.entry(p).or_insert_with(|| (p.candidates().to_vec(), false, Default::default()));
+    if let Some(seq) = seq {
+        lengths.insert(seq);
+        if lengths.len() > CUDNN_MAX_LENGTHS && left.first() == Some(&FusedKernel::CudaCudnn) && left.len() > 1 {
+            tracing::info!(
+                device = p.device,
+                dtype = ?p.kind,
+                lengths = lengths.len(),
+                "attention: sequence lengths vary (cuDNN builds a graph per length); moving to the next kernel"
+            );
+            left.remove(0);
+            *verified = false;
+        }
+    }
+    while let Some(&kernel) = left.first() {
+        if *verified {
+            return Some(kernel);
+        }
+        match verify(kernel, tch::Device::Cuda(p.device), p.kind, p.heads, p.kv_heads, p.head_dim) {
+            Ok(()) => {
+                *verified = true;
+                tracing::info!(
+                    device = p.device,
+                    dtype = ?p.kind,
+                    heads = p.heads,
+                    kv_heads = p.kv_heads,
+                    head_dim = p.head_dim,
+                    "attention kernel: {} (verified against plain LibTorch)",
+                    kernel.name()
+                );
+            }
+            Err(e) => {
+                tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} refused: {e}", kernel.name());
+                left.remove(0);
+            }
+        }
+    }
+    tracing::warn!(device = p.device, dtype = ?p.kind, "no fused CUDA attention kernel passed its check: using the generic O(S²) attention");
+    None
+}
+
+/// Drops `kernel` for `p` after it failed on a real problem; the next call of [`choose`]
+/// verifies the next candidate.
+pub fn refuse(p: Problem, kernel: FusedKernel, err: &tch::TchError) {
+    let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((left, verified, _)) = guard.get_or_insert_with(HashMap::new).get_mut(&p)
+        && left.first() == Some(&kernel)
+    {
+        tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} failed, trying the next: {err}", kernel.name());
+        left.remove(0);
+        *verified = false;
+    }
+}
