@@ -19,7 +19,8 @@ use llora_model::checkpoint::write_atomic;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::run_dir::RESUME;
+/// The folder of a run directory holding the checkpoints of a run in progress.
+pub const RESUME: &str = "resume";
 
 /// The file that closes a checkpoint directory: without it the checkpoint is incomplete.
 pub const MANIFEST: &str = "manifest.json";

@@ -957,6 +957,19 @@ fn string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Err
     }
 }
 
+/// Every rank publishes its resolved config; each compares it with rank 0's, and all learn
+/// which ranks differ. A mismatch is an error on every rank naming the ranks and the keys.
+pub fn check_same_config(comm: &dyn crate::dist::Collective, config_toml: &str) -> Result<(), crate::dist::DistError> {
+    let diff = |reference: &str| differing_keys(reference, config_toml);
+    match crate::dist::agree_with_rank_0(comm, "config", config_toml, diff)? {
+        None => Ok(()),
+        Some(detail) => Err(crate::dist::DistError::ConfigMismatch(format!(
+            "{detail}: every rank must run the same config and --set overrides (ranks were started with a config \
+             different from rank 0's)"
+        ))),
+    }
+}
+
 /// Dotted keys whose values differ between two TOML documents.
 pub fn differing_keys(a: &str, b: &str) -> Vec<String> {
     fn flatten(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {

@@ -34,6 +34,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use tracing::{info, warn};
 
+use crate::checkpoints::RESUME;
 use crate::dist::Collective;
 
 /// The MLPerf result log of a run.
@@ -46,8 +47,7 @@ pub const PLOT: &str = "loss.svg";
 pub const ADAPTER: &str = "adapter";
 /// The weights of a finished full fine-tuning run (HF format).
 pub const FULL_CHECKPOINT: &str = "checkpoint";
-/// The checkpoints of a run in progress (see `checkpoints.rs`).
-pub const RESUME: &str = "resume";
+
 /// Where `--overwrite` keeps the outputs it replaces until the new run has saved something.
 const REPLACED: &str = ".replaced";
 

@@ -75,7 +75,7 @@ pub struct Outcome {
 /// the interrupted run of this config it finds there.
 pub fn run(config: &Config, config_name: &str, dist: &Dist, overwrite: bool) -> anyhow::Result<Outcome> {
     // Ranks agree on the config, run.dir included, before rank 0 decides for all of them.
-    crate::dist::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
+    crate::config::check_same_config(dist.comm.as_ref(), &config.to_toml())?;
     check_same_data(config, dist)?;
     let policy = run_dir::Policy {
         overwrite,
@@ -177,7 +177,7 @@ fn check_same_data(config: &Config, dist: &Dist) -> anyhow::Result<()> {
 
 /// Continues a run from its checkpoint on `dist`'s ranks (any world size: the data order is global).
 pub fn resume(resumed: Resumed, dist: &Dist) -> anyhow::Result<Outcome> {
-    crate::dist::check_same_config(dist.comm.as_ref(), &resumed.config.to_toml())?;
+    crate::config::check_same_config(dist.comm.as_ref(), &resumed.config.to_toml())?;
     check_same_data(&resumed.config, dist)?;
     let claim = run_dir::Claim::resumed(resumed.config.run.dir.clone(), dist.is_main())?;
     continue_run(resumed, dist, claim)

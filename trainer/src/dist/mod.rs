@@ -515,19 +515,6 @@ pub fn single_process_group(cuda: bool) -> anyhow::Result<(Backend, Arc<dyn Coll
     Ok((backend, Arc::new(pg)))
 }
 
-/// Every rank publishes its resolved config; each compares it with rank 0's, and all learn
-/// which ranks differ. A mismatch is an error on every rank naming the ranks and the keys.
-pub fn check_same_config(comm: &dyn Collective, config_toml: &str) -> Result<(), DistError> {
-    let diff = |reference: &str| crate::config::differing_keys(reference, config_toml);
-    match agree_with_rank_0(comm, "config", config_toml, diff)? {
-        None => Ok(()),
-        Some(detail) => Err(DistError::ConfigMismatch(format!(
-            "{detail}: every rank must run the same config and --set overrides (ranks were started with a config \
-             different from rank 0's)"
-        ))),
-    }
-}
-
 /// Every rank fingerprints the data files it will read (`(key, path)`, e.g. `data.train`);
 /// ranks that would read other data than rank 0 under the same paths (a file that differs per
 /// node) are an error on every rank, naming the ranks and the keys.
@@ -582,7 +569,7 @@ pub fn data_fingerprint(path: &Path) -> std::io::Result<String> {
 /// Rank 0 publishes `text` under `what`; every rank lists how its own differs (`diff` of rank
 /// 0's text, empty when equal), and all learn every rank's answer: `Some("ranks [..] differ
 /// from rank 0 (rank r: differences)")` on every rank when any differs.
-fn agree_with_rank_0(
+pub fn agree_with_rank_0(
     comm: &dyn Collective,
     what: &str,
     text: &str,
