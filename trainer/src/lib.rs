@@ -1,14 +1,12 @@
 //! llora's recipe: configuration, command line and (as the issues land) the training loop.
 #![recursion_limit = "256"] // serde_json::json! of the bench record
-pub mod bench;
 pub mod checkpoints;
 pub mod cli;
+pub mod commands;
 pub mod compliance;
 pub mod config;
-pub mod data_cmd;
 pub mod dist;
 pub mod flops;
-pub mod generate;
 pub mod mllog;
 pub mod mlperf;
 pub mod observe;
@@ -18,6 +16,5 @@ pub mod plan;
 pub mod plot;
 pub mod resume;
 pub mod run_dir;
-pub mod selftest;
 pub mod step;
 pub mod train;

@@ -3,9 +3,8 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
-use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat, MlperfCommand};
-use llora_trainer::config::{Config, TINY_CPU_NAME};
-use llora_trainer::{dist, train};
+use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat};
+use llora_trainer::commands;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -24,7 +23,7 @@ fn main() -> ExitCode {
             eprintln!("error: {}", user_message(&format!("{e:#}")));
             if e.downcast_ref::<llora_trainer::train::Interrupted>().is_some() {
                 ExitCode::from(130)
-            } else if e.downcast_ref::<llora_trainer::plan::DoesNotFit>().is_some() {
+            } else if e.downcast_ref::<llora_trainer::commands::plan::DoesNotFit>().is_some() {
                 ExitCode::from(3)
             } else {
                 ExitCode::FAILURE
@@ -70,109 +69,20 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// The command table: each subcommand's code is its file in `trainer/src/commands/`.
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Train(args) => {
-            let outcome = match &args.resume {
-                Some(dir) => {
-                    let resumed = train::load_resume(dir, &args.config.overrides)?;
-                    let dist = dist::init(&resumed.config.dist, resumed.config.run.device.is_cuda())?;
-                    let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
-                    let outcome = train::resume(resumed, &dist)?;
-                    dist.shutdown()?;
-                    (outcome, target)
-                }
-                None => {
-                    let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
-                    let name =
-                        args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-                    let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
-                    let outcome = train::run(&config, &name, &dist, args.overwrite)?;
-                    dist.shutdown()?;
-                    (outcome, (config.eval.target_loss, config.schedule.max_steps))
-                }
-            };
-            let (outcome, (target, max_steps)) = outcome;
-            if outcome.status != train::RunStatus::Success {
-                anyhow::bail!(
-                    "the run did not reach eval.target_loss = {target} within schedule.max_steps = {max_steps} \
-                     (run_stop status \"{}\"; result log {})",
-                    outcome.status.name(),
-                    outcome.result_log.display()
-                );
-            }
-            Ok(())
-        }
-        Command::Config { command: ConfigCommand::Show(args) } => {
-            let config = Config::load(args.config.as_deref(), &args.overrides)?;
-            print!("{}", config.to_toml());
-            Ok(())
-        }
-        Command::Eval(args) => llora_trainer::train::eval_command(&args),
-        Command::Data { command } => llora_trainer::data_cmd::run(&command),
-        Command::Mlperf { command: MlperfCommand::Score { dir } } => {
-            let score = llora_trainer::mlperf::score_dir(&dir)?;
-            print!("{}", score.table());
-            println!("{}", score.json());
-            Ok(())
-        }
-        Command::Mlperf { command: MlperfCommand::Check { log, ruleset } } => {
-            let verdict = llora_trainer::compliance::check(&log, &ruleset)?;
-            print!("{}", verdict.output);
-            anyhow::ensure!(
-                verdict.passed,
-                "{}: the MLPerf compliance checker (training ruleset {ruleset}) rejected this log",
-                log.display()
-            );
-            println!("PASS: {} (training ruleset {ruleset})", log.display());
-            Ok(())
-        }
-        Command::Mlperf { command: MlperfCommand::Run(args) } => {
-            let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
-            let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
-            let score = llora_trainer::mlperf::run_many(&config, &name, args.runs as usize, &args.out, &dist)?;
-            dist.shutdown()?;
-            if let Some(score) = score {
-                print!("{}", score.table());
-                println!("{}", score.json());
-            }
-            Ok(())
-        }
-        Command::Export(args) => llora_trainer::train::export_merged(&args),
-        Command::Generate(args) => llora_trainer::generate::run(&args),
-        Command::Plan(args) => llora_trainer::plan::plan_command(&args),
-        Command::Plot(args) => llora_trainer::plot::plot_command(&args),
-        Command::Selftest(args) => {
-            let spec = args.device;
-            let args = llora_trainer::cli::SelftestArgs { device: spec.for_local_rank(dist::local_rank()), ..args };
-            let record = llora_trainer::selftest::run(&args)?;
-            // Under a launcher only rank 0 prints.
-            if std::env::var("RANK").map_or(true, |r| r == "0") {
-                println!("{record}");
-            }
-            anyhow::ensure!(record["ok"] == true, "self-test failed: {}", record["failed"]);
-            Ok(())
-        }
-        Command::Bench(args) => {
-            // Under a launcher only rank 0 prints and appends the record.
-            let Some(mut record) = llora_trainer::bench::run(&args)? else { return Ok(()) };
-            if let Some(tag) = &args.tag {
-                record["tag"] = tag.clone().into();
-            }
-            let line = record.to_string();
-            println!("{line}");
-            if let Some(out) = &args.out {
-                use std::io::Write;
-                let mut f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(out)
-                    .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", out.display()))?;
-                writeln!(f, "{line}").map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
-            }
-            Ok(())
-        }
+        Command::Train(args) => commands::train::run(&args),
+        Command::Config { command: ConfigCommand::Show(args) } => commands::config::show(&args),
+        Command::Eval(args) => commands::eval::run(&args),
+        Command::Data { command } => commands::data::run(&command),
+        Command::Mlperf { command } => commands::mlperf::run(&command),
+        Command::Export(args) => commands::export::run(&args),
+        Command::Generate(args) => commands::generate::run(&args),
+        Command::Plan(args) => commands::plan::run(&args),
+        Command::Plot(args) => commands::plot::run(&args),
+        Command::Selftest(args) => commands::selftest::command(args),
+        Command::Bench(args) => commands::bench::command(&args),
     }
 }
 

@@ -1,4 +1,4 @@
-//! `llora mlperf`: seeded repeated runs into a results directory, and the MLPerf score of one.
+//! MLPerf result logs: what one says of its run, and the score of a set of them.
 //!
 //! The score follows the MLPerf Training rules for `llama2_70b_lora`: a result is a set of
 //! runs (`result_<n>.txt`, 10 for a submission); each run's time is `run_stop − run_start` in
@@ -10,12 +10,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail, ensure};
-use llora_model::checkpoint::write_atomic;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tracing::{error, info};
-
-use crate::config::Config;
 
 /// What one result log says about its run.
 #[derive(Debug, Clone, PartialEq)]
@@ -240,56 +236,6 @@ impl Score {
             "minutes": self.runs.iter().map(|r| r.minutes).collect::<Vec<_>>(),
         })
     }
-}
-
-/// `llora mlperf run`: `runs` runs of `config` with seeds `run.seed + i`, each in
-/// `out/run_<i>` with its log copied to `out/result_<i>.txt`; then scores the set.
-///
-/// A run that fails (NaN, I/O) is reported and the next one starts: the rules allow one
-/// non-converged run in a set, and the score says whether this set is valid.
-pub fn run_many(
-    config: &Config,
-    config_name: &str,
-    runs: usize,
-    out: &Path,
-    dist: &crate::dist::Dist,
-) -> anyhow::Result<Option<Score>> {
-    ensure!(runs >= 3, "--runs {runs}: the score's olympic mean needs at least 3 runs (MLPerf asks for 10)");
-    // Every rank trains; rank 0 alone writes and scores.
-    let main = dist.is_main();
-    if main {
-        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        ensure!(
-            result_files(out)?.is_empty() && (0..runs).all(|i| !out.join(format!("run_{i}")).exists()),
-            "{} already holds result_<n>.txt files or run_<n> directories of earlier runs; use a new --out \
-             directory so that runs are neither mixed nor replaced",
-            out.display()
-        );
-    }
-    for i in 0..runs {
-        let mut c = config.clone();
-        c.run.seed = config.run.seed.wrapping_add(i as u64);
-        c.run.dir = out.join(format!("run_{i}"));
-        info!(run = i, seed = c.run.seed, dir = %c.run.dir.display(), "mlperf run {}/{runs}", i + 1);
-        let log = match crate::train::run(&c, config_name, dist, false) {
-            Ok(outcome) => outcome.result_log,
-            Err(e) => {
-                error!(run = i, "run failed: {e:#}");
-                c.run.dir.join(crate::run_dir::RESULT_LOG)
-            }
-        };
-        if main && log.is_file() {
-            let bytes = std::fs::read(&log).with_context(|| format!("cannot read {}", log.display()))?;
-            write_atomic(&out.join(format!("result_{i}.txt")), &bytes)?;
-        }
-    }
-    if !main {
-        return Ok(None);
-    }
-    if runs < 3 {
-        bail!("{runs} runs done in {}; scoring needs at least 3", out.display());
-    }
-    score_dir(out).map(Some)
 }
 
 #[cfg(test)]

@@ -178,3 +178,10 @@ impl Drop for StopSignal {
         }
     }
 }
+
+/// Peak resident set size of this process so far, in MB (`VmHWM`).
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? / 1024.0)
+}

@@ -16,7 +16,7 @@ use burn::tensor::{Device, Int, Tensor};
 use llora_data::Sample;
 use llora_data::batch::{Geometry, StepBatch, train_batches};
 use llora_data::loader::SampleOrder;
-use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
+use llora_data::parquet_io::{ReadOptions, read_parquet};
 use llora_data::prefetch::Prefetched;
 use llora_data::synth::{Synth, SynthConfig};
 use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint};
@@ -874,99 +874,6 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
     std::fs::rename(c.run.dir.join(run_dir::FULL_CHECKPOINT), path)
         .with_context(|| format!("cannot move the pre-trained base to {}", path.display()))?;
     info!(path = %path.display(), "pre-trained base saved");
-    Ok(())
-}
-
-/// `llora eval`: loads a checkpoint (and adapter), evaluates a parquet file, prints the
-/// result as the last line, one JSON object.
-pub fn eval_command(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
-    let spec = llora_model::precision::PrecisionSpec {
-        compute: args.precision,
-        fp8_weights: args.fp8_weights,
-        ..Default::default()
-    };
-    anyhow::ensure!(
-        !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
-        "--fp8-weights needs --precision fp8 (it is {})",
-        args.precision.name()
-    );
-    let flag = |key: &str| format!("`{key}`");
-    let mut p = crate::config::Problems::new(&flag);
-    crate::config::check_threads(&mut p, "--threads", args.threads);
-    crate::config::check_workers(&mut p, "--workers", args.workers);
-    p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");
-    p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
-    let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
-    let ckpt = HfCheckpoint::open(&args.model)?;
-    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
-    if let Some(adapter) = &args.adapter {
-        llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
-            .with_context(|| format!("loading the adapter {}", adapter.display()))?;
-    }
-    // After the adapter: its weights load into f32 parameters, then everything switches.
-    if !spec.is_fp32() {
-        model.set_precision(&spec)?;
-    }
-    let opts = ReadOptions {
-        vocab: model.config.vocab_size,
-        max_seq_len: args.max_seq_len,
-        on_bad_row: if args.skip_bad_rows { OnBadRow::Skip } else { OnBadRow::Error },
-    };
-    let (samples, report) = read_parquet(&args.data, &opts)?;
-    anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
-    let samples = Arc::new(samples);
-    let padding = llora_data::batch::Padding::Longest;
-    let loss =
-        evaluate(&model, &samples, args.batch_size, args.workers, padding, &device, &crate::dist::SingleProcess)?;
-    let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
-    if !per_token.is_finite() {
-        let culprit = match ckpt.first_non_finite()? {
-            Some((name, n)) => format!("tensor {name} of {} holds {n} non-finite value(s)", args.model.display()),
-            None => "every base weight is finite: check the adapter and --precision".to_string(),
-        };
-        anyhow::bail!("the eval loss is {per_token}: {culprit}");
-    }
-    println!(
-        "{}",
-        json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})
-    );
-    Ok(())
-}
-
-/// `llora export --merged`: base + adapter folded into one HF checkpoint.
-pub fn export_merged(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !args.out.join("config.json").exists(),
-        "{} already holds a checkpoint; choose a new --out directory",
-        args.out.display()
-    );
-    crate::paths::ensure_new_output("--out", &args.out, false)?;
-    crate::paths::ensure_not_an_input("--out", &args.out, &[("--model", &args.model), ("--adapter", &args.adapter)])?;
-    let dtype = args.dtype.as_deref().map(|d| match d {
-        "bf16" => llora_model::merge::Dtype::BF16,
-        "f16" => llora_model::merge::Dtype::F16,
-        _ => llora_model::merge::Dtype::F32,
-    });
-    let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
-    let spec = llora_model::peft::read_peft_config(&args.adapter)?.spec;
-    let mut done = None;
-    // Written beside --out and renamed into place whole: a failure leaves nothing behind.
-    crate::paths::write_dir_atomic(&args.out, |tmp| {
-        done = Some(
-            llora_model::merge::export_merged(&ckpt, &args.adapter, tmp, dtype)
-                .with_context(|| format!("merging the adapter {}", args.adapter.display()))?,
-        );
-        Ok(())
-    })?;
-    let done = done.expect("written");
-    info!(modules = done.merged_modules, rank = spec.rank, alpha = spec.alpha, out = %args.out.display(),
-        bytes = done.bytes, "merged checkpoint written, tensor by tensor");
-    println!(
-        "{}",
-        json!({"out": args.out.display().to_string(), "merged_modules": done.merged_modules, "tensors": done.tensors,
-               "bytes": done.bytes, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,
-               "peak_rss_mb": crate::bench::peak_rss_mb()})
-    );
     Ok(())
 }
 

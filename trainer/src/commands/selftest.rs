@@ -205,3 +205,17 @@ fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
     comm.shutdown().map_err(|e| e.to_string())?;
     Ok(format!("{label}: sum exact; 64 MB in {:.2} ms, bus bandwidth {busbw:.1} GB/s", s * 1e3))
 }
+
+/// `llora selftest` as the command line runs it: on this rank's device, printing the record
+/// (rank 0 only under a launcher), failing when a check failed.
+pub fn command(args: SelftestArgs) -> anyhow::Result<()> {
+    let spec = args.device;
+    let args = crate::cli::SelftestArgs { device: spec.for_local_rank(crate::dist::local_rank()), ..args };
+    let record = run(&args)?;
+    // Under a launcher only rank 0 prints.
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        println!("{record}");
+    }
+    anyhow::ensure!(record["ok"] == true, "self-test failed: {}", record["failed"]);
+    Ok(())
+}

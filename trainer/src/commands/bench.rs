@@ -17,15 +17,9 @@ use serde_json::{Value, json};
 
 use crate::cli::BenchArgs;
 use crate::config::OptimConfig;
+use crate::observe::peak_rss_mb;
 use crate::optim::AdamW;
 use crate::step::{MicroBatch, StepOptions, train_step};
-
-/// Peak resident set size of this process so far, in MB (`VmHWM`).
-pub fn peak_rss_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? / 1024.0)
-}
 
 /// CPU seconds (user + system) of this process, from `/proc/self/stat` (USER_HZ = 100).
 fn cpu_seconds() -> f64 {
@@ -537,6 +531,28 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
             "cuda": llora_model::device::libtorch_cuda()},
     }))
+}
+
+/// `llora bench` as the command line runs it: prints the record (rank 0 only under a
+/// launcher), tagged with `--tag` and appended to `--out` when given.
+pub fn command(args: &BenchArgs) -> anyhow::Result<()> {
+    // Under a launcher only rank 0 prints and appends the record.
+    let Some(mut record) = run(args)? else { return Ok(()) };
+    if let Some(tag) = &args.tag {
+        record["tag"] = tag.clone().into();
+    }
+    let line = record.to_string();
+    println!("{line}");
+    if let Some(out) = &args.out {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out)
+            .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", out.display()))?;
+        writeln!(f, "{line}").map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

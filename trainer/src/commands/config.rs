@@ -1,0 +1,10 @@
+//! `llora config show`: the resolved config (file, embedded default and `--set` overrides) as TOML.
+
+use crate::config::Config;
+
+/// Prints the resolved config.
+pub fn show(args: &crate::cli::ConfigArgs) -> anyhow::Result<()> {
+    let config = Config::load(args.config.as_deref(), &args.overrides)?;
+    print!("{}", config.to_toml());
+    Ok(())
+}

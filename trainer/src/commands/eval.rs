@@ -1,0 +1,67 @@
+//! `llora eval`: the evaluation loss of a checkpoint (and adapter) on a dataset.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
+use llora_model::BuildOptions;
+use llora_model::checkpoint::HfCheckpoint;
+use serde_json::json;
+
+use crate::step::evaluate;
+
+/// `llora eval`: loads a checkpoint (and adapter), evaluates a parquet file, prints the
+/// result as the last line, one JSON object.
+pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
+    let spec = llora_model::precision::PrecisionSpec {
+        compute: args.precision,
+        fp8_weights: args.fp8_weights,
+        ..Default::default()
+    };
+    anyhow::ensure!(
+        !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
+        "--fp8-weights needs --precision fp8 (it is {})",
+        args.precision.name()
+    );
+    let flag = |key: &str| format!("`{key}`");
+    let mut p = crate::config::Problems::new(&flag);
+    crate::config::check_threads(&mut p, "--threads", args.threads);
+    crate::config::check_workers(&mut p, "--workers", args.workers);
+    p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");
+    p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
+    let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
+    let ckpt = HfCheckpoint::open(&args.model)?;
+    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
+    if let Some(adapter) = &args.adapter {
+        llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
+            .with_context(|| format!("loading the adapter {}", adapter.display()))?;
+    }
+    // After the adapter: its weights load into f32 parameters, then everything switches.
+    if !spec.is_fp32() {
+        model.set_precision(&spec)?;
+    }
+    let opts = ReadOptions {
+        vocab: model.config.vocab_size,
+        max_seq_len: args.max_seq_len,
+        on_bad_row: if args.skip_bad_rows { OnBadRow::Skip } else { OnBadRow::Error },
+    };
+    let (samples, report) = read_parquet(&args.data, &opts)?;
+    anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
+    let samples = Arc::new(samples);
+    let padding = llora_data::batch::Padding::Longest;
+    let loss =
+        evaluate(&model, &samples, args.batch_size, args.workers, padding, &device, &crate::dist::SingleProcess)?;
+    let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
+    if !per_token.is_finite() {
+        let culprit = match ckpt.first_non_finite()? {
+            Some((name, n)) => format!("tensor {name} of {} holds {n} non-finite value(s)", args.model.display()),
+            None => "every base weight is finite: check the adapter and --precision".to_string(),
+        };
+        anyhow::bail!("the eval loss is {per_token}: {culprit}");
+    }
+    println!(
+        "{}",
+        json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})
+    );
+    Ok(())
+}

@@ -1,0 +1,43 @@
+//! `llora export --merged`: base + adapter folded into one HF checkpoint.
+
+use anyhow::Context;
+use llora_model::checkpoint::HfCheckpoint;
+use serde_json::json;
+use tracing::info;
+
+/// `llora export --merged`: base + adapter folded into one HF checkpoint.
+pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !args.out.join("config.json").exists(),
+        "{} already holds a checkpoint; choose a new --out directory",
+        args.out.display()
+    );
+    crate::paths::ensure_new_output("--out", &args.out, false)?;
+    crate::paths::ensure_not_an_input("--out", &args.out, &[("--model", &args.model), ("--adapter", &args.adapter)])?;
+    let dtype = args.dtype.as_deref().map(|d| match d {
+        "bf16" => llora_model::merge::Dtype::BF16,
+        "f16" => llora_model::merge::Dtype::F16,
+        _ => llora_model::merge::Dtype::F32,
+    });
+    let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
+    let spec = llora_model::peft::read_peft_config(&args.adapter)?.spec;
+    let mut done = None;
+    // Written beside --out and renamed into place whole: a failure leaves nothing behind.
+    crate::paths::write_dir_atomic(&args.out, |tmp| {
+        done = Some(
+            llora_model::merge::export_merged(&ckpt, &args.adapter, tmp, dtype)
+                .with_context(|| format!("merging the adapter {}", args.adapter.display()))?,
+        );
+        Ok(())
+    })?;
+    let done = done.expect("written");
+    info!(modules = done.merged_modules, rank = spec.rank, alpha = spec.alpha, out = %args.out.display(),
+        bytes = done.bytes, "merged checkpoint written, tensor by tensor");
+    println!(
+        "{}",
+        json!({"out": args.out.display().to_string(), "merged_modules": done.merged_modules, "tensors": done.tensors,
+               "bytes": done.bytes, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,
+               "peak_rss_mb": crate::observe::peak_rss_mb()})
+    );
+    Ok(())
+}

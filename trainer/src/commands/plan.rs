@@ -1,0 +1,45 @@
+//! `llora plan`: one rank's memory for a config, and the cheapest recipe that fits a device.
+
+use crate::plan::{GB, budget, report, shape_of, to_json};
+
+/// `llora plan`: prints the budget, the kept-vs-minimum activations and the cheapest recipe.
+pub fn run(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
+    let config = crate::config::Config::load(args.config.config.as_deref(), &args.config.overrides)?;
+    let env_world = match std::env::var("WORLD_SIZE") {
+        Ok(w) => Some(w.trim().parse::<usize>().map_err(|_| {
+            anyhow::anyhow!("WORLD_SIZE={w:?} is not a number of ranks (llora plan reads it when --world is not given)")
+        })?),
+        Err(_) => None,
+    };
+    let world = args.world.or(env_world).unwrap_or(1);
+    anyhow::ensure!(world >= 1, "--world must be at least 1");
+    let (gbs, micro) = (config.train.global_batch_size, config.train.micro_batch_size);
+    anyhow::ensure!(
+        gbs.is_multiple_of(micro * world),
+        "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × ranks = {micro} × {world} = {}: \
+         training would refuse this world size",
+        micro * world
+    );
+    let shape = shape_of(&config, world)?;
+    if args.json {
+        println!("{}", to_json(&shape, args.device_memory));
+    } else {
+        print!("{}", report(&shape, args.device_memory));
+    }
+    match args.device_memory {
+        Some(device) if budget(&shape).peak > device => {
+            Err(DoesNotFit { needs: budget(&shape).peak / GB, device: device / GB }.into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `llora plan --device-memory`: the config needs more than the device has (exit status 3).
+#[derive(Debug, thiserror::Error)]
+#[error("the config needs {needs:.1} GiB of the {device:.1} GiB of --device-memory: it does not fit")]
+pub struct DoesNotFit {
+    /// GiB the plan predicts.
+    pub needs: f64,
+    /// GiB of the device.
+    pub device: f64,
+}
