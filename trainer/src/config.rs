@@ -145,6 +145,44 @@ impl Default for ModelConfig {
     }
 }
 
+impl ModelConfig {
+    /// Records what is wrong with these model settings (`[model.pretrain]` needs a corpus from `data`).
+    pub fn check(&self, p: &mut Problems<'_>, data: &DataConfig) {
+        let one_of = |v: &str, set: &[&str]| set.contains(&v);
+        let m = self;
+        p.check(
+            m.path.is_some() || m.preset.is_some(),
+            "model.path",
+            &m.path,
+            "set model.path (an HF checkpoint directory) or model.preset (random initialisation)",
+        );
+        if let Some(preset) = &m.preset {
+            p.check(
+                one_of(preset, MODEL_PRESETS),
+                "model.preset",
+                preset,
+                &format!("must be one of {}", quoted(MODEL_PRESETS)),
+            );
+        }
+        if let Some(pt) = &m.pretrain {
+            p.check(
+                m.path.is_some() && m.preset.is_some(),
+                "model.pretrain",
+                &"[model.pretrain]",
+                "needs model.path (where the base is saved) and model.preset (what to pre-train)",
+            );
+            p.check(
+                data.synthetic.is_some() || (data.train.is_some() && data.eval.is_some()),
+                "model.pretrain",
+                &"[model.pretrain]",
+                "needs a corpus: a [data.synthetic] section, or data.train and data.eval",
+            );
+            p.check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
+            p.check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");
+        }
+    }
+}
+
 /// `[model.pretrain]`: how to make the base checkpoint when `model.path` has none.
 ///
 /// Full fine-tuning of the randomly initialised `model.preset` on a synthetic corpus like
@@ -191,13 +229,47 @@ pub struct LoraConfig {
 }
 
 impl Default for LoraConfig {
+    /// The model crate's defaults (the MLPerf reference's), written once there.
     fn default() -> Self {
-        Self {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.1,
-            targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
+        let llora_model::LoraSpec { rank, alpha, dropout, targets } = llora_model::LoraSpec::default();
+        Self { rank, alpha, dropout, targets }
+    }
+}
+
+impl LoraConfig {
+    /// Records what is wrong with these adapter settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let one_of = |v: &str, set: &[&str]| set.contains(&v);
+        let l = self;
+        p.check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
+        p.check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
+        p.check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
+        p.check(
+            !l.targets.is_empty(),
+            "lora.targets",
+            &l.targets,
+            &format!("must name at least one of {}", quoted(LORA_TARGETS)),
+        );
+        for t in &l.targets {
+            p.check(
+                one_of(t, LORA_TARGETS),
+                "lora.targets",
+                t,
+                &format!("each must be one of {}", quoted(LORA_TARGETS)),
+            );
         }
+        let mut sorted = l.targets.clone();
+        sorted.sort();
+        sorted.dedup();
+        p.check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
+        let fused = l.targets.iter().any(|t| t == "qkv_proj");
+        let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
+        p.check(
+            !(fused && separate),
+            "lora.targets",
+            &l.targets,
+            "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
+        );
     }
 }
 
@@ -246,8 +318,10 @@ pub struct SyntheticConfig {
 }
 
 impl Default for SyntheticConfig {
+    /// The corpus shape of the data crate's defaults, written once there.
     fn default() -> Self {
-        Self { train_samples: 1024, eval_samples: 32, topics: 8, summary_len: 24, copy_len: 4, seed: 0 }
+        let llora_data::synth::SynthConfig { topics, summary_len, copy_len, seed, .. } = Default::default();
+        Self { train_samples: 1024, eval_samples: 32, topics, summary_len, copy_len, seed }
     }
 }
 
@@ -262,6 +336,53 @@ impl Default for DataConfig {
             padding: PadTo::Longest,
             on_bad_row: OnBadRow::Error,
             synthetic: None,
+        }
+    }
+}
+
+impl DataConfig {
+    /// Records what is wrong with these data settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let d = self;
+        p.check(
+            d.max_seq_len >= 2,
+            "data.max_seq_len",
+            &d.max_seq_len,
+            "must be at least 2 (one input and one target token)",
+        );
+        check_workers(p, "data.train_workers", d.train_workers);
+        check_workers(p, "data.eval_workers", d.eval_workers);
+        match &d.synthetic {
+            Some(syn) => {
+                p.check(
+                    d.train.is_none() && d.eval.is_none(),
+                    "data.synthetic",
+                    &"[data.synthetic]",
+                    "excludes data.train and data.eval: use one or the other",
+                );
+                p.check(
+                    syn.train_samples >= 1,
+                    "data.synthetic.train_samples",
+                    &syn.train_samples,
+                    "must be at least 1",
+                );
+                p.check(syn.eval_samples >= 1, "data.synthetic.eval_samples", &syn.eval_samples, "must be at least 1");
+                p.check(syn.topics >= 1, "data.synthetic.topics", &syn.topics, "must be at least 1");
+            }
+            None => {
+                p.check(
+                    d.train.is_some(),
+                    "data.train",
+                    &d.train,
+                    "set data.train (MLPerf-schema parquet) or a [data.synthetic] section",
+                );
+                p.check(
+                    d.eval.is_some(),
+                    "data.eval",
+                    &d.eval,
+                    "set data.eval (MLPerf-schema parquet) or a [data.synthetic] section",
+                );
+            }
         }
     }
 }
@@ -288,6 +409,36 @@ impl Default for OptimConfig {
     }
 }
 
+impl OptimConfig {
+    /// Records what is wrong with these optimizer settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let o = self;
+        p.check(o.lr.is_finite() && o.lr > 0.0, "optim.lr", &o.lr, "must be a finite number > 0");
+        for (i, b) in o.betas.iter().enumerate() {
+            p.check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
+        }
+        // AdamW runs in f32: a smaller ε is 0 there (or a subnormal), and 0/0 is NaN at step 2.
+        p.check(
+            o.eps.is_finite() && o.eps >= f64::from(f32::MIN_POSITIVE),
+            "optim.eps",
+            &o.eps,
+            "must be a finite number >= 1.2e-38 (the smallest normal f32: AdamW computes in f32)",
+        );
+        p.check(
+            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
+            "optim.weight_decay",
+            &o.weight_decay,
+            "must be a finite number >= 0",
+        );
+        p.check(
+            o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0,
+            "optim.clip_grad_norm",
+            &o.clip_grad_norm,
+            "must be >= 0 (0 disables clipping)",
+        );
+    }
+}
+
 /// `[schedule]`: linear warm-up, then cosine decay to 0 at `max_steps`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -301,6 +452,20 @@ pub struct ScheduleConfig {
 impl Default for ScheduleConfig {
     fn default() -> Self {
         Self { max_steps: 1024, warmup_steps: 0 }
+    }
+}
+
+impl ScheduleConfig {
+    /// Records what is wrong with this schedule.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let s = self;
+        p.check(s.max_steps >= 1, "schedule.max_steps", &s.max_steps, "must be at least 1");
+        p.check(
+            s.warmup_steps < s.max_steps.max(1),
+            "schedule.warmup_steps",
+            &s.warmup_steps,
+            &format!("must be below schedule.max_steps ({})", s.max_steps),
+        );
     }
 }
 
@@ -341,6 +506,21 @@ impl Default for TrainConfig {
     }
 }
 
+impl TrainConfig {
+    /// Records what is wrong with these batch settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let t = self;
+        p.check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
+        p.check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
+        p.check(
+            t.global_batch_size.is_multiple_of(t.micro_batch_size.max(1)),
+            "train.global_batch_size",
+            &t.global_batch_size,
+            &format!("must be a multiple of train.micro_batch_size = {} (and of it × ranks)", t.micro_batch_size),
+        );
+    }
+}
+
 /// `[eval]`: when to evaluate, how to average, when to stop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -367,6 +547,21 @@ impl Default for EvalConfig {
             averaging: Averaging::PerSample,
             batch_size: 1,
         }
+    }
+}
+
+impl EvalConfig {
+    /// Records what is wrong with these evaluation settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let e = self;
+        p.check(e.every_samples >= 1, "eval.every_samples", &e.every_samples, "must be at least 1");
+        p.check(
+            e.target_loss.is_finite() && e.target_loss > 0.0,
+            "eval.target_loss",
+            &e.target_loss,
+            "must be a finite number > 0",
+        );
+        p.check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
     }
 }
 
@@ -400,6 +595,33 @@ impl Default for PrecisionConfig {
             amax_compute_algo: amax.algo,
             amax_margin: amax.margin,
         }
+    }
+}
+
+impl PrecisionConfig {
+    /// Records what is wrong with these precision settings (reduced precision needs a LibTorch `device`).
+    pub fn check(&self, p: &mut Problems<'_>, device: &DeviceSpec) {
+        let pr = self;
+        p.check(
+            (1..=1024).contains(&pr.amax_history_len),
+            "precision.amax_history_len",
+            &pr.amax_history_len,
+            "must be in 1..=1024",
+        );
+        p.check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
+        p.check(
+            !pr.fp8_weights || pr.compute == Compute::Fp8,
+            "precision.fp8_weights",
+            &pr.fp8_weights,
+            "needs precision.compute = \"fp8\"",
+        );
+        let reduced = pr.compute != Compute::Fp32 || pr.fp8_activations;
+        p.check(
+            !reduced || *device != DeviceSpec::Flex,
+            "precision.compute",
+            &pr.compute,
+            "bf16/fp8 compute and fp8_activations need a LibTorch device (run.device = \"cpu\" or \"cuda:N\")",
+        );
     }
 }
 
@@ -455,6 +677,16 @@ impl Default for RunConfig {
     }
 }
 
+impl RunConfig {
+    /// Records what is wrong with these run settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let r = self;
+        check_threads(p, "run.threads", r.threads);
+        p.check(r.keep_checkpoints >= 1, "run.keep_checkpoints", &r.keep_checkpoints, "must be at least 1");
+        p.check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
+    }
+}
+
 /// `run.resume`: what a fresh `llora train` does with an interrupted run in `run.dir`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -500,6 +732,15 @@ impl Default for MlperfConfig {
     }
 }
 
+impl MlperfConfig {
+    /// Records what is wrong with these MLPerf log settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let ml = self;
+        p.check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
+        p.check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
+    }
+}
+
 /// `[logging]`: what the run prints and records.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -517,6 +758,20 @@ pub struct LoggingConfig {
 impl Default for LoggingConfig {
     fn default() -> Self {
         Self { every_steps: 10, progress: ProgressBar::Auto, peak_tflops: 0.0 }
+    }
+}
+
+impl LoggingConfig {
+    /// Records what is wrong with these logging settings.
+    pub fn check(&self, p: &mut Problems<'_>) {
+        let lg = self;
+        p.check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
+        p.check(
+            lg.peak_tflops >= 0.0 && lg.peak_tflops.is_finite(),
+            "logging.peak_tflops",
+            &lg.peak_tflops,
+            "must be a finite number ≥ 0",
+        );
     }
 }
 
@@ -634,158 +889,21 @@ impl Config {
         self.eval.every_samples.div_ceil(gbs) * gbs
     }
 
-    /// Range and cross-field checks; every problem names its key, value and what is allowed.
+    /// Range and cross-field checks, section by section (each section's `check` sits beside its
+    /// type); every problem names its key, value and what is allowed.
     pub fn validate(&self) -> Result<(), Vec<String>> {
         let mut p = Problems::new(&config_key);
-        let one_of = |v: &str, set: &[&str]| set.contains(&v);
-
-        let m = &self.model;
-        p.check(
-            m.path.is_some() || m.preset.is_some(),
-            "model.path",
-            &m.path,
-            "set model.path (an HF checkpoint directory) or model.preset (random initialisation)",
-        );
-        if let Some(preset) = &m.preset {
-            p.check(
-                one_of(preset, MODEL_PRESETS),
-                "model.preset",
-                preset,
-                &format!("must be one of {}", quoted(MODEL_PRESETS)),
-            );
-        }
-        if let Some(pt) = &m.pretrain {
-            p.check(
-                m.path.is_some() && m.preset.is_some(),
-                "model.pretrain",
-                &"[model.pretrain]",
-                "needs model.path (where the base is saved) and model.preset (what to pre-train)",
-            );
-            p.check(
-                self.data.synthetic.is_some() || (self.data.train.is_some() && self.data.eval.is_some()),
-                "model.pretrain",
-                &"[model.pretrain]",
-                "needs a corpus: a [data.synthetic] section, or data.train and data.eval",
-            );
-            p.check(pt.steps >= 1, "model.pretrain.steps", &pt.steps, "must be at least 1");
-            p.check(pt.lr.is_finite() && pt.lr > 0.0, "model.pretrain.lr", &pt.lr, "must be a finite number > 0");
-        }
-
+        self.model.check(&mut p, &self.data);
         self.lora.check(&mut p);
-
-        let d = &self.data;
-        p.check(
-            d.max_seq_len >= 2,
-            "data.max_seq_len",
-            &d.max_seq_len,
-            "must be at least 2 (one input and one target token)",
-        );
-        check_workers(&mut p, "data.train_workers", d.train_workers);
-        check_workers(&mut p, "data.eval_workers", d.eval_workers);
-        match &d.synthetic {
-            Some(syn) => {
-                p.check(
-                    d.train.is_none() && d.eval.is_none(),
-                    "data.synthetic",
-                    &"[data.synthetic]",
-                    "excludes data.train and data.eval: use one or the other",
-                );
-                p.check(
-                    syn.train_samples >= 1,
-                    "data.synthetic.train_samples",
-                    &syn.train_samples,
-                    "must be at least 1",
-                );
-                p.check(syn.eval_samples >= 1, "data.synthetic.eval_samples", &syn.eval_samples, "must be at least 1");
-                p.check(syn.topics >= 1, "data.synthetic.topics", &syn.topics, "must be at least 1");
-            }
-            None => {
-                p.check(
-                    d.train.is_some(),
-                    "data.train",
-                    &d.train,
-                    "set data.train (MLPerf-schema parquet) or a [data.synthetic] section",
-                );
-                p.check(
-                    d.eval.is_some(),
-                    "data.eval",
-                    &d.eval,
-                    "set data.eval (MLPerf-schema parquet) or a [data.synthetic] section",
-                );
-            }
-        }
-
+        self.data.check(&mut p);
         self.optim.check(&mut p);
-
-        let s = &self.schedule;
-        p.check(s.max_steps >= 1, "schedule.max_steps", &s.max_steps, "must be at least 1");
-        p.check(
-            s.warmup_steps < s.max_steps.max(1),
-            "schedule.warmup_steps",
-            &s.warmup_steps,
-            &format!("must be below schedule.max_steps ({})", s.max_steps),
-        );
-
-        let t = &self.train;
-        p.check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
-        p.check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
-        p.check(
-            t.global_batch_size.is_multiple_of(t.micro_batch_size.max(1)),
-            "train.global_batch_size",
-            &t.global_batch_size,
-            &format!("must be a multiple of train.micro_batch_size = {} (and of it × ranks)", t.micro_batch_size),
-        );
-
-        let e = &self.eval;
-        p.check(e.every_samples >= 1, "eval.every_samples", &e.every_samples, "must be at least 1");
-        p.check(
-            e.target_loss.is_finite() && e.target_loss > 0.0,
-            "eval.target_loss",
-            &e.target_loss,
-            "must be a finite number > 0",
-        );
-        p.check(e.batch_size >= 1, "eval.batch_size", &e.batch_size, "must be at least 1");
-
-        let pr = &self.precision;
-        p.check(
-            (1..=1024).contains(&pr.amax_history_len),
-            "precision.amax_history_len",
-            &pr.amax_history_len,
-            "must be in 1..=1024",
-        );
-        p.check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
-        p.check(
-            !pr.fp8_weights || pr.compute == Compute::Fp8,
-            "precision.fp8_weights",
-            &pr.fp8_weights,
-            "needs precision.compute = \"fp8\"",
-        );
-        let reduced = pr.compute != Compute::Fp32 || pr.fp8_activations;
-        p.check(
-            !reduced || self.run.device != DeviceSpec::Flex,
-            "precision.compute",
-            &pr.compute,
-            "bf16/fp8 compute and fp8_activations need a LibTorch device (run.device = \"cpu\" or \"cuda:N\")",
-        );
-
-        let r = &self.run;
-        check_threads(&mut p, "run.threads", r.threads);
-        p.check(r.keep_checkpoints >= 1, "run.keep_checkpoints", &r.keep_checkpoints, "must be at least 1");
-        p.check(!r.dir.as_os_str().is_empty(), "run.dir", &r.dir, "must be a directory path");
-
-        let ml = &self.mlperf;
-        p.check(!ml.org.trim().is_empty(), "mlperf.org", &ml.org, "must not be empty");
-        p.check(!ml.platform.trim().is_empty(), "mlperf.platform", &ml.platform, "must not be empty");
-
-        let lg = &self.logging;
-        p.check(lg.every_steps >= 1, "logging.every_steps", &lg.every_steps, "must be at least 1");
-        p.check(
-            lg.peak_tflops >= 0.0 && lg.peak_tflops.is_finite(),
-            "logging.peak_tflops",
-            &lg.peak_tflops,
-            "must be a finite number ≥ 0",
-        );
-
+        self.schedule.check(&mut p);
+        self.train.check(&mut p);
+        self.eval.check(&mut p);
+        self.precision.check(&mut p, &self.run.device);
+        self.run.check(&mut p);
+        self.mlperf.check(&mut p);
+        self.logging.check(&mut p);
         p.finish()
     }
 }
@@ -847,73 +965,6 @@ pub fn check_threads(p: &mut Problems<'_>, key: &str, threads: usize) {
 pub fn check_workers(p: &mut Problems<'_>, key: &str, workers: usize) {
     let max = max_threads();
     p.check(workers <= max, key, &workers, &format!("must be in 0..={max} (4 per core of this machine at most)"));
-}
-
-impl LoraConfig {
-    /// Records what is wrong with these adapter settings.
-    pub fn check(&self, p: &mut Problems<'_>) {
-        let one_of = |v: &str, set: &[&str]| set.contains(&v);
-        let l = self;
-        p.check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
-        p.check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
-        p.check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
-        p.check(
-            !l.targets.is_empty(),
-            "lora.targets",
-            &l.targets,
-            &format!("must name at least one of {}", quoted(LORA_TARGETS)),
-        );
-        for t in &l.targets {
-            p.check(
-                one_of(t, LORA_TARGETS),
-                "lora.targets",
-                t,
-                &format!("each must be one of {}", quoted(LORA_TARGETS)),
-            );
-        }
-        let mut sorted = l.targets.clone();
-        sorted.sort();
-        sorted.dedup();
-        p.check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
-        let fused = l.targets.iter().any(|t| t == "qkv_proj");
-        let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
-        p.check(
-            !(fused && separate),
-            "lora.targets",
-            &l.targets,
-            "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
-        );
-    }
-}
-
-impl OptimConfig {
-    /// Records what is wrong with these optimizer settings.
-    pub fn check(&self, p: &mut Problems<'_>) {
-        let o = self;
-        p.check(o.lr.is_finite() && o.lr > 0.0, "optim.lr", &o.lr, "must be a finite number > 0");
-        for (i, b) in o.betas.iter().enumerate() {
-            p.check((0.0..1.0).contains(b), &format!("optim.betas[{i}]"), b, "must be in [0, 1)");
-        }
-        // AdamW runs in f32: a smaller ε is 0 there (or a subnormal), and 0/0 is NaN at step 2.
-        p.check(
-            o.eps.is_finite() && o.eps >= f64::from(f32::MIN_POSITIVE),
-            "optim.eps",
-            &o.eps,
-            "must be a finite number >= 1.2e-38 (the smallest normal f32: AdamW computes in f32)",
-        );
-        p.check(
-            o.weight_decay.is_finite() && o.weight_decay >= 0.0,
-            "optim.weight_decay",
-            &o.weight_decay,
-            "must be a finite number >= 0",
-        );
-        p.check(
-            o.clip_grad_norm.is_finite() && o.clip_grad_norm >= 0.0,
-            "optim.clip_grad_norm",
-            &o.clip_grad_norm,
-            "must be >= 0 (0 disables clipping)",
-        );
-    }
 }
 
 /// serde reports an unknown field at its parent's path; name the field itself.
