@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 mod common;
 
 use llora_trainer::config::{OptimConfig, ScheduleConfig};
-use llora_trainer::optim::{AdamW, lr_at};
-use llora_trainer::step::{MicroBatch, StepOptions, StepStats, train_step};
+use llora_trainer::engine::optim::{AdamW, lr_at};
+use llora_trainer::engine::step::{MicroBatch, StepOptions, StepStats, train_step};
 use std::process::Command;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -262,12 +262,13 @@ fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
         let options = BuildOptions { trainable: true, ..Default::default() };
         let mut model = HfCheckpoint::open(&base).unwrap().load_model(&options, &device).unwrap();
         let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
-        let mb = llora_trainer::step::MicroBatch {
+        let mb = llora_trainer::engine::step::MicroBatch {
             ids: Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device),
             labels: Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device).into(),
             seed: None,
         };
-        let (loss, grads, _, _) = llora_trainer::step::micro_batch_grads(&mut model, mb, n_target, recompute).unwrap();
+        let (loss, grads, _, _) =
+            llora_trainer::engine::step::micro_batch_grads(&mut model, mb, n_target, recompute).unwrap();
         let reference_loss = hf["loss"].as_f64().unwrap();
         assert!(
             ((loss - reference_loss) / reference_loss).abs() <= 1e-5,

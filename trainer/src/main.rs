@@ -21,7 +21,7 @@ fn main() -> ExitCode {
         Err(e) => {
             // `{:#}` prints the whole context chain on one line: what failed, then why.
             eprintln!("error: {}", user_message(&format!("{e:#}")));
-            if e.downcast_ref::<llora_trainer::train::Interrupted>().is_some() {
+            if e.downcast_ref::<llora_trainer::engine::train::Interrupted>().is_some() {
                 ExitCode::from(130)
             } else if e.downcast_ref::<llora_trainer::commands::plan::DoesNotFit>().is_some() {
                 ExitCode::from(3)

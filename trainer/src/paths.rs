@@ -1,7 +1,7 @@
 //! Where commands write: never over a file they read (`data prepare --out` equal to `--input`
 //! replaced the raw text), never over an earlier output unless told to (`--overwrite`), and a
 //! replaced output is swapped in whole, never half-written. (`llora train`'s run directories
-//! have their own rules: `run_dir.rs`.)
+//! have their own rules: `engine/run_dir.rs`.)
 
 use std::path::{Path, PathBuf};
 

@@ -17,9 +17,9 @@ use serde_json::{Value, json};
 
 use crate::cli::BenchArgs;
 use crate::config::OptimConfig;
-use crate::observe::peak_rss_mb;
-use crate::optim::AdamW;
-use crate::step::{MicroBatch, StepOptions, train_step};
+use crate::engine::observe::peak_rss_mb;
+use crate::engine::optim::AdamW;
+use crate::engine::step::{MicroBatch, StepOptions, train_step};
 
 /// CPU seconds (user + system) of this process, from `/proc/self/stat` (USER_HZ = 100).
 fn cpu_seconds() -> f64 {
@@ -311,7 +311,7 @@ fn bench_step(
     optim: &mut AdamW,
     rng: &mut impl Rng,
     device: &Device,
-) -> anyhow::Result<crate::step::StepStats> {
+) -> anyhow::Result<crate::engine::step::StepStats> {
     let world = dist.world.size;
     let mut all: Vec<_> = (0..args.accum * world)
         .map(|_| random_batch(rng, args.batch, args.seq_len, config.vocab_size, device))

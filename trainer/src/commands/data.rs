@@ -162,7 +162,7 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     println!(
         "{}",
         json!({"rows": rows, "written": samples.len(), "dropped_too_long": dropped, "bad_rows": bad,
-               "out": a.out.display().to_string(), "peak_rss_mb": crate::observe::peak_rss_mb()})
+               "out": a.out.display().to_string(), "peak_rss_mb": crate::engine::observe::peak_rss_mb()})
     );
     Ok(())
 }

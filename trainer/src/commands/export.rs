@@ -37,7 +37,7 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
         "{}",
         json!({"out": args.out.display().to_string(), "merged_modules": done.merged_modules, "tensors": done.tensors,
                "bytes": done.bytes, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,
-               "peak_rss_mb": crate::observe::peak_rss_mb()})
+               "peak_rss_mb": crate::engine::observe::peak_rss_mb()})
     );
     Ok(())
 }

@@ -75,11 +75,11 @@ pub fn run_many(
         c.run.seed = config.run.seed.wrapping_add(i as u64);
         c.run.dir = out.join(format!("run_{i}"));
         info!(run = i, seed = c.run.seed, dir = %c.run.dir.display(), "mlperf run {}/{runs}", i + 1);
-        let log = match crate::train::run(&c, config_name, dist, false) {
+        let log = match crate::engine::train::run(&c, config_name, dist, false) {
             Ok(outcome) => outcome.result_log,
             Err(e) => {
                 error!(run = i, "run failed: {e:#}");
-                c.run.dir.join(crate::run_dir::RESULT_LOG)
+                c.run.dir.join(crate::engine::run_dir::RESULT_LOG)
             }
         };
         if main && log.is_file() {

@@ -2,7 +2,8 @@
 //! process's ranks; fails unless the run reached its target.
 
 use crate::config::{Config, TINY_CPU_NAME};
-use crate::{dist, train};
+use crate::dist;
+use crate::engine::train;
 
 /// Runs `llora train`.
 pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {

@@ -34,8 +34,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use tracing::{info, warn};
 
-use crate::checkpoints::RESUME;
 use crate::dist::Collective;
+use crate::engine::checkpoints::RESUME;
 
 /// The MLPerf result log of a run.
 pub const RESULT_LOG: &str = "result_0.txt";
@@ -134,7 +134,7 @@ pub fn inspect(dir: &Path) -> Holds {
     if !OUTPUTS.iter().any(|name| dir.join(name).symlink_metadata().is_ok()) {
         return Holds::Nothing;
     }
-    let checkpoints = !crate::checkpoints::list(dir).is_empty();
+    let checkpoints = !crate::engine::checkpoints::list(dir).is_empty();
     // Final weights are saved before `run_stop` is logged: with checkpoints and no `run_stop`,
     // the run was stopped while saving them, and resuming completes it.
     let saved = dir.join(ADAPTER).exists() || dir.join(FULL_CHECKPOINT).exists();

@@ -25,9 +25,9 @@ use llora_model::peft::save_peft_adapter;
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoints;
 use crate::config::{Config, Override, differing_keys};
-use crate::optim::{AdamW, Moments};
+use crate::engine::checkpoints;
+use crate::engine::optim::{AdamW, Moments};
 
 /// Checkpoint format version written in `state.json`.
 const FORMAT: u32 = 1;

@@ -3,7 +3,7 @@
 //!
 //! [`run`] reads top to bottom like nanoGPT's loop: set up, then step, maybe evaluate, maybe
 //! checkpoint, until the target or `max_steps`; then finish. The [`Trainer`] owns everything the
-//! loop touches; the step itself and evaluation are components in [`crate::step`], the result
+//! loop touches; the step itself and evaluation are components in [`crate::engine::step`], the result
 //! log's event order is [`RunLog`]'s, and what is saved and restored is [`TrainState`].
 
 use std::path::{Path, PathBuf};
@@ -28,12 +28,12 @@ use tracing::{debug_span, info};
 
 use crate::config::{Averaging, Config, Override, PretrainConfig, Trainable};
 use crate::dist::{Dist, ReduceOp};
-use crate::mllog::{RunLog, now_ms};
-use crate::observe::{Metrics, Progress, StopSignal};
-use crate::optim::{AdamW, lr_at};
-use crate::resume::{self, Checkpoint, TrainState};
-use crate::run_dir;
-use crate::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload};
+use crate::engine::mllog::{RunLog, now_ms};
+use crate::engine::observe::{Metrics, Progress, StopSignal};
+use crate::engine::optim::{AdamW, lr_at};
+use crate::engine::resume::{self, Checkpoint, TrainState};
+use crate::engine::run_dir;
+use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload};
 
 /// `run_stop`'s status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -549,7 +549,7 @@ impl<'a> Trainer<'a> {
     /// exits before) a checkpoint the job may resume from.
     fn checkpoint(&mut self) -> anyhow::Result<PathBuf> {
         self.verify_replicas()?;
-        let mut dir = crate::checkpoints::root(&self.config.run.dir);
+        let mut dir = crate::engine::checkpoints::root(&self.config.run.dir);
         if self.dist.is_main() {
             let adapter =
                 (self.config.model.trainable == Trainable::Lora).then_some((&self.spec, self.base_name.as_str()));

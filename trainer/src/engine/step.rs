@@ -13,7 +13,7 @@ use llora_model::loss::Labels;
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
-use crate::optim::{AdamW, clip_coefficient};
+use crate::engine::optim::{AdamW, clip_coefficient};
 
 /// One micro-batch on the device, with the seed of its dropout masks.
 pub struct MicroBatch {

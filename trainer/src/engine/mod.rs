@@ -1,0 +1,15 @@
+//! The training engine, read top-down: `train.rs` is the run (setup, the loop, evaluation,
+//! checkpoints, the finish); `step.rs` one optimizer step (micro-batches, gradients, the
+//! all-reduce, clipping) and evaluation; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
+//! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `observe.rs`
+//! progress, metrics and signals; `mllog.rs` the MLPerf result log. The commands
+//! (`crate::commands`) call it; it parses no arguments.
+
+pub mod checkpoints;
+pub mod mllog;
+pub mod observe;
+pub mod optim;
+pub mod resume;
+pub mod run_dir;
+pub mod step;
+pub mod train;
