@@ -198,6 +198,26 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     ));
 }
 
+/// rsLoRA (#40 item 1), on a GQA checkpoint: loss, logits and every LoRA gradient of a PEFT
+/// `use_rslora` adapter equal PEFT's (r 16, α 32: α/√r = 8 where α/r would be 2, so the scale
+/// is what is checked); an rsLoRA adapter llora saves loads in PEFT with its logits, and its
+/// merged export gives them in transformers alone.
+#[test]
+fn rslora_matches_peft_in_and_out() {
+    let dir = fixture(
+        "tiny-gqa-s64-b2-rslora",
+        &["--preset", "tiny-gqa", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1", "--rslora"],
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["use_rslora"], true, "the fixture is PEFT's rsLoRA");
+    check_parity(&dir);
+    adapter_and_merged_export_load_in_hf_with(
+        &dir,
+        llora_model::LoraSpec { dropout: 0.0, rslora: true, ..Default::default() },
+    );
+}
+
 /// A Llama-3-style checkpoint (`tiny-llama3` of scripts/peer/recipe.py: llama3 RoPE scaling
 /// with factor 32, tied embeddings, head_dim 48 where hidden/heads is 32, GQA 8:2, the
 /// 128,256-token vocabulary, an eos list): 128 positions, so that RoPE's interpolated band
@@ -291,10 +311,13 @@ fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
 /// adapter, it reads back to the same logits, and `llora export --merged` gives a checkpoint
 /// transformers alone runs to the same logits (and that refuses to overwrite).
 fn adapter_and_merged_export_load_in_hf(base: &Path) {
+    adapter_and_merged_export_load_in_hf_with(base, llora_model::LoraSpec { dropout: 0.0, ..Default::default() });
+}
+
+fn adapter_and_merged_export_load_in_hf_with(base: &Path, spec: llora_model::LoraSpec) {
     let base = base.to_path_buf();
     let device = Device::libtorch();
     device.seed(3);
-    let spec = llora_model::LoraSpec { dropout: 0.0, ..Default::default() };
     let ckpt = HfCheckpoint::open(&base).unwrap();
     let mut model = ckpt.load_model(&BuildOptions { lora: Some(&spec), ..Default::default() }, &device).unwrap();
     randomise_b(&mut model, &device);

@@ -39,7 +39,7 @@ pub struct LoraAdapter {
     pub a: Param<Tensor<2>>,
     /// Up projection B, `[out, r]` (PEFT's `lora_B.weight`).
     pub b: Param<Tensor<2>>,
-    /// α / r.
+    /// The update's factor: α / r, or α / √r with rsLoRA ([`LoraSpec::scale`]).
     #[module(skip)]
     pub scale: f64,
     /// Dropout probability on the adapter input.
@@ -55,12 +55,15 @@ pub struct LoraAdapter {
 pub struct LoraSpec {
     /// Rank r.
     pub rank: usize,
-    /// α (the update is scaled by α / r).
+    /// α (the update is scaled by α / r, or α / √r with `rslora`).
     pub alpha: f64,
     /// Dropout on the adapter input.
     pub dropout: f64,
     /// Module names that get an adapter (`q_proj`, `o_proj`, `gate_proj`, ...).
     pub targets: Vec<String>,
+    /// rsLoRA (Kalajdzievski 2023, PEFT's `use_rslora`): scale the update by α/√r, which keeps
+    /// its size stable as the rank grows, instead of α/r.
+    pub rslora: bool,
 }
 
 impl Default for LoraSpec {
@@ -71,6 +74,7 @@ impl Default for LoraSpec {
             alpha: 32.0,
             dropout: 0.1,
             targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
+            rslora: false,
         }
     }
 }
@@ -80,6 +84,12 @@ pub const TARGET_MODULES: &[&str] =
     &["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
 impl LoraSpec {
+    /// The factor of the update `B·A·x`: α/r, or α/√r with rsLoRA.
+    pub fn scale(&self) -> f64 {
+        let r = self.rank as f64;
+        if self.rslora { self.alpha / r.sqrt() } else { self.alpha / r }
+    }
+
     /// Whether module `name` (e.g. `q_proj`) is a target.
     pub fn targets(&self, name: &str) -> bool {
         self.targets.iter().any(|t| t == name)
@@ -137,7 +147,7 @@ impl LoraAdapter {
         Self {
             a: Param::from_tensor(a),
             b: Param::from_tensor(b),
-            scale: spec.alpha / spec.rank as f64,
+            scale: spec.scale(),
             dropout: spec.dropout,
             quant: None,
         }

@@ -87,7 +87,7 @@ impl Adapter {
         let selected = selected.with_context(|| dir.join("adapter_config.json").display().to_string())?;
         let shard = Shard::open(&dir.join("adapter_model.safetensors"))?;
         let unused = adapter_tensor_names(&shard);
-        let scale = (peft.spec.alpha / peft.spec.rank as f64) as f32;
+        let scale = peft.spec.scale() as f32;
         Ok(Self { shard, scale, unused, selected: selected.into_iter().collect() })
     }
 

@@ -41,6 +41,7 @@ pub const LORA_CONFIG_KEYS: &[(&str, KeyRule)] = &[
     ("bias", KeyRule::Applied),
     ("fan_in_fan_out", KeyRule::Applied),
     ("init_lora_weights", KeyRule::Applied),
+    ("use_rslora", KeyRule::Applied),
     ("task_type", KeyRule::Ignored),
     ("auto_mapping", KeyRule::Ignored),
     ("peft_version", KeyRule::Ignored),
@@ -53,7 +54,6 @@ pub const LORA_CONFIG_KEYS: &[(&str, KeyRule)] = &[
     ("eva_config", KeyRule::Ignored),
     ("corda_config", KeyRule::Ignored),
     ("ensure_weight_tying", KeyRule::Ignored),
-    ("use_rslora", KeyRule::Refused("scales the update by alpha/sqrt(r) instead of alpha/r")),
     ("use_dora", KeyRule::Refused("adds DoRA's magnitude vector")),
     ("rank_pattern", KeyRule::Refused("gives some modules another rank")),
     ("alpha_pattern", KeyRule::Refused("gives some modules another alpha")),
@@ -277,13 +277,18 @@ fn parse_config(v: &Value) -> anyhow::Result<PeftConfig> {
             .filter(|d| (0.0..1.0).contains(d))
             .with_context(|| format!("lora_dropout = {d} is not a probability in [0, 1)"))?,
     };
+    let rslora = match v.get("use_rslora") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => bail!("use_rslora = {other} is not true or false"),
+    };
     let written = match &v["target_modules"] {
         Value::String(s) => vec![s.clone()],
         Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
         _ => Vec::new(),
     };
     Ok(PeftConfig {
-        spec: LoraSpec { rank, alpha, dropout, targets: written },
+        spec: LoraSpec { rank, alpha, dropout, targets: written, rslora },
         select: ModuleSelection { targets, exclude },
     })
 }
@@ -340,7 +345,7 @@ pub fn save_peft_adapter(
         "fan_in_fan_out": false,
         "inference_mode": true,
         "init_lora_weights": true,
-        "use_rslora": false,
+        "use_rslora": spec.rslora,
         "use_dora": false,
         "modules_to_save": null,
         "layers_to_transform": null,
@@ -475,7 +480,7 @@ mod tests {
             (r#", "layers_pattern": "layers""#, "layers_pattern"),
             (r#", "modules_to_save": ["lm_head"]"#, "modules_to_save"),
             (r#", "bias": "all""#, "bias"),
-            (r#", "use_rslora": true"#, "use_rslora"),
+            (r#", "use_rslora": "yes""#, "use_rslora"),
             (r#", "use_dora": true"#, "use_dora"),
             (r#", "lora_bias": true"#, "lora_bias"),
             (r#", "layer_replication": [[0, 2]]"#, "layer_replication"),

@@ -50,6 +50,7 @@ def parse_args(argv=None):
                     help="zeros: PEFT's init (every A gradient is 0 at step 1); normal: B ~ N(0, 0.02²), "
                          "so that A and B both get gradients")
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
+    ap.add_argument("--rslora", action="store_true", help="PEFT's use_rslora: scale alpha / sqrt(r)")
     ap.add_argument("--bf16-twin", action="store_true", help="also record step 1 of the bf16 model (PEFT's bf16)")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
@@ -81,7 +82,7 @@ def main(a):
 
     # Dropout off: the fixtures compare deterministic arithmetic.
     targets = a.targets.split(",")
-    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0, targets)
+    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora)
     model.train()
     on_disk = lambda n: n.replace(".default.", ".")  # noqa: E731  (PEFT drops the adapter name on save)
     named = [(on_disk(n), p) for n, p in model.named_parameters() if p.requires_grad]
@@ -159,7 +160,7 @@ def bf16_step1(cfg, base_state, adapter, ids, labels, a, targets, expected):
 
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(base_state)
-    model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets)
+    model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora)
     set_peft_model_state_dict(model, adapter)
     model.train()
     result = model(input_ids=ids, labels=labels, use_cache=False)

@@ -66,10 +66,11 @@ def random_model(cfg, dtype, seed):
     return model
 
 
-def with_lora(model, rank, alpha, dropout, targets=ATTENTION_TARGETS):
-    """PEFT LoRA with its defaults (A Kaiming-uniform, B zero, f32 adapters); the base frozen."""
+def with_lora(model, rank, alpha, dropout, targets=ATTENTION_TARGETS, rslora=False):
+    """PEFT LoRA with its defaults (A Kaiming-uniform, B zero, f32 adapters); the base frozen.
+    rslora: PEFT's use_rslora (the update scaled by alpha / sqrt(r))."""
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
-                        bias="none", task_type="CAUSAL_LM")
+                        bias="none", task_type="CAUSAL_LM", use_rslora=rslora)
     return get_peft_model(model, config)
 
 

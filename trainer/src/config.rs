@@ -226,17 +226,25 @@ pub struct LoraConfig {
     /// Module names that get adapters (a list, or one comma-separated string on the CLI).
     #[serde(deserialize_with = "string_or_list")]
     pub targets: Vec<String>,
+    /// rsLoRA: scale the update by alpha / sqrt(rank) (PEFT's `use_rslora`).
+    pub rslora: bool,
 }
 
 impl Default for LoraConfig {
     /// The model crate's defaults (the MLPerf reference's), written once there.
     fn default() -> Self {
-        let llora_model::LoraSpec { rank, alpha, dropout, targets } = llora_model::LoraSpec::default();
-        Self { rank, alpha, dropout, targets }
+        let llora_model::LoraSpec { rank, alpha, dropout, targets, rslora } = llora_model::LoraSpec::default();
+        Self { rank, alpha, dropout, targets, rslora }
     }
 }
 
 impl LoraConfig {
+    /// The adapters these settings build.
+    pub fn spec(&self) -> llora_model::LoraSpec {
+        let Self { rank, alpha, dropout, targets, rslora } = self.clone();
+        llora_model::LoraSpec { rank, alpha, dropout, targets, rslora }
+    }
+
     /// Records what is wrong with these adapter settings.
     pub fn check(&self, p: &mut Problems<'_>) {
         let one_of = |v: &str, set: &[&str]| set.contains(&v);
@@ -1181,6 +1189,18 @@ mod tests {
         let c = Config::load(None, &[ov("optim.lr=0.01")]).unwrap();
         let again = Config::from_toml_str("shown", &c.to_toml(), &[]).unwrap();
         assert_eq!(c, again);
+    }
+
+    /// `lora.rslora` reaches the adapters: α/√r instead of α/r (#40 item 1).
+    #[test]
+    fn rslora_sets_the_adapter_scale() {
+        let plain = Config::load(None, &[]).unwrap().lora.spec();
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let rs =
+            Config::load(None, &[ov("lora.rslora=true"), ov("lora.rank=16"), ov("lora.alpha=32")]).unwrap().lora.spec();
+        assert_eq!((plain.rslora, rs.rslora), (false, true));
+        assert_eq!(rs.scale(), 8.0);
+        assert_eq!(plain.scale(), plain.alpha / plain.rank as f64);
     }
 
     #[test]

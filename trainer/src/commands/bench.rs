@@ -116,7 +116,8 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut p = Problems::new(&flag);
     let targets = args.targets.split(',').map(|t| t.trim().to_string()).collect();
-    LoraConfig { rank: args.lora_r, alpha: args.lora_alpha, dropout: args.lora_dropout, targets }.check(&mut p);
+    LoraConfig { rank: args.lora_r, alpha: args.lora_alpha, dropout: args.lora_dropout, targets, rslora: false }
+        .check(&mut p);
     let optim = OptimConfig {
         lr: args.lr,
         weight_decay: args.weight_decay,
@@ -350,6 +351,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         alpha: args.lora_alpha,
         dropout: args.lora_dropout,
         targets: args.targets.split(',').map(str::to_string).collect(),
+        ..LoraSpec::default()
     };
     let precision = precision_spec(args);
     let plan = crate::plan::budget(&crate::plan::Shape {

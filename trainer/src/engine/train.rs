@@ -335,12 +335,7 @@ impl<'a> Trainer<'a> {
         let mut log = RunLog::open(&result_log, dist.is_main(), !fresh)?;
         log.init_start(&submission_keys(config, world.nodes()));
 
-        let spec = LoraSpec {
-            rank: config.lora.rank,
-            alpha: config.lora.alpha,
-            dropout: config.lora.dropout,
-            targets: config.lora.targets.clone(),
-        };
+        let spec = config.lora.spec();
         let train_device = device.clone().autodiff();
         train_device.seed(config.run.seed);
         let sharding = dist.sharding(config.train.shard_frozen_weights);
