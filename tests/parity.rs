@@ -167,7 +167,9 @@ fn check_parity(dir: &Path) {
         }
     }
     eprintln!("{}: worst LoRA gradient relative error {worst:e}", dir.display());
-    assert_eq!(checked, 2 * 4 * model.config.num_hidden_layers);
+    // Every adapter PEFT made has its llora counterpart (and no other).
+    let peft_adapters = fx.expected.keys().filter(|k| k.starts_with("step1.grad.") && k.contains(".lora_")).count();
+    assert_eq!(checked, peft_adapters);
 }
 
 #[test]
@@ -196,6 +198,57 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
         "tiny-s64-b2",
         &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
     ));
+}
+
+/// Per-module ranks and alphas and layer selection (#40 item 3), on a GQA checkpoint: PEFT's
+/// `rank_pattern` (a suffix key and a full-name key), `alpha_pattern` and `layers_to_transform`
+/// give the same loss, logits and LoRA gradients in llora; an adapter llora builds from the same
+/// settings loads in PEFT with its logits, and its merged export gives them in transformers.
+#[test]
+fn rank_alpha_patterns_and_layer_selection_match_peft() {
+    let dir = fixture(
+        "tiny-gqa-s64-b2-patterns",
+        &[
+            "--preset",
+            "tiny-gqa",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--lora-b",
+            "normal",
+            "--steps",
+            "1",
+            "--rank-pattern",
+            r#"{"v_proj": 4, "layers.1.self_attn.q_proj": 8}"#,
+            "--alpha-pattern",
+            r#"{"o_proj": 8}"#,
+            "--layers",
+            "1",
+        ],
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["layers_to_transform"], serde_json::json!([1]), "{config}");
+    check_parity(&dir);
+    let device = Device::libtorch();
+    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    load_peft_adapter(&mut model, &dir, &device).unwrap();
+    let ranks: Vec<(String, usize)> =
+        model.adapters().iter().map(|(n, a)| (n.rsplit('.').next().unwrap().to_string(), a.a.dims()[0])).collect();
+    let want: Vec<(String, usize)> = [("q_proj", 8), ("k_proj", 16), ("v_proj", 4), ("o_proj", 16)]
+        .iter()
+        .map(|(n, r)| (n.to_string(), *r))
+        .collect();
+    assert_eq!(ranks, want, "layer 1 only, with the patterns' ranks");
+    let spec = llora_model::LoraSpec {
+        dropout: 0.0,
+        rank_pattern: vec![("v_proj".into(), 4), ("layers.1.self_attn.q_proj".into(), 8)],
+        alpha_pattern: vec![("o_proj".into(), 8.0)],
+        layers: Some(vec![1]),
+        ..Default::default()
+    };
+    adapter_and_merged_export_load_in_hf_with(&dir, spec);
 }
 
 /// rsLoRA (#40 item 1), on a GQA checkpoint: loss, logits and every LoRA gradient of a PEFT

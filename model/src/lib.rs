@@ -14,6 +14,7 @@ pub mod loss;
 pub mod merge;
 pub mod norm;
 pub mod params;
+pub mod patterns;
 pub mod peft;
 pub mod precision;
 pub mod profile;

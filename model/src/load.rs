@@ -67,6 +67,7 @@ impl LlamaForCausalLM {
                       out: usize,
                       inp: usize|
          -> anyhow::Result<LoraLinear> {
+            let module = name;
             let name = format!("{name}.weight");
             let mut layer = match stores {
                 Some(spec) => {
@@ -79,11 +80,21 @@ impl LlamaForCausalLM {
                 }
                 None => LoraLinear::new(weights.get(&name, [out, inp])?, trainable),
             };
-            if let Some(spec) = lora.filter(|s| s.targets(short)) {
-                layer = layer.with_adapter(LoraAdapter::new(inp, out, spec, device));
+            if let Some(spec) = lora.filter(|s| s.targets(short) && s.adapts(module)) {
+                layer = layer.with_adapter(LoraAdapter::new(inp, out, &spec.module_spec(module)?, device));
             }
             Ok(layer)
         };
+        if let Some(wanted) = lora.and_then(|s| s.layers.as_ref()) {
+            let bad = wanted.iter().find(|&&l| l >= c.num_hidden_layers);
+            anyhow::ensure!(
+                bad.is_none(),
+                "lora layers_to_transform names layer {} but the model has {} (0..{})",
+                bad.copied().unwrap_or_default(),
+                c.num_hidden_layers,
+                c.num_hidden_layers
+            );
+        }
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");

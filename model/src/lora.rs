@@ -64,6 +64,12 @@ pub struct LoraSpec {
     /// rsLoRA (Kalajdzievski 2023, PEFT's `use_rslora`): scale the update by α/√r, which keeps
     /// its size stable as the rank grows, instead of α/r.
     pub rslora: bool,
+    /// Ranks of some modules (PEFT's `rank_pattern`: key → rank, see `patterns.rs`).
+    pub rank_pattern: Vec<(String, usize)>,
+    /// Alphas of some modules (PEFT's `alpha_pattern`).
+    pub alpha_pattern: Vec<(String, f64)>,
+    /// Only these decoder layers get adapters (PEFT's `layers_to_transform`); `None`: all.
+    pub layers: Option<Vec<usize>>,
 }
 
 impl Default for LoraSpec {
@@ -75,6 +81,9 @@ impl Default for LoraSpec {
             dropout: 0.1,
             targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
             rslora: false,
+            rank_pattern: Vec::new(),
+            alpha_pattern: Vec::new(),
+            layers: None,
         }
     }
 }
@@ -88,6 +97,33 @@ impl LoraSpec {
     pub fn scale(&self) -> f64 {
         let r = self.rank as f64;
         if self.rslora { self.alpha / r.sqrt() } else { self.alpha / r }
+    }
+
+    /// The settings of module `name` (its full name, `model.layers.0.self_attn.q_proj`): rank
+    /// and alpha from the patterns when a key matches, no patterns left.
+    pub fn module_spec(&self, name: &str) -> anyhow::Result<LoraSpec> {
+        use crate::patterns::value_for;
+        let rank = value_for(&self.rank_pattern, name).map_err(|e| anyhow::anyhow!("rank_pattern: {e}"))?;
+        let alpha = value_for(&self.alpha_pattern, name).map_err(|e| anyhow::anyhow!("alpha_pattern: {e}"))?;
+        Ok(LoraSpec {
+            rank: rank.unwrap_or(self.rank),
+            alpha: alpha.unwrap_or(self.alpha),
+            rank_pattern: Vec::new(),
+            alpha_pattern: Vec::new(),
+            layers: None,
+            ..self.clone()
+        })
+    }
+
+    /// Whether module `name` (full name) gets an adapter: its last part is a target and its
+    /// layer is one of `layers` (when set).
+    pub fn adapts(&self, name: &str) -> bool {
+        let short = name.rsplit('.').next().unwrap_or_default();
+        let layer_ok = match &self.layers {
+            None => true,
+            Some(l) => crate::patterns::layer_index(name).is_some_and(|i| l.contains(&i)),
+        };
+        self.targets(short) && layer_ok
     }
 
     /// Whether module `name` (e.g. `q_proj`) is a target.

@@ -61,7 +61,8 @@ fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
 /// A PEFT adapter's tensors, read on demand, with the ones not yet used.
 struct Adapter {
     shard: Shard,
-    scale: f32,
+    /// The adapter's settings (each module's scale from its rank and alpha patterns).
+    spec: crate::LoraSpec,
     /// PEFT name without the adapter name (`...lora_A.weight`) → stored name; removed when used.
     unused: HashMap<String, String>,
     /// The modules its config selects (`model.layers.0.self_attn.q_proj`); removed when merged.
@@ -87,8 +88,7 @@ impl Adapter {
         let selected = selected.with_context(|| dir.join("adapter_config.json").display().to_string())?;
         let shard = Shard::open(&dir.join("adapter_model.safetensors"))?;
         let unused = adapter_tensor_names(&shard);
-        let scale = peft.spec.scale() as f32;
-        Ok(Self { shard, scale, unused, selected: selected.into_iter().collect() })
+        Ok(Self { shard, spec: peft.spec, unused, selected: selected.into_iter().collect() })
     }
 
     /// `(α/r)·B·A` of `module` (`model.layers.0.self_attn.q_proj`) as `[out · in]` f32 values,
@@ -109,14 +109,15 @@ impl Adapter {
             .unused
             .remove(&key("lora_B"))
             .with_context(|| format!("{} is missing from the adapter", key("lora_B")))?;
-        let r = self.shard.meta.info(&a_name).map_or(0, |i| i.shape[0]);
+        let module_spec = self.spec.module_spec(module)?;
+        let r = module_spec.rank;
         let a = self.shard.read_f32(&a_name, &[r, inp])?;
         let b = self.shard.read_f32(&b_name, &[out, r])?;
         let t = |d: burn::tensor::TensorData, rows: usize, cols: usize| {
             tch::Tensor::from_slice(&d.to_vec::<f32>().expect("f32")).reshape([rows as i64, cols as i64])
         };
         // PEFT's order: (B·A) then the scale, in f32.
-        let delta = t(b, out, r).mm(&t(a, r, inp)) * f64::from(self.scale);
+        let delta = t(b, out, r).mm(&t(a, r, inp)) * f64::from(module_spec.scale() as f32);
         Ok(Some(Vec::<f32>::try_from(delta.flatten(0, -1)).expect("f32")))
     }
 }

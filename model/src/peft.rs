@@ -42,6 +42,10 @@ pub const LORA_CONFIG_KEYS: &[(&str, KeyRule)] = &[
     ("fan_in_fan_out", KeyRule::Applied),
     ("init_lora_weights", KeyRule::Applied),
     ("use_rslora", KeyRule::Applied),
+    ("rank_pattern", KeyRule::Applied),
+    ("alpha_pattern", KeyRule::Applied),
+    ("layers_to_transform", KeyRule::Applied),
+    ("layers_pattern", KeyRule::Applied),
     ("task_type", KeyRule::Ignored),
     ("auto_mapping", KeyRule::Ignored),
     ("peft_version", KeyRule::Ignored),
@@ -55,10 +59,6 @@ pub const LORA_CONFIG_KEYS: &[(&str, KeyRule)] = &[
     ("corda_config", KeyRule::Ignored),
     ("ensure_weight_tying", KeyRule::Ignored),
     ("use_dora", KeyRule::Refused("adds DoRA's magnitude vector")),
-    ("rank_pattern", KeyRule::Refused("gives some modules another rank")),
-    ("alpha_pattern", KeyRule::Refused("gives some modules another alpha")),
-    ("layers_to_transform", KeyRule::Refused("adapts only some layers")),
-    ("layers_pattern", KeyRule::Refused("chooses the layers layers_to_transform counts")),
     ("modules_to_save", KeyRule::Refused("trains and saves whole modules beside the adapters")),
     ("trainable_token_indices", KeyRule::Refused("trains some embedding rows")),
     ("megatron_config", KeyRule::Refused("adapts Megatron's parallel linear layers")),
@@ -169,6 +169,8 @@ pub struct ModuleSelection {
     pub targets: ModulePattern,
     /// `exclude_modules` (`None`: unset).
     pub exclude: Option<ModulePattern>,
+    /// `layers_to_transform` (`None`: unset); PEFT applies it to list targets only.
+    pub layers: Option<Vec<usize>>,
 }
 
 impl ModuleSelection {
@@ -180,6 +182,11 @@ impl ModuleSelection {
         for (name, kind) in llama_modules(config) {
             let linear = kind == ModuleKind::Projection || name == "lm_head";
             if self.exclude.as_ref().is_some_and(|e| e.matches(&name, linear)) || !self.targets.matches(&name, linear) {
+                continue;
+            }
+            if let (ModulePattern::Names(_), Some(layers)) = (&self.targets, &self.layers)
+                && !crate::patterns::layer_index(&name).is_some_and(|i| layers.contains(&i))
+            {
                 continue;
             }
             match kind {
@@ -282,15 +289,59 @@ fn parse_config(v: &Value) -> anyhow::Result<PeftConfig> {
         Some(Value::Bool(b)) => *b,
         Some(other) => bail!("use_rslora = {other} is not true or false"),
     };
+    let rank_pattern =
+        pattern(v, "rank_pattern", |x| x.as_u64().filter(|r| (1..=1 << 16).contains(r)).map(|r| r as usize))?;
+    let alpha_pattern = pattern(v, "alpha_pattern", |x| x.as_f64().filter(|a| a.is_finite()))?;
+    let layers = match v.get("layers_to_transform") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) if a.is_empty() => None,
+        Some(l) => Some(
+            match l {
+                Value::Array(a) => a.iter().map(|x| x.as_u64().map(|i| i as usize)).collect::<Option<Vec<_>>>(),
+                x => x.as_u64().map(|i| vec![i as usize]),
+            }
+            .with_context(|| format!("layers_to_transform = {l} is not a layer index or a list of them"))?,
+        ),
+    };
+    match v.get("layers_pattern") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s.is_empty() || s == "layers" => {}
+        Some(Value::Array(a)) if a.is_empty() || a.iter().all(|x| x == "layers") => {}
+        Some(other) => bail!("layers_pattern = {other} is not supported: a Llama model's layers are `model.layers`"),
+    }
     let written = match &v["target_modules"] {
         Value::String(s) => vec![s.clone()],
         Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
         _ => Vec::new(),
     };
     Ok(PeftConfig {
-        spec: LoraSpec { rank, alpha, dropout, targets: written, rslora },
-        select: ModuleSelection { targets, exclude },
+        spec: LoraSpec {
+            rank,
+            alpha,
+            dropout,
+            targets: written,
+            rslora,
+            rank_pattern,
+            alpha_pattern,
+            layers: layers.clone(),
+        },
+        select: ModuleSelection { targets, exclude, layers },
     })
+}
+
+/// A `rank_pattern` / `alpha_pattern` object as (key, value) pairs, each value read by `read`
+/// and each key a regular expression llora can compile.
+fn pattern<T>(v: &Value, key: &str, read: impl Fn(&Value) -> Option<T>) -> anyhow::Result<Vec<(String, T)>> {
+    let Some(p) = v.get(key).filter(|p| !p.is_null()) else { return Ok(Vec::new()) };
+    let map = p.as_object().with_context(|| format!("{key} = {p} is not an object of module patterns"))?;
+    let out: Vec<(String, T)> = map
+        .iter()
+        .map(|(k, x)| {
+            read(x).map(|x| (k.clone(), x)).with_context(|| format!("{key}[{k:?}] = {x} is not a valid value"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    crate::patterns::check_keys(&out).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+    Ok(out)
 }
 
 /// The distinct last components of module names (`q_proj`, ...), in first-seen order.
@@ -327,7 +378,8 @@ pub fn save_peft_adapter(
     // when every layer has the same set, else the full names (PEFT matches them exactly).
     let adapted: Vec<String> = model.adapters().into_iter().map(|(name, _)| name).collect();
     let shorts = short_names(adapted.iter().map(String::as_str));
-    let modules = if adapted.len() == shorts.len() * model.config.num_hidden_layers {
+    let layers = spec.layers.as_ref().map_or(model.config.num_hidden_layers, Vec::len);
+    let modules = if adapted.len() == shorts.len() * layers {
         shorts
     } else {
         adapted.iter().map(|n| n.strip_prefix("base_model.model.").unwrap_or(n).to_string()).collect()
@@ -348,9 +400,9 @@ pub fn save_peft_adapter(
         "use_rslora": spec.rslora,
         "use_dora": false,
         "modules_to_save": null,
-        "layers_to_transform": null,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "layers_to_transform": spec.layers,
+        "rank_pattern": spec.rank_pattern.iter().map(|(k, r)| (k.clone(), Value::from(*r))).collect::<serde_json::Map<_, _>>(),
+        "alpha_pattern": spec.alpha_pattern.iter().map(|(k, a)| (k.clone(), Value::from(*a))).collect::<serde_json::Map<_, _>>(),
     });
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_atomic(&dir.join("adapter_model.safetensors"), &safetensors_bytes(&tensors)?)?;
@@ -416,9 +468,11 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
             let data = shard.read_f32(&stored, &shape)?;
             Ok(Tensor::from_data(data, device))
         };
-        let a = take("lora_A", [spec.rank, inp])?;
-        let b = take("lora_B", [out, spec.rank])?;
-        layer.lora = Some(LoraAdapter::from_tensors(a, b, &spec));
+        // Its own rank and alpha (rank_pattern, alpha_pattern).
+        let m = spec.module_spec(&module).with_context(|| config_path.display().to_string())?;
+        let a = take("lora_A", [m.rank, inp])?;
+        let b = take("lora_B", [out, m.rank])?;
+        layer.lora = Some(LoraAdapter::from_tensors(a, b, &m));
         adapted.push(module);
     }
     if let Some(extra) = names.keys().min() {
@@ -466,6 +520,11 @@ mod tests {
     #[test]
     fn math_changing_peft_keys_are_refused() {
         assert_eq!(config("").unwrap().spec.rank, 8);
+        let c = config(r#", "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"layers.1.self_attn.q_proj": 2.5}, "layers_to_transform": 1, "layers_pattern": "layers""#).unwrap();
+        assert_eq!(
+            (c.spec.rank_pattern, c.spec.alpha_pattern, c.spec.layers),
+            (vec![("q_proj".to_string(), 4)], vec![("layers.1.self_attn.q_proj".to_string(), 2.5)], Some(vec![1]))
+        );
         for ok in [
             r#", "use_dora": false, "lora_bias": false, "target_parameters": null, "layers_pattern": """#,
             r#", "init_lora_weights": "gaussian", "eva_config": {"rho": 2}, "task_type": "CAUSAL_LM""#,
@@ -474,10 +533,11 @@ mod tests {
             config(ok).unwrap_or_else(|e| panic!("{ok}: {e:#}"));
         }
         for (extra, key) in [
-            (r#", "alpha_pattern": {"q_proj": 64}"#, "alpha_pattern"),
-            (r#", "rank_pattern": {"layers.0.self_attn.q_proj": 4}"#, "rank_pattern"),
-            (r#", "layers_to_transform": [0, 1]"#, "layers_to_transform"),
-            (r#", "layers_pattern": "layers""#, "layers_pattern"),
+            (r#", "alpha_pattern": {"q_proj": "big"}"#, "alpha_pattern"),
+            (r#", "rank_pattern": {"(q_proj": 4}"#, "rank_pattern"),
+            (r#", "rank_pattern": {"q_proj": 0}"#, "rank_pattern"),
+            (r#", "layers_to_transform": [0, "one"]"#, "layers_to_transform"),
+            (r#", "layers_pattern": "blocks""#, "layers_pattern"),
             (r#", "modules_to_save": ["lm_head"]"#, "modules_to_save"),
             (r#", "bias": "all""#, "bias"),
             (r#", "use_rslora": "yes""#, "use_rslora"),

@@ -51,6 +51,9 @@ def parse_args(argv=None):
                          "so that A and B both get gradients")
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
     ap.add_argument("--rslora", action="store_true", help="PEFT's use_rslora: scale alpha / sqrt(r)")
+    ap.add_argument("--rank-pattern", default="{}", help="PEFT rank_pattern as JSON, e.g. '{\"q_proj\": 4}'")
+    ap.add_argument("--alpha-pattern", default="{}", help="PEFT alpha_pattern as JSON")
+    ap.add_argument("--layers", default=None, help="PEFT layers_to_transform, comma-separated layer indexes")
     ap.add_argument("--bf16-twin", action="store_true", help="also record step 1 of the bf16 model (PEFT's bf16)")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
@@ -82,7 +85,9 @@ def main(a):
 
     # Dropout off: the fixtures compare deterministic arithmetic.
     targets = a.targets.split(",")
-    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora)
+    patterns = dict(rslora=a.rslora, rank_pattern=json.loads(a.rank_pattern), alpha_pattern=json.loads(a.alpha_pattern),
+                    layers=[int(x) for x in a.layers.split(",")] if a.layers else None)
+    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0, targets, **patterns)
     model.train()
     on_disk = lambda n: n.replace(".default.", ".")  # noqa: E731  (PEFT drops the adapter name on save)
     named = [(on_disk(n), p) for n, p in model.named_parameters() if p.requires_grad]

@@ -66,11 +66,14 @@ def random_model(cfg, dtype, seed):
     return model
 
 
-def with_lora(model, rank, alpha, dropout, targets=ATTENTION_TARGETS, rslora=False):
+def with_lora(model, rank, alpha, dropout, targets=ATTENTION_TARGETS, rslora=False, rank_pattern=None,
+              alpha_pattern=None, layers=None):
     """PEFT LoRA with its defaults (A Kaiming-uniform, B zero, f32 adapters); the base frozen.
-    rslora: PEFT's use_rslora (the update scaled by alpha / sqrt(r))."""
+    rslora: PEFT's use_rslora (the update scaled by alpha / sqrt(r)); rank_pattern, alpha_pattern,
+    layers (layers_to_transform): PEFT's per-module ranks and alphas and layer selection."""
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
-                        bias="none", task_type="CAUSAL_LM", use_rslora=rslora)
+                        bias="none", task_type="CAUSAL_LM", use_rslora=rslora, rank_pattern=rank_pattern or {},
+                        alpha_pattern=alpha_pattern or {}, layers_to_transform=layers)
     return get_peft_model(model, config)
 
 

@@ -6,6 +6,7 @@
 //! same checks as the file. [`Config::validate`] then checks ranges and cross-field rules once,
 //! at start-up, and reports every problem with the key, the value and what is allowed.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -228,21 +229,47 @@ pub struct LoraConfig {
     pub targets: Vec<String>,
     /// rsLoRA: scale the update by alpha / sqrt(rank) (PEFT's `use_rslora`).
     pub rslora: bool,
+    /// Ranks of some modules, PEFT's `rank_pattern`: a key is a regular expression matching the
+    /// end of a module's name (`q_proj`, `layers.0.self_attn.q_proj`, `layers\.[0-3]\..*`).
+    pub rank_pattern: BTreeMap<String, usize>,
+    /// Alphas of some modules, PEFT's `alpha_pattern` (keys as `rank_pattern`).
+    pub alpha_pattern: BTreeMap<String, f64>,
+    /// Only these decoder layers get adapters (PEFT's `layers_to_transform`); unset: all.
+    pub layers_to_transform: Option<Vec<usize>>,
 }
 
 impl Default for LoraConfig {
     /// The model crate's defaults (the MLPerf reference's), written once there.
     fn default() -> Self {
-        let llora_model::LoraSpec { rank, alpha, dropout, targets, rslora } = llora_model::LoraSpec::default();
-        Self { rank, alpha, dropout, targets, rslora }
+        let llora_model::LoraSpec { rank, alpha, dropout, targets, rslora, .. } = llora_model::LoraSpec::default();
+        Self {
+            rank,
+            alpha,
+            dropout,
+            targets,
+            rslora,
+            rank_pattern: BTreeMap::new(),
+            alpha_pattern: BTreeMap::new(),
+            layers_to_transform: None,
+        }
     }
 }
 
 impl LoraConfig {
     /// The adapters these settings build.
     pub fn spec(&self) -> llora_model::LoraSpec {
-        let Self { rank, alpha, dropout, targets, rslora } = self.clone();
-        llora_model::LoraSpec { rank, alpha, dropout, targets, rslora }
+        let Self { rank, alpha, dropout, targets, rslora, rank_pattern, alpha_pattern, layers_to_transform } =
+            self.clone();
+        llora_model::LoraSpec {
+            rank,
+            alpha,
+            dropout,
+            targets,
+            rslora,
+            rank_pattern: rank_pattern.into_iter().collect(),
+            alpha_pattern: alpha_pattern.into_iter().collect(),
+            layers: layers_to_transform,
+        }
     }
 
     /// Records what is wrong with these adapter settings.
@@ -278,6 +305,24 @@ impl LoraConfig {
             &l.targets,
             "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
         );
+        for (key, r) in &l.rank_pattern {
+            let ok = llora_model::patterns::check_keys(&[(key.clone(), ())]);
+            p.check(ok.is_ok(), "lora.rank_pattern", key, ok.err().as_deref().unwrap_or(""));
+            p.check(*r >= 1, &format!("lora.rank_pattern.{key}"), r, "must be at least 1");
+        }
+        for (key, a) in &l.alpha_pattern {
+            let ok = llora_model::patterns::check_keys(&[(key.clone(), ())]);
+            p.check(ok.is_ok(), "lora.alpha_pattern", key, ok.err().as_deref().unwrap_or(""));
+            p.check(a.is_finite() && *a > 0.0, &format!("lora.alpha_pattern.{key}"), a, "must be a finite number > 0");
+        }
+        if let Some(layers) = &l.layers_to_transform {
+            p.check(
+                !layers.is_empty(),
+                "lora.layers_to_transform",
+                layers,
+                "must list at least one layer (or be unset)",
+            );
+        }
     }
 }
 
@@ -1189,6 +1234,31 @@ mod tests {
         let c = Config::load(None, &[ov("optim.lr=0.01")]).unwrap();
         let again = Config::from_toml_str("shown", &c.to_toml(), &[]).unwrap();
         assert_eq!(c, again);
+    }
+
+    /// `lora.rank_pattern`, `alpha_pattern`, `layers_to_transform` reach the adapters' spec (#40
+    /// item 3); a key that is no regular expression and a rank of 0 are refused, named.
+    #[test]
+    fn lora_patterns_reach_the_spec_and_bad_ones_are_named() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let c = Config::load(
+            None,
+            &[
+                ov(r#"lora.rank_pattern={"q_proj"=4}"#),
+                ov(r#"lora.alpha_pattern={"o_proj"=8.0}"#),
+                ov("lora.layers_to_transform=[0]"),
+            ],
+        )
+        .unwrap();
+        let spec = c.lora.spec();
+        assert_eq!(spec.module_spec("model.layers.0.self_attn.q_proj").unwrap().rank, 4);
+        assert_eq!(spec.module_spec("model.layers.0.self_attn.o_proj").unwrap().alpha, 8.0);
+        assert!(spec.adapts("model.layers.0.self_attn.q_proj") && !spec.adapts("model.layers.1.self_attn.q_proj"));
+        let err = Config::load(None, &[ov(r#"lora.rank_pattern={"(q"=4, "k_proj"=0}"#)]).unwrap_err().to_string();
+        assert!(
+            err.contains("lora.rank_pattern") && err.contains("(q") && err.contains("lora.rank_pattern.k_proj"),
+            "{err}"
+        );
     }
 
     /// `lora.rslora` reaches the adapters: α/√r instead of α/r (#40 item 1).

@@ -184,7 +184,7 @@ mod tests {
         use burn::tensor::Device;
         let c = LlamaConfig::preset("tiny").unwrap();
         let targets = ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec();
-        let spec = llora_model::LoraSpec { rank: 16, alpha: 32.0, dropout: 0.0, targets, rslora: false };
+        let spec = llora_model::LoraSpec { rank: 16, alpha: 32.0, dropout: 0.0, targets, ..Default::default() };
         let opts = llora_model::BuildOptions { lora: Some(&spec), ..Default::default() };
         let model = LlamaForCausalLM::random(&c, &opts, &Device::libtorch()).unwrap();
         assert_eq!(Adapters::of(&model), Adapters::qkvo(&c, 16));

@@ -116,7 +116,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut p = Problems::new(&flag);
     let targets = args.targets.split(',').map(|t| t.trim().to_string()).collect();
-    LoraConfig { rank: args.lora_r, alpha: args.lora_alpha, dropout: args.lora_dropout, targets, rslora: false }
+    LoraConfig { rank: args.lora_r, alpha: args.lora_alpha, dropout: args.lora_dropout, targets, ..Default::default() }
         .check(&mut p);
     let optim = OptimConfig {
         lr: args.lr,
