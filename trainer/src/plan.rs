@@ -51,12 +51,9 @@ pub enum Target {
 pub struct Shape {
     /// Architecture.
     pub model: LlamaConfig,
-    /// Adapter rank r.
-    pub lora_rank: usize,
-    /// Adapter dropout probability.
-    pub lora_dropout: f64,
-    /// Adapted module names (`q_proj`, …, `qkv_proj`).
-    pub lora_targets: Vec<String>,
+    /// The adapters: rank, dropout, targets (`q_proj`, …, `qkv_proj`), per-module ranks and
+    /// layer selection.
+    pub lora: llora_model::LoraSpec,
     /// Numerics.
     pub precision: PrecisionSpec,
     /// Sequences per micro-batch.
@@ -115,7 +112,7 @@ pub struct Budget {
 fn adapted(s: &Shape) -> Vec<(&'static str, usize, &'static str)> {
     let c = &s.model;
     let (d, qd, i) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size);
-    let t = |n: &str| s.lora_targets.iter().any(|x| x == n);
+    let t = |n: &str| s.lora.targets.iter().any(|x| x == n);
     let fused = c.fused_qkv || t("qkv_proj");
     let mut out = Vec::new();
     if fused {
@@ -199,7 +196,7 @@ fn widths(s: &Shape) -> Widths {
         e: act_elem(&s.precision),
         a: saved_elem(&s.precision),
         b: bottleneck_elem(&s.precision),
-        r: s.lora_rank as f64,
+        r: s.lora.rank as f64,
     }
 }
 
@@ -227,7 +224,7 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
     let mut shared = Vec::new();
     for (name, n_in, input) in adapted(s) {
         let n = n_in as f64;
-        if s.lora_dropout > 0.0 {
+        if s.lora.dropout > 0.0 {
             // The mask is redrawn from its seed in backward (model/src/dropout.rs).
             out.push(Kept {
                 name: format!("{name} adapter input"),
@@ -312,24 +309,31 @@ fn block_linears(c: &LlamaConfig) -> (Vec<f64>, f64) {
     (sizes, largest)
 }
 
-/// LoRA parameters of the model.
+/// LoRA parameters of the model, each adapter at its own rank (`rank_pattern`) and only in the
+/// layers that have adapters (`layers_to_transform`).
 fn lora_params(s: &Shape) -> f64 {
     let c = &s.model;
     let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
-    let per_block: usize = adapted(s)
-        .iter()
-        .map(|(name, n_in, _)| {
-            let n_out = match *name {
-                "qkv_proj" => qd + 2 * kvd,
-                "q_proj" => qd,
-                "k_proj" | "v_proj" => kvd,
-                "o_proj" | "down_proj" => c.hidden_size,
-                _ => c.intermediate_size,
+    let mut total = 0usize;
+    for l in 0..c.num_hidden_layers {
+        for (name, n_in, _) in adapted(s) {
+            let (n_out, part) = match name {
+                "qkv_proj" => (qd + 2 * kvd, "self_attn"),
+                "q_proj" => (qd, "self_attn"),
+                "k_proj" | "v_proj" => (kvd, "self_attn"),
+                "o_proj" => (c.hidden_size, "self_attn"),
+                "down_proj" => (c.hidden_size, "mlp"),
+                _ => (c.intermediate_size, "mlp"),
             };
-            s.lora_rank * (n_in + n_out)
-        })
-        .sum();
-    (per_block * c.num_hidden_layers) as f64
+            let module = format!("model.layers.{l}.{part}.{name}");
+            if s.lora.layers.as_ref().is_some_and(|ls| !ls.contains(&l)) {
+                continue;
+            }
+            let rank = s.lora.module_spec(&module).map_or(s.lora.rank, |m| m.rank);
+            total += rank * (n_in + n_out);
+        }
+    }
+    total as f64
 }
 
 /// The memory one rank of the run `s` needs at its peak, term by term, each tensor as the
@@ -514,9 +518,7 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
     };
     Ok(Shape {
         model,
-        lora_rank: config.lora.rank,
-        lora_dropout: config.lora.dropout,
-        lora_targets: config.lora.targets.clone(),
+        lora: config.lora.spec(),
         precision: config.precision.spec(),
         micro_batch: config.train.micro_batch_size,
         seq_len: config.data.max_seq_len,
@@ -657,14 +659,34 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
 mod tests {
     use super::*;
 
+    /// Per-module ranks and layer selection change the adapter count as worked out by hand: on
+    /// the 70B shape (d 8192, k/v width 1024, 80 layers), q/k/v/o at r 16, v_proj at r 4 and
+    /// only layers 0 and 1 adapted.
+    #[test]
+    fn adapter_bytes_follow_rank_patterns_and_layers() {
+        let mut s = mlperf(1, 0, false);
+        s.model.fused_qkv = false;
+        s.lora.targets = ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec();
+        let (d, kv) = (8192.0, 1024.0);
+        let per_layer = |rv: f64| 16.0 * (d + d) + 16.0 * (d + kv) + rv * (d + kv) + 16.0 * (d + d);
+        assert_eq!(lora_params(&s), 80.0 * per_layer(16.0));
+        s.lora.rank_pattern = vec![("v_proj".into(), 4)];
+        assert_eq!(lora_params(&s), 80.0 * per_layer(4.0));
+        s.lora.layers = Some(vec![0, 1]);
+        assert_eq!(lora_params(&s), 2.0 * per_layer(4.0));
+    }
+
     /// The MLPerf job's block (70B, fused qkv + o adapters, r 16, dropout 0.1, FP8 weights and
     /// activations), one 8192-token sequence.
     fn mlperf(world: usize, recompute: usize, shard: bool) -> Shape {
         Shape {
             model: LlamaConfig { fused_qkv: true, ..LlamaConfig::llama2_70b() },
-            lora_rank: 16,
-            lora_dropout: 0.1,
-            lora_targets: vec!["qkv_proj".into(), "o_proj".into()],
+            lora: llora_model::LoraSpec {
+                rank: 16,
+                dropout: 0.1,
+                targets: vec!["qkv_proj".into(), "o_proj".into()],
+                ..Default::default()
+            },
             precision: PrecisionSpec {
                 compute: Compute::Fp8,
                 fp8_weights: true,

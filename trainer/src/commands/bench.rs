@@ -356,9 +356,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     let precision = precision_spec(args);
     let plan = crate::plan::budget(&crate::plan::Shape {
         model: config.clone(),
-        lora_rank: spec.rank,
-        lora_dropout: spec.dropout,
-        lora_targets: spec.targets.clone(),
+        lora: spec.clone(),
         precision,
         micro_batch: args.batch,
         seq_len: args.seq_len,
