@@ -524,3 +524,45 @@ fn two_nodes_of_two_ranks_lose_a_node_and_resume_by_themselves() {
     assert!(stderr.contains("continuing it"), "no automatic resume:\n{stderr}");
     assert!(adapter(&whole) == adapter(&run), "adapters differ after losing a node at step {at} and resuming");
 }
+
+/// #37 item 2 (the CPU half): a rank that fails at exit after the run finished (as NCCL's
+/// abort at exit did) makes torchrun restart the job; the restarted attempt recognises its
+/// job's finished run (`launcher-job`), reports its outcome and trains nothing: one run_start
+/// and one run_stop (success) in the result log, the adapter as the finished run wrote it, and
+/// torchrun ends with success.
+#[test]
+fn a_torchrun_restart_after_a_finished_run_trains_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let wrapper = dir.path().join("fail-once-at-exit.sh");
+    std::fs::write(
+        &wrapper,
+        "#!/usr/bin/env bash\n\"$@\"; rc=$?\n\
+         if [ \"$rc\" = 0 ] && [ \"$RANK\" = 1 ] && [ \"${TORCHELASTIC_RESTART_COUNT:-0}\" = 0 ]; then\n\
+         echo 'wrapper: rank 1 fails at exit after a finished run' >&2; exit 1; fi\nexit $rc\n",
+    )
+    .unwrap();
+    let cmd = torchrun_command(&["--max-restarts", "1"], &strs(&train_args(&config, &run, RESUMABLE)));
+    // torchrun ... --no-python LLORA ARGS  ->  torchrun ... --no-python bash WRAPPER LLORA ARGS
+    let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_owned()).collect();
+    let at = args.iter().position(|a| a == "--no-python").unwrap() + 1;
+    let mut wrapped = Command::new(cmd.get_program());
+    wrapped.args(&args[..at]).arg("bash").arg(&wrapper).args(&args[at..]).current_dir(root()).env_clear();
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            wrapped.env(k, v);
+        }
+    }
+    let out = wrapped.output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(stderr.contains("wrapper: rank 1 fails at exit"), "the first attempt must fail at exit:\n{stderr}");
+    assert!(out.status.success(), "the restarted attempt failed:\n{stdout}\n{stderr}");
+    assert!(stderr.contains("finished in an earlier attempt"), "the restart did not recognise the run:\n{stderr}");
+    let log = mllog(&run.join("result_0.txt"));
+    let count = |key: &str| log.iter().filter(|l| l["key"] == key).count();
+    assert_eq!((count("run_start"), count("run_stop")), (1, 1), "a second run was logged");
+    assert_eq!(log.iter().find(|l| l["key"] == "run_stop").unwrap()["metadata"]["status"], "success");
+    assert!(run.join("adapter/adapter_model.safetensors").is_file());
+    assert!(!dir.path().join("run-2").exists(), "the restart trained beside the finished run");
+}
