@@ -31,22 +31,28 @@ pub fn special_ids(tokenizer: &Tokenizer) -> anyhow::Result<(u32, u32)> {
     Ok((bos, eos))
 }
 
-/// The byte length past which a row surely tokenises to more than `max_tokens` tokens, or
-/// `None` when the tokenizer gives no such bound.
+/// Bytes a token is taken to stand for at most where the model itself sets no bound: a whole
+/// unknown word of a word-level model, or a fused run of unknown characters, is one token
+/// however long; text with "words" longer than this is not language a model of that kind reads.
+pub const UNBOUNDED_TOKEN_BYTES: usize = 256;
+
+/// The byte length past which a row surely tokenises to more than `max_tokens` tokens.
 ///
 /// A BPE token stands for at most as many bytes as its vocabulary entry is long (a byte-level
 /// entry spells each byte with one or two; a SentencePiece `▁` stands for a 1-byte space), and
-/// an unknown character is one token unless unknowns are fused (then no bound). A row's JSON can
-/// be up to 6 times its text (`\uXXXX` escapes) and templates only add tokens; the bound takes
-/// 8 times the text's and a megabyte more. Word-level and WordPiece models map a whole unknown
-/// word to one token: no bound.
-pub fn max_row_bytes(tokenizer: &Tokenizer, max_tokens: usize) -> Option<usize> {
-    let ModelWrapper::BPE(bpe) = tokenizer.get_model() else { return None };
-    if bpe.fuse_unk && !bpe.byte_fallback && bpe.unk_token.is_some() {
-        return None;
-    }
-    let longest = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(4);
-    Some(max_tokens.saturating_mul(longest).saturating_mul(8).saturating_add(1 << 20))
+/// an unknown character is one token unless unknowns are fused. Word-level, WordPiece and
+/// Unigram models, and BPE with fused unknowns, can map any length to one token: for them a
+/// token counts as [`UNBOUNDED_TOKEN_BYTES`]. A row's JSON can be up to 6 times its text
+/// (`\uXXXX` escapes) and templates only add tokens; the bound takes 8 times the text's and a
+/// megabyte more.
+pub fn max_row_bytes(tokenizer: &Tokenizer, max_tokens: usize) -> usize {
+    let per_token = match tokenizer.get_model() {
+        ModelWrapper::BPE(bpe) if !(bpe.fuse_unk && !bpe.byte_fallback && bpe.unk_token.is_some()) => {
+            tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(4)
+        }
+        _ => UNBOUNDED_TOKEN_BYTES,
+    };
+    max_tokens.saturating_mul(per_token).saturating_mul(8).saturating_add(1 << 20)
 }
 
 #[cfg(test)]
@@ -54,11 +60,11 @@ mod tests {
     use super::*;
 
     /// The bound is the longest vocabulary entry (at least 4 bytes) per token, times 8, plus a
-    /// megabyte, for BPE; none for a word-level model.
+    /// megabyte, for BPE; UNBOUNDED_TOKEN_BYTES per token for a word-level model or fused unknowns.
     #[test]
     fn byte_bounds_follow_the_tokenizer_model() {
         let word = crate::text::synthetic_tokenizer(64).unwrap();
-        assert_eq!(max_row_bytes(&word, 100), None);
+        assert_eq!(max_row_bytes(&word, 100), 100 * UNBOUNDED_TOKEN_BYTES * 8 + (1 << 20));
         let bpe = |fuse_unk: bool, byte_fallback: bool| {
             let json = serde_json::json!({
                 "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
@@ -70,9 +76,9 @@ mod tests {
             });
             json.to_string().parse::<Tokenizer>().unwrap()
         };
-        assert_eq!(max_row_bytes(&bpe(false, false), 100), Some(100 * 8 * 8 + (1 << 20)));
-        assert_eq!(max_row_bytes(&bpe(true, true), 100), Some(100 * 8 * 8 + (1 << 20)));
+        assert_eq!(max_row_bytes(&bpe(false, false), 100), 100 * 8 * 8 + (1 << 20));
+        assert_eq!(max_row_bytes(&bpe(true, true), 100), 100 * 8 * 8 + (1 << 20));
         // Fused unknowns: a run of unknown characters of any length is one token.
-        assert_eq!(max_row_bytes(&bpe(true, false), 100), None);
+        assert_eq!(max_row_bytes(&bpe(true, false), 100), 100 * UNBOUNDED_TOKEN_BYTES * 8 + (1 << 20));
     }
 }

@@ -138,7 +138,7 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
         llora_data::tokenizer::special_ids(&tok).with_context(|| format!("--tokenizer {}", a.tokenizer.display()))?;
     }
     // Rows this long cannot fit --max-seq-len: skipped unread rather than tokenised whole.
-    let max_bytes = llora_data::tokenizer::max_row_bytes(&tok, a.max_seq_len);
+    let max_bytes = Some(llora_data::tokenizer::max_row_bytes(&tok, a.max_seq_len));
     let (rows, samples, dropped, bad) = match a.format {
         DataFormat::Mlperf => {
             let (pairs, too_long) = read_pairs(&a.input, max_bytes)?;

@@ -119,7 +119,7 @@ fn prompt_ids(
     positions: usize,
     stop: &mut Vec<u32>,
 ) -> anyhow::Result<Vec<u32>> {
-    let bound = llora_data::tokenizer::max_row_bytes(tokenizer, positions).unwrap_or(usize::MAX);
+    let bound = llora_data::tokenizer::max_row_bytes(tokenizer, positions);
     let too_long = |what: String, bytes: u64| {
         anyhow::anyhow!(
             "{what} is {bytes} bytes: more than the model's {positions} positions can hold with this tokenizer \
@@ -224,6 +224,11 @@ mod tests {
         // 10 MB of content against 64 positions: refused by size, nothing tokenised.
         let big = chat("big.json", serde_json::json!([{"role": "user", "content": "a".repeat(10 << 20)}]));
         let err = prompt_ids(&args(&[t, "--chat", &big]), &tok, 64, &mut Vec::new()).unwrap_err().to_string();
+        assert!(err.contains("big.json") && err.contains("nothing was tokenised"), "{err}");
+        // The same with the chat demo's word-level tokenizer (a whole unknown word is one token:
+        // 256 bytes a token are allowed), the case the sweep found.
+        let word = llora_data::synth_chat::tokenizer(64).unwrap();
+        let err = prompt_ids(&args(&[t, "--chat", &big]), &word, 64, &mut Vec::new()).unwrap_err().to_string();
         assert!(err.contains("big.json") && err.contains("nothing was tokenised"), "{err}");
         let long = "b".repeat(1 << 21);
         let err = prompt_ids(&args(&[t, "--prompt", &long]), &tok, 64, &mut Vec::new()).unwrap_err().to_string();
