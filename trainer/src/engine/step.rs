@@ -423,16 +423,12 @@ mod tests {
         assert_eq!(sum(&g[..1]), "g0");
     }
 
-    /// LibTorch's CPU generator is one per process, and tests run on parallel threads: tests that
-    /// seed it and expect the same masks twice hold this lock.
-    static TORCH_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
     /// The recompute check: loss and every LoRA gradient with all 4 blocks (and with 2)
     /// recomputed equal the plain backward's, with dropout on, in fp32 and in FP8 with FP8
     /// activations.
     #[test]
     fn recomputed_blocks_give_the_plain_gradients() {
-        let _rng = TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _rng = crate::TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
         use llora_model::precision::{Compute, PrecisionSpec};
         let device = Device::libtorch().autodiff();
         for (compute, fp8_activations) in [(Compute::Fp32, false), (Compute::Fp8, true)] {
@@ -489,7 +485,7 @@ mod tests {
     /// A global batch whose labels are all -100 gives loss 0 and gradient norm 0, not 0/0.
     #[test]
     fn batch_without_targets_is_finite() {
-        let _rng = TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _rng = crate::TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let device = Device::libtorch().autodiff();
         device.seed(1);
         let config = LlamaConfig::preset("demo").unwrap();
