@@ -95,6 +95,23 @@ fn rope_type(v: &serde_json::Value) -> Option<String> {
     v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).map(str::to_string)
 }
 
+/// The RoPE a `rope_scaling` / `rope_parameters` value (`key`) describes: llama3 scaling or
+/// none, and the `rope_theta` it carries; other kinds and partial rotation are refused.
+fn rope_of(key: &str, v: &serde_json::Value, max_pos: usize) -> anyhow::Result<(Option<Llama3Scaling>, Option<f64>)> {
+    let kind = rope_type(v).unwrap_or_else(|| "default".into());
+    let scaling = if kind == "llama3" {
+        Some(Llama3Scaling::from_hf(v, max_pos).with_context(|| format!("{key} (llama3)"))?)
+    } else if PLAIN_ROPE.contains(&kind.as_str()) {
+        None
+    } else {
+        bail!("{key}.rope_type = {kind:?} is not supported (llora implements {KNOWN_ROPE} RoPE)");
+    };
+    if let Some(f) = v.get("partial_rotary_factor").and_then(|f| f.as_f64()).filter(|&f| f != 1.0) {
+        bail!("{key}.partial_rotary_factor = {f} is not supported (RoPE over the whole head only)");
+    }
+    Ok((scaling, v.get("rope_theta").and_then(|t| t.as_f64())))
+}
+
 impl LlamaConfig {
     /// Parses an HF `config.json` (transformers 4.x or 5.x).
     ///
@@ -115,8 +132,6 @@ impl LlamaConfig {
         {
             bail!("hidden_act {act:?} is not supported: Llama uses \"silu\"");
         }
-        let mut theta = hf.rope_theta;
-        let mut rope_scaling = None;
         // transformers (5.23) reads `rope_scaling` when a config has both and ignores
         // `rope_parameters`: so does llora, saying so when the two differ.
         let set = |v: &Option<serde_json::Value>| v.clone().filter(|v| !v.is_null());
@@ -127,27 +142,12 @@ impl LlamaConfig {
             tracing::warn!(rope_scaling = %l, rope_parameters = %c,
                 "config.json has both rope_scaling and rope_parameters, and they differ: using rope_scaling, as transformers does");
         }
-        let chosen = match legacy {
-            Some(l) => ("rope_scaling", Some(l)),
-            None => ("rope_parameters", current),
+        let (rope_scaling, theta) = match (legacy, current) {
+            (Some(l), _) => rope_of("rope_scaling", &l, hf.max_position_embeddings)?,
+            (None, Some(c)) => rope_of("rope_parameters", &c, hf.max_position_embeddings)?,
+            (None, None) => (None, None),
         };
-        for (key, v) in [chosen] {
-            let Some(v) = v.as_ref() else { continue };
-            let kind = rope_type(v).unwrap_or_else(|| "default".into());
-            if kind == "llama3" {
-                rope_scaling = Some(
-                    Llama3Scaling::from_hf(v, hf.max_position_embeddings).with_context(|| format!("{key} (llama3)"))?,
-                );
-            } else if !PLAIN_ROPE.contains(&kind.as_str()) {
-                bail!("{key}.rope_type = {kind:?} is not supported (llora implements {KNOWN_ROPE} RoPE)");
-            }
-            if let Some(f) = v.get("partial_rotary_factor").and_then(|f| f.as_f64()).filter(|&f| f != 1.0) {
-                bail!("{key}.partial_rotary_factor = {f} is not supported (RoPE over the whole head only)");
-            }
-            if let Some(t) = v.get("rope_theta").and_then(|t| t.as_f64()) {
-                theta = Some(t);
-            }
-        }
+        let theta = theta.or(hf.rope_theta);
         let eos_token_ids = match &hf.eos_token_id {
             None | Some(serde_json::Value::Null) => Vec::new(),
             Some(v) => serde_json::from_value::<u32>(v.clone())
