@@ -621,25 +621,16 @@ fn raw_rows_are_bounded_and_named_by_their_line() {
     let tok = bpe_tokenizer(dir.path(), true);
     let row = |p: &str, c: &str| serde_json::json!({"prompt": p, "completion": c}).to_string();
     let normal: Vec<String> = (0..200).map(|i| row(&format!("ask {i}"), " answer")).collect();
-    let prepare = |rows: &str, name: &str| {
+    // `data prepare --format completion` of `rows` (written to NAME.jsonl) with tokenizer `tok`.
+    let prepare_with = |tok: &std::path::Path, rows: &str, name: &str| {
         let input = dir.path().join(format!("{name}.jsonl"));
         std::fs::write(&input, rows).unwrap();
         let out = dir.path().join(format!("{name}.parquet"));
-        llora(&[
-            "data",
-            "prepare",
-            "--format",
-            "completion",
-            "--input",
-            input.to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--max-seq-len",
-            "64",
-        ])
+        let p = |x: &std::path::Path| x.to_str().unwrap().to_string();
+        let args = ["data", "prepare", "--format", "completion", "--input", &p(&input), "--tokenizer", &p(tok)];
+        llora(&[&args[..], &["--out", &p(&out), "--max-seq-len", "64"]].concat())
     };
+    let prepare = |rows: &str, name: &str| prepare_with(&tok, rows, name);
     let report = |out: &std::process::Output| -> serde_json::Value {
         assert!(out.status.success(), "{}", text(out).1);
         serde_json::from_str(text(out).0.trim()).unwrap()
@@ -660,22 +651,12 @@ fn raw_rows_are_bounded_and_named_by_their_line() {
     assert!(!out.status.success() && text(&out).1.contains("badrow.jsonl: line 3"), "{}", text(&out).1);
 
     let nospecial = bpe_tokenizer(dir.path(), false);
-    let input = dir.path().join("plain.jsonl");
-    fails_naming(
-        &[
-            "data",
-            "prepare",
-            "--format",
-            "completion",
-            "--input",
-            input.to_str().unwrap(),
-            "--tokenizer",
-            nospecial.to_str().unwrap(),
-            "--out",
-            dir.path().join("x.parquet").to_str().unwrap(),
-        ],
-        &["--tokenizer", "tok-nospecial.json", "<s>"],
-    );
+    let out = prepare_with(&nospecial, &normal.join("\n"), "nospecial");
+    let stderr = text(&out).1;
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    for needle in ["--tokenizer", "tok-nospecial.json", "<s>"] {
+        assert!(stderr.contains(needle), "stderr lacks {needle:?}:\n{stderr}");
+    }
 }
 
 /// Issue #41 item 19: inputs that used to be accepted silently are refused before any work,

@@ -394,16 +394,7 @@ fn adapter_and_merged_export_load_in_hf_with(base: &Path, spec: llora_model::Lor
 
     // `llora export --merged`: transformers alone, on the merged checkpoint, gives PEFT's logits.
     let merged = out_dir.path().join("merged");
-    let out = common::llora(&[
-        "export",
-        "--merged",
-        "--model",
-        base_only.to_str().unwrap(),
-        "--adapter",
-        adapter_dir.to_str().unwrap(),
-        "--out",
-        merged.to_str().unwrap(),
-    ]);
+    let out = export_merged(&base_only, &adapter_dir, &merged);
     assert!(out.status.success(), "{}", common::text(&out).1);
     let merged_out = out_dir.path().join("merged.safetensors");
     let status = Command::new(python())
@@ -417,16 +408,7 @@ fn adapter_and_merged_export_load_in_hf_with(base: &Path, spec: llora_model::Lor
     let err = rel_err(&merged_logits, &peft_logits);
     eprintln!("merged checkpoint in transformers vs PEFT: logits relative error {err:e}");
     assert!(err <= 1e-4, "merged checkpoint differs from base + adapter in PEFT: {err:e}");
-    let again = common::llora(&[
-        "export",
-        "--merged",
-        "--model",
-        base_only.to_str().unwrap(),
-        "--adapter",
-        adapter_dir.to_str().unwrap(),
-        "--out",
-        merged.to_str().unwrap(),
-    ]);
+    let again = export_merged(&base_only, &adapter_dir, &merged);
     assert!(!again.status.success() && common::text(&again).1.contains("already holds a checkpoint"));
 }
 
@@ -586,6 +568,12 @@ fn randomise_b(model: &mut llora_model::LlamaForCausalLM, device: &Device) {
             device,
         ));
     }
+}
+
+/// `llora export --merged --model BASE --adapter ADAPTER --out OUT`.
+fn export_merged(base: &Path, adapter: &Path, out: &Path) -> std::process::Output {
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    common::llora(&["export", "--merged", "--model", &s(base), "--adapter", &s(adapter), "--out", &s(out)])
 }
 
 /// The fixture's base model alone in `tmp/base` (the fixture directory also holds PEFT's own
@@ -1057,16 +1045,7 @@ fn peft_target_patterns_and_exclusions_match_peft() {
         assert!(err <= 1e-4, "case {i}: logits differ from PEFT's: {err:e}");
 
         let merged = tmp.path().join(format!("merged{i}"));
-        let out = common::llora(&[
-            "export",
-            "--merged",
-            "--model",
-            base.to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
-            "--out",
-            merged.to_str().unwrap(),
-        ]);
+        let out = export_merged(&base, &adapter, &merged);
         assert!(out.status.success(), "{}", common::text(&out).1);
         let report: serde_json::Value = serde_json::from_str(common::text(&out).0.trim()).unwrap();
         assert_eq!(report["merged_modules"], kept / 2, "case {i}: {report}");
@@ -1076,16 +1055,7 @@ fn peft_target_patterns_and_exclusions_match_peft() {
         let mut model = ckpt.load_model(&BuildOptions::default(), &device).unwrap();
         let err = format!("{:#}", load_peft_adapter(&mut model, &adapter, &device).unwrap_err());
         assert!(err.contains("do not select") && err.contains("lora_"), "case {i}: {err}");
-        let out = common::llora(&[
-            "export",
-            "--merged",
-            "--model",
-            base.to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
-            "--out",
-            tmp.path().join(format!("refused{i}")).to_str().unwrap(),
-        ]);
+        let out = export_merged(&base, &adapter, &tmp.path().join(format!("refused{i}")));
         assert!(!out.status.success() && common::text(&out).1.contains("do not select"), "{}", common::text(&out).1);
     }
 }
