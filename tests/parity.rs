@@ -156,17 +156,24 @@ fn check_parity(dir: &Path) {
     let mut checked = 0;
     let mut worst = 0f32;
     for (name, adapter) in model.adapters() {
-        for (which, param) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
-            let key = format!("step1.grad.{name}.{which}.weight");
+        let mut grads_of = vec![
+            (format!("{name}.lora_A.weight"), adapter.a.val().grad(&grads).map(values)),
+            (format!("{name}.lora_B.weight"), adapter.b.val().grad(&grads).map(values)),
+        ];
+        if let Some(m) = &adapter.magnitude {
+            grads_of.push((format!("{name}.lora_magnitude_vector"), m.val().grad(&grads).map(values)));
+        }
+        for (param, ours) in grads_of {
+            let key = format!("step1.grad.{param}");
             let reference = &fx.expected.get(&key).unwrap_or_else(|| panic!("fixture lacks {key}")).1;
-            let ours = values(param.val().grad(&grads).unwrap_or_else(|| panic!("no gradient for {key}")));
+            let ours = ours.unwrap_or_else(|| panic!("no gradient for {key}"));
             let err = rel_err(&ours, reference);
             worst = worst.max(err);
             assert!(err <= 1e-4, "{key}: relative error {err:e}");
             checked += 1;
         }
     }
-    eprintln!("{}: worst LoRA gradient relative error {worst:e}", dir.display());
+    eprintln!("{}: worst LoRA (and DoRA magnitude) gradient relative error {worst:e}", dir.display());
     // Every adapter PEFT made has its llora counterpart (and no other).
     let peft_adapters = fx.expected.keys().filter(|k| k.starts_with("step1.grad.") && k.contains(".lora_")).count();
     assert_eq!(checked, peft_adapters);
@@ -268,6 +275,28 @@ fn rslora_matches_peft_in_and_out() {
     adapter_and_merged_export_load_in_hf_with(
         &dir,
         llora_model::LoraSpec { dropout: 0.0, rslora: true, ..Default::default() },
+    );
+}
+
+/// DoRA (#40 item 2), on a GQA checkpoint with every projection adapted: a PEFT `use_dora`
+/// adapter (B and the magnitudes away from their initial values) gives PEFT's loss, logits and
+/// LoRA and magnitude gradients; three AdamW steps (clip, weight decay on the magnitudes too)
+/// follow torch's; a DoRA adapter llora saves loads in PEFT with its logits, and its merged
+/// export (each row rescaled to its magnitude) gives them in transformers alone.
+#[test]
+fn dora_matches_peft_in_training_and_out() {
+    let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    let args = ["--preset", "tiny-gqa", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"];
+    let dir = fixture("tiny-gqa-s64-b2-dora-3steps", &[&args[..], &["--dora", "--targets", targets]].concat());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["use_dora"], true, "the fixture is PEFT's DoRA");
+    check_parity(&dir);
+    three_steps_match_torch_adamw(&dir);
+    let targets = targets.split(',').map(String::from).collect();
+    adapter_and_merged_export_load_in_hf_with(
+        &dir,
+        llora_model::LoraSpec { dropout: 0.0, dora: true, targets, ..Default::default() },
     );
 }
 
@@ -416,14 +445,19 @@ fn adapter_and_merged_export_load_in_hf_with(base: &Path, spec: llora_model::Lor
 /// torch.optim.AdamW: per-step losses and every LoRA weight after each update.
 #[test]
 fn training_steps_match_torch_adamw() {
-    let dir = fixture(
+    three_steps_match_torch_adamw(&fixture(
         "tiny-s64-b2-3steps",
         &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"],
-    );
-    let fx = load_fixture(&dir);
+    ));
+}
+
+/// Three steps of the fixture in `dir` (made with `--steps 3`): losses, global norms and every
+/// trainable adapter value after each update.
+fn three_steps_match_torch_adamw(dir: &Path) {
+    let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
-    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
-    load_peft_adapter(&mut model, &dir, &device).unwrap();
+    let mut model = HfCheckpoint::open(dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    load_peft_adapter(&mut model, dir, &device).unwrap();
     let optim_cfg = OptimConfig::default(); // lr 4e-4, wd 1e-4, betas (0.9, 0.999), eps 1e-8, clip 0.3: the fixture's
     let schedule = ScheduleConfig { max_steps: 1_000_000, warmup_steps: 0 }; // constant lr, as the fixture
     let mut optim = AdamW::new(optim_cfg.clone());
@@ -447,14 +481,16 @@ fn training_steps_match_torch_adamw() {
         let ref_norm = fx.json["grad_norm_total_preclip"][k - 1].as_f64().unwrap();
         assert!((loss - ref_loss).abs() <= 1e-4, "step {k}: loss {loss} vs {ref_loss}");
         assert!(((norm - ref_norm) / ref_norm).abs() <= 1e-4, "step {k}: grad norm {norm} vs {ref_norm}");
-        for (name, adapter) in model.adapters() {
-            for (which, param) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
-                let key = format!("step{k}.param_after.{name}.{which}.weight");
-                let err = rel_err(&values(param.val()), &fx.expected[&key].1);
-                worst = worst.max(err);
-                assert!(err <= 2e-4, "{key}: relative error {err:e}");
-            }
+        let mut checked = 0;
+        for (name, param) in model.trainable_params_mut() {
+            let key = format!("step{k}.param_after.{name}");
+            let err = rel_err(&values(param.flat()), &fx.expected[&key].1);
+            worst = worst.max(err);
+            assert!(err <= 2e-4, "{key}: relative error {err:e}");
+            checked += 1;
         }
+        let peft = fx.expected.keys().filter(|n| n.starts_with(&format!("step{k}.param_after."))).count();
+        assert_eq!(checked, peft, "step {k}: llora trains another set of parameters than PEFT");
     }
     eprintln!("3 AdamW steps: worst LoRA weight relative error {worst:e}");
 }
@@ -560,13 +596,16 @@ fn saved_hf_checkpoint_loads_in_transformers() {
 
 /// B starts at zero (PEFT's init), which would make any adapter look right: randomise it.
 fn randomise_b(model: &mut llora_model::LlamaForCausalLM, device: &Device) {
+    use burn::tensor::Distribution::Normal;
     for (_, adapter) in model.adapters_mut() {
         let shape = adapter.b.shape();
-        adapter.b = burn::module::Param::from_tensor(Tensor::random(
-            shape,
-            burn::tensor::Distribution::Normal(0.0, 0.05),
-            device,
-        ));
+        adapter.b = burn::module::Param::from_tensor(Tensor::random(shape, Normal(0.0, 0.05), device));
+        // DoRA: the magnitude away from its initial ‖W‖ too, so each row's rescale shows.
+        if let Some(m) = adapter.magnitude.as_mut() {
+            let v = m.val();
+            let noise = Tensor::<1>::random(v.shape(), Normal(0.0, 0.1), device).add_scalar(1.0);
+            *m = burn::module::Param::from_tensor(v * noise);
+        }
     }
 }
 

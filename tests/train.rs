@@ -316,6 +316,24 @@ fn sigkilled_fp8_run_resumes_to_the_same_adapters() {
     assert!(scales.get("model.layers.0.self_attn.q_proj.lora_A").is_none(), "{scales}");
 }
 
+/// The same with DoRA in bf16 (#40 item 2): the magnitudes and their moments are in the
+/// checkpoint, and the dropout branch's second base GEMM redraws the same mask on resume; the
+/// adapter says `use_dora` and carries a magnitude per adapted module.
+#[test]
+fn sigkilled_dora_bf16_run_resumes_to_the_same_adapters() {
+    let dir = kill_and_resume(&["lora.dora=true", "precision.compute=\"bf16\""]);
+    let adapter = dir.path().join("whole/adapter");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["use_dora"], true);
+    let bytes = std::fs::read(adapter.join("adapter_model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let names = tensors.names();
+    let count = |suffix: &str| names.iter().filter(|n| n.ends_with(suffix)).count();
+    assert!(count("lora_A.weight") > 0);
+    assert_eq!(count("lora_magnitude_vector"), count("lora_A.weight"), "{names:?}");
+}
+
 fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());

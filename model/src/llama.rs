@@ -352,19 +352,6 @@ impl LlamaForCausalLM {
         Ok(crate::loss::target_rows_loss(self.hidden(input_ids, train)?, self.head(), labels))
     }
 
-    /// Folds every adapter into its base weight (`W ← W + (α/r)·B·A`) and removes the
-    /// adapters: the plain model that `llora export --merged` writes.
-    pub fn merge_adapters(&mut self) {
-        for (_, layer) in self.named_linears_mut() {
-            if let Some(adapter) = layer.lora.take() {
-                let trainable = layer.weight.val().is_require_grad();
-                let w = (layer.base_weight() + adapter.delta()).detach();
-                layer.weight = Param::initialized(layer.weight.id, w.set_require_grad(trainable));
-                layer.quant = None;
-            }
-        }
-    }
-
     /// Switches every decoder linear layer (and adapter) and every MLP to `spec`; frozen base
     /// weights are then stored as `spec` asks. The embedding and the LM head stay f32. On
     /// LibTorch devices the layers then run through the precision module's ops, f32 included.
@@ -519,8 +506,8 @@ impl LlamaForCausalLM {
         linears + 4 * norms + table(&self.embed_tokens) + head
     }
 
-    /// Trainable adapter parameters (A and B of every adapter).
+    /// Trainable adapter parameters (A, B and DoRA's magnitude of every adapter).
     pub fn num_lora_parameters(&self) -> usize {
-        self.adapters().iter().map(|(_, a)| a.a.shape().num_elements() + a.b.shape().num_elements()).sum()
+        self.adapters().iter().map(|(_, a)| a.num_params()).sum()
     }
 }

@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::config::LlamaConfig;
 use crate::llama::{Attention, BuildOptions, DecoderLayer, LlamaForCausalLM, Mlp, RmsNorm};
-use crate::lora::{LoraAdapter, LoraLinear};
+use crate::lora::LoraLinear;
 use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, Storage, StoredWeight, tch_device};
 use crate::shard::WeightShard;
 
@@ -69,19 +69,22 @@ impl LlamaForCausalLM {
          -> anyhow::Result<LoraLinear> {
             let module = name;
             let name = format!("{name}.weight");
-            let mut layer = match stores {
+            let (mut layer, whole) = match stores {
                 Some(spec) => {
                     let whole = weights.stored(&name, [out, inp], spec)?;
-                    let frozen = match sharding {
-                        Some(s) => FrozenWeight::Sharded(Arc::new(WeightShard::new(whole, s))),
-                        None => FrozenWeight::Whole(whole),
-                    };
-                    LoraLinear::from_stored(frozen, spec, device)
+                    (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec, device), Some((whole, spec)))
                 }
-                None => LoraLinear::new(weights.get(&name, [out, inp])?, trainable),
+                None => (LoraLinear::new(weights.get(&name, [out, inp])?, trainable), None),
             };
             if let Some(spec) = lora.filter(|s| s.targets(short) && s.adapts(module)) {
-                layer = layer.with_adapter(LoraAdapter::new(inp, out, &spec.module_spec(module)?, device));
+                // Before sharding: DoRA's initial magnitude is the whole weight's row norms.
+                layer = layer.with_new_adapter(&spec.module_spec(module)?, device);
+            }
+            if let (Some((whole, spec)), Some(s)) = (whole, sharding) {
+                let adapter = layer.lora.take();
+                layer =
+                    LoraLinear::from_stored(FrozenWeight::Sharded(Arc::new(WeightShard::new(whole, s))), spec, device);
+                layer.lora = adapter;
             }
             Ok(layer)
         };

@@ -11,6 +11,14 @@
 //! of every adapted weight per step) and the adapter input gets dropout, which MLPerf uses.
 //! A starts Kaiming-uniform(a = √5) and B at zero, PEFT's default, so training starts from the
 //! base model exactly.
+//!
+//! DoRA (Liu et al. 2024, PEFT's `use_dora`) adds a trainable magnitude `m` (`[out]`) and
+//! rescales each output row of the adapted weight to it:
+//! `y = m/‖W + s·B·A‖ ⊙ (x·Wᵀ + s·B(A(x)))`, the row norm treated as a constant in backward
+//! (the paper's §4.3, and PEFT). With dropout in training PEFT feeds the dropped input to the
+//! rescaled part only: `y = x·Wᵀ + (m/n − 1) ⊙ (x_d·Wᵀ) + (m/n) ⊙ s·B(A(x_d))`, one more base
+//! GEMM; so does llora. The norm is never formed from a dense `W + s·B·A`: it is
+//! `√(‖Wᵢ‖² + 2s·Bᵢ·(A·Wᵀ)ᵢ + s²·Bᵢ(A·Aᵀ)Bᵢᵀ)`, a rank-wide GEMM over the frozen weight.
 
 use std::sync::Arc;
 
@@ -39,6 +47,8 @@ pub struct LoraAdapter {
     pub a: Param<Tensor<2>>,
     /// Up projection B, `[out, r]` (PEFT's `lora_B.weight`).
     pub b: Param<Tensor<2>>,
+    /// DoRA's magnitude `m`, `[out]` (PEFT's `lora_magnitude_vector`); `None`: plain LoRA.
+    pub magnitude: Option<Param<Tensor<1>>>,
     /// The update's factor: α / r, or α / √r with rsLoRA ([`LoraSpec::scale`]).
     #[module(skip)]
     pub scale: f64,
@@ -70,6 +80,8 @@ pub struct LoraSpec {
     pub alpha_pattern: Vec<(String, f64)>,
     /// Only these decoder layers get adapters (PEFT's `layers_to_transform`); `None`: all.
     pub layers: Option<Vec<usize>>,
+    /// DoRA (PEFT's `use_dora`): a trainable magnitude per output row (see the module docs).
+    pub dora: bool,
 }
 
 impl Default for LoraSpec {
@@ -84,6 +96,7 @@ impl Default for LoraSpec {
             rank_pattern: Vec::new(),
             alpha_pattern: Vec::new(),
             layers: None,
+            dora: false,
         }
     }
 }
@@ -183,20 +196,25 @@ impl LoraAdapter {
         Self {
             a: Param::from_tensor(a),
             b: Param::from_tensor(b),
+            magnitude: None,
             scale: spec.scale(),
             dropout: spec.dropout,
             quant: None,
         }
     }
 
-    /// The adapter's contribution `(α/r)·B(A(dropout(x)))`.
+    /// With DoRA's magnitude `m` (`[out]`, trainable).
+    pub fn with_magnitude(mut self, m: Tensor<1>) -> Self {
+        self.magnitude = Some(Param::from_tensor(m));
+        self
+    }
+
+    /// The update `(α/r)·B(A(x))` of an input that already had its dropout.
     ///
     /// # Shapes
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
-    pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
-        let x = if train { crate::dropout::dropout(x, self.dropout) } else { x };
+    pub fn update(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
         let up = match &self.quant {
             Some([qa, qb]) => quant_linear(quant_linear(x, self.a.val(), qa, train), self.b.val(), qb, train),
             None => linear_t(linear_t(x, self.a.val()), self.b.val()),
@@ -204,9 +222,11 @@ impl LoraAdapter {
         up.mul_scalar(self.scale)
     }
 
-    /// The dense update `(α/r)·B·A`, `[out, in]`, for merging into the base weight.
-    pub fn delta(&self) -> Tensor<2> {
-        self.b.val().matmul(self.a.val()).mul_scalar(self.scale)
+    /// Trainable values: A, B and DoRA's magnitude.
+    pub fn num_params(&self) -> usize {
+        self.a.shape().num_elements()
+            + self.b.shape().num_elements()
+            + self.magnitude.as_ref().map_or(0, |m| m.shape().num_elements())
     }
 }
 
@@ -297,31 +317,93 @@ impl LoraLinear {
         }
     }
 
-    /// `x·Wᵀ (+ adapter)`.
+    /// Attaches a fresh adapter built from `spec` (A and B as PEFT initialises them), and with
+    /// DoRA its magnitude `‖W + s·B·A‖` per row, which is `‖W‖` as B starts at zero (PEFT's
+    /// initialisation): training starts from the base model exactly.
+    pub fn with_new_adapter(self, spec: &LoraSpec, device: &Device) -> Self {
+        let [out, inp] = self.dims();
+        let adapter = LoraAdapter::new(inp, out, spec, device);
+        let adapter = if spec.dora {
+            let m = self.dora_norm(&adapter);
+            adapter.with_magnitude(m)
+        } else {
+            adapter
+        };
+        self.with_adapter(adapter)
+    }
+
+    /// `x·Wᵀ` of the frozen (or fully trained) base weight alone.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, in]`
+    /// - output: `[batch, seq, out]`
+    fn base(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
+        match &self.quant {
+            Some(q) => quant_linear(x, self.weight.val(), q, train),
+            None => linear_t(x, self.weight.val()),
+        }
+    }
+
+    /// `‖W + s·B·A‖` of each output row, f32, without autodiff (DoRA treats it as a constant).
+    /// Computed as `√(‖Wᵢ‖² + 2s·Bᵢ·(A·Wᵀ)ᵢ + s²·Bᵢ(A·Aᵀ)Bᵢᵀ)`: the frozen weight enters only
+    /// through a rank-wide GEMM and its row norms, as the layer stores it (f32, bf16, FP8 codes
+    /// dequantised, or a gathered shard), so no dense `[out, in]` sum is formed.
+    ///
+    /// # Shapes
+    /// - output: `[out]`
+    pub fn dora_norm(&self, adapter: &LoraAdapter) -> Tensor<1> {
+        let (a, b) = (adapter.a.val().detach(), adapter.b.val().detach());
+        let [out, _] = self.dims();
+        let (w_sq, aw) = match &self.quant {
+            Some(q) => crate::precision::weight_row_terms(a.clone(), self.weight.val(), q),
+            None => {
+                let w = self.weight.val().detach();
+                (w.clone().powi_scalar(2).sum_dim(1).reshape([out]), a.clone().matmul(w.transpose()))
+            }
+        };
+        let s = adapter.scale;
+        let cross = (aw.transpose() * b.clone()).sum_dim(1).reshape([out]);
+        let gram = a.clone().matmul(a.transpose());
+        let quad = (b.clone().matmul(gram) * b).sum_dim(1).reshape([out]);
+        (w_sq + cross.mul_scalar(2.0 * s) + quad.mul_scalar(s * s)).clamp_min(0.0).sqrt().detach()
+    }
+
+    /// `x·Wᵀ (+ adapter)`, PEFT's `lora.Linear` forward (with DoRA, its `DoraLinearVariant`).
     ///
     /// # Shapes
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
     pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let base = match &self.quant {
-            Some(q) => quant_linear(x.clone(), self.weight.val(), q, train),
-            None => linear_t(x.clone(), self.weight.val()),
-        };
-        match &self.lora {
-            Some(adapter) => {
-                let update = adapter.forward(x, train);
-                let dtype = base.dtype();
-                if update.dtype() == dtype {
-                    base + update
+        let base = self.base(x.clone(), train);
+        let Some(adapter) = &self.lora else { return base };
+        // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
+        let dropped = train && adapter.dropout > 0.0;
+        let xa = if dropped { crate::dropout::dropout(x, adapter.dropout) } else { x };
+        let update = adapter.update(xa.clone(), train);
+        // Summed in the adapter's dtype and rounded once: PEFT adds its f32 adapter's output to
+        // a bf16 layer's result in f32.
+        let dtype = base.dtype();
+        let wide = update.dtype();
+        let sum = match &adapter.magnitude {
+            None => cast(base, wide) + update,
+            Some(m) => {
+                let [out, _] = self.dims();
+                let g = cast(m.val() / self.dora_norm(adapter), wide).reshape([1, 1, out]);
+                if dropped {
+                    let base_dropped = cast(self.base(xa, train), wide);
+                    cast(base, wide) + base_dropped * g.clone().sub_scalar(1.0) + update * g
                 } else {
-                    // An f32 adapter on a bf16 layer: summed in f32 and rounded once, as PEFT
-                    // adds its f32 adapter's output to the bf16 result.
-                    (base.cast(update.dtype()) + update).cast(dtype)
+                    (cast(base, wide) + update) * g
                 }
             }
-            None => base,
-        }
+        };
+        cast(sum, dtype)
     }
+}
+
+/// `t` in `dtype`, untouched (no autodiff node) when it already is.
+fn cast<const D: usize>(t: Tensor<D>, dtype: burn::tensor::DType) -> Tensor<D> {
+    if t.dtype() == dtype { t } else { t.cast(dtype) }
 }
 
 /// `x·Wᵀ` for an HF-layout weight `[out, in]`.
@@ -339,7 +421,73 @@ pub fn linear_t(x: Tensor<3>, w: Tensor<2>) -> Tensor<3> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
     use super::*;
+    use crate::precision::Compute;
+    use burn::tensor::Distribution::Normal;
+
+    /// `max |a − b| / max |b|`.
+    fn rel(a: Tensor<1>, b: Tensor<1>) -> f32 {
+        let scale = b.clone().abs().max().into_scalar::<f32>();
+        (a - b).abs().max().into_scalar::<f32>() / scale
+    }
+
+    /// DoRA as the paper defines it, with `W' = W + s·B·A` formed densely: the row norm of every
+    /// stored form of the weight (f32 through Burn or LibTorch, bf16, FP8 codes) is `‖W'ᵢ‖`;
+    /// the output is `m/‖W'‖ ⊙ x·W'ᵀ` in evaluation and in training through the dropout branch
+    /// (p so small that all is kept: `x·Wᵀ + (g−1)·x·Wᵀ + g·u = g·(x·Wᵀ + u)`); the magnitude's
+    /// gradient of `Σy` is `Σ_tokens (x·W'ᵀ)/‖W'‖`; a fresh adapter's magnitude is `‖W‖`.
+    #[test]
+    fn dora_rescales_each_row_to_its_magnitude() {
+        let device = Device::libtorch().autodiff();
+        device.seed(5);
+        let (out, inp) = (24, 40);
+        let spec = LoraSpec { rank: 4, alpha: 8.0, dropout: 1e-12, dora: true, ..LoraSpec::default() };
+        let w = Tensor::<2>::random([out, inp], Normal(0.0, 0.2), &device);
+        let x = Tensor::<3>::random([2, 3, inp], Normal(0.0, 1.0), &device);
+        let fresh = LoraLinear::new(w.clone(), false).with_new_adapter(&spec, &device);
+        let m0 = fresh.lora.as_ref().unwrap().magnitude.as_ref().unwrap().val();
+        assert!(rel(m0, w.clone().powi_scalar(2).sum_dim(1).sqrt().reshape([out])) < 1e-6, "initial magnitude");
+
+        let with_state = |precision: Option<Compute>| {
+            let mut layer = LoraLinear::new(w.clone(), false).with_new_adapter(&spec, &device);
+            let a = layer.lora.as_mut().unwrap();
+            a.b = Param::from_tensor(Tensor::random([out, spec.rank], Normal(0.0, 0.3), &device));
+            a.magnitude = Some(Param::from_tensor(Tensor::random([out], Distribution::Uniform(0.5, 2.0), &device)));
+            if let Some(compute) = precision {
+                let fp8 = compute == Compute::Fp8;
+                layer.set_precision(&PrecisionSpec { compute, fp8_weights: fp8, ..PrecisionSpec::default() });
+            }
+            layer
+        };
+        for (precision, tol) in
+            [(None, 1e-6), (Some(Compute::Fp32), 1e-6), (Some(Compute::Bf16), 1e-2), (Some(Compute::Fp8), 1e-6)]
+        {
+            let layer = with_state(precision);
+            let a = layer.lora.as_ref().unwrap();
+            let dense = layer.base_weight() + a.b.val().matmul(a.a.val()).mul_scalar(a.scale);
+            let norm = dense.clone().powi_scalar(2).sum_dim(1).sqrt().reshape([out]);
+            // bf16: A·Wᵀ is a bf16 GEMM (A rounded), as PEFT's bf16 computes its whole norm.
+            let err = rel(layer.dora_norm(a), norm.clone());
+            assert!(err < tol, "{precision:?}: row norm relative error {err:e}");
+        }
+        let layer = with_state(None);
+        let a = layer.lora.as_ref().unwrap();
+        let m = a.magnitude.as_ref().unwrap().val();
+        let dense = w.clone() + a.b.val().matmul(a.a.val()).mul_scalar(a.scale);
+        let norm = dense.clone().powi_scalar(2).sum_dim(1).sqrt().reshape([out]);
+        let unscaled = linear_t(x.clone(), dense).detach();
+        let want = unscaled.clone() * (m.clone() / norm.clone()).reshape([1, 1, out]);
+        let want_grad = unscaled.sum_dim(0).sum_dim(1).reshape([out]) / norm;
+        for train in [false, true] {
+            let y = layer.forward(x.clone(), train);
+            let err = rel(y.clone().flatten(0, 2), want.clone().flatten(0, 2));
+            assert!(err < 1e-5, "train {train}: output relative error {err:e}");
+            let grads = y.sum().backward();
+            let err = rel(m.grad(&grads).unwrap(), want_grad.clone());
+            assert!(err < 1e-5, "train {train}: magnitude gradient relative error {err:e}");
+        }
+    }
 
     fn spec(targets: &[&str]) -> LoraSpec {
         LoraSpec { targets: targets.iter().map(|t| t.to_string()).collect(), ..LoraSpec::default() }

@@ -1,6 +1,7 @@
 //! `llora export --merged`, streamed: the base checkpoint is rewritten one tensor at a time,
-//! each adapted linear weight with its adapter folded in (`W + (α/r)·B·A`, PEFT's
-//! `merge_and_unload`), every tensor in the checkpoint's own dtype unless another is asked for.
+//! each adapted linear weight with its adapter folded in (`W + (α/r)·B·A`, with DoRA each row
+//! then rescaled to its magnitude; PEFT's `merge_and_unload`), every tensor in the checkpoint's
+//! own dtype unless another is asked for.
 //!
 //! Why streamed: building the model and saving it held the whole model in f32 several times
 //! over (2.4 GB peak for a 271 MB bf16 checkpoint; over 1 TB at 70B) and wrote f32. Here the
@@ -91,24 +92,21 @@ impl Adapter {
         Ok(Self { shard, spec: peft.spec, unused, selected: selected.into_iter().collect() })
     }
 
-    /// `(α/r)·B·A` of `module` (`model.layers.0.self_attn.q_proj`) as `[out · in]` f32 values,
-    /// `None` when the adapter does not adapt it.
+    /// The update of `module` (`model.layers.0.self_attn.q_proj`), `None` when the adapter does
+    /// not adapt it.
     ///
     /// # Shapes
-    /// - lora_A: `[r, in]`; lora_B: `[out, r]`; output: `out · in` values, row-major
-    fn delta(&mut self, module: &str, out: usize, inp: usize) -> anyhow::Result<Option<Vec<f32>>> {
+    /// - lora_A: `[r, in]`; lora_B: `[out, r]`; lora_magnitude_vector: `[out]`
+    fn update(&mut self, module: &str, out: usize, inp: usize) -> anyhow::Result<Option<Update>> {
         if !self.selected.remove(module) {
             return Ok(None);
         }
-        let key = |which: &str| format!("base_model.model.{module}.{which}.weight");
-        let a_name = self
-            .unused
-            .remove(&key("lora_A"))
-            .with_context(|| format!("{} is missing from the adapter", key("lora_A")))?;
-        let b_name = self
-            .unused
-            .remove(&key("lora_B"))
-            .with_context(|| format!("{} is missing from the adapter", key("lora_B")))?;
+        let mut take = |which: &str| {
+            let key = format!("base_model.model.{module}.{which}");
+            self.unused.remove(&key).with_context(|| format!("{key} is missing from the adapter"))
+        };
+        let (a_name, b_name) = (take("lora_A.weight")?, take("lora_B.weight")?);
+        let magnitude = if self.spec.dora { Some(take(crate::peft::MAGNITUDE)?) } else { None };
         let module_spec = self.spec.module_spec(module)?;
         let r = module_spec.rank;
         let a = self.shard.read_f32(&a_name, &[r, inp])?;
@@ -118,35 +116,66 @@ impl Adapter {
         };
         // PEFT's order: (B·A) then the scale, in f32.
         let delta = t(b, out, r).mm(&t(a, r, inp)) * f64::from(module_spec.scale() as f32);
-        Ok(Some(Vec::<f32>::try_from(delta.flatten(0, -1)).expect("f32")))
+        let magnitude = match magnitude {
+            Some(name) => Some(self.shard.read_f32(&name, &[out])?.to_vec::<f32>().expect("f32")),
+            None => None,
+        };
+        Ok(Some(Update { delta: Vec::<f32>::try_from(delta.flatten(0, -1)).expect("f32"), magnitude }))
     }
 }
 
-/// The update of the base tensor `name` of shape `shape`, if the adapter has one: its own
-/// module's, or for a fused `qkv_proj` the q/k/v adapters' stacked by rows (zeros for an
-/// unadapted part).
-fn update_of(
+/// What an adapter does to some rows of a base weight: `W + ΔW`, with DoRA each row then
+/// rescaled to its magnitude, `m/‖W + ΔW‖ ⊙ (W + ΔW)` (PEFT's `merge_and_unload`).
+struct Update {
+    /// `ΔW = (α/r)·B·A`, row-major `[rows, in]`.
+    delta: Vec<f32>,
+    /// DoRA's magnitude, one per row.
+    magnitude: Option<Vec<f32>>,
+}
+
+impl Update {
+    /// Applies the update to `w`, the same rows of the base weight, row-major.
+    fn apply(&self, w: &mut [f32]) {
+        for (x, d) in w.iter_mut().zip(&self.delta) {
+            *x += d;
+        }
+        if let Some(m) = &self.magnitude {
+            let inp = w.len() / m.len();
+            for (row, m) in w.chunks_exact_mut(inp).zip(m) {
+                let norm = row.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>().sqrt() as f32;
+                let factor = m / norm;
+                row.iter_mut().for_each(|x| *x *= factor);
+            }
+        }
+    }
+}
+
+/// The updates of the base tensor `name` of shape `shape`, each with the first row it applies
+/// to, if the adapter has any: its own module's, or for a fused `qkv_proj` those of the q/k/v
+/// adapters, stacked by rows.
+fn updates_of(
     adapter: &mut Adapter,
     name: &str,
     shape: &[usize],
     ckpt: &HfCheckpoint,
-) -> anyhow::Result<Option<Vec<f32>>> {
-    let (Some(module), [out, inp]) = (name.strip_suffix(".weight"), shape) else { return Ok(None) };
-    if let Some(d) = adapter.delta(module, *out, *inp)? {
-        return Ok(Some(d));
+) -> anyhow::Result<Vec<(usize, Update)>> {
+    let (Some(module), [out, inp]) = (name.strip_suffix(".weight"), shape) else { return Ok(Vec::new()) };
+    if let Some(u) = adapter.update(module, *out, *inp)? {
+        return Ok(vec![(0, u)]);
     }
-    let Some(layer) = module.strip_suffix(".qkv_proj") else { return Ok(None) };
+    let Some(layer) = module.strip_suffix(".qkv_proj") else { return Ok(Vec::new()) };
     let c = &ckpt.config;
     let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
     let mut parts = Vec::new();
+    let mut row = 0;
     for (proj, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
-        parts.push((rows, adapter.delta(&format!("{layer}.{proj}"), rows, *inp)?));
+        if let Some(u) = adapter.update(&format!("{layer}.{proj}"), rows, *inp)? {
+            parts.push((row, u));
+        }
+        row += rows;
     }
-    if parts.iter().all(|(_, d)| d.is_none()) {
-        return Ok(None);
-    }
-    ensure!(qd + 2 * kvd == *out, "{name}: {out} rows, but q/k/v take {qd} + {kvd} + {kvd}");
-    Ok(Some(parts.into_iter().flat_map(|(rows, d)| d.unwrap_or_else(|| vec![0.0; rows * inp])).collect()))
+    ensure!(parts.is_empty() || row == *out, "{name}: {out} rows, but q/k/v take {qd} + {kvd} + {kvd}");
+    Ok(parts)
 }
 
 /// Writes one output shard: the header, then each tensor of `shard` in file order (copied,
@@ -189,15 +218,17 @@ fn write_shard(
     let mut merged = 0;
     for (name, info) in &names {
         let to = out_dtype(info.dtype);
-        match update_of(adapter, name, &info.shape, ckpt)? {
-            Some(delta) => {
-                let base = shard.read_f32(name, &info.shape)?.to_vec::<f32>().expect("f32");
-                let sum: Vec<f32> = base.iter().zip(&delta).map(|(w, d)| w + d).collect();
-                write(&encode(&sum, to))?;
-                merged += 1;
+        let updates = updates_of(adapter, name, &info.shape, ckpt)?;
+        if updates.is_empty() && to == info.dtype {
+            write(shard.raw(name)?)?;
+        } else {
+            let mut w = shard.read_f32(name, &info.shape)?.to_vec::<f32>().expect("f32");
+            let cols = info.shape.last().copied().unwrap_or(1);
+            for (row, u) in &updates {
+                u.apply(&mut w[row * cols..(row * cols + u.delta.len())]);
             }
-            None if to == info.dtype => write(shard.raw(name)?)?,
-            None => write(&encode(&shard.read_f32(name, &info.shape)?.to_vec::<f32>().expect("f32"), to))?,
+            merged += usize::from(!updates.is_empty());
+            write(&encode(&w, to))?;
         }
         shard.forget(name);
     }

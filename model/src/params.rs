@@ -64,7 +64,8 @@ impl LlamaForCausalLM {
 
     /// Every parameter of one kind, named as it is saved: base weights with HF names
     /// (`model.layers.0.mlp.up_proj.weight`), adapters with PEFT names
-    /// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). In forward order.
+    /// (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, DoRA's
+    /// `...q_proj.lora_magnitude_vector`). In forward order.
     pub fn params_mut(&mut self, kind: ParamKind) -> Vec<(String, ParamMut<'_>)> {
         let mut out = Vec::new();
         match kind {
@@ -72,6 +73,9 @@ impl LlamaForCausalLM {
                 for (name, a) in self.adapters_mut() {
                     out.push((format!("{name}.lora_A.weight"), ParamMut::Matrix(&mut a.a)));
                     out.push((format!("{name}.lora_B.weight"), ParamMut::Matrix(&mut a.b)));
+                    if let Some(m) = a.magnitude.as_mut() {
+                        out.push((format!("{name}.{}", crate::peft::MAGNITUDE), ParamMut::Vector(m)));
+                    }
                 }
             }
             ParamKind::Base => {
@@ -128,7 +132,7 @@ fn layer_linears_mut<'a>(l: usize, a: &'a mut Attention, m: &'a mut Mlp) -> Vec<
 pub enum ParamKind {
     /// Embeddings, norms, linear weights, LM head (HF names).
     Base,
-    /// LoRA A and B (PEFT names).
+    /// LoRA A and B, and DoRA's magnitude (PEFT names).
     Adapters,
 }
 

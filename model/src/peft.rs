@@ -46,6 +46,7 @@ pub const LORA_CONFIG_KEYS: &[(&str, KeyRule)] = &[
     ("alpha_pattern", KeyRule::Applied),
     ("layers_to_transform", KeyRule::Applied),
     ("layers_pattern", KeyRule::Applied),
+    ("use_dora", KeyRule::Applied),
     ("task_type", KeyRule::Ignored),
     ("auto_mapping", KeyRule::Ignored),
     ("peft_version", KeyRule::Ignored),
@@ -58,7 +59,6 @@ pub const LORA_CONFIG_KEYS: &[(&str, KeyRule)] = &[
     ("eva_config", KeyRule::Ignored),
     ("corda_config", KeyRule::Ignored),
     ("ensure_weight_tying", KeyRule::Ignored),
-    ("use_dora", KeyRule::Refused("adds DoRA's magnitude vector")),
     ("modules_to_save", KeyRule::Refused("trains and saves whole modules beside the adapters")),
     ("trainable_token_indices", KeyRule::Refused("trains some embedding rows")),
     ("megatron_config", KeyRule::Refused("adapts Megatron's parallel linear layers")),
@@ -284,11 +284,12 @@ fn parse_config(v: &Value) -> anyhow::Result<PeftConfig> {
             .filter(|d| (0.0..1.0).contains(d))
             .with_context(|| format!("lora_dropout = {d} is not a probability in [0, 1)"))?,
     };
-    let rslora = match v.get("use_rslora") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => bail!("use_rslora = {other} is not true or false"),
+    let flag = |key: &str| match v.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(anyhow::anyhow!("{key} = {other} is not true or false")),
     };
+    let (rslora, dora) = (flag("use_rslora")?, flag("use_dora")?);
     let rank_pattern =
         pattern(v, "rank_pattern", |x| x.as_u64().filter(|r| (1..=1 << 16).contains(r)).map(|r| r as usize))?;
     let alpha_pattern = pattern(v, "alpha_pattern", |x| x.as_f64().filter(|a| a.is_finite()))?;
@@ -324,6 +325,7 @@ fn parse_config(v: &Value) -> anyhow::Result<PeftConfig> {
             rank_pattern,
             alpha_pattern,
             layers: layers.clone(),
+            dora,
         },
         select: ModuleSelection { targets, exclude, layers },
     })
@@ -371,6 +373,10 @@ pub fn save_peft_adapter(
         let (sb, vb) = tensor_f32(&adapter.b.val());
         tensors.push((format!("{name}.lora_A.weight"), sa, va));
         tensors.push((format!("{name}.lora_B.weight"), sb, vb));
+        if let Some(m) = &adapter.magnitude {
+            let (sm, vm) = tensor_f32(&m.val());
+            tensors.push((format!("{name}.{MAGNITUDE}"), sm, vm));
+        }
     }
     ensure!(!tensors.is_empty(), "the model has no adapters to save");
     // The modules that carry adapters, not the names asked for: `qkv_proj` on a checkpoint with
@@ -398,7 +404,7 @@ pub fn save_peft_adapter(
         "inference_mode": true,
         "init_lora_weights": true,
         "use_rslora": spec.rslora,
-        "use_dora": false,
+        "use_dora": model.adapters().iter().any(|(_, a)| a.magnitude.is_some()),
         "modules_to_save": null,
         "layers_to_transform": spec.layers,
         "rank_pattern": spec.rank_pattern.iter().map(|(k, r)| (k.clone(), Value::from(*r))).collect::<serde_json::Map<_, _>>(),
@@ -409,14 +415,27 @@ pub fn save_peft_adapter(
     write_atomic(&dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
 }
 
+/// The name of DoRA's magnitude in a PEFT adapter file, after the module's
+/// (`...q_proj.lora_magnitude_vector`, `[out]`).
+pub const MAGNITUDE: &str = "lora_magnitude_vector";
+
 /// A PEFT adapter file's tensors by PEFT name without the adapter name
-/// (`...q_proj.lora_A.weight`), mapped to their stored names (`lora_A.default.weight` or not).
+/// (`...q_proj.lora_A.weight`, `...q_proj.lora_magnitude_vector`), mapped to their stored names
+/// (`lora_A.default.weight` or not; the magnitude also as the module state dict names it,
+/// `lora_magnitude_vector[.default].weight`).
 pub(crate) fn adapter_tensor_names(shard: &Shard) -> HashMap<String, String> {
     shard
         .meta
         .tensors()
         .into_keys()
-        .map(|n| (n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."), n))
+        .map(|n| {
+            let name = n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.");
+            let name = match name.strip_suffix(".default.weight").or_else(|| name.strip_suffix(".weight")) {
+                Some(module) if module.ends_with(MAGNITUDE) => module.to_string(),
+                _ => name,
+            };
+            (name, n)
+        })
         .collect()
 }
 
@@ -472,8 +491,19 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
         let m = spec.module_spec(&module).with_context(|| config_path.display().to_string())?;
         let a = take("lora_A", [m.rank, inp])?;
         let b = take("lora_B", [out, m.rank])?;
-        layer.lora = Some(LoraAdapter::from_tensors(a, b, &m));
+        let mut adapter = LoraAdapter::from_tensors(a, b, &m);
+        if spec.dora {
+            let key = format!("{peft}.{MAGNITUDE}");
+            let stored = names
+                .remove(&key)
+                .with_context(|| format!("tensor {key} is missing from {} (use_dora)", path.display()))?;
+            adapter = adapter.with_magnitude(Tensor::from_data(shard.read_f32(&stored, &[out])?, device));
+        }
+        layer.lora = Some(adapter);
         adapted.push(module);
+    }
+    if let Some(extra) = names.keys().filter(|n| !spec.dora && n.ends_with(MAGNITUDE)).min() {
+        bail!("{}: tensor {extra} is DoRA's magnitude, but adapter_config.json has no use_dora = true", path.display());
     }
     if let Some(extra) = names.keys().min() {
         return Err(stray_tensor_error(&path, extra, &model.config));
@@ -529,6 +559,7 @@ mod tests {
             r#", "use_dora": false, "lora_bias": false, "target_parameters": null, "layers_pattern": """#,
             r#", "init_lora_weights": "gaussian", "eva_config": {"rho": 2}, "task_type": "CAUSAL_LM""#,
             r#", "future_peft_key": null, "other_new_key": false"#,
+            r#", "use_dora": true"#,
         ] {
             config(ok).unwrap_or_else(|e| panic!("{ok}: {e:#}"));
         }
@@ -541,7 +572,7 @@ mod tests {
             (r#", "modules_to_save": ["lm_head"]"#, "modules_to_save"),
             (r#", "bias": "all""#, "bias"),
             (r#", "use_rslora": "yes""#, "use_rslora"),
-            (r#", "use_dora": true"#, "use_dora"),
+            (r#", "use_dora": 1"#, "use_dora"),
             (r#", "lora_bias": true"#, "lora_bias"),
             (r#", "layer_replication": [[0, 2]]"#, "layer_replication"),
             (r#", "trainable_token_indices": [5]"#, "trainable_token_indices"),

@@ -51,6 +51,7 @@ def parse_args(argv=None):
                          "so that A and B both get gradients")
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
     ap.add_argument("--rslora", action="store_true", help="PEFT's use_rslora: scale alpha / sqrt(r)")
+    ap.add_argument("--dora", action="store_true", help="PEFT's use_dora: a trainable magnitude per output row")
     ap.add_argument("--rank-pattern", default="{}", help="PEFT rank_pattern as JSON, e.g. '{\"q_proj\": 4}'")
     ap.add_argument("--alpha-pattern", default="{}", help="PEFT alpha_pattern as JSON")
     ap.add_argument("--layers", default=None, help="PEFT layers_to_transform, comma-separated layer indexes")
@@ -85,11 +86,14 @@ def main(a):
 
     # Dropout off: the fixtures compare deterministic arithmetic.
     targets = a.targets.split(",")
-    patterns = dict(rslora=a.rslora, rank_pattern=json.loads(a.rank_pattern), alpha_pattern=json.loads(a.alpha_pattern),
+    patterns = dict(rslora=a.rslora, dora=a.dora, rank_pattern=json.loads(a.rank_pattern), alpha_pattern=json.loads(a.alpha_pattern),
                     layers=[int(x) for x in a.layers.split(",")] if a.layers else None)
     model = recipe.with_lora(base, a.lora_r, a.lora_alpha, 0.0, targets, **patterns)
     model.train()
-    on_disk = lambda n: n.replace(".default.", ".")  # noqa: E731  (PEFT drops the adapter name on save)
+    def on_disk(n):
+        # PEFT drops the adapter name on save, and ".weight" after DoRA's magnitude.
+        n = n.replace(".default.", ".")
+        return n.removesuffix(".weight") if n.endswith("lora_magnitude_vector.weight") else n
     named = [(on_disk(n), p) for n, p in model.named_parameters() if p.requires_grad]
     if a.lora_b == "normal":
         g = torch.Generator().manual_seed(a.seed + 7)
@@ -97,6 +101,9 @@ def main(a):
             for n, p in named:
                 if ".lora_B." in n:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                elif n.endswith("lora_magnitude_vector"):
+                    # Away from its initial ‖W‖ too, so each row's rescale is visible.
+                    p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
     adapter = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
     assert set(adapter) == {n for n, _ in named}, "PEFT's saved names differ from the parameter names"
     save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -165,7 +172,7 @@ def bf16_step1(cfg, base_state, adapter, ids, labels, a, targets, expected):
 
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(base_state)
-    model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora)
+    model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora, dora=a.dora)
     set_peft_model_state_dict(model, adapter)
     model.train()
     result = model(input_ids=ids, labels=labels, use_cache=False)

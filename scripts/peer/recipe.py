@@ -67,13 +67,15 @@ def random_model(cfg, dtype, seed):
 
 
 def with_lora(model, rank, alpha, dropout, targets=ATTENTION_TARGETS, rslora=False, rank_pattern=None,
-              alpha_pattern=None, layers=None):
+              alpha_pattern=None, layers=None, dora=False):
     """PEFT LoRA with its defaults (A Kaiming-uniform, B zero, f32 adapters); the base frozen.
     rslora: PEFT's use_rslora (the update scaled by alpha / sqrt(r)); rank_pattern, alpha_pattern,
-    layers (layers_to_transform): PEFT's per-module ranks and alphas and layer selection."""
+    layers (layers_to_transform): PEFT's per-module ranks and alphas and layer selection; dora: PEFT's
+    use_dora (a magnitude per output row)."""
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
                         bias="none", task_type="CAUSAL_LM", use_rslora=rslora, rank_pattern=rank_pattern or {},
-                        alpha_pattern=alpha_pattern or {}, layers_to_transform=layers)
+                        alpha_pattern=alpha_pattern or {}, layers_to_transform=layers,
+                        use_dora=dora)
     return get_peft_model(model, config)
 
 

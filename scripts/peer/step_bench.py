@@ -43,6 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--lora-dropout", type=float, default=0.1)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    ap.add_argument("--dora", action="store_true", help="PEFT's use_dora")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--max-grad-norm", type=float, default=0.3)
@@ -105,7 +106,7 @@ def main(a):
     t_build = time.perf_counter()
     cfg = recipe.hf_config(a.preset, a.seq_len)
     model = recipe.with_lora(recipe.random_model(cfg, a.dtype, a.seed), a.lora_r, a.lora_alpha, a.lora_dropout,
-                             a.targets.split(","))
+                             a.targets.split(","), dora=a.dora)
     model.to(dev)
     model.train()
     sync()
@@ -190,7 +191,7 @@ def main(a):
         "tokens_per_s": round(seqs * a.seq_len / med, 2),
         "peak_rss_mb": round(recipe.peak_rss_mb(), 1), "rss_hwm_after_build_mb": round(rss_after_build, 1),
         "trainable_params": sum(p.numel() for p in params), "total_params": sum(p.numel() for p in model.parameters()),
-        "final_loss": round(loss_value, 5),
+        "final_loss": round(loss_value, 5), "dora": a.dora,
         "flops_per_step": per_step, "gflops_per_s": round(per_step / med / 1e9, 2),
         "model_tflops_per_s": round(per_step / med / 1e12, 4), "flops_breakdown": flops,
         "cpu_util_median": round(statistics.median(util), 2),

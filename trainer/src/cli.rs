@@ -496,6 +496,9 @@ pub struct BenchArgs {
     /// Modules with adapters, comma-separated.
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub targets: String,
+    /// DoRA adapters (`lora.dora`): a trained magnitude per output row.
+    #[arg(long)]
+    pub dora: bool,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 4e-4)]
     pub lr: f64,

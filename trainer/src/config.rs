@@ -236,12 +236,15 @@ pub struct LoraConfig {
     pub alpha_pattern: BTreeMap<String, f64>,
     /// Only these decoder layers get adapters (PEFT's `layers_to_transform`); unset: all.
     pub layers_to_transform: Option<Vec<usize>>,
+    /// DoRA: a trainable magnitude per output row of each adapted weight (PEFT's `use_dora`).
+    pub dora: bool,
 }
 
 impl Default for LoraConfig {
     /// The model crate's defaults (the MLPerf reference's), written once there.
     fn default() -> Self {
-        let llora_model::LoraSpec { rank, alpha, dropout, targets, rslora, .. } = llora_model::LoraSpec::default();
+        let llora_model::LoraSpec { rank, alpha, dropout, targets, rslora, dora, .. } =
+            llora_model::LoraSpec::default();
         Self {
             rank,
             alpha,
@@ -251,6 +254,7 @@ impl Default for LoraConfig {
             rank_pattern: BTreeMap::new(),
             alpha_pattern: BTreeMap::new(),
             layers_to_transform: None,
+            dora,
         }
     }
 }
@@ -258,7 +262,7 @@ impl Default for LoraConfig {
 impl LoraConfig {
     /// The adapters these settings build.
     pub fn spec(&self) -> llora_model::LoraSpec {
-        let Self { rank, alpha, dropout, targets, rslora, rank_pattern, alpha_pattern, layers_to_transform } =
+        let Self { rank, alpha, dropout, targets, rslora, rank_pattern, alpha_pattern, layers_to_transform, dora } =
             self.clone();
         llora_model::LoraSpec {
             rank,
@@ -269,6 +273,7 @@ impl LoraConfig {
             rank_pattern: rank_pattern.into_iter().collect(),
             alpha_pattern: alpha_pattern.into_iter().collect(),
             layers: layers_to_transform,
+            dora,
         }
     }
 

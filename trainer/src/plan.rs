@@ -109,6 +109,18 @@ pub struct Budget {
 }
 
 /// The adapted linears of a block: (name, input width, which input they share).
+/// The output width of projection `name` and the block part it is in (`self_attn`, `mlp`).
+fn out_width(c: &llora_model::LlamaConfig, name: &str) -> (usize, &'static str) {
+    let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+    match name {
+        "qkv_proj" => (qd + 2 * kvd, "self_attn"),
+        "q_proj" => (qd, "self_attn"),
+        "k_proj" | "v_proj" => (kvd, "self_attn"),
+        "o_proj" | "down_proj" => (c.hidden_size, if name == "o_proj" { "self_attn" } else { "mlp" }),
+        _ => (c.intermediate_size, "mlp"),
+    }
+}
+
 fn adapted(s: &Shape) -> Vec<(&'static str, usize, &'static str)> {
     let c = &s.model;
     let (d, qd, i) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size);
@@ -240,6 +252,19 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
             out.push(Kept { name: format!("{name} adapter input"), bytes: n * e, why: "LoRA A gradient" });
         }
         out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
+        if s.lora.dora {
+            // The product with m/‖W'‖ keeps its other factor, in the adapter output's dtype (f32,
+            // bf16 under FP8: `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout
+            // the dropped input's two parts apart (model/src/lora.rs).
+            let n_out = out_width(&s.model, name).0 as f64;
+            let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
+            let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
+            out.push(Kept {
+                name: format!("{name} DoRA rescale input"),
+                bytes: parts * n_out * width,
+                why: "DoRA magnitude gradient",
+            });
+        }
     }
     out
 }
@@ -273,6 +298,19 @@ pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
             });
         }
         out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
+        if s.lora.dora {
+            // The product with m/‖W'‖ keeps its other factor, in the adapter output's dtype (f32,
+            // bf16 under FP8: `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout
+            // the dropped input's two parts apart (model/src/lora.rs).
+            let n_out = out_width(&s.model, name).0 as f64;
+            let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
+            let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
+            out.push(Kept {
+                name: format!("{name} DoRA rescale input"),
+                bytes: parts * n_out * width,
+                why: "DoRA magnitude gradient",
+            });
+        }
     }
     out
 }
@@ -309,28 +347,21 @@ fn block_linears(c: &LlamaConfig) -> (Vec<f64>, f64) {
     (sizes, largest)
 }
 
-/// LoRA parameters of the model, each adapter at its own rank (`rank_pattern`) and only in the
-/// layers that have adapters (`layers_to_transform`).
+/// LoRA parameters of the model (with DoRA's magnitudes), each adapter at its own rank
+/// (`rank_pattern`) and only in the layers that have adapters (`layers_to_transform`).
 fn lora_params(s: &Shape) -> f64 {
     let c = &s.model;
-    let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
     let mut total = 0usize;
     for l in 0..c.num_hidden_layers {
         for (name, n_in, _) in adapted(s) {
-            let (n_out, part) = match name {
-                "qkv_proj" => (qd + 2 * kvd, "self_attn"),
-                "q_proj" => (qd, "self_attn"),
-                "k_proj" | "v_proj" => (kvd, "self_attn"),
-                "o_proj" => (c.hidden_size, "self_attn"),
-                "down_proj" => (c.hidden_size, "mlp"),
-                _ => (c.intermediate_size, "mlp"),
-            };
+            let (n_out, part) = out_width(c, name);
             let module = format!("model.layers.{l}.{part}.{name}");
             if s.lora.layers.as_ref().is_some_and(|ls| !ls.contains(&l)) {
                 continue;
             }
             let rank = s.lora.module_spec(&module).map_or(s.lora.rank, |m| m.rank);
-            total += rank * (n_in + n_out);
+            // DoRA: one magnitude per output row.
+            total += rank * (n_in + n_out) + if s.lora.dora { n_out } else { 0 };
         }
     }
     total as f64
@@ -674,6 +705,30 @@ mod tests {
         assert_eq!(lora_params(&s), 80.0 * per_layer(4.0));
         s.lora.layers = Some(vec![0, 1]);
         assert_eq!(lora_params(&s), 2.0 * per_layer(4.0));
+        // DoRA: a magnitude per output row of each adapted module (q d, k kv, v kv, o d).
+        s.lora.dora = true;
+        assert_eq!(lora_params(&s), 2.0 * (per_layer(4.0) + d + kv + kv + d));
+    }
+
+    /// DoRA keeps, per token and adapted module, the factor its magnitude multiplies (one
+    /// output row; two with dropout), in the adapter output's dtype: bf16 under FP8 (the
+    /// MLPerf job: qkv 10240 wide, o 8192, dropout 0.1), f32 otherwise.
+    #[test]
+    fn dora_keeps_its_rescale_input_per_token() {
+        let mut s = mlperf(1, 0, false);
+        let base: f64 = kept_per_token(&s).iter().map(|k| k.bytes).sum();
+        s.lora.dora = true;
+        let dora: f64 = kept_per_token(&s).iter().map(|k| k.bytes).sum();
+        assert_eq!(dora - base, 2.0 * 2.0 * (10240.0 + 8192.0));
+        s.lora.dropout = 0.0;
+        s.precision = PrecisionSpec { compute: Compute::Bf16, ..Default::default() };
+        let base: f64 =
+            kept_per_token(&Shape { lora: llora_model::LoraSpec { dora: false, ..s.lora.clone() }, ..s.clone() })
+                .iter()
+                .map(|k| k.bytes)
+                .sum();
+        let dora: f64 = kept_per_token(&s).iter().map(|k| k.bytes).sum();
+        assert_eq!(dora - base, 4.0 * (10240.0 + 8192.0));
     }
 
     /// The MLPerf job's block (70B, fused qkv + o adapters, r 16, dropout 0.1, FP8 weights and

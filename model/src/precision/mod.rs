@@ -35,7 +35,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::libtorch::TchTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
+use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, LibTorch, backend_extension};
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use tch::Kind;
@@ -288,6 +288,28 @@ impl LinearQuant {
         s.grad.update(&spec);
     }
 
+    /// `‖Wᵢ‖²` of each row of the weight as stored, accumulated in f32 (no f32 copy of a bf16
+    /// weight; FP8 codes are dequantised).
+    fn weight_row_sq(&self, w: &tch::Tensor) -> tch::Tensor {
+        let _no_grad = tch::no_grad_guard();
+        let w = match self.stored.as_ref().map(FrozenWeight::whole) {
+            Some(StoredWeight::Bf16(t)) => t.tensor.shallow_clone(),
+            Some(stored) => stored.dequantize(),
+            None => w.shallow_clone(),
+        };
+        w.norm_scalaropt_dim_dtype(2.0, [1i64].as_slice(), false, Kind::Float).square()
+    }
+
+    /// `a·Wᵀ` in f32 with the weight as this layer's fp32/bf16 GEMM takes it (FP8 codes
+    /// dequantised to f32: an FP8 GEMM would quantise `a` with the activations' scale).
+    ///
+    /// # Shapes
+    /// - a: `[r, in]`; w: `[out, in]`; output: `[r, out]`
+    fn times_weight_t(&self, a: &tch::Tensor, w: &tch::Tensor) -> tch::Tensor {
+        let _no_grad = tch::no_grad_guard();
+        self.gemm(a, &self.compute_weight(w).tr()).to_kind(Kind::Float)
+    }
+
     /// The dtype of the GEMM operands of fp32 and bf16 compute.
     fn operand_kind(&self) -> Kind {
         if self.spec.compute == Compute::Bf16 { Kind::BFloat16 } else { Kind::Float }
@@ -488,6 +510,20 @@ pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train:
     ))
 }
 
+/// The frozen weight's part of DoRA's row norms (`LoraLinear::dora_norm`), without autodiff:
+/// `‖Wᵢ‖²` per row and `A·Wᵀ`, both f32, from the weight as `quant` stores it.
+///
+/// # Shapes
+/// - a: `[r, in]`; w: `[out, in]` (ignored when `quant` stores the weight)
+/// - output: `[out]` and `[r, out]`
+pub fn weight_row_terms(a: Tensor<2>, w: Tensor<2>, quant: &Arc<LinearQuant>) -> (Tensor<1>, Tensor<2>) {
+    let w = w.detach();
+    let row_sq = <Dispatch as LowPrecisionBackend>::weight_row_sq(w.clone().into_dispatch(), quant.clone());
+    let aw =
+        <Dispatch as LowPrecisionBackend>::times_weight_t(a.detach().into_dispatch(), w.into_dispatch(), quant.clone());
+    (Tensor::from_dispatch(row_sq), Tensor::from_dispatch(aw))
+}
+
 /// `silu(gate) · up`, keeping gate and up for backward in `storage` (the only tensors its
 /// backward needs; Burn's composite keeps more, in f32).
 ///
@@ -510,6 +546,10 @@ pub trait LowPrecisionBackend: Backend {
     ) -> FloatTensor<Self>;
     /// See [`swiglu`].
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self>;
+    /// `‖Wᵢ‖²` per row, f32, untracked (see [`weight_row_terms`]).
+    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    /// `a·Wᵀ`, f32, untracked (see [`weight_row_terms`]).
+    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
 }
 
 impl LowPrecisionBackend for LibTorch {
@@ -519,6 +559,14 @@ impl LowPrecisionBackend for LibTorch {
 
     fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage) -> TchTensor {
         TchTensor::new(gate.tensor.silu() * &up.tensor)
+    }
+
+    fn weight_row_sq(w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
+        TchTensor::new(quant.weight_row_sq(&w.tensor))
+    }
+
+    fn times_weight_t(a: TchTensor, w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
+        TchTensor::new(quant.times_weight_t(&a.tensor, &w.tensor))
     }
 }
 
@@ -643,6 +691,14 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
                 prep.finish(TchTensor::new(quant.forward(&x, &w.tensor, train, false).y))
             }
         }
+    }
+
+    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+        Self::from_inner(LibTorch::weight_row_sq(Self::inner(w), quant))
+    }
+
+    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+        Self::from_inner(LibTorch::times_weight_t(Self::inner(a), Self::inner(w), quant))
     }
 
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self> {

@@ -351,6 +351,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         alpha: args.lora_alpha,
         dropout: args.lora_dropout,
         targets: args.targets.split(',').map(str::to_string).collect(),
+        dora: args.dora,
         ..LoraSpec::default()
     };
     let precision = precision_spec(args);
@@ -518,6 +519,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "heap_in_use_after_build_mb": (heap_after_build * 10.0).round() / 10.0,
         "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
         "peak_heap_resident_mb": (heap_resident_peak * 10.0).round() / 10.0,
+        "dora": args.dora,
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "final_loss": (loss * 1e5).round() / 1e5,
