@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod chat;
 pub mod loader;
+pub mod packing;
 pub mod parquet_io;
 pub mod prefetch;
 pub mod rows;

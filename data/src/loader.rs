@@ -14,6 +14,10 @@ pub struct Position {
     pub epoch: u64,
     /// Next index within the epoch's permutation.
     pub index: usize,
+    /// With packing: rows already taken from the packing window that starts at
+    /// (`epoch`, `index`) (see [`crate::packing::PackedOrder`]); 0 between windows and unpacked.
+    #[serde(default)]
+    pub packed_rows: usize,
 }
 
 /// An endless, epoch-by-epoch stream of dataset indices: every epoch is a fresh permutation
@@ -60,7 +64,7 @@ impl SampleOrder {
     /// The next dataset index, moving to the next epoch when this one is used up.
     pub fn next_index(&mut self) -> usize {
         if self.position.index == self.order.len() {
-            self.position = Position { epoch: self.position.epoch + 1, index: 0 };
+            self.position = Position { epoch: self.position.epoch + 1, index: 0, packed_rows: 0 };
             self.order = self.epoch_order(self.position.epoch);
         }
         let i = self.order[self.position.index];

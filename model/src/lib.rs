@@ -13,6 +13,7 @@ pub mod lora;
 pub mod loss;
 pub mod merge;
 pub mod norm;
+pub mod packing;
 pub mod params;
 pub mod patterns;
 pub mod peft;

@@ -7,15 +7,38 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
 use burn::tensor::{DType, Device, Int, Tensor};
 
-use crate::attention::causal_attention;
+use std::sync::Arc;
+
+use crate::attention::{causal_attention, packed_causal_attention};
 use crate::config::LlamaConfig;
 use crate::lora::{LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
+use crate::packing::PackedRows;
 pub use crate::rope::{apply_rope, rope_tables, rope_tables_at};
 
 use crate::dropout::BlockSeeds;
 use crate::precision::{Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
 use crate::shard::{Sharding, WeightShard};
+
+/// Where a forward's tokens are: RoPE's tables at their positions and, for packed rows, where
+/// each row's documents lie (see [`crate::packing`]).
+#[derive(Debug, Clone)]
+pub struct Positions {
+    /// cos of each position, `[1, 1, seq, head_dim]` (every row at 0..seq), or
+    /// `[batch, 1, seq, head_dim]` for packed rows (each document from 0).
+    pub cos: Tensor<4>,
+    /// sin, shaped as `cos`.
+    pub sin: Tensor<4>,
+    /// The documents of packed rows; `None`: one sequence per row.
+    pub packed: Option<Arc<PackedRows>>,
+}
+
+impl Positions {
+    /// The same positions on the inner (non-autodiff) backend.
+    pub fn inner(&self) -> Self {
+        Self { cos: self.cos.clone().inner(), sin: self.sin.clone().inner(), packed: self.packed.clone() }
+    }
+}
 
 /// The token embeddings of `ids` in the activations' dtype `dtype` (a bf16 embedding table is
 /// read as stored; an f32 one is cast after the lookup).
@@ -57,14 +80,18 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Causal self-attention; on packed rows, within each document.
+    ///
     /// # Shapes
     /// - x: `[batch, seq, d]`
-    /// - cos, sin: `[1, 1, seq, head_dim]`
     /// - output: `[batch, seq, d]`
-    pub fn forward(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> Tensor<3> {
+    pub fn forward(&self, x: Tensor<3>, at: &Positions, train: bool) -> Tensor<3> {
         let [b, s, _] = x.dims();
-        let (q, k, v) = self.qkv(x, cos, sin, train);
-        let out = causal_attention(q, k, v);
+        let (q, k, v) = self.qkv(x, at.cos.clone(), at.sin.clone(), train);
+        let out = match &at.packed {
+            None => causal_attention(q, k, v),
+            Some(packed) => packed_causal_attention(q, k, v, packed),
+        };
         self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), train)
     }
 
@@ -95,7 +122,7 @@ impl Attention {
     /// Queries, keys and values in heads, RoPE applied to q and k.
     ///
     /// # Shapes
-    /// - x: `[batch, seq, d]`; cos, sin: `[1, 1, seq, head_dim]`
+    /// - x: `[batch, seq, d]`; cos, sin: `[1 or batch, 1, seq, head_dim]`
     /// - output: q `[batch, H, seq, hd]`, k and v `[batch, KV, seq, hd]`
     fn qkv(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
         let [b, s, _] = x.dims();
@@ -167,8 +194,8 @@ impl DecoderLayer {
     /// # Shapes
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
-    pub fn forward(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> Tensor<3> {
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, train);
+    pub fn forward(&self, x: Tensor<3>, at: &Positions, train: bool) -> Tensor<3> {
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), at, train);
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), train)
     }
 
@@ -277,19 +304,53 @@ impl LlamaForCausalLM {
     /// A sharded model gathers each block's weights for its forward and frees them after, so
     /// its output cannot be backpropagated: train it with [`Self::recomputed_backward`].
     pub fn hidden(&self, input_ids: Tensor<2, Int>, train: bool) -> anyhow::Result<Tensor<3>> {
-        let [_, s] = input_ids.dims();
+        self.hidden_packed(input_ids, None, train)
+    }
+
+    /// [`Self::hidden`] of packed rows when `packed` is given (each document on its own).
+    ///
+    /// # Shapes
+    /// As [`Self::hidden`].
+    pub fn hidden_packed(
+        &self,
+        input_ids: Tensor<2, Int>,
+        packed: Option<&Arc<PackedRows>>,
+        train: bool,
+    ) -> anyhow::Result<Tensor<3>> {
         let device = input_ids.device();
-        let (cos, sin) = self.rope(s, &device);
+        let at = self.positions(input_ids.dims(), packed, &device)?;
         let blocks = BlockSeeds::draw(&device, train);
         let mut x = embed(self.embed_tokens.val(), input_ids, self.activations);
         for (k, layer) in self.layers.iter().enumerate() {
             blocks.seed(&device, k);
             layer.gather(k)?;
             self.prefetch(k + 1)?;
-            x = layer.forward(x, cos.clone(), sin.clone(), train);
+            x = layer.forward(x, &at, train);
             layer.release();
         }
         Ok(self.norm.forward(x))
+    }
+
+    /// The positions of a `[batch, seq]` batch: 0..seq in every row, or for packed rows each
+    /// document's own from 0 (the RoPE table of `0..seq` gathered by position).
+    pub fn positions(
+        &self,
+        [b, s]: [usize; 2],
+        packed: Option<&Arc<PackedRows>>,
+        device: &Device,
+    ) -> anyhow::Result<Positions> {
+        let (cos, sin) = self.rope(s, device);
+        let Some(packed) = packed else { return Ok(Positions { cos, sin, packed: None }) };
+        anyhow::ensure!(
+            [packed.rows(), packed.seq()] == [b, s],
+            "packed layout of {} rows of {} tokens for a batch of {b} x {s}",
+            packed.rows(),
+            packed.seq()
+        );
+        let hd = self.config.head_dim;
+        let index = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(packed.positions(), [b * s]), device);
+        let gather = |t: Tensor<4>| t.reshape([s, hd]).select(0, index.clone()).reshape([b, 1, s, hd]);
+        Ok(Positions { cos: gather(cos), sin: gather(sin), packed: Some(packed.clone()) })
     }
 
     /// RoPE tables for `seq` positions, computed in f32 and cast to the activations' dtype
@@ -332,14 +393,27 @@ impl LlamaForCausalLM {
     /// - input_ids: `[batch, seq]`
     /// - output: `[batch, seq, V]`
     pub fn forward(&self, input_ids: Tensor<2, Int>, train: bool) -> anyhow::Result<Tensor<3>> {
-        let hidden = self.hidden(input_ids, train)?;
+        self.forward_packed(input_ids, None, train)
+    }
+
+    /// [`Self::forward`] of packed rows when `packed` is given.
+    ///
+    /// # Shapes
+    /// As [`Self::forward`].
+    pub fn forward_packed(
+        &self,
+        input_ids: Tensor<2, Int>,
+        packed: Option<&Arc<PackedRows>>,
+        train: bool,
+    ) -> anyhow::Result<Tensor<3>> {
+        let hidden = self.hidden_packed(input_ids, packed, train)?;
         // In the activations' dtype, then f32 (as HF's loss upcasts them).
         let head = self.head().cast(hidden.dtype());
         Ok(crate::lora::linear_t(hidden, head).cast(DType::F32))
     }
 
     /// Loss sums of a batch (see [`crate::loss::target_rows_loss`]): the LM head runs only on
-    /// the positions that have a target.
+    /// the positions that have a target; per row, or per document of `packed` rows.
     ///
     /// # Shapes
     /// - input_ids, labels: `[batch, seq]`
@@ -347,9 +421,11 @@ impl LlamaForCausalLM {
         &self,
         input_ids: Tensor<2, Int>,
         labels: impl Into<crate::loss::Labels>,
+        packed: Option<&Arc<PackedRows>>,
         train: bool,
     ) -> anyhow::Result<crate::loss::LossSums> {
-        Ok(crate::loss::target_rows_loss(self.hidden(input_ids, train)?, self.head(), labels))
+        let hidden = self.hidden_packed(input_ids, packed, train)?;
+        Ok(crate::loss::target_rows_loss(hidden, self.head(), labels, packed.map(|p| &**p)))
     }
 
     /// Switches every decoder linear layer (and adapter) and every MLP to `spec`; frozen base

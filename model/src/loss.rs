@@ -13,6 +13,8 @@ use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use crate::packing::PackedRows;
+
 /// Label value that takes no loss (prompt and padding), as in HF and PyTorch.
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -87,31 +89,46 @@ pub fn causal_lm_loss(logits: Tensor<3>, labels: Tensor<2, Int>) -> LossSums {
 /// head is the largest GEMM of a small model). On LibTorch the cross-entropy is one fused op
 /// keeping only the logits and a log-sum-exp per row for backward.
 ///
+/// The sums are per sample: per row, or for `packed` rows per document (in row order), where a
+/// position whose next token belongs to another document (or to padding) predicts nothing.
+///
 /// # Shapes
 /// - hidden: `[batch, seq, d]`
 /// - lm_head: `[vocab, d]`
 /// - labels: `[batch, seq]`
-pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: impl Into<Labels>) -> LossSums {
+/// - output: sums `[samples]` (rows, or packed documents)
+pub fn target_rows_loss(
+    hidden: Tensor<3>,
+    lm_head: Tensor<2>,
+    labels: impl Into<Labels>,
+    packed: Option<&PackedRows>,
+) -> LossSums {
     let [b, s, d] = hidden.dims();
     let v = lm_head.dims()[0];
     let device = hidden.device();
     let host = labels.into().host_values();
-    let (mut rows, mut targets, mut counts) = (Vec::new(), Vec::new(), vec![0f32; b]);
+    // The sample of each position: its row, or its packed document.
+    let owners: Vec<Option<usize>> = match packed {
+        Some(p) => p.owners(),
+        None => (0..b * s).map(|i| Some(i / s)).collect(),
+    };
+    let samples = packed.map_or(b, PackedRows::num_docs);
+    let (mut rows, mut targets, mut counts) = (Vec::new(), Vec::new(), vec![0f32; samples]);
     for i in 0..b {
         for t in 0..s.saturating_sub(1) {
-            let label = host[i * s + t + 1];
-            if label != IGNORE_INDEX {
-                rows.push((i * s + t) as i64);
+            let (at, label) = (i * s + t, host[i * s + t + 1]);
+            if let Some(owner) = owners[at].filter(|&o| label != IGNORE_INDEX && owners[at + 1] == Some(o)) {
+                rows.push(at as i64);
                 targets.push(label.clamp(0, v as i64 - 1));
-                counts[i] += 1.0;
+                counts[owner] += 1.0;
             }
         }
     }
-    let tokens = Tensor::<1>::from_data(TensorData::new(counts.clone(), [b]), &device);
+    let tokens = Tensor::<1>::from_data(TensorData::new(counts.clone(), [samples]), &device);
     if rows.is_empty() {
         // Zero loss that still reaches every parameter, so each gets a (zero) gradient.
         let zero = hidden.sum().cast(burn::tensor::DType::F32).mul_scalar(0.0);
-        return LossSums { loss_sum: zero.expand([b]), tokens };
+        return LossSums { loss_sum: zero.expand([samples]), tokens };
     }
     let n = rows.len();
     let index = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device);
@@ -127,8 +144,9 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: impl Into
         let head = lm_head.cast(selected.dtype());
         cross_entropy(selected.matmul(head.transpose()).cast(burn::tensor::DType::F32), targets)
     };
-    // Per-sample sums as a [b, n] 0/1 matrix times the row losses (rows are in sample order).
-    let mut owner = vec![0f32; b * n];
+    // Per-sample sums as a [samples, n] 0/1 matrix times the row losses (rows are in sample
+    // order: rows in order, documents in order within them).
+    let mut owner = vec![0f32; samples * n];
     let mut r = 0;
     for (i, &c) in counts.iter().enumerate() {
         for _ in 0..c as usize {
@@ -136,8 +154,8 @@ pub fn target_rows_loss(hidden: Tensor<3>, lm_head: Tensor<2>, labels: impl Into
             r += 1;
         }
     }
-    let owner = Tensor::<2>::from_data(TensorData::new(owner, [b, n]), &device);
-    let loss_sum = owner.matmul(row_loss.unsqueeze_dim::<2>(1)).reshape([b]);
+    let owner = Tensor::<2>::from_data(TensorData::new(owner, [samples, n]), &device);
+    let loss_sum = owner.matmul(row_loss.unsqueeze_dim::<2>(1)).reshape([samples]);
     LossSums { loss_sum, tokens }
 }
 
@@ -353,7 +371,7 @@ mod tests {
         let run = |fused: bool| {
             let (h, w) = (h0.clone().require_grad(), w0.clone().require_grad());
             let sums = if fused {
-                target_rows_loss(h.clone(), w.clone(), labels.clone())
+                target_rows_loss(h.clone(), w.clone(), labels.clone(), None)
             } else {
                 causal_lm_loss(h.clone().matmul(w.clone().transpose().unsqueeze()), labels.clone())
             };
@@ -367,7 +385,7 @@ mod tests {
         let frozen = |fused: bool| {
             let h = h0.clone().require_grad();
             let sums = if fused {
-                target_rows_loss(h.clone(), w0.clone(), labels.clone())
+                target_rows_loss(h.clone(), w0.clone(), labels.clone(), None)
             } else {
                 causal_lm_loss(h.clone().matmul(w0.clone().transpose().unsqueeze()), labels.clone())
             };

@@ -5,8 +5,11 @@
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 
+use std::sync::Arc;
+
 use crate::dropout::BlockSeeds;
 use crate::llama::{LlamaForCausalLM, embed};
+use crate::packing::PackedRows;
 
 impl LlamaForCausalLM {
     /// Gradients of `loss_sum / norm` of a training micro-batch, computed block by block, with
@@ -31,6 +34,7 @@ impl LlamaForCausalLM {
         &self,
         input_ids: Tensor<2, Int>,
         labels: impl Into<crate::loss::Labels>,
+        packed: Option<&Arc<PackedRows>>,
         norm: f64,
         recompute: usize,
     ) -> anyhow::Result<(Tensor<1>, Vec<burn::tensor::Gradients>)> {
@@ -45,12 +49,11 @@ impl LlamaForCausalLM {
         // Blocks [0, n) are recomputed, [n, split) keep their own graphs, [split, L) share the
         // head's graph.
         let split = if self.is_sharded() { self.layers.len() } else { n };
-        let [_, s] = input_ids.dims();
         let device = input_ids.device();
-        let (cos, sin) = self.rope(s, &device);
+        let at = self.positions(input_ids.dims(), packed, &device)?;
         let blocks = BlockSeeds::draw(&device, true);
         let inner = self.valid();
-        let (cos_i, sin_i) = (cos.clone().inner(), sin.clone().inner());
+        let at_inner = at.inner();
         let mut x = embed(inner.embed_tokens.val(), input_ids.clone().inner(), self.activations);
         let mut segments = Vec::with_capacity(split);
         for k in 0..split {
@@ -61,10 +64,10 @@ impl LlamaForCausalLM {
             }
             if k < n {
                 segments.push(Segment::Recompute(x.clone()));
-                x = inner.layers[k].forward(x, cos_i.clone(), sin_i.clone(), true);
+                x = inner.layers[k].forward(x, &at_inner, true);
             } else {
                 let input = Tensor::from_inner(x).require_grad();
-                let y = self.layers[k].forward(input.clone(), cos.clone(), sin.clone(), true);
+                let y = self.layers[k].forward(input.clone(), &at, true);
                 x = y.clone().inner();
                 segments.push(Segment::Graph(input, y));
             }
@@ -75,10 +78,13 @@ impl LlamaForCausalLM {
         let mut h = top_in.clone();
         for (k, layer) in self.layers.iter().enumerate().skip(split) {
             blocks.seed(&device, k);
-            h = layer.forward(h, cos.clone(), sin.clone(), true);
+            h = layer.forward(h, &at, true);
         }
-        let loss =
-            crate::loss::target_rows_loss(self.norm.forward(h), self.head(), labels).loss_sum.sum().div_scalar(norm);
+        let packed = packed.map(|p| &**p);
+        let loss = crate::loss::target_rows_loss(self.norm.forward(h), self.head(), labels, packed)
+            .loss_sum
+            .sum()
+            .div_scalar(norm);
         // Kept on the device: the caller reads it with the step's other values, in one sync.
         let value = loss.clone().inner();
         let grads = loss.backward();
@@ -99,7 +105,7 @@ impl LlamaForCausalLM {
                 Segment::Recompute(x) => {
                     let input = Tensor::from_inner(x).require_grad();
                     blocks.seed(&device, k);
-                    (input.clone(), layer.forward(input, cos.clone(), sin.clone(), true))
+                    (input.clone(), layer.forward(input, &at, true))
                 }
                 Segment::Graph(input, y) => (input, y),
             };

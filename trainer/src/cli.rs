@@ -127,9 +127,16 @@ pub struct EvalArgs {
     /// Rows longer than this are bad rows.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
-    /// Sequences per forward pass.
+    /// Sequences (rows, with `--pack`) per forward pass.
     #[arg(long, default_value_t = 1)]
     pub batch_size: usize,
+    /// Pack whole samples into rows of `--max-seq-len` tokens, each attending only to itself
+    /// (`data.packing`); the loss is each sample's own, as unpacked.
+    #[arg(long)]
+    pub pack: bool,
+    /// Samples packed together with `--pack` (`data.pack_window`).
+    #[arg(long, default_value_t = llora_data::packing::DEFAULT_WINDOW)]
+    pub pack_window: usize,
     /// `cpu`, `cuda:N` or `flex`.
     #[arg(long, default_value = "cpu")]
     pub device: llora_model::device::DeviceSpec,

@@ -353,6 +353,12 @@ pub struct DataConfig {
     pub padding: PadTo,
     /// What a bad row does: `"error"` stops with file/row/reason, `"skip"` counts and warns.
     pub on_bad_row: OnBadRow,
+    /// Sample packing: whole samples placed into rows of `max_seq_len` tokens, each attending
+    /// only to itself with its positions from 0 (`llora_data::packing`); a row of the schedule
+    /// (`train.global_batch`, `eval.every_samples`) is then a packed row.
+    pub packing: bool,
+    /// Samples packed together (the bound on what packing holds at once).
+    pub pack_window: usize,
     /// Generate a synthetic GovReport-shaped corpus instead of reading `train`/`eval`.
     pub synthetic: Option<SyntheticConfig>,
 }
@@ -393,12 +399,19 @@ impl Default for DataConfig {
             eval_workers: 1,
             padding: PadTo::Longest,
             on_bad_row: OnBadRow::Error,
+            packing: false,
+            pack_window: llora_data::packing::DEFAULT_WINDOW,
             synthetic: None,
         }
     }
 }
 
 impl DataConfig {
+    /// How rows are packed, when they are.
+    pub fn packing(&self) -> Option<llora_data::packing::Packing> {
+        self.packing.then_some(llora_data::packing::Packing { seq_len: self.max_seq_len, window: self.pack_window })
+    }
+
     /// Records what is wrong with these data settings.
     pub fn check(&self, p: &mut Problems<'_>) {
         let d = self;
@@ -410,6 +423,7 @@ impl DataConfig {
         );
         check_workers(p, "data.train_workers", d.train_workers);
         check_workers(p, "data.eval_workers", d.eval_workers);
+        p.check(d.pack_window >= 1, "data.pack_window", &d.pack_window, "must be at least 1");
         match &d.synthetic {
             Some(syn) => {
                 p.check(

@@ -29,6 +29,8 @@ use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, LibTorch, LibTo
 use burn::tensor::Tensor;
 use burn::tensor::ops::AttentionModuleOptions;
 
+use crate::packing::PackedRows;
+
 /// Repeats each of the KV heads `group` times so query head h reads KV head h / group.
 ///
 /// # Shapes
@@ -102,6 +104,34 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, causal: bool) -> Tens
 /// As [`attention`].
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
     attention(q, k, v, true)
+}
+
+/// Causal attention within each document of packed rows (block-diagonal): every span of
+/// [`PackedRows::spans`] is its own causal problem on the kernel [`attention`] picks, so the
+/// work is the documents' `Σ sᵢ²` rather than `seq²`, and no `seq × seq` mask exists.
+///
+/// # Shapes
+/// As [`attention`], with `q.dims()[0] == packed.rows()` and `q.dims()[2] == packed.seq()`.
+pub fn packed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, packed: &PackedRows) -> Tensor<4> {
+    let rows: Vec<Tensor<4>> = (0..packed.rows())
+        .map(|r| {
+            let row = |t: &Tensor<4>| t.clone().narrow(0, r, 1);
+            let (q, k, v) = (row(&q), row(&k), row(&v));
+            let spans = packed.spans(r);
+            if spans.len() == 1 {
+                return causal_attention(q, k, v);
+            }
+            let parts = spans
+                .into_iter()
+                .map(|(start, len)| {
+                    let span = |t: &Tensor<4>| t.clone().narrow(2, start, len);
+                    causal_attention(span(&q), span(&k), span(&v))
+                })
+                .collect();
+            Tensor::cat(parts, 2)
+        })
+        .collect();
+    Tensor::cat(rows, 0)
 }
 
 /// [`attention`] with an explicit kernel (tests compare the two).

@@ -225,10 +225,10 @@ fn block_memory(model: &LlamaForCausalLM, batch: usize, seq: usize, device: &Dev
         .cast(model.activations)
         .require_grad();
     let g = Tensor::<3>::random([batch, seq, d], Distribution::Normal(0.0, 1.0), device);
-    let (cos, sin) = model.rope(seq, device);
+    let at = model.positions([batch, seq], None, device).ok()?;
     let before = in_use()?;
     let peak = HeapPeak::start();
-    let y = layer.forward(x, cos, sin, true);
+    let y = layer.forward(x, &at, true);
     let after_fwd = in_use()?;
     let fwd_peak = (peak.finish().0 * (1 << 20) as f64) as usize;
     let y_bytes = batch * seq * d * y.dtype().size();
@@ -322,7 +322,7 @@ fn bench_step(
         .drain(..)
         .skip(dist.world.rank * args.accum)
         .take(args.accum)
-        .map(|(ids, labels, _)| MicroBatch { ids, labels, seed: None })
+        .map(|(ids, labels, _)| MicroBatch { ids, labels, packed: None, seed: None })
         .collect();
     let opts = StepOptions {
         lr: args.lr,

@@ -298,7 +298,7 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
         let (mut seqs, mut tokens) = (0usize, 0usize);
         for batch in train_batches(
             train.clone(),
-            order,
+            llora_data::batch::RowOrder::Samples(order),
             Geometry { global: a.global_batch, micro: 1, rank: 0, world: 1 },
             Padding::Longest,
             w,
@@ -315,7 +315,8 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     for &w in &a.eval_workers {
         let t = Instant::now();
         let tokens: usize = eval.iter().map(|x| x.input_ids.len()).sum();
-        eval_batches(eval.clone(), 1, (0, 1), Padding::Longest, w).for_each(|m| drop(to_tensor(m)));
+        let rows = Arc::new(llora_data::batch::eval_rows(&eval, None));
+        eval_batches(eval.clone(), rows, 1, (0, 1), (Padding::Longest, false), w).for_each(|m| drop(to_tensor(m)));
         let s = t.elapsed().as_secs_f64();
         println!(
             "{:<22} {w:>8} {:>12.0} {:>14.0}   one pass {s:.3} s",

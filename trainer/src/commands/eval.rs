@@ -8,7 +8,7 @@ use llora_model::BuildOptions;
 use llora_model::checkpoint::HfCheckpoint;
 use serde_json::json;
 
-use crate::engine::step::evaluate;
+use crate::engine::step::{EvalBatching, evaluate};
 
 /// `llora eval`: loads a checkpoint (and adapter), evaluates a parquet file, prints the
 /// result as the last line, one JSON object.
@@ -28,6 +28,7 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     crate::config::check_threads(&mut p, "--threads", args.threads);
     crate::config::check_workers(&mut p, "--workers", args.workers);
     p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");
+    p.check(args.pack_window >= 1, "--pack-window", &args.pack_window, "must be at least 1");
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
     let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
@@ -48,9 +49,15 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     let (samples, report) = read_parquet(&args.data, &opts)?;
     anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
     let samples = Arc::new(samples);
-    let padding = llora_data::batch::Padding::Longest;
-    let loss =
-        evaluate(&model, &samples, args.batch_size, args.workers, padding, &device, &crate::dist::SingleProcess)?;
+    let how = EvalBatching {
+        batch_size: args.batch_size,
+        workers: args.workers,
+        padding: llora_data::batch::Padding::Longest,
+        packing: args
+            .pack
+            .then_some(llora_data::packing::Packing { seq_len: args.max_seq_len, window: args.pack_window }),
+    };
+    let loss = evaluate(&model, &samples, how, &device, &crate::dist::SingleProcess)?;
     let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
     if !per_token.is_finite() {
         let culprit = match ckpt.first_non_finite()? {

@@ -7,9 +7,11 @@ use std::time::Instant;
 use anyhow::bail;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_data::Sample;
-use llora_data::batch::{Collated, Padding, eval_batches};
+use llora_data::batch::{Collated, Padding, eval_batches, eval_rows};
+use llora_data::packing::Packing;
 use llora_model::LlamaForCausalLM;
 use llora_model::loss::Labels;
+use llora_model::packing::PackedRows;
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
@@ -21,6 +23,8 @@ pub struct MicroBatch {
     pub ids: Tensor<2, Int>,
     /// `[batch, seq]` labels (−100 = no loss), with their host values when known.
     pub labels: Labels,
+    /// Where the documents of packed rows lie; `None`: a sample per row.
+    pub packed: Option<Arc<PackedRows>>,
     /// Reseeds the device's generator before the forward, when set.
     pub seed: Option<u64>,
 }
@@ -36,15 +40,16 @@ pub fn dropout_seed(run_seed: u64, step: usize, micro: usize) -> u64 {
         .wrapping_add(micro as u64)
 }
 
-/// A collated micro-batch as device tensors.
-///
-/// # Shapes
-/// - output: (input_ids, labels), each `[batch, seq]`
-pub fn upload(c: Collated, device: &Device) -> (Tensor<2, Int>, Labels) {
-    (
-        Tensor::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), device),
-        Labels::from_host(c.labels, [c.batch, c.seq], device),
-    )
+/// A collated micro-batch as device tensors (ids and labels `[batch, seq]`), with its packed
+/// layout; no dropout seed.
+pub fn upload(c: Collated, device: &Device) -> MicroBatch {
+    let packed = c.docs.map(|docs| Arc::new(PackedRows::new(docs, c.seq).expect("collate_rows keeps rows within seq")));
+    MicroBatch {
+        ids: Tensor::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), device),
+        labels: Labels::from_host(c.labels, [c.batch, c.seq], device),
+        packed,
+        seed: None,
+    }
 }
 
 /// The knobs of one optimizer step.
@@ -112,12 +117,12 @@ pub fn grads_on_device(
     }
     let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
         // Forward and backward interleave block by block: all of it counts as backward.
-        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, norm, recompute)?;
+        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute)?;
         (loss, grads, 0.0)
     } else {
         let loss = {
             let _span = debug_span!("forward").entered();
-            model.loss(mb.ids, mb.labels, true)?.loss_sum.sum().div_scalar(norm)
+            model.loss(mb.ids, mb.labels, mb.packed.as_ref(), true)?.loss_sum.sum().div_scalar(norm)
         };
         if sync {
             device_sync(&device);
@@ -351,26 +356,41 @@ pub struct EvalLoss {
     pub tokens: usize,
 }
 
+/// How an evaluation batches its set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalBatching {
+    /// Rows per batch.
+    pub batch_size: usize,
+    /// Prefetch threads.
+    pub workers: usize,
+    /// What batches are padded to.
+    pub padding: Padding,
+    /// Samples packed into rows (in order), when set; each still counts as its own sample.
+    pub packing: Option<Packing>,
+}
+
 /// Evaluation loss over `samples`, sharded across ranks: each rank evaluates every
-/// world-th batch of `batch_size` (prepared by `workers` threads) and the sums are all-reduced,
-/// so the result is the single process's for any world size, also when the set does not divide.
+/// world-th batch (prepared by `workers` threads) and the sums are all-reduced, so the result
+/// is the single process's for any world size, also when the set does not divide; packed or
+/// not, each sample's loss is its own (the per-sample mean is MLPerf's metric either way).
 pub fn evaluate(
     model: &LlamaForCausalLM,
     samples: &Arc<Vec<Sample>>,
-    batch_size: usize,
-    workers: usize,
-    padding: Padding,
+    how: EvalBatching,
     device: &Device,
     comm: &dyn Collective,
 ) -> anyhow::Result<EvalLoss> {
     // [sum of token losses, target tokens, sum of per-sample mean losses]
     let mut sums = [0f64; 3];
     let share = (comm.rank(), comm.world_size());
+    let rows = Arc::new(eval_rows(samples, how.packing));
+    let batches = rows.len().div_ceil(how.batch_size.max(1));
+    let layout = (how.padding, how.packing.is_some());
     let mut mine = 0;
-    for batch in eval_batches(samples.clone(), batch_size, share, padding, workers) {
+    for batch in eval_batches(samples.clone(), rows, how.batch_size, share, layout, how.workers) {
         mine += 1;
-        let (ids, labels) = upload(batch, device);
-        let out = model.loss(ids, labels, false)?;
+        let mb = upload(batch, device);
+        let out = model.loss(mb.ids, mb.labels, mb.packed.as_ref(), false)?;
         let s: Vec<f32> = out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         let t: Vec<f32> = out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         for (s, t) in s.iter().zip(&t) {
@@ -381,11 +401,11 @@ pub fn evaluate(
     }
     // Sharded weights are gathered by every rank for every forward: a rank with fewer batches
     // runs one-token forwards (discarded) until it has joined as many gathers as rank 0.
-    let most = samples.len().div_ceil(batch_size.max(1)).div_ceil(comm.world_size());
+    let most = batches.div_ceil(comm.world_size());
     if model.is_sharded() {
         for _ in mine..most {
             let token = Tensor::<2, Int>::zeros([1, 1], device);
-            model.loss(token.clone(), token, false)?;
+            model.loss(token.clone(), token, None, false)?;
         }
     }
     comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
@@ -458,6 +478,7 @@ mod tests {
             let mb = || MicroBatch {
                 ids: Tensor::from_data(TensorData::new(ids.clone(), [2, 48]), &device),
                 labels: Labels::from_host(labels.clone(), [2, 48], &device),
+                packed: None,
                 seed: Some(11),
             };
             let (loss0, plain, _, _) = micro_batch_grads(&mut model, mb(), 40.0, 0).unwrap();
@@ -502,7 +523,7 @@ mod tests {
             &mut model,
             &mut optim,
             &SingleProcess,
-            vec![MicroBatch { ids, labels: labels.into(), seed: None }],
+            vec![MicroBatch { ids, labels: labels.into(), packed: None, seed: None }],
             0,
             StepOptions { lr: 1e-3, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false },
         )

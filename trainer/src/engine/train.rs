@@ -14,8 +14,9 @@ use anyhow::Context;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use llora_data::Sample;
-use llora_data::batch::{Geometry, StepBatch, train_batches};
+use llora_data::batch::{Geometry, RowOrder, StepBatch, train_batches};
 use llora_data::loader::SampleOrder;
+use llora_data::packing::PackedOrder;
 use llora_data::parquet_io::{ReadOptions, read_parquet};
 use llora_data::prefetch::Prefetched;
 use llora_data::synth::{Synth, SynthConfig};
@@ -33,7 +34,9 @@ use crate::engine::observe::{Metrics, Progress, StopSignal};
 use crate::engine::optim::{AdamW, lr_at};
 use crate::engine::resume::{self, Checkpoint, TrainState};
 use crate::engine::run_dir;
-use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload};
+use crate::engine::step::{
+    EvalBatching, MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload,
+};
 
 /// `run_stop`'s status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -381,6 +384,14 @@ impl<'a> Trainer<'a> {
             }
         });
         let order = log.stop_on_error(state.progress.samples, order)?;
+        let order = match config.data.packing() {
+            None => RowOrder::Samples(order),
+            Some(packing) => {
+                let lengths = Arc::new(data.train.iter().map(|s| s.input_ids.len()).collect());
+                let packed = PackedOrder::new(order, lengths, packing, position.packed_rows);
+                RowOrder::Packed(log.stop_on_error(state.progress.samples, packed)?)
+            }
+        };
         let padding = config.data.padding.padding(config.data.max_seq_len);
         let batches = train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers);
         let resumed_at = (!fresh).then_some(state.progress.step);
@@ -442,8 +453,8 @@ impl<'a> Trainer<'a> {
             .into_iter()
             .enumerate()
             .map(|(i, m)| {
-                let (ids, labels) = upload(m, &self.train_device);
-                MicroBatch { ids, labels, seed: Some(dropout_seed(config.run.seed, step, batch.first_micro + i)) }
+                let seed = Some(dropout_seed(config.run.seed, step, batch.first_micro + i));
+                MicroBatch { seed, ..upload(m, &self.train_device) }
             })
             .collect();
         let t_step = Instant::now();
@@ -507,17 +518,13 @@ impl<'a> Trainer<'a> {
         self.log.eval_start(samples, last_loss);
         let loss = {
             let _span = debug_span!("eval", samples).entered();
-            let padding = config.data.padding.padding(config.data.max_seq_len);
-            let (batch, workers) = (config.eval.batch_size, config.data.eval_workers);
-            evaluate(
-                &self.model.valid(),
-                &self.eval_set,
-                batch,
-                workers,
-                padding,
-                &self.device,
-                self.dist.comm.as_ref(),
-            )?
+            let how = EvalBatching {
+                batch_size: config.eval.batch_size,
+                workers: config.data.eval_workers,
+                padding: config.data.padding.padding(config.data.max_seq_len),
+                packing: config.data.packing(),
+            };
+            evaluate(&self.model.valid(), &self.eval_set, how, &self.device, self.dist.comm.as_ref())?
         };
         let eval_loss = match config.eval.averaging {
             Averaging::PerToken => loss.per_token,
@@ -898,7 +905,7 @@ fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) -> anyhow
         let labels = ids.clone();
         // The step's own path (block-wise when recomputing or sharded), so the warm-up
         // allocates what the steps will.
-        drop(model.recomputed_backward(ids, labels, 1.0, config.train.recompute_layers)?);
+        drop(model.recomputed_backward(ids, labels, None, 1.0, config.train.recompute_layers)?);
     }
     Ok(())
 }
