@@ -156,6 +156,36 @@ fn uneven_eval_set_gives_the_same_loss_on_one_and_two_ranks() {
     assert!((a[0] - b[0]).abs() <= 1e-12 * a[0], "eval loss {} on one process, {} on two ranks", a[0], b[0]);
 }
 
+/// Packed rows (#39) on two ranks train to bitwise the single process's adapters and give its
+/// eval losses: both ranks pack the one global order the same way and each takes its share
+/// of every step's rows; the packed eval rows, in batches of 1, are shared out too.
+#[test]
+fn packed_rows_on_two_ranks_match_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let settings = [
+        "schedule.max_steps=3",
+        "eval.every_samples=8",
+        "eval.target_loss=0.001",
+        "eval.batch_size=1",
+        "data.synthetic.train_samples=64",
+        "data.synthetic.eval_samples=9",
+        "data.max_seq_len=512",
+        "data.packing=true",
+        "logging.progress=\"never\"",
+    ];
+    let run = |name: &str| train_args(&config, &dir.path().join(name), &settings);
+    let _ = llora(&strs(&run("one")));
+    let out = torchrun(&strs(&run("two")));
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    assert!(adapter(&one) == adapter(&two), "packed: adapters of 2 ranks differ from one process's\n{}", text(&out).1);
+    let (a, b) = (eval_losses(&one), eval_losses(&two));
+    assert_eq!((a.len(), b.len()), (3, 3), "{a:?} {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-12 * x.abs(), "packed eval loss {x} on one process, {y} on two ranks");
+    }
+}
+
 /// SIGKILL rank 1 of a 2-rank run: rank 0 exits non-zero within 60 s naming rank 1, its last
 /// checkpoint is intact, and the job resumed from it under torchrun ends with the adapters of an
 /// uninterrupted single-process run.

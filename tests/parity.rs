@@ -1190,4 +1190,36 @@ fn packed_documents_match_hf_peft_each_run_alone() {
         }
         eprintln!("packed {packed}: worst LoRA gradient relative error {worst:e}");
     }
+
+    // `llora eval --pack` and `llora eval` on the same file report HF's per-token loss and
+    // MLPerf's per-sample mean of these documents.
+    let parquet = tmp.path().join("docs.parquet");
+    std::fs::write(&parquet, llora_data::parquet_io::parquet_bytes(&docs).unwrap()).unwrap();
+    let counts = &reference["counts"];
+    let per_token = reference["loss_sums"].iter().sum::<f32>() as f64 / total as f64;
+    let per_sample =
+        reference["loss_sums"].iter().zip(counts).map(|(s, c)| (s / c) as f64).sum::<f64>() / counts.len() as f64;
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    for pack in [false, true] {
+        let mut args = vec!["eval".to_string(), "--model".into(), s(&dir), "--adapter".into(), s(&dir)];
+        args.extend(["--data", &s(&parquet), "--max-seq-len", "64", "--batch-size", "2"].map(String::from));
+        if pack {
+            args.push("--pack".into());
+        }
+        let out = common::llora(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let (stdout, stderr) = common::text(&out);
+        assert!(out.status.success(), "{stderr}");
+        let got: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let rel = |key: &str, want: f64| (got[key].as_f64().unwrap() - want).abs() / want;
+        eprintln!(
+            "llora eval pack={pack}: per token {:e}, per sample {:e}",
+            rel("loss_per_token", per_token),
+            rel("loss_per_sample", per_sample)
+        );
+        assert!(
+            rel("loss_per_token", per_token) <= 1e-5 && rel("loss_per_sample", per_sample) <= 1e-5,
+            "pack {pack}: {got}"
+        );
+        assert_eq!(got["samples"], lengths.len());
+    }
 }

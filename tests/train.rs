@@ -334,6 +334,21 @@ fn sigkilled_dora_bf16_run_resumes_to_the_same_adapters() {
     assert_eq!(count("lora_magnitude_vector"), count("lora_A.weight"), "{names:?}");
 }
 
+/// The same with packed rows (#39): the data position inside a packing window (its start and
+/// the rows taken) is in the checkpoint, so the resumed run packs and trains the same rows; the
+/// steps took more documents than rows.
+#[test]
+fn sigkilled_packed_run_resumes_to_the_same_adapters() {
+    let dir = kill_and_resume(&["data.packing=true", "data.max_seq_len=512"]);
+    let metrics = std::fs::read_to_string(dir.path().join("whole/metrics.jsonl")).unwrap();
+    let documents: Vec<u64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["documents"].as_u64())
+        .collect();
+    assert_eq!(documents.len(), 12, "{metrics}");
+    assert!(documents.iter().all(|&d| d > 8), "every step's 8 rows hold more documents than rows: {documents:?}");
+}
+
 fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());

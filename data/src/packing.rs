@@ -6,6 +6,9 @@
 //! drawn `window` at a time and each window is packed on its own by first-fit decreasing
 //! (longest first, each into the first row it fits), which keeps rows full without holding
 //! more than `window` documents' lengths: the corpus never needs to be in memory for packing.
+//! A window's rows are then shuffled (first-fit decreasing opens them longest document first,
+//! and a run should not see its long documents before its short ones), from a seed of the
+//! window's place in the order. A window holds at most one epoch's worth of documents.
 //! A document is never split across rows (a longer one was already truncated or refused when
 //! the data was read: `max_seq_len`). The stream's position is the window's start in the
 //! sample order and the rows already taken from it, so a resumed run packs the same rows.
@@ -93,15 +96,22 @@ impl PackedOrder {
         Ok(s)
     }
 
-    /// Draws and packs the next window.
+    /// Draws and packs the next window, its rows in a shuffled order.
     fn fill(&mut self) {
+        use rand::SeedableRng;
+        use rand::seq::SliceRandom;
         self.window_start = self.order.position();
-        let docs: Vec<usize> = (0..self.packing.window).map(|_| self.order.next_index()).collect();
+        let n = self.packing.window.min(self.lengths.len());
+        let docs: Vec<usize> = (0..n).map(|_| self.order.next_index()).collect();
         let lengths: Vec<usize> = docs.iter().map(|&i| self.lengths[i]).collect();
-        self.rows = first_fit_decreasing(&lengths, self.packing.seq_len)
+        let mut rows: Vec<Vec<usize>> = first_fit_decreasing(&lengths, self.packing.seq_len)
             .into_iter()
             .map(|row| row.into_iter().map(|j| docs[j]).collect())
             .collect();
+        let Position { epoch, index, .. } = self.window_start;
+        let seed = (epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index as u64).wrapping_add(docs[0] as u64);
+        rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+        self.rows = rows.into();
         self.taken = 0;
     }
 
