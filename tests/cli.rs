@@ -143,6 +143,15 @@ fn data_synth_prepare_inspect_round_trip() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("64 rows, 64 valid, 0 bad"), "{stdout}");
+    // Its packing report (#39): the file's own token count in rows of 1024; packed rows at
+    // least the tokens' worth of full rows, and at most one of them half empty or less.
+    let got: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let tokens: usize = a.iter().map(|s| s.input_ids.len()).sum();
+    let packed = got["packed_rows"].as_u64().unwrap() as usize;
+    assert_eq!((got["tokens"].as_u64(), got["padded_rows"].as_u64()), (Some(tokens as u64), Some(64)));
+    assert!((got["padded_efficiency"].as_f64().unwrap() - tokens as f64 / (64.0 * 1024.0)).abs() < 1e-12);
+    assert!(packed >= tokens.div_ceil(1024) && packed <= 2 * tokens / 1024 + 1, "{packed} rows for {tokens} tokens");
+    assert!((got["packing_efficiency"].as_f64().unwrap() - tokens as f64 / (packed as f64 * 1024.0)).abs() < 1e-12);
     let mut bad = b.clone();
     bad[5].labels.pop();
     let bad_path = dir.path().join("bad.parquet");

@@ -74,6 +74,7 @@ fn reaching_the_target_logs_an_mlperf_run() {
         assert_eq!(count(k), 1, "key {k} must appear exactly once");
     }
     assert_eq!(lines.iter().find(|l| l["key"] == "lora_rank").unwrap()["value"], 16);
+    assert_eq!(lines.iter().find(|l| l["key"] == "data_packing").unwrap()["value"], false, "one sample a row");
     assert_eq!(lines.iter().find(|l| l["key"] == "submission_benchmark").unwrap()["value"], "llama2_70b_lora");
     // The first evaluation (skip_first = 0) at 16 samples reaches the target of 100.
     let eval = lines.iter().find(|l| l["key"] == "eval_accuracy").unwrap();

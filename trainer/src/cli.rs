@@ -352,9 +352,12 @@ pub struct InspectArgs {
     /// Token ids must be below this.
     #[arg(long, default_value_t = 32000)]
     pub vocab: usize,
-    /// Rows must be at most this long.
+    /// Rows must be at most this long; also the row length of the packing report.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
+    /// Samples packed together in the packing report (`data.pack_window`).
+    #[arg(long, default_value_t = llora_data::packing::DEFAULT_WINDOW)]
+    pub pack_window: usize,
 }
 
 /// `llora mlperf ...`.

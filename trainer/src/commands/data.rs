@@ -240,12 +240,28 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
         total as f64 / targets.len().max(1) as f64,
         targets.iter().max().unwrap_or(&0)
     );
+    // Rows of max_seq_len tokens: one sample each (padded) or packed (`data.packing`).
+    let packing = llora_data::packing::Packing { seq_len: a.max_seq_len, window: a.pack_window.max(1) };
+    let packed = llora_data::packing::stats(&lens, packing);
+    let tokens: usize = lens.iter().sum();
+    let padded_efficiency = tokens as f64 / (lens.len().max(1) * a.max_seq_len) as f64;
+    println!(
+        "rows of {} tokens: padded {} ({:.1}% tokens, the rest padding), packed {} ({:.1}% tokens; window {})",
+        a.max_seq_len,
+        lens.len(),
+        100.0 * padded_efficiency,
+        packed.rows,
+        100.0 * packed.efficiency,
+        packing.window
+    );
     for p in &report.problems {
         println!("bad {p}");
     }
     println!(
         "{}",
-        json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist})
+        json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist,
+            "tokens": tokens, "padded_rows": lens.len(), "padded_efficiency": padded_efficiency,
+            "packed_rows": packed.rows, "packing_efficiency": packed.efficiency})
     );
     anyhow::ensure!(
         report.skipped == 0,

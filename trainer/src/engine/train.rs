@@ -762,6 +762,9 @@ fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'s
         ("context_parallelism", json!(1)),
         ("expert_parallelism", json!(1)),
         ("config_filename", json!(name)),
+        // Not an MLPerf key: whether rows were packed. The benchmark's data is one sample per
+        // row (a "sample" of its schedule), which the MLPerf config keeps.
+        ("data_packing", json!(config.data.packing)),
     ]
 }
 
