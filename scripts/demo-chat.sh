@@ -2,7 +2,8 @@
 # The chat end-to-end on CPU (configs/tiny-llama3-chat.toml): the demo's synthetic task as
 # Llama-3-style conversations, a Llama-3-style tiny model (tied embeddings, llama3 RoPE)
 # pre-trained then LoRA fine-tuned on them to the target, then `llora generate --chat` answers
-# held-out conversations, each compared with its reference answer.
+# held-out conversations, each compared with its reference answer. Training packs whole
+# conversations into 1024-token rows (`data.packing`; each attends only to itself).
 #   ./scripts/demo-chat.sh                         # installs, builds, runs (~5 min on 2 cores)
 #   ./scripts/demo-chat.sh --set run.threads=1     # extra arguments go to `llora train`
 # LLORA=path/to/llora skips the install and build; OUT=dir puts data, base and run there

@@ -1126,8 +1126,21 @@ fn documents(lengths: &[usize], vocab: usize) -> Vec<llora_data::Sample> {
 /// documents unpacked (a row each, padded) give the same per-document sums and gradients.
 #[test]
 fn packed_documents_match_hf_peft_each_run_alone() {
+    packed_documents_match_hf_peft_on(&gqa_fixture(), true);
+}
+
+/// The same on the Llama-3-style checkpoint (llama3 RoPE scaling: each document's positions
+/// from 0 through the scaled table; tied head; 128k vocabulary).
+#[test]
+fn packed_llama3_documents_match_hf_peft_each_run_alone() {
+    packed_documents_match_hf_peft_on(&llama3_fixture(), false);
+}
+
+/// [`packed_documents_match_hf_peft_each_run_alone`] on the fixture `dir`; with `eval_cli`,
+/// `llora eval` with and without `--pack` on the same documents too.
+fn packed_documents_match_hf_peft_on(dir: &Path, eval_cli: bool) {
     use llora_data::batch::{Padding, collate_rows};
-    let dir = gqa_fixture();
+    let dir = dir.to_path_buf();
     let lengths = [64, 30, 34, 3, 2, 2, 5, 4, 2, 3, 6, 2];
     let rows_of = [vec![0], vec![1, 2], (3..12).collect::<Vec<_>>()];
     let config = llora_model::LlamaConfig::from_hf_dir(&dir).unwrap();
@@ -1191,6 +1204,9 @@ fn packed_documents_match_hf_peft_each_run_alone() {
         eprintln!("packed {packed}: worst LoRA gradient relative error {worst:e}");
     }
 
+    if !eval_cli {
+        return;
+    }
     // `llora eval --pack` and `llora eval` on the same file report HF's per-token loss and
     // MLPerf's per-sample mean of these documents.
     let parquet = tmp.path().join("docs.parquet");

@@ -496,7 +496,8 @@ impl<'a> Trainer<'a> {
         self.bar.step(p.step, p.samples, s.loss, lr, s.grad_norm, tok_s);
         let mfu = self.peak_tflops.map(|peak| tflops / peak);
         let mut record = json!({"step": p.step, "samples": p.samples, "loss": s.loss, "lr": lr, "grad_norm": s.grad_norm,
-            "tokens_per_s": tok_s, "step_s": step_s, "model_tflops_per_s": tflops, "mfu": mfu});
+            "tokens_per_s": tok_s, "step_s": step_s, "model_tflops_per_s": tflops, "mfu": mfu,
+            "target_tokens": batch.target_tokens});
         if config.data.packing {
             // A sample of the schedule is a packed row: say how many documents the step took.
             record["documents"] = batch.lengths.len().into();
