@@ -252,21 +252,27 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
             out.push(Kept { name: format!("{name} adapter input"), bytes: n * e, why: "LoRA A gradient" });
         }
         out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
-        if s.lora.dora {
-            // The product with m/‖W'‖ keeps its other factor, in the adapter output's dtype (f32,
-            // bf16 under FP8: `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout
-            // the dropped input's two parts apart (model/src/lora.rs).
-            let n_out = out_width(&s.model, name).0 as f64;
-            let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
-            let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
-            out.push(Kept {
-                name: format!("{name} DoRA rescale input"),
-                bytes: parts * n_out * width,
-                why: "DoRA magnitude gradient",
-            });
-        }
+        out.extend(dora_kept(s, name));
     }
     out
+}
+
+/// What DoRA adds per token for adapted module `name`: the product with m/‖W'‖ keeps its other
+/// factor for the magnitude's gradient, in the adapter output's dtype (f32, bf16 under FP8:
+/// `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout the dropped input's two
+/// parts apart (model/src/lora.rs).
+fn dora_kept(s: &Shape, name: &str) -> Option<Kept> {
+    if !s.lora.dora {
+        return None;
+    }
+    let n_out = out_width(&s.model, name).0 as f64;
+    let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
+    let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
+    Some(Kept {
+        name: format!("{name} DoRA rescale input"),
+        bytes: parts * n_out * width,
+        why: "DoRA magnitude gradient",
+    })
 }
 
 /// The least a LoRA backward of one block must keep per token with the same numerics (the
@@ -298,19 +304,7 @@ pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
             });
         }
         out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
-        if s.lora.dora {
-            // The product with m/‖W'‖ keeps its other factor, in the adapter output's dtype (f32,
-            // bf16 under FP8: `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout
-            // the dropped input's two parts apart (model/src/lora.rs).
-            let n_out = out_width(&s.model, name).0 as f64;
-            let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
-            let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
-            out.push(Kept {
-                name: format!("{name} DoRA rescale input"),
-                bytes: parts * n_out * width,
-                why: "DoRA magnitude gradient",
-            });
-        }
+        out.extend(dora_kept(s, name));
     }
     out
 }
