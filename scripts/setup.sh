@@ -9,7 +9,8 @@
 #     torch wheel lacks gloo's headers; installed with apt-get when missing and we are root) and
 #     two header-only CUDA wheels for its NCCL half, matching torch's CUDA (crt and cccl);
 #   - the official MLPerf compliance checker (mlperf-logging), which `llora mlperf check` runs;
-#   - with --parity: transformers, peft, safetensors and pyarrow, for the HF/PEFT parity tests
+#   - with --parity: transformers, peft, safetensors, pyarrow and bitsandbytes, for the HF/PEFT
+#     parity tests (bitsandbytes: the NF4 reference)
 #     and the PyTorch + PEFT peer (scripts/peer/).
 # Running it again reuses what is already right and only repairs what is not.
 #
@@ -58,7 +59,7 @@ case "${BASH_REMATCH[2]}" in
 esac
 # Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
 # the peer's time-to-train job (scripts/peer/ttt.py).
-PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow)
+PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow bitsandbytes==0.50.2)
 # The official MLPerf Training compliance checker behind `llora mlperf check`.
 CHECKER_PKG=mlperf-logging==4.1.68
 
@@ -129,7 +130,7 @@ if ! "$VPY" -c 'import mlperf_logging.compliance_checker' >/dev/null 2>&1; then
 fi
 
 if [[ $WANT_PARITY == 1 ]]; then
-  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow' >/dev/null 2>&1; then
+  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow, bitsandbytes' >/dev/null 2>&1; then
     say "installing parity-test packages: ${PARITY_PKGS[*]}"
     pip_install "${PARITY_PKGS[@]}"
   else

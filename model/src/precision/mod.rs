@@ -48,6 +48,7 @@ use scaled_mm::{Fp8Operand, fp8_gemm};
 
 pub mod bf16;
 pub mod blocked;
+pub mod nf4;
 pub mod scaled_mm;
 mod spec;
 mod weights;
