@@ -114,6 +114,7 @@ impl WeightShard {
             StoredWeight::F32(t) => (&t.tensor, ShardKind::F32),
             StoredWeight::Bf16(t) => (&t.tensor, ShardKind::Bf16),
             StoredWeight::Fp8 { codes, scale_inv, .. } => (&codes.tensor, ShardKind::Fp8(*scale_inv)),
+            StoredWeight::Nf4 { .. } => unreachable!("the loader refuses sharding an NF4 base"),
         };
         let bytes_of = tensor.contiguous().view([-1]).view_dtype(Kind::Uint8);
         let bytes = bytes_of.size()[0] as usize;

@@ -30,6 +30,7 @@ def main():
         absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset if double else state.absmax
         out[prefix + "codes"] = q.reshape(-1).contiguous()
         out[prefix + "absmax"] = absmax.float().contiguous()
+        # A 1-D tensor of odd length: bitsandbytes' CPU kernel falls back to its reference path.
         out[prefix + "dequantized"] = F.dequantize_4bit(q, state).float().reshape(-1).contiguous()
     save_file(out, sys.argv[2])
 

@@ -153,6 +153,9 @@ pub struct EvalArgs {
     /// from each tensor's own amax (a PEFT adapter carries no delayed-scaling history).
     #[arg(long, default_value = "fp32", value_parser = parse_compute)]
     pub precision: llora_model::precision::Compute,
+    /// The frozen base's storage (`--quantize nf4`: QLoRA).
+    #[command(flatten)]
+    pub quantize: QuantizeArgs,
     /// Keep frozen base weights as FP8 + scale (needs `--precision fp8`).
     #[arg(long)]
     pub fp8_weights: bool,
@@ -325,6 +328,9 @@ pub struct GenerateArgs {
     /// as transformers + PEFT run a bf16 model), or `fp8`.
     #[arg(long, default_value = "fp32", value_parser = parse_compute)]
     pub precision: llora_model::precision::Compute,
+    /// The frozen base's storage (`--quantize nf4`: QLoRA).
+    #[command(flatten)]
+    pub quantize: QuantizeArgs,
     /// `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: llora_model::device::DeviceSpec,
@@ -521,6 +527,9 @@ pub struct BenchArgs {
     /// GEMM precision of the decoder's linear layers (see `[precision]` in the config).
     #[arg(long, default_value = "fp32", value_parser = parse_compute)]
     pub precision: llora_model::precision::Compute,
+    /// The frozen base's storage (`--quantize nf4`: QLoRA).
+    #[command(flatten)]
+    pub quantize: QuantizeArgs,
     /// Keep saved activations as FP8 + scale.
     #[arg(long)]
     pub fp8_activations: bool,
@@ -589,4 +598,24 @@ pub enum ConfigCommand {
 /// `--precision`: the config's names (serde's), so the CLI and the TOML accept the same words.
 fn parse_compute(s: &str) -> Result<llora_model::precision::Compute, String> {
     serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
+}
+
+/// How the frozen base is stored, as `model.quantize` / `model.double_quant` set it in a config.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct QuantizeArgs {
+    /// `none`, or `nf4`: the frozen linear weights in 4-bit NormalFloat (QLoRA), quantised one
+    /// tensor at a time as they load and dequantised for each GEMM (fp32 or bf16 compute).
+    #[arg(long, default_value = "none", value_enum)]
+    pub quantize: crate::config::Quantize,
+    /// With `--quantize nf4`: quantise the block scales too (QLoRA's double quantisation).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub double_quant: bool,
+}
+
+impl QuantizeArgs {
+    /// The NF4 storage asked for, if any (blocks of 64, QLoRA's).
+    pub fn nf4(&self) -> Option<llora_model::precision::Nf4Spec> {
+        (self.quantize == crate::config::Quantize::Nf4)
+            .then_some(llora_model::precision::Nf4Spec { double: self.double_quant, ..Default::default() })
+    }
 }

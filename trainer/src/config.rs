@@ -138,15 +138,48 @@ pub struct ModelConfig {
     pub trainable: Trainable,
     /// Pre-train a base into `path` first when it holds no checkpoint yet (CPU demo).
     pub pretrain: Option<PretrainConfig>,
+    /// How the frozen base weights are stored: `"none"` (as `[precision]` says) or `"nf4"`
+    /// (QLoRA: 4-bit NormalFloat, quantised one tensor at a time as it loads).
+    pub quantize: Quantize,
+    /// With `quantize = "nf4"`: quantise the block scales too (QLoRA's double quantisation).
+    pub double_quant: bool,
+    /// With `quantize = "nf4"`: values per block scale (QLoRA's and bitsandbytes' 64).
+    pub quant_block_size: usize,
+}
+
+/// `model.quantize`: the storage of the frozen base weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantize {
+    /// As `[precision]` stores them (f32, bf16, or FP8 with `fp8_weights`).
+    #[default]
+    None,
+    /// NF4 codes with blockwise scales (QLoRA).
+    Nf4,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { path: None, preset: None, trainable: Trainable::Lora, pretrain: None }
+        let nf4 = llora_model::precision::Nf4Spec::default();
+        Self {
+            path: None,
+            preset: None,
+            trainable: Trainable::Lora,
+            pretrain: None,
+            quantize: Quantize::None,
+            double_quant: nf4.double,
+            quant_block_size: nf4.block,
+        }
     }
 }
 
 impl ModelConfig {
+    /// The NF4 storage these settings ask for, if any.
+    pub fn nf4(&self) -> Option<llora_model::precision::Nf4Spec> {
+        (self.quantize == Quantize::Nf4)
+            .then_some(llora_model::precision::Nf4Spec { block: self.quant_block_size, double: self.double_quant })
+    }
+
     /// Records what is wrong with these model settings (`[model.pretrain]` needs a corpus from `data`).
     pub fn check(&self, p: &mut Problems<'_>, data: &DataConfig) {
         let one_of = |v: &str, set: &[&str]| set.contains(&v);
@@ -709,6 +742,7 @@ impl PrecisionConfig {
                 algo: self.amax_compute_algo,
                 margin: self.amax_margin,
             },
+            nf4: None,
         }
     }
 }
@@ -950,6 +984,11 @@ impl Config {
         toml::to_string_pretty(self).expect("a Config always serialises")
     }
 
+    /// The model's precision: `[precision]`, with the base stored as `model.quantize` says.
+    pub fn precision_spec(&self) -> PrecisionSpec {
+        PrecisionSpec { nf4: self.model.nf4(), ..self.precision.spec() }
+    }
+
     /// Evaluations skipped before the first one that counts (MLPerf: floor(0.125·GBS + 2)).
     pub fn eval_skip_first(&self) -> usize {
         self.eval.skip_first.unwrap_or_else(|| (0.125 * self.train.global_batch_size as f64 + 2.0).floor() as usize)
@@ -973,6 +1012,18 @@ impl Config {
         self.train.check(&mut p);
         self.eval.check(&mut p);
         self.precision.check(&mut p, &self.run.device);
+        if let Err(e) = self.precision_spec().validate_nf4() {
+            p.check(false, "model.quantize", &self.model.quantize, &e);
+        }
+        if self.model.quantize == Quantize::Nf4 {
+            let m = &self.model;
+            let why = "NF4 stores frozen weights: it needs model.trainable = \"lora\"";
+            p.check(m.trainable == Trainable::Lora, "model.quantize", &m.quantize, why);
+            let why = "an NF4 base cannot be sharded yet (train.shard_frozen_weights = false)";
+            p.check(!self.train.shard_frozen_weights, "model.quantize", &m.quantize, why);
+            let why = "an NF4 base needs a LibTorch device (run.device = \"cpu\" or \"cuda:N\")";
+            p.check(self.run.device != DeviceSpec::Flex, "model.quantize", &m.quantize, why);
+        }
         self.run.check(&mut p);
         self.mlperf.check(&mut p);
         self.logging.check(&mut p);
@@ -1278,6 +1329,26 @@ mod tests {
             err.contains("lora.rank_pattern") && err.contains("(q") && err.contains("lora.rank_pattern.k_proj"),
             "{err}"
         );
+    }
+
+    /// `model.quantize = "nf4"` reaches the model's precision (QLoRA's defaults: blocks of 64,
+    /// double quantisation), and is refused with FP8 compute, full fine-tuning, sharded frozen
+    /// weights or a block size bitsandbytes lacks, each naming the key.
+    #[test]
+    fn nf4_settings_reach_the_model_or_are_refused() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let c = Config::load(None, &[ov("model.quantize=\"nf4\""), ov("model.preset=\"tiny\"")]).unwrap();
+        assert_eq!(c.precision_spec().nf4, Some(llora_model::precision::Nf4Spec { block: 64, double: true }));
+        assert_eq!(Config::load(None, &[]).unwrap().precision_spec().nf4, None);
+        for (extra, key) in [
+            ("precision.compute=\"fp8\"", "precision.compute"),
+            ("model.trainable=\"all\"", "trainable"),
+            ("train.shard_frozen_weights=true", "shard_frozen_weights"),
+            ("model.quant_block_size=48", "quant_block_size"),
+        ] {
+            let err = Config::load(None, &[ov("model.quantize=\"nf4\""), ov(extra)]).unwrap_err().to_string();
+            assert!(err.contains("model.quantize") && err.contains(key), "{extra}: {err}");
+        }
     }
 
     /// `lora.rslora` reaches the adapters: α/√r instead of α/r (#40 item 1).

@@ -174,6 +174,9 @@ fn bottleneck_elem(p: &PrecisionSpec) -> f64 {
 
 /// Bytes per element of a frozen linear weight as stored.
 fn weight_elem(p: &PrecisionSpec) -> f64 {
+    if let Some(nf4) = p.nf4 {
+        return nf4.bytes_per_value();
+    }
     match p.compute {
         Compute::Bf16 => 2.0,
         Compute::Fp8 if p.fp8_weights => 1.0,
@@ -396,6 +399,16 @@ pub fn budget(s: &Shape) -> Budget {
         (l as f64 * block(1.0), format!("{w} B/elem{layouts}, replicated"))
     };
     add("frozen linear weights", frozen, note);
+    if p.nf4.is_some() {
+        // Each GEMM dequantises its weight whole: NF4 codes to f32 (precision/weights.rs),
+        // then the compute dtype's copy for bf16.
+        let copy = if p.compute == Compute::Bf16 { alloc(largest * 2.0) } else { 0.0 };
+        add(
+            "NF4 weight dequantised for its GEMM",
+            alloc(largest * 4.0) + copy,
+            "the largest linear weight in f32 (and bf16), while its GEMM runs".into(),
+        );
+    }
     // Frozen tables are stored in the activations' dtype (llama.rs build); norms f32.
     let e = act_elem(p);
     // A tied LM head is the embedding table itself (Llama 3.2 1B/3B).
@@ -544,7 +557,7 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
     Ok(Shape {
         model,
         lora: config.lora.spec(),
-        precision: config.precision.spec(),
+        precision: config.precision_spec(),
         micro_batch: config.train.micro_batch_size,
         seq_len: config.data.max_seq_len,
         // Every position may have a target (the plan must hold for the worst batch).
@@ -702,6 +715,24 @@ mod tests {
         // DoRA: a magnitude per output row of each adapted module (q d, k kv, v kv, o d).
         s.lora.dora = true;
         assert_eq!(lora_params(&s), 2.0 * (per_layer(4.0) + d + kv + kv + d));
+    }
+
+    /// NF4 (QLoRA) frozen weights, worked by hand on Llama 2 70B: 80 layers of
+    /// 8192·(8192 + 1024 + 1024 + 8192) + 3·8192·28672 = 855,638,016 values, at half a byte a
+    /// value plus the scales: 64 values share 1 byte of scale code and 1/256 of a 4-byte f32 (double
+    /// quantisation) = 0.515869 bytes a value, 35.31 GB; 0.5625 without double quantisation.
+    #[test]
+    fn nf4_frozen_weights_take_half_a_byte_and_the_scales() {
+        let mut s = mlperf(1, 0, false);
+        let values = 80.0 * 855_638_016.0;
+        s.precision = PrecisionSpec { compute: Compute::Bf16, ..Default::default() };
+        s.precision.nf4 = Some(llora_model::precision::Nf4Spec { block: 64, double: true });
+        let frozen = |s: &Shape| budget(s).lines.iter().find(|l| l.name == "frozen linear weights").unwrap().bytes;
+        let got = frozen(&s);
+        assert!((got / values - (0.5 + (1.0 + 4.0 / 256.0) / 64.0)).abs() < 1e-4, "{} bytes a value", got / values);
+        assert!((got / 1e9 - 35.31).abs() < 0.05, "{} GB", got / 1e9);
+        s.precision.nf4 = Some(llora_model::precision::Nf4Spec { block: 64, double: false });
+        assert!((frozen(&s) / values - 0.5625).abs() < 1e-4);
     }
 
     /// DoRA keeps, per token and adapted module, the factor its magnitude multiplies (one

@@ -53,7 +53,7 @@ pub mod scaled_mm;
 mod spec;
 mod weights;
 
-pub use spec::{Compute, PrecisionSpec, Storage};
+pub use spec::{Compute, Nf4Spec, PrecisionSpec, Storage};
 pub use weights::{FrozenWeight, StoredWeight};
 
 /// Bytes of activations the ops in this module saved for backward since the last
@@ -243,6 +243,12 @@ impl LinearQuant {
         device: tch::Device,
         chunk: usize,
     ) -> Option<StoredWeight> {
+        if let Some(nf4) = spec.nf4 {
+            let [out, inp] = dims;
+            assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
+            let q = nf4::Nf4::quantize(values, nf4.block, nf4.double);
+            return Some(StoredWeight::from_nf4(&q, dims, device));
+        }
         let (kind, scale) = match spec.compute {
             Compute::Bf16 => (Kind::BFloat16, 1.0),
             Compute::Fp8 if spec.fp8_weights => {
@@ -321,7 +327,7 @@ impl LinearQuant {
     fn compute_weight(&self, w: &tch::Tensor) -> tch::Tensor {
         match self.stored.as_ref().map(FrozenWeight::whole) {
             Some(StoredWeight::Bf16(t)) if self.spec.compute == Compute::Bf16 => t.tensor.shallow_clone(),
-            Some(stored) => stored.dequantize().to_kind(self.operand_kind()),
+            Some(stored) => stored.dequantize_to(self.operand_kind()),
             None => w.to_kind(self.operand_kind()),
         }
     }
@@ -338,6 +344,7 @@ impl LinearQuant {
     /// `scale` (the forward's, in backward) or, without one, its delayed scale.
     fn fp8_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> Fp8Weight {
         let whole = self.stored.as_ref().map(FrozenWeight::whole);
+        let dequantized;
         let w = match &whole {
             Some(StoredWeight::Fp8 { codes, scale_inv, transposed }) => {
                 return Fp8Weight {
@@ -349,6 +356,11 @@ impl LinearQuant {
             }
             // A sharded f32 (or bf16) weight is quantised as a parameter would be.
             Some(StoredWeight::F32(t) | StoredWeight::Bf16(t)) => &t.tensor,
+            // Not reached: `PrecisionSpec::validate` refuses FP8 compute over NF4.
+            Some(nf4 @ StoredWeight::Nf4 { .. }) => {
+                dequantized = nf4.dequantize();
+                &dequantized
+            }
             None => w,
         };
         let s = scale.unwrap_or_else(|| self.scale_for(Role::Weight, w, train));
@@ -737,7 +749,7 @@ mod tests {
     use burn::tensor::{Device, Distribution, TensorData, Tolerance};
 
     fn fp8_spec(fp8_activations: bool, fp8_weights: bool) -> PrecisionSpec {
-        PrecisionSpec { compute: Compute::Fp8, fp8_activations, fp8_weights, amax: AmaxSpec::default() }
+        PrecisionSpec { compute: Compute::Fp8, fp8_activations, fp8_weights, amax: AmaxSpec::default(), nf4: None }
     }
 
     fn host(t: &Tensor<2>) -> Vec<f32> {

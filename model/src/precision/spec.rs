@@ -40,12 +40,41 @@ pub struct PrecisionSpec {
     pub fp8_weights: bool,
     /// Delayed-scaling settings.
     pub amax: AmaxSpec,
+    /// Store frozen base weights in NF4 (QLoRA; `model.quantize = "nf4"`), dequantised for
+    /// each GEMM in the compute format (fp32 or bf16).
+    pub nf4: Option<Nf4Spec>,
+}
+
+/// QLoRA's NF4 storage of the frozen weights (see [`super::nf4`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nf4Spec {
+    /// Values per absmax (`model.quant_block_size`; QLoRA and bitsandbytes use 64).
+    pub block: usize,
+    /// Quantise the absmaxes too (`model.double_quant`).
+    pub double: bool,
+}
+
+impl Nf4Spec {
+    /// Bytes stored per weight value: half a byte of code, and a block's scale shared by its
+    /// values (4 bytes; double quantisation: 1 byte, and 4 per 256 blocks).
+    pub fn bytes_per_value(&self) -> f64 {
+        let block = self.block as f64;
+        let scale = if self.double { (1.0 + 4.0 / super::nf4::DOUBLE_BLOCK as f64) / block } else { 4.0 / block };
+        0.5 + scale
+    }
+}
+
+impl Default for Nf4Spec {
+    /// QLoRA's: blocks of 64, double quantisation.
+    fn default() -> Self {
+        Self { block: super::nf4::BLOCK, double: true }
+    }
 }
 
 impl PrecisionSpec {
     /// Whether this is plain f32 (no extension op needed around the linear layers).
     pub fn is_fp32(&self) -> bool {
-        self.compute == Compute::Fp32 && !self.fp8_activations
+        self.compute == Compute::Fp32 && !self.fp8_activations && self.nf4.is_none()
     }
 
     /// Checks the combination; the message names the offending keys.
@@ -56,11 +85,31 @@ impl PrecisionSpec {
                 self.compute.name()
             ));
         }
+        self.validate_nf4()?;
         if !(1..=1024).contains(&self.amax.history_len) {
             return Err(format!("precision.amax_history_len must be in 1..=1024, got {}", self.amax.history_len));
         }
         if !(0..=16).contains(&self.amax.margin) {
             return Err(format!("precision.amax_margin must be in 0..=16, got {}", self.amax.margin));
+        }
+        Ok(())
+    }
+
+    /// Checks the NF4 storage against the rest: its block size, and no FP8 compute over it.
+    pub fn validate_nf4(&self) -> Result<(), String> {
+        if let Some(nf4) = self.nf4 {
+            if self.compute == Compute::Fp8 {
+                return Err("model.quantize = \"nf4\" needs precision.compute = \"fp32\" or \"bf16\": FP8 GEMMs \
+                            over an NF4 base are not supported (the weight would be dequantised and quantised again \
+                            every GEMM)"
+                    .into());
+            }
+            if !nf4.block.is_power_of_two() || !(32..=4096).contains(&nf4.block) {
+                return Err(format!(
+                    "model.quant_block_size must be a power of two in 32..=4096 (bitsandbytes' sizes), got {}",
+                    nf4.block
+                ));
+            }
         }
         Ok(())
     }
@@ -90,12 +139,12 @@ impl PrecisionSpec {
     ///   with delayed scales would buy nothing at rank 16).
     pub fn for_adapters(&self) -> PrecisionSpec {
         let compute = if self.compute == Compute::Fp8 { Compute::Bf16 } else { Compute::Fp32 };
-        PrecisionSpec { compute, fp8_weights: false, ..*self }
+        PrecisionSpec { compute, fp8_weights: false, nf4: None, ..*self }
     }
 
-    /// Whether frozen base weights are kept in reduced precision (bf16, or FP8 + scale).
+    /// Whether frozen base weights are kept in reduced precision (bf16, FP8 + scale, or NF4).
     pub fn stores_frozen_weights(&self) -> bool {
-        self.compute == Compute::Bf16 || (self.compute == Compute::Fp8 && self.fp8_weights)
+        self.compute == Compute::Bf16 || (self.compute == Compute::Fp8 && self.fp8_weights) || self.nf4.is_some()
     }
 
     /// How the SwiGLU inputs are stored for backward.

@@ -1,5 +1,5 @@
-//! Frozen base weights held outside Burn's parameters: in bf16, as FP8 codes + scale, or as
-//! this rank's shard of them.
+//! Frozen base weights held outside Burn's parameters: in bf16, as FP8 codes + scale, in NF4,
+//! or as this rank's shard of them.
 
 use std::sync::Arc;
 
@@ -28,16 +28,119 @@ pub enum StoredWeight {
         /// weight's transpose is 235 MB of copying per layer per step).
         transposed: Option<TchTensor>,
     },
+    /// NF4 (QLoRA), laid out as [`super::nf4::Nf4`] on the device.
+    Nf4 {
+        /// Codes, two a byte, the first in the high nibble: `u8 [ceil(out·in / 2)]`.
+        codes: TchTensor,
+        /// The block scales.
+        absmax: Nf4Scales,
+        /// Values per block.
+        block: usize,
+        /// `[out, in]`.
+        dims: [usize; 2],
+    },
+}
+
+/// Values an NF4 weight is decoded at a time (16 MB of f32).
+const NF4_CHUNK: usize = 1 << 22;
+
+/// An NF4 weight's absmaxes on the device.
+#[derive(Debug, Clone)]
+pub enum Nf4Scales {
+    /// f32 `[blocks]`.
+    Plain(TchTensor),
+    /// Double quantisation: `u8 [blocks]` codes into the 8-bit dynamic map, f32 `[ceil(blocks / 256)]`
+    /// scales, and the offset.
+    Double {
+        /// Codes.
+        codes: TchTensor,
+        /// Scales.
+        scales: TchTensor,
+        /// The mean absmax.
+        offset: f32,
+    },
+}
+
+impl Nf4Scales {
+    /// The absmaxes, f32 `[blocks]`: `map[q] · scale + offset` with double quantisation.
+    fn values(&self) -> tch::Tensor {
+        match self {
+            Self::Plain(a) => a.tensor.shallow_clone(),
+            Self::Double { codes, scales, offset } => {
+                let device = codes.tensor.device();
+                let map = tch::Tensor::from_slice(&super::nf4::dynamic_map()).to_device(device);
+                let n = codes.tensor.numel() as i64;
+                let per =
+                    scales.tensor.repeat_interleave_self_int(super::nf4::DOUBLE_BLOCK as i64, 0, None).narrow(0, 0, n);
+                map.index_select(0, &codes.tensor.to_kind(Kind::Int64)) * per + f64::from(*offset)
+            }
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Plain(a) => a.tensor.numel() * 4,
+            Self::Double { codes, scales, .. } => codes.tensor.numel() + scales.tensor.numel() * 4 + 4,
+        }
+    }
 }
 
 impl StoredWeight {
-    /// The f32 weight the stored one stands for.
+    /// `nf4` on `device`.
+    pub fn from_nf4(nf4: &super::nf4::Nf4, dims: [usize; 2], device: tch::Device) -> Self {
+        let up = |t: tch::Tensor| TchTensor::new(t.to_device(device));
+        let absmax = match &nf4.absmax {
+            super::nf4::Absmax::Plain(a) => Nf4Scales::Plain(up(tch::Tensor::from_slice(a))),
+            super::nf4::Absmax::Double { codes, scales, offset } => Nf4Scales::Double {
+                codes: up(tch::Tensor::from_slice(codes)),
+                scales: up(tch::Tensor::from_slice(scales)),
+                offset: *offset,
+            },
+        };
+        Self::Nf4 { codes: up(tch::Tensor::from_slice(&nf4.codes)), absmax, block: nf4.block, dims }
+    }
+
+    /// The f32 weight the stored one stands for (NF4: each code's value times its block's
+    /// absmax, in f32, as bitsandbytes dequantises).
     pub fn dequantize(&self) -> tch::Tensor {
         match self {
             Self::F32(w) => w.tensor.shallow_clone(),
             Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
             Self::Fp8 { codes, scale_inv, .. } => dequantize_tch(&codes.tensor, *scale_inv),
+            Self::Nf4 { .. } => self.dequantize_to(Kind::Float),
         }
+    }
+
+    /// [`Self::dequantize`] in `kind` (the GEMM's operand dtype). An NF4 weight is decoded a
+    /// few million values at a time straight into the result: a byte's two codes looked up in
+    /// a 256-entry table of value pairs, times their block's absmax; no index or f32 copy of the
+    /// whole weight exists beside the result.
+    pub fn dequantize_to(&self, kind: Kind) -> tch::Tensor {
+        let Self::Nf4 { codes, absmax, block, dims: [out, inp] } = self else {
+            return self.dequantize().to_kind(kind);
+        };
+        let (n, block) = (out * inp, *block);
+        let device = codes.tensor.device();
+        let pairs: Vec<f32> = (0..256usize).flat_map(|b| [super::nf4::NF4[b >> 4], super::nf4::NF4[b & 0xF]]).collect();
+        let pairs = tch::Tensor::from_slice(&pairs).reshape([256, 2]).to_device(device);
+        let absmax = absmax.values();
+        let result = tch::Tensor::empty([n as i64], (kind, device));
+        // Whole blocks per chunk (block is even: a block's codes are whole bytes).
+        let chunk = (NF4_CHUNK / block).max(1) * block;
+        for start in (0..n).step_by(chunk) {
+            let len = chunk.min(n - start);
+            let bytes = codes.tensor.narrow(0, (start / 2) as i64, len.div_ceil(2) as i64).to_kind(Kind::Int64);
+            let values = pairs.index_select(0, &bytes).reshape([-1]).narrow(0, 0, len as i64);
+            let blocks = len.div_ceil(block);
+            let scale = absmax.narrow(0, (start / block) as i64, blocks as i64);
+            let scaled = if len % block == 0 {
+                (values.reshape([blocks as i64, block as i64]) * scale.unsqueeze(1)).reshape([-1])
+            } else {
+                values * scale.repeat_interleave_self_int(block as i64, 0, None).narrow(0, 0, len as i64)
+            };
+            result.narrow(0, start as i64, len as i64).copy_(&scaled.to_kind(kind));
+        }
+        result.reshape([*out as i64, *inp as i64])
     }
 
     /// Bytes held.
@@ -46,6 +149,7 @@ impl StoredWeight {
             Self::F32(w) => w.tensor.numel() * 4,
             Self::Bf16(w) => w.tensor.numel() * 2,
             Self::Fp8 { codes, transposed, .. } => codes.tensor.numel() * (1 + usize::from(transposed.is_some())) + 4,
+            Self::Nf4 { codes, absmax, .. } => codes.tensor.numel() + absmax.bytes(),
         }
     }
 
@@ -53,6 +157,7 @@ impl StoredWeight {
     pub fn dims(&self) -> [usize; 2] {
         let t = match self {
             Self::F32(w) | Self::Bf16(w) | Self::Fp8 { codes: w, .. } => &w.tensor,
+            Self::Nf4 { dims, .. } => return *dims,
         };
         let s = t.size();
         [s[0] as usize, s[1] as usize]

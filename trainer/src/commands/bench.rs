@@ -148,18 +148,24 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
         &args.fp8_weights,
         "needs --precision fp8",
     );
+    if let Err(e) = precision_spec(args).validate_nf4() {
+        p.check(false, "--quantize", &args.quantize.quantize, &e);
+    }
+    let sharded_nf4 = args.shard_frozen_weights && args.quantize.nf4().is_some();
+    p.check(!sharded_nf4, "--quantize", &args.quantize.quantize, "cannot be combined with --shard-frozen-weights yet");
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
 }
 
-/// The precision `--precision`, `--fp8-activations` and `--fp8-weights` ask for.
+/// The precision `--precision`, `--fp8-activations`, `--fp8-weights` and `--quantize` ask for.
 fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
-    crate::config::PrecisionConfig {
+    let spec = crate::config::PrecisionConfig {
         compute: args.precision,
         fp8_activations: args.fp8_activations,
         fp8_weights: args.fp8_weights,
         ..Default::default()
     }
-    .spec()
+    .spec();
+    llora_model::precision::PrecisionSpec { nf4: args.quantize.nf4(), ..spec }
 }
 
 /// The largest [`llora_model::device::heap_bytes`] (in use, and allocator-resident) seen by a
@@ -520,6 +526,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
         "peak_heap_resident_mb": (heap_resident_peak * 10.0).round() / 10.0,
         "dora": args.dora,
+        "nf4": args.quantize.nf4().map(|n| json!({"block": n.block, "double": n.double})),
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "final_loss": (loss * 1e5).round() / 1e5,

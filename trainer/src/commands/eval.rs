@@ -16,8 +16,10 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     let spec = llora_model::precision::PrecisionSpec {
         compute: args.precision,
         fp8_weights: args.fp8_weights,
+        nf4: args.quantize.nf4(),
         ..Default::default()
     };
+    spec.validate_nf4().map_err(|e| anyhow::anyhow!("--quantize nf4: {e}"))?;
     anyhow::ensure!(
         !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
         "--fp8-weights needs --precision fp8 (it is {})",
@@ -32,7 +34,9 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
     let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
-    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
+    // An NF4 base is quantised one tensor at a time as it loads (never whole in f32).
+    let build = BuildOptions { precision: spec.nf4.map(|_| spec), ..Default::default() };
+    let mut model = ckpt.load_model(&build, &device)?;
     if let Some(adapter) = &args.adapter {
         llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;

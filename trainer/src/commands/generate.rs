@@ -56,13 +56,17 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         positions.saturating_sub(ids.len())
     );
     let device = a.device.init(a.threads)?;
-    let mut model = ckpt.load_model(&BuildOptions::default(), &device)?;
+    let spec =
+        llora_model::precision::PrecisionSpec { compute: a.precision, nf4: a.quantize.nf4(), ..Default::default() };
+    spec.validate_nf4().map_err(|e| anyhow::anyhow!("--quantize nf4: {e}"))?;
+    // An NF4 base is quantised one tensor at a time as it loads (never whole in f32).
+    let build = BuildOptions { precision: spec.nf4.map(|_| spec), ..Default::default() };
+    let mut model = ckpt.load_model(&build, &device)?;
     if let Some(adapter) = &a.adapter {
         llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
     }
     // After the adapter (it loads into f32 parameters), as `llora eval` does.
-    let spec = llora_model::precision::PrecisionSpec { compute: a.precision, ..Default::default() };
     if !spec.is_fp32() {
         model.set_precision(&spec)?;
     }

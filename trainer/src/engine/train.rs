@@ -814,7 +814,7 @@ fn load_model(
     let opts = BuildOptions {
         lora: (!full).then_some(spec),
         trainable: full,
-        precision: Some(config.precision.spec()),
+        precision: Some(config.precision_spec()),
         sharding,
     };
     match &config.model.path {
