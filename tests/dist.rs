@@ -161,28 +161,43 @@ fn uneven_eval_set_gives_the_same_loss_on_one_and_two_ranks() {
 /// of every step's rows; the packed eval rows, in batches of 1, are shared out too.
 #[test]
 fn packed_rows_on_two_ranks_match_one_process() {
+    two_ranks_match_one_process(&["data.max_seq_len=512", "data.packing=true"]);
+}
+
+/// QLoRA (#40): an NF4 base in bf16 on two ranks trains to the single process's adapters.
+#[test]
+fn an_nf4_base_on_two_ranks_matches_one_process() {
+    two_ranks_match_one_process(&["data.max_seq_len=128", "model.quantize=\"nf4\"", "precision.compute=\"bf16\""]);
+}
+
+/// A 3-step run with `extra` settings: two ranks under torchrun end with bitwise the adapters
+/// of one process and its three eval losses.
+fn two_ranks_match_one_process(extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let settings = [
+    let mut settings = vec![
         "schedule.max_steps=3",
         "eval.every_samples=8",
         "eval.target_loss=0.001",
         "eval.batch_size=1",
         "data.synthetic.train_samples=64",
         "data.synthetic.eval_samples=9",
-        "data.max_seq_len=512",
-        "data.packing=true",
         "logging.progress=\"never\"",
     ];
+    settings.extend(extra);
     let run = |name: &str| train_args(&config, &dir.path().join(name), &settings);
     let _ = llora(&strs(&run("one")));
     let out = torchrun(&strs(&run("two")));
     let (one, two) = (dir.path().join("one"), dir.path().join("two"));
-    assert!(adapter(&one) == adapter(&two), "packed: adapters of 2 ranks differ from one process's\n{}", text(&out).1);
+    assert!(
+        adapter(&one) == adapter(&two),
+        "{extra:?}: adapters of 2 ranks differ from one process's\n{}",
+        text(&out).1
+    );
     let (a, b) = (eval_losses(&one), eval_losses(&two));
     assert_eq!((a.len(), b.len()), (3, 3), "{a:?} {b:?}");
     for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-12 * x.abs(), "packed eval loss {x} on one process, {y} on two ranks");
+        assert!((x - y).abs() <= 1e-12 * x.abs(), "{extra:?}: eval loss {x} on one process, {y} on two ranks");
     }
 }
 

@@ -446,17 +446,21 @@ mod tests {
     /// The recompute check: loss and every LoRA gradient with all 4 blocks (and with 2)
     /// recomputed equal the plain backward's, with dropout on, in fp32 and in FP8 with FP8
     /// activations; the FP8 case on packed rows (#39: documents of 20 + 28 and 10 + 5 + 30
-    /// tokens, the second row with padding), whose layout the recomputed blocks must see too.
+    /// tokens, the second row with padding), whose layout the recomputed blocks must see too;
+    /// and in bf16 over an NF4 base (#40: QLoRA, its weights decoded again in the recompute).
     #[test]
     fn recomputed_blocks_give_the_plain_gradients() {
         let _rng = crate::TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
         use llora_model::precision::{Compute, PrecisionSpec};
         let device = Device::libtorch().autodiff();
-        for (compute, fp8_activations) in [(Compute::Fp32, false), (Compute::Fp8, true)] {
+        let nf4 = Some(llora_model::precision::Nf4Spec::default());
+        for (compute, fp8_activations, nf4) in
+            [(Compute::Fp32, false, None), (Compute::Fp8, true, None), (Compute::Bf16, false, nf4)]
+        {
             device.seed(3);
             let config = LlamaConfig::preset("demo").unwrap();
             let spec = LoraSpec { dropout: 0.1, ..LoraSpec::default() };
-            let precision = PrecisionSpec { compute, fp8_activations, ..PrecisionSpec::default() };
+            let precision = PrecisionSpec { compute, fp8_activations, nf4, ..PrecisionSpec::default() };
             let mut model = LlamaForCausalLM::random(
                 &config,
                 &BuildOptions { lora: Some(&spec), precision: Some(precision), ..Default::default() },
