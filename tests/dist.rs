@@ -337,7 +337,8 @@ fn safetensors_shapes(path: &Path) -> Vec<(String, Vec<usize>)> {
 
 /// Frozen weights sharded over 2 ranks (ZeRO-3 for the base) train to bitwise the adapters and
 /// eval losses of the unsharded 2-rank run: in fp32 with 2 of the 4 blocks recomputed (the
-/// other 2 keep their graphs), and with FP8 weights and activations. The adapters are whole:
+/// other 2 keep their graphs), with FP8 weights and activations, and over an NF4 base in bf16
+/// (its codes sharded, its scales on every rank; one block recomputed). The adapters are whole:
 /// every tensor has PEFT's `[r, in]` / `[out, r]` shape (ZeRO-3 users report `Size([0])`).
 #[test]
 fn sharded_frozen_weights_train_to_the_unsharded_adapters() {
@@ -353,7 +354,8 @@ fn sharded_frozen_weights_train_to_the_unsharded_adapters() {
         "logging.progress=\"never\"",
     ];
     let fp8 = ["precision.compute=\"fp8\"", "precision.fp8_weights=true", "precision.fp8_activations=true"];
-    for (name, precision, recompute) in [("fp32", &[][..], "2"), ("fp8", &fp8[..], "0")] {
+    let nf4 = ["precision.compute=\"bf16\"", "model.quantize=\"nf4\""];
+    for (name, precision, recompute) in [("fp32", &[][..], "2"), ("fp8", &fp8[..], "0"), ("nf4", &nf4[..], "1")] {
         let run = |sharded: bool| {
             let run_dir = dir.path().join(format!("{name}-{}", if sharded { "sharded" } else { "plain" }));
             let mut extra: Vec<String> = settings.iter().chain(precision).map(|s| s.to_string()).collect();

@@ -54,10 +54,6 @@ impl LlamaForCausalLM {
         if sharding.is_some() {
             anyhow::ensure!(!trainable, "train.shard_frozen_weights = true needs frozen base weights (LoRA)");
             anyhow::ensure!(
-                precision.is_none_or(|p| p.nf4.is_none()),
-                "train.shard_frozen_weights = true cannot shard an NF4 base yet (model.quantize = \"nf4\")"
-            );
-            anyhow::ensure!(
                 precision.is_some() && tch_device(device).is_some(),
                 "train.shard_frozen_weights = true needs a LibTorch device (cpu or cuda)"
             );

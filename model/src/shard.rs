@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use burn::backend::libtorch::TchTensor;
 use tch::Kind;
 
-use crate::precision::StoredWeight;
+use crate::precision::{Nf4Scales, StoredWeight};
 
 /// The collective sharded weights are gathered with (the trainer's c10d process group).
 pub trait WeightGather: Send + Sync {
@@ -63,20 +63,24 @@ impl std::fmt::Debug for Sharding {
 }
 
 /// The dtype a stored weight is kept in, and how it is rebuilt from its bytes.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 enum ShardKind {
     F32,
     Bf16,
     /// E4M3 codes with the inverse of the whole tensor's scale.
     Fp8(f32),
+    /// NF4 codes (the bytes sharded) with their block scales (kept whole on every rank: a
+    /// 64th of the codes' size or less).
+    Nf4(Nf4Scales, usize),
 }
 
 impl ShardKind {
-    fn tch_kind(self) -> Kind {
+    fn tch_kind(&self) -> Kind {
         match self {
             Self::F32 => Kind::Float,
             Self::Bf16 => Kind::BFloat16,
             Self::Fp8(_) => crate::fp8::Fp8Format::E4M3.kind(),
+            Self::Nf4(..) => Kind::Uint8,
         }
     }
 }
@@ -114,7 +118,7 @@ impl WeightShard {
             StoredWeight::F32(t) => (&t.tensor, ShardKind::F32),
             StoredWeight::Bf16(t) => (&t.tensor, ShardKind::Bf16),
             StoredWeight::Fp8 { codes, scale_inv, .. } => (&codes.tensor, ShardKind::Fp8(*scale_inv)),
-            StoredWeight::Nf4 { .. } => unreachable!("the loader refuses sharding an NF4 base"),
+            StoredWeight::Nf4 { codes, absmax, block, .. } => (&codes.tensor, ShardKind::Nf4(absmax.clone(), *block)),
         };
         let bytes_of = tensor.contiguous().view([-1]).view_dtype(Kind::Uint8);
         let bytes = bytes_of.size()[0] as usize;
@@ -143,7 +147,11 @@ impl WeightShard {
 
     /// Bytes this rank holds.
     pub fn local_bytes(&self) -> usize {
-        self.local.tensor.numel()
+        let scales = match &self.kind {
+            ShardKind::Nf4(scales, _) => scales.bytes(),
+            _ => 0,
+        };
+        self.local.tensor.numel() + scales
     }
 
     /// Starts gathering the whole weight without waiting (a no-op when it is gathered or
@@ -169,14 +177,22 @@ impl WeightShard {
         };
         let all = pending.wait()?;
         let [out, inp] = self.dims;
-        let whole = all.narrow(0, 0, self.bytes as i64).view_dtype(self.kind.tch_kind()).view([out as i64, inp as i64]);
-        *slot = Slot::Ready(match self.kind {
-            ShardKind::F32 => StoredWeight::F32(TchTensor::new(whole)),
-            ShardKind::Bf16 => StoredWeight::Bf16(TchTensor::new(whole)),
+        let bytes = all.narrow(0, 0, self.bytes as i64);
+        let whole = || bytes.view_dtype(self.kind.tch_kind()).view([out as i64, inp as i64]);
+        *slot = Slot::Ready(match &self.kind {
+            ShardKind::F32 => StoredWeight::F32(TchTensor::new(whole())),
+            ShardKind::Bf16 => StoredWeight::Bf16(TchTensor::new(whole())),
             // The transpose the CUDA input-gradient GEMM needs is made as it runs.
             ShardKind::Fp8(scale_inv) => {
-                StoredWeight::Fp8 { codes: TchTensor::new(whole), scale_inv, transposed: None }
+                StoredWeight::Fp8 { codes: TchTensor::new(whole()), scale_inv: *scale_inv, transposed: None }
             }
+            // NF4 codes stay a byte vector (two values a byte).
+            ShardKind::Nf4(absmax, block) => StoredWeight::Nf4 {
+                codes: TchTensor::new(bytes.shallow_clone()),
+                absmax: absmax.clone(),
+                block: *block,
+                dims: self.dims,
+            },
         });
         Ok(())
     }

@@ -1019,8 +1019,6 @@ impl Config {
             let m = &self.model;
             let why = "NF4 stores frozen weights: it needs model.trainable = \"lora\"";
             p.check(m.trainable == Trainable::Lora, "model.quantize", &m.quantize, why);
-            let why = "an NF4 base cannot be sharded yet (train.shard_frozen_weights = false)";
-            p.check(!self.train.shard_frozen_weights, "model.quantize", &m.quantize, why);
             let why = "an NF4 base needs a LibTorch device (run.device = \"cpu\" or \"cuda:N\")";
             p.check(self.run.device != DeviceSpec::Flex, "model.quantize", &m.quantize, why);
         }
@@ -1332,8 +1330,8 @@ mod tests {
     }
 
     /// `model.quantize = "nf4"` reaches the model's precision (QLoRA's defaults: blocks of 64,
-    /// double quantisation), and is refused with FP8 compute, full fine-tuning, sharded frozen
-    /// weights or a block size bitsandbytes lacks, each naming the key.
+    /// double quantisation), and is refused with FP8 compute, full fine-tuning or a block size
+    /// bitsandbytes lacks, each naming the key.
     #[test]
     fn nf4_settings_reach_the_model_or_are_refused() {
         let ov = |s: &str| s.parse::<Override>().unwrap();
@@ -1343,7 +1341,6 @@ mod tests {
         for (extra, key) in [
             ("precision.compute=\"fp8\"", "precision.compute"),
             ("model.trainable=\"all\"", "trainable"),
-            ("train.shard_frozen_weights=true", "shard_frozen_weights"),
             ("model.quant_block_size=48", "quant_block_size"),
         ] {
             let err = Config::load(None, &[ov("model.quantize=\"nf4\""), ov(extra)]).unwrap_err().to_string();

@@ -54,7 +54,7 @@ mod spec;
 mod weights;
 
 pub use spec::{Compute, Nf4Spec, PrecisionSpec, Storage};
-pub use weights::{FrozenWeight, StoredWeight};
+pub use weights::{FrozenWeight, Nf4Scales, StoredWeight};
 
 /// Bytes of activations the ops in this module saved for backward since the last
 /// [`take_saved_bytes`]; benchmarks read it to compare storage formats.

@@ -77,7 +77,8 @@ impl Nf4Scales {
         }
     }
 
-    fn bytes(&self) -> usize {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
         match self {
             Self::Plain(a) => a.tensor.numel() * 4,
             Self::Double { codes, scales, .. } => codes.tensor.numel() + scales.tensor.numel() * 4 + 4,

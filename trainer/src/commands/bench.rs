@@ -151,8 +151,6 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     if let Err(e) = precision_spec(args).validate_nf4() {
         p.check(false, "--quantize", &args.quantize.quantize, &e);
     }
-    let sharded_nf4 = args.shard_frozen_weights && args.quantize.nf4().is_some();
-    p.check(!sharded_nf4, "--quantize", &args.quantize.quantize, "cannot be combined with --shard-frozen-weights yet");
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
 }
 
