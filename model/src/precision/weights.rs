@@ -44,6 +44,22 @@ pub enum StoredWeight {
 /// Values an NF4 weight is decoded at a time (16 MB of f32).
 const NF4_CHUNK: usize = 1 << 22;
 
+/// The decoding tables on `device`: each byte's two NF4 values (`[256, 2]`) and the 8-bit
+/// dynamic map of double-quantised scales (`[256]`). Made once per device: decoding runs for
+/// every GEMM, and an upload there would be a host-to-device copy per GEMM.
+fn nf4_tables(device: tch::Device) -> (tch::Tensor, tch::Tensor) {
+    static TABLES: std::sync::Mutex<Vec<(tch::Device, tch::Tensor, tch::Tensor)>> = std::sync::Mutex::new(Vec::new());
+    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, pairs, map)) = tables.iter().find(|(d, ..)| *d == device) {
+        return (pairs.shallow_clone(), map.shallow_clone());
+    }
+    let pairs: Vec<f32> = (0..256usize).flat_map(|b| [super::nf4::NF4[b >> 4], super::nf4::NF4[b & 0xF]]).collect();
+    let pairs = tch::Tensor::from_slice(&pairs).reshape([256, 2]).to_device(device);
+    let map = tch::Tensor::from_slice(&super::nf4::dynamic_map()).to_device(device);
+    tables.push((device, pairs.shallow_clone(), map.shallow_clone()));
+    (pairs, map)
+}
+
 /// An NF4 weight's absmaxes on the device.
 #[derive(Debug, Clone)]
 pub enum Nf4Scales {
@@ -68,7 +84,7 @@ impl Nf4Scales {
             Self::Plain(a) => a.tensor.shallow_clone(),
             Self::Double { codes, scales, offset } => {
                 let device = codes.tensor.device();
-                let map = tch::Tensor::from_slice(&super::nf4::dynamic_map()).to_device(device);
+                let (_, map) = nf4_tables(device);
                 let n = codes.tensor.numel() as i64;
                 let per =
                     scales.tensor.repeat_interleave_self_int(super::nf4::DOUBLE_BLOCK as i64, 0, None).narrow(0, 0, n);
@@ -122,8 +138,7 @@ impl StoredWeight {
         };
         let (n, block) = (out * inp, *block);
         let device = codes.tensor.device();
-        let pairs: Vec<f32> = (0..256usize).flat_map(|b| [super::nf4::NF4[b >> 4], super::nf4::NF4[b & 0xF]]).collect();
-        let pairs = tch::Tensor::from_slice(&pairs).reshape([256, 2]).to_device(device);
+        let (pairs, _) = nf4_tables(device);
         let absmax = absmax.values();
         let result = tch::Tensor::empty([n as i64], (kind, device));
         // Whole blocks per chunk (block is even: a block's codes are whole bytes).
