@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds llora against a given torch and writes one small folder that runs on a GPU node with
 # only Python + that torch (no Rust toolchain, no network): the stripped, xz-compressed binary,
-# scripts/gpu-check.sh with the PyTorch + PEFT peer (scripts/peer/), the configs, and the demo
-# base when this checkout has one (runs/demo-base). On the node:
+# scripts/gpu-check.sh and scripts/bench-packing.sh with the PyTorch + PEFT peer (scripts/peer/),
+# the configs, and the demo base when this checkout has one (runs/demo-base). On the node:
 #
 #   OUT/gpu-check.sh [--cpu]      # unpacks the binary once, then runs scripts/gpu-check.sh
 #   OUT/llora ARGS...             # the binary itself, after the first gpu-check.sh (or unxz)
@@ -44,7 +44,7 @@ tmp=$(mktemp)
 strip -o "$tmp" target/release/llora
 xz -T0 -6 -c "$tmp" >"$OUT/llora.xz"
 rm -f "$tmp"
-cp scripts/gpu-check.sh "$OUT/scripts/"
+cp scripts/gpu-check.sh scripts/bench-packing.sh "$OUT/scripts/"
 cp -r scripts/peer "$OUT/scripts/"
 rm -rf "$OUT/scripts/peer/__pycache__"
 cp configs/*.toml "$OUT/configs/"

@@ -11,7 +11,9 @@
 #   4. llora vs the peer (scripts/peer/step_bench.py) on tiny, small and the Llama 2 70B layer
 #      at 8192 tokens, bf16 and FP8: step time, tokens/s, model TFLOP/s (one FLOP model,
 #      trainer/src/flops.rs) and its fraction of the GPU's dense bf16 peak, peak memory
-#      (nvidia-smi's, sampled), and `llora plan`'s prediction against it.
+#      (nvidia-smi's, sampled), and `llora plan`'s prediction against it;
+#   5. on a GPU (or with PACKING=1), sample packing against padding (scripts/bench-packing.sh:
+#      llora packed and padded, PEFT padded, target tokens per second; PACKING=0 skips it).
 #
 # It needs no Rust toolchain: a built `llora` (LLORA=path, default target/release/llora; build it
 # elsewhere against the node's torch, docs/gpu.md) and a Python with torch, transformers and
@@ -30,7 +32,7 @@ MODE=gpu
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -200,6 +202,20 @@ PY
   done
 done
 
+# 5. Packing against padding on the device (scripts/bench-packing.sh; GPU mode, or PACKING=1):
+# target tokens/s of llora packed (variable-length flash attention on CUDA) and padded, and of
+# PEFT padded, on a long-tailed synthetic corpus.
+if [[ ${PACKING:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
+  say "packing against padding"
+  rc=0
+  LLORA="$LLORA" PYTHON="$PYTHON" DEVICE="$DEVICE" THREADS="$THREADS" OUT="$work/packing" DOCS="${PACKING_DOCS:-256}" \
+    STEPS_SMALL="${PACKING_STEPS:-20}" PRESETS="${PACKING_PRESETS:-tiny small}" \
+    scripts/bench-packing.sh >"$work/packing.out" 2>"$work/packing.log" || rc=$?
+  exited "bench-packing.sh on $DEVICE" "$rc"
+  tail -1 "$work/packing.out" \
+    | "$PYTHON" -c 'import json,sys; [print(json.dumps(dict(section="packing", **r))) for r in json.load(sys.stdin)]' >>"$rows" || true
+fi
+
 # The report: JSON (every row) and markdown (the tables).
 "$PYTHON" - "$rows" "$REPORT_DIR" <<'PY'
 import json, sys
@@ -239,10 +255,19 @@ for r in by("bench"):
     md.append(f"| {r['preset']} s{r['seq_len']} | {r['precision']} | {f(r.get('llora_fwd_s'),4)} / {f(r.get('llora_bwd_s'),4)} / {f(r.get('llora_opt_s'),4)} | "
               f"{f(r.get('peer_fwd_s'),4)} / {f(r.get('peer_bwd_s'),4)} / {f(r.get('peer_opt_s'),4)} | {f(r.get('ops_per_step'))} | {f(r.get('host_syncs_per_step'))} | "
               f"{f(r.get('llora_device_peak_allocated_mb'),0)} / {f(r.get('llora_device_peak_reserved_mb'),0)} |")
+if by("packing"):
+    md += ["", "## Packing against padding (target tokens per second; llora packed rows of 4096, padded batches of 8)", "",
+           "| run | steps | target tok/s | samples/s | vs llora padded | attention | ran |", "|---|---|---|---|---|---|---|"]
+    base = {r["preset"]: r.get("target_tokens_per_s") for r in by("packing") if r.get("run", "").endswith("-padded")}
+    for r in by("packing"):
+        name, tps = r.get("run") or r.get("tag"), r.get("target_tokens_per_s")
+        vs = f(tps / base[r["preset"]], 2) if tps and base.get(r["preset"]) else ""
+        md.append(f"| {name} | {f(r.get('steps'))} | {f(tps, 1)} | {f(r.get('samples_per_s'), 2)} | {vs} | {r.get('attention', '')} | {'yes' if r.get('ok', True) else '**no**'} |")
 open(f"{out}/report.md", "w").write("\n".join(md) + "\n")
 failed = [c["name"] for s in by("selftest") + by("allreduce") for c in s.get("checks", []) if c["required"] and not c["ok"]]
 failed += [f"parity {r['precision']}" for r in by("parity") if "skipped" not in r and not r["ok"]]
 failed += [f"exit {r['rc']}: {r['what']}" for r in by("exit") if r["rc"] != 0]
+failed += [f"packing run {r['run']}" for r in by("packing") if not r.get("ok", True)]
 missing = [s for s in ("selftest", "allreduce", "parity", "bench") if not by(s)]
 print("\n".join(md))
 if failed or missing:

@@ -9,7 +9,7 @@ use burn::tensor::{DType, Device, Int, Tensor};
 
 use std::sync::Arc;
 
-use crate::attention::{causal_attention, packed_causal_attention};
+use crate::attention::{VarlenSpans, causal_attention, packed_causal_attention};
 use crate::config::LlamaConfig;
 use crate::lora::{LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
@@ -31,12 +31,16 @@ pub struct Positions {
     pub sin: Tensor<4>,
     /// The documents of packed rows; `None`: one sequence per row.
     pub packed: Option<Arc<PackedRows>>,
+    /// Their spans on the device for the variable-length attention kernel (packed rows of a
+    /// bf16/f16 model on CUDA: uploaded once per batch, not per layer).
+    pub varlen: Option<Arc<VarlenSpans>>,
 }
 
 impl Positions {
     /// The same positions on the inner (non-autodiff) backend.
     pub fn inner(&self) -> Self {
-        Self { cos: self.cos.clone().inner(), sin: self.sin.clone().inner(), packed: self.packed.clone() }
+        let (packed, varlen) = (self.packed.clone(), self.varlen.clone());
+        Self { cos: self.cos.clone().inner(), sin: self.sin.clone().inner(), packed, varlen }
     }
 }
 
@@ -90,7 +94,7 @@ impl Attention {
         let (q, k, v) = self.qkv(x, at.cos.clone(), at.sin.clone(), train);
         let out = match &at.packed {
             None => causal_attention(q, k, v),
-            Some(packed) => packed_causal_attention(q, k, v, packed),
+            Some(packed) => packed_causal_attention(q, k, v, packed, at.varlen.as_ref()),
         };
         self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), train)
     }
@@ -340,7 +344,7 @@ impl LlamaForCausalLM {
         device: &Device,
     ) -> anyhow::Result<Positions> {
         let (cos, sin) = self.rope(s, device);
-        let Some(packed) = packed else { return Ok(Positions { cos, sin, packed: None }) };
+        let Some(packed) = packed else { return Ok(Positions { cos, sin, packed: None, varlen: None }) };
         anyhow::ensure!(
             [packed.rows(), packed.seq()] == [b, s],
             "packed layout of {} rows of {} tokens for a batch of {b} x {s}",
@@ -350,7 +354,13 @@ impl LlamaForCausalLM {
         let hd = self.config.head_dim;
         let index = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(packed.positions(), [b * s]), device);
         let gather = |t: Tensor<4>| t.reshape([s, hd]).select(0, index.clone()).reshape([b, 1, s, hd]);
-        Ok(Positions { cos: gather(cos), sin: gather(sin), packed: Some(packed.clone()) })
+        let varlen = match tch_device(device) {
+            Some(dev @ tch::Device::Cuda(_)) if matches!(self.activations, DType::BF16 | DType::F16) => {
+                Some(Arc::new(VarlenSpans::new(packed, dev)?))
+            }
+            _ => None,
+        };
+        Ok(Positions { cos: gather(cos), sin: gather(sin), packed: Some(packed.clone()), varlen })
     }
 
     /// RoPE tables for `seq` positions, computed in f32 and cast to the activations' dtype

@@ -1,5 +1,6 @@
-//! The forwards of the two fused CUDA attention kernels that tch 0.22 does not bind (flash
-//! attention and cuDNN SDPA), called through `sdpa_shim.cpp`. Which kernel runs is `choice.rs`'s.
+//! The forwards of the fused CUDA attention kernels that tch 0.22 does not bind (flash
+//! attention, dense and variable-length, and cuDNN SDPA), called through `sdpa_shim.cpp`.
+//! Which kernel runs is `choice.rs`'s; the variable-length one is `varlen.rs`'s.
 
 use std::ffi::{CStr, c_char, c_int};
 
@@ -26,7 +27,26 @@ unsafe extern "C" {
         res: *mut SdpaOut,
         err: *mut *mut c_char,
     ) -> c_int;
+    fn llora_flash_varlen_forward(
+        q: *const torch_sys::C_tensor,
+        k: *const torch_sys::C_tensor,
+        v: *const torch_sys::C_tensor,
+        cu_seq: *const torch_sys::C_tensor,
+        max_len: i64,
+        causal: c_int,
+        res: *mut VarlenOut,
+        err: *mut *mut c_char,
+    ) -> c_int;
     fn llora_sdpa_free(s: *mut c_char);
+}
+
+/// What the shim's variable-length forward returns.
+#[repr(C)]
+struct VarlenOut {
+    out: *mut torch_sys::C_tensor,
+    logsumexp: *mut torch_sys::C_tensor,
+    philox_seed: *mut torch_sys::C_tensor,
+    philox_offset: *mut torch_sys::C_tensor,
 }
 
 /// A flash or cuDNN forward's outputs: what its backward needs besides q, k, v and the gradient.
@@ -87,19 +107,7 @@ pub fn sdpa_forward(
             &mut err,
         )
     };
-    if rc != 0 {
-        let msg = if err.is_null() {
-            "fused attention forward failed".to_string()
-        } else {
-            // SAFETY: a NUL-terminated message from the shim, freed once.
-            let m = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
-            unsafe { llora_sdpa_free(err) };
-            m
-        };
-        return Err(tch::TchError::Torch(msg));
-    }
-    // SAFETY: each pointer is a fresh at::Tensor owned by nobody else.
-    let own = |p| unsafe { tch::Tensor::from_ptr(p) };
+    check(rc, err)?;
     Ok(SdpaForward {
         out: own(res.out),
         logsumexp: own(res.logsumexp),
@@ -110,4 +118,81 @@ pub fn sdpa_forward(
         philox_seed: own(res.philox_seed),
         philox_offset: own(res.philox_offset),
     })
+}
+
+/// A variable-length flash forward's outputs: what its backward needs besides q, k, v, the
+/// gradient and the sequences' offsets.
+#[derive(Debug)]
+pub struct VarlenForward {
+    /// Attention output, `[tokens, heads, head_dim]`.
+    pub out: tch::Tensor,
+    /// Log-sum-exp of the scores (f32), laid out as the kernel chooses.
+    pub logsumexp: tch::Tensor,
+    /// The kernel's dropout RNG state (unused with dropout 0, but its backward takes it).
+    pub philox_seed: tch::Tensor,
+    /// As `philox_seed`.
+    pub philox_offset: tch::Tensor,
+}
+
+/// Flash attention over sequences laid end to end, each attending only within itself; scale
+/// 1/√hd, no dropout.
+///
+/// # Shapes
+/// - q: `[tokens, heads, head_dim]`, bf16 or f16, on a CUDA device, last dimension contiguous
+/// - k, v: `[tokens, kv_heads, head_dim]`, kv_heads dividing heads
+/// - cu_seq: `[sequences + 1]` int32 on q's device: 0, the end of each sequence, ..., tokens
+/// - max_len: the longest sequence
+pub fn flash_varlen_forward(
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    cu_seq: &tch::Tensor,
+    max_len: i64,
+    causal: bool,
+) -> Result<VarlenForward, tch::TchError> {
+    let null = std::ptr::null_mut();
+    let mut res = VarlenOut { out: null, logsumexp: null, philox_seed: null, philox_offset: null };
+    let mut err = std::ptr::null_mut();
+    // SAFETY: as in `sdpa_forward`.
+    let rc = unsafe {
+        llora_flash_varlen_forward(
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            cu_seq.as_ptr(),
+            max_len,
+            c_int::from(causal),
+            &mut res,
+            &mut err,
+        )
+    };
+    check(rc, err)?;
+    Ok(VarlenForward {
+        out: own(res.out),
+        logsumexp: own(res.logsumexp),
+        philox_seed: own(res.philox_seed),
+        philox_offset: own(res.philox_offset),
+    })
+}
+
+/// The shim's return code as a result: its message (freed here) on failure.
+fn check(rc: c_int, err: *mut c_char) -> Result<(), tch::TchError> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let msg = if err.is_null() {
+        "fused attention forward failed".to_string()
+    } else {
+        // SAFETY: a NUL-terminated message from the shim, freed once.
+        let m = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
+        unsafe { llora_sdpa_free(err) };
+        m
+    };
+    Err(tch::TchError::Torch(msg))
+}
+
+/// Takes over a tensor the shim returned.
+fn own(p: *mut torch_sys::C_tensor) -> tch::Tensor {
+    // SAFETY: every pointer the shim fills on success is a fresh at::Tensor owned by nobody else.
+    unsafe { tch::Tensor::from_ptr(p) }
 }

@@ -67,6 +67,8 @@ pub enum Kept {
     Cpu,
     /// Memory-efficient attention: its dropout RNG state (unused with dropout 0, but required).
     Efficient { seed: MaybeTensor, offset: MaybeTensor },
+    /// Flash attention over the sequences of packed rows (`varlen.rs`).
+    Varlen(super::varlen::VarlenKept),
     /// Flash attention or cuDNN SDPA.
     Sdpa {
         /// Which of the two.
@@ -112,7 +114,11 @@ static USED: Mutex<BTreeSet<FusedKernel>> = Mutex::new(BTreeSet::new());
 
 /// The fused kernels attention has run with so far in this process.
 pub fn kernels_used() -> Vec<&'static str> {
-    USED.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|k| k.name()).collect()
+    let mut used: Vec<_> = USED.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|k| k.name()).collect();
+    if super::varlen::used() {
+        used.push("cuda-flash-varlen");
+    }
+    used
 }
 
 /// Repeats each KV head `group` times (a copy: for kernels that take equal head counts).
@@ -243,6 +249,7 @@ pub fn backward(
             )?;
             Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
         }
+        Kept::Varlen(kept) => kept.backward(&grad, [q, k, v], out, lse, causal),
         Kept::Efficient { seed, offset } => {
             let group = q.size()[1] / k.size()[1];
             let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
@@ -333,7 +340,6 @@ pub fn verify(
     let _guard = tch::no_grad_guard();
     // More than one 128-row block, and a length no kernel's tiling divides.
     let (b, s) = (2, 133);
-    let tol = if kind == tch::Kind::Float { 1e-3 } else { 1e-2 };
     let rand = |h: i64| {
         tch::Tensor::f_randn([b, h, s, head_dim], (tch::Kind::Float, device))
             .and_then(|x| x.f_to_kind(kind))
@@ -343,45 +349,60 @@ pub fn verify(
         let (q, k, v, w) = (rand(heads)?, rand(kv_heads)?, rand(kv_heads)?, rand(heads)?);
         let saved = forward_with(kernel, &q, &k, &v, causal).map_err(|e| format!("forward: {e}"))?;
         let (dq, dk, dv) = backward(&w, &q, &k, &v, &saved, causal).map_err(|e| format!("backward: {e}"))?;
-        // The reference, with autograd, in f32 on the same (rounded) inputs.
-        tch::with_grad(|| {
-            let leaf = |x: &tch::Tensor| x.to_kind(tch::Kind::Float).requires_grad_(true);
-            let (qr, kr, vr) = (leaf(&q), leaf(&k), leaf(&v));
-            let group = heads / kv_heads;
-            let (ke, ve) = (repeat_heads(&kr, group), repeat_heads(&vr, group));
-            let mut scores = qr.matmul(&ke.transpose(-2, -1)) / (head_dim as f64).sqrt();
-            if causal {
-                let mask = tch::Tensor::ones([s, s], (tch::Kind::Bool, device)).triu(1);
-                scores = scores.masked_fill(&mask, f64::NEG_INFINITY);
-            }
-            let out = scores.softmax(-1, tch::Kind::Float).matmul(&ve);
-            (&out * w.to_kind(tch::Kind::Float)).sum(tch::Kind::Float).backward();
-            for (name, got, want) in [
-                ("output", &saved.out.tensor, &out),
-                ("dq", &dq, &qr.grad()),
-                ("dk", &dk, &kr.grad()),
-                ("dv", &dv, &vr.grad()),
-            ] {
-                if got.size() != want.size() {
-                    return Err(format!("{name} has shape {:?}, expected {:?}", got.size(), want.size()));
-                }
-                let diff = got.to_kind(tch::Kind::Float) - want;
-                let (err, scale) = if kind == tch::Kind::Float {
-                    (diff.abs().max().double_value(&[]), want.abs().max().double_value(&[]).max(1e-6))
-                } else {
-                    (diff.norm().double_value(&[]), want.norm().double_value(&[]).max(1e-6))
-                };
-                let close = err / scale < tol; // false for NaN, which must count as a mismatch
-                if !close {
-                    return Err(format!(
-                        "{name} differs (causal {causal}): error {err:.3e} against {scale:.3e} (max in f32, norm in bf16)"
-                    ));
-                }
-            }
-            Ok(())
-        })?;
+        let mask = causal.then(|| tch::Tensor::ones([s, s], (tch::Kind::Bool, device)).triu(1));
+        check_against_reference([&q, &k, &v, &w], mask.as_ref(), [&saved.out.tensor, &dq, &dk, &dv])
+            .map_err(|e| format!("{e} (causal {causal})"))?;
     }
     Ok(())
+}
+
+/// Compares a kernel's output and input gradients (`got`: out, dq, dk, dv) with plain LibTorch
+/// on the same (rounded) inputs: f32 autograd of `softmax(q·kᵀ/√hd, masked)·v` under the
+/// upstream gradient `w` (the gradient of Σ out·w). In f32 the largest error must stay under
+/// 1e-3 of the largest value, in bf16/f16 the norm-wise relative error under 1e-2.
+///
+/// # Shapes
+/// - inputs: q, k, v, w; q and w `[batch, heads, seq, head_dim]`, k and v `[batch, kv_heads,
+///   seq, head_dim]`
+/// - mask: broadcast to `[batch, heads, seq, seq]`, true where a query may not see a key
+/// - got: shaped as q, q, k, v
+pub(super) fn check_against_reference(
+    [q, k, v, w]: [&tch::Tensor; 4],
+    mask: Option<&tch::Tensor>,
+    got: [&tch::Tensor; 4],
+) -> Result<(), String> {
+    let kind = q.kind();
+    let tol = if kind == tch::Kind::Float { 1e-3 } else { 1e-2 };
+    let (heads, kv_heads, head_dim) = (q.size()[1], k.size()[1], q.size()[3]);
+    tch::with_grad(|| {
+        let leaf = |x: &tch::Tensor| x.to_kind(tch::Kind::Float).requires_grad_(true);
+        let (qr, kr, vr) = (leaf(q), leaf(k), leaf(v));
+        let group = heads / kv_heads;
+        let (ke, ve) = (repeat_heads(&kr, group), repeat_heads(&vr, group));
+        let mut scores = qr.matmul(&ke.transpose(-2, -1)) / (head_dim as f64).sqrt();
+        if let Some(mask) = mask {
+            scores = scores.masked_fill(mask, f64::NEG_INFINITY);
+        }
+        let out = scores.softmax(-1, tch::Kind::Float).matmul(&ve);
+        (&out * w.to_kind(tch::Kind::Float)).sum(tch::Kind::Float).backward();
+        let want = [out, qr.grad(), kr.grad(), vr.grad()];
+        for ((name, got), want) in ["output", "dq", "dk", "dv"].into_iter().zip(got).zip(&want) {
+            if got.size() != want.size() {
+                return Err(format!("{name} has shape {:?}, expected {:?}", got.size(), want.size()));
+            }
+            let diff = got.to_kind(tch::Kind::Float) - want;
+            let (err, scale) = if kind == tch::Kind::Float {
+                (diff.abs().max().double_value(&[]), want.abs().max().double_value(&[]).max(1e-6))
+            } else {
+                (diff.norm().double_value(&[]), want.norm().double_value(&[]).max(1e-6))
+            };
+            let close = err / scale < tol; // false for NaN, which must count as a mismatch
+            if !close {
+                return Err(format!("{name} differs: error {err:.3e} against {scale:.3e} (max in f32, norm in bf16)"));
+            }
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -8,16 +8,25 @@
 //! SDPA or flash attention in bf16/f16 (grouped K/V as they are) and the memory-efficient kernel
 //! in f32 (K/V repeated). Other devices take Burn's generic attention (correct, but quadratic).
 //!
-//! Files (each uses only the ones after it): `choice.rs` chooses the kernel for a problem (the
-//! CUDA ones each checked on first use) and dispatches the forward; `fused.rs` runs the kernels
-//! (forward, backward, their check against plain LibTorch); `cuda.rs` calls the forwards tch
-//! does not bind through `sdpa_shim.cpp` (built by `model/build.rs`).
+//! Packed rows (several documents per row) attend within each document: on CUDA in bf16/f16
+//! through flash attention's variable-length kernel, one launch for all of a batch's documents;
+//! elsewhere one fused kernel per document.
+//!
+//! Files (each uses only the ones after it): `varlen.rs` runs packed rows on the
+//! variable-length kernel; `choice.rs` chooses the kernel for a problem (the CUDA ones each
+//! checked on first use) and dispatches the forward; `fused.rs` runs the kernels (forward,
+//! backward, their check against plain LibTorch); `cuda.rs` calls the forwards tch does not
+//! bind through `sdpa_shim.cpp` (built by `model/build.rs`).
 
 mod choice;
 mod cuda;
 mod fused;
+mod varlen;
 
 pub use fused::{FusedKernel, kernels_used, verify};
+pub use varlen::{VarlenSpans, verify as verify_varlen};
+
+use std::sync::Arc;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -30,6 +39,15 @@ use burn::tensor::Tensor;
 use burn::tensor::ops::AttentionModuleOptions;
 
 use crate::packing::PackedRows;
+
+/// The attention problem `q` poses with `kv_heads` K/V heads, on a CUDA device (else `None`).
+fn problem(q: &Tensor<4>, kv_heads: usize) -> Option<choice::Problem> {
+    let inner = q.device().inner();
+    let DispatchDevice::LibTorch(LibTorchDevice::Cuda(device)) = inner.as_dispatch() else { return None };
+    let device = *device;
+    let [_, heads, _, head_dim] = q.dims().map(|d| d as i64);
+    Some(choice::Problem { device, kind: tch_kind(q.dtype()), heads, kv_heads: kv_heads as i64, head_dim })
+}
 
 /// Repeats each of the KV heads `group` times so query head h reads KV head h / group.
 ///
@@ -61,17 +79,10 @@ impl AttentionKernel {
     pub fn for_query(q: &Tensor<4>, kv_heads: usize) -> Self {
         match q.device().inner().as_dispatch() {
             DispatchDevice::LibTorch(LibTorchDevice::Cpu) => Self::TorchFused,
-            DispatchDevice::LibTorch(LibTorchDevice::Cuda(n)) => {
-                let [_, heads, _, head_dim] = q.dims();
-                let problem = choice::Problem {
-                    device: *n,
-                    kind: tch_kind(q.dtype()),
-                    heads: heads as i64,
-                    kv_heads: kv_heads as i64,
-                    head_dim: head_dim as i64,
-                };
-                if choice::choose(problem).is_some() { Self::TorchFused } else { Self::Generic }
-            }
+            DispatchDevice::LibTorch(LibTorchDevice::Cuda(_)) => match problem(q, kv_heads).and_then(choice::choose) {
+                Some(_) => Self::TorchFused,
+                None => Self::Generic,
+            },
             _ => Self::Generic,
         }
     }
@@ -106,13 +117,32 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
     attention(q, k, v, true)
 }
 
-/// Causal attention within each document of packed rows (block-diagonal): every span of
-/// [`PackedRows::spans`] is its own causal problem on the kernel [`attention`] picks, so the
-/// work is the documents' `Σ sᵢ²` rather than `seq²`, and no `seq × seq` mask exists.
+/// Causal attention within each document of packed rows (block-diagonal): the work is the
+/// documents' `Σ sᵢ²` rather than `seq²`, and no `seq × seq` mask exists. With `varlen` (the
+/// batch's spans on a CUDA device) and a bf16/f16 problem the variable-length flash kernel
+/// passes its check on, all spans are one launch; otherwise every span of
+/// [`PackedRows::spans`] is its own causal problem on the kernel [`attention`] picks.
 ///
 /// # Shapes
 /// As [`attention`], with `q.dims()[0] == packed.rows()` and `q.dims()[2] == packed.seq()`.
-pub fn packed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, packed: &PackedRows) -> Tensor<4> {
+pub fn packed_causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    packed: &PackedRows,
+    varlen: Option<&Arc<VarlenSpans>>,
+) -> Tensor<4> {
+    if let Some(spans) = varlen
+        && let Some(p) = problem(&q, k.dims()[1])
+        && varlen::usable(p)
+    {
+        return Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::fused_varlen_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            spans.clone(),
+        ));
+    }
     let rows: Vec<Tensor<4>> = (0..packed.rows())
         .map(|r| {
             let row = |t: &Tensor<4>| t.clone().narrow(0, r, 1);
@@ -166,11 +196,23 @@ pub trait FusedAttentionBackend: Backend {
         v: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self>;
+
+    /// Causal attention within each span of `spans` (packed rows) on the variable-length kernel.
+    fn fused_varlen_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spans: Arc<VarlenSpans>,
+    ) -> FloatTensor<Self>;
 }
 
 impl FusedAttentionBackend for LibTorch {
     fn fused_attention(q: TchTensor, k: TchTensor, v: TchTensor, causal: bool) -> TchTensor {
         choice::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out
+    }
+
+    fn fused_varlen_attention(q: TchTensor, k: TchTensor, v: TchTensor, spans: Arc<VarlenSpans>) -> TchTensor {
+        varlen::forward(&q.tensor, &k.tensor, &v.tensor, &spans, true).expect("packed attention forward").out
     }
 }
 
@@ -215,20 +257,40 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
         v: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self> {
-        // Node handles first: `into_primitive` consumes the autodiff tensors.
-        let nodes = [q.node(), k.node(), v.node()];
-        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-        let saved = choice::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward");
-        match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                // One TchTensor shared by the state and the output: burn-tch writes in place
-                // into tensors whose storage it believes unique, so two wrappers of the same
-                // storage could see each other's in-place updates.
-                let out = saved.out.clone();
-                prep.finish(FusedState { q, k, v, saved, causal }, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(saved.out),
+        tracked::<C>([q, k, v], causal, |q, k, v| choice::forward(q, k, v, causal).expect("fused attention forward"))
+    }
+
+    fn fused_varlen_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spans: Arc<VarlenSpans>,
+    ) -> FloatTensor<Self> {
+        tracked::<C>([q, k, v], true, |q, k, v| {
+            varlen::forward(q, k, v, &spans, true).expect("packed attention forward")
+        })
+    }
+}
+
+/// Runs a fused forward on the inner tensors of `q, k, v` and records its backward node.
+fn tracked<C: CheckpointStrategy>(
+    [q, k, v]: [FloatTensor<Autodiff<LibTorch, C>>; 3],
+    causal: bool,
+    forward: impl FnOnce(&tch::Tensor, &tch::Tensor, &tch::Tensor) -> fused::Saved,
+) -> FloatTensor<Autodiff<LibTorch, C>> {
+    // Node handles first: `into_primitive` consumes the autodiff tensors.
+    let nodes = [q.node(), k.node(), v.node()];
+    let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+    let saved = forward(&q.tensor, &k.tensor, &v.tensor);
+    match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => {
+            // One TchTensor shared by the state and the output: burn-tch writes in place
+            // into tensors whose storage it believes unique, so two wrappers of the same
+            // storage could see each other's in-place updates.
+            let out = saved.out.clone();
+            prep.finish(FusedState { q, k, v, saved, causal }, out)
         }
+        OpsKind::UnTracked(prep) => prep.finish(saved.out),
     }
 }
 
@@ -335,6 +397,45 @@ mod tests {
             let err = verify(kernel, cpu, tch::Kind::BFloat16, 4, 2, 16).unwrap_err();
             eprintln!("{} on the CPU: {}", kernel.name(), err.lines().next().unwrap_or(""));
             assert!(err.starts_with("forward: "), "{}: {err}", kernel.name());
+        }
+    }
+
+    /// On a CUDA device: packed rows in bf16 through the variable-length kernel (one launch)
+    /// equal the per-document route (one fused kernel per span) in value and in all three
+    /// input gradients through Burn's autodiff (norm-wise 1e-2: both round to bf16), and the
+    /// varlen kernel is the one that ran. SKIPPED without one.
+    #[test]
+    fn cuda_packed_rows_take_the_varlen_kernel() {
+        if !tch::Cuda::is_available() {
+            eprintln!("SKIPPED: no CUDA device");
+            return;
+        }
+        let device = Device::libtorch_cuda(0).autodiff();
+        device.seed(3);
+        let packed = PackedRows::new(vec![vec![100, 3, 1, 150], vec![300], vec![7, 200]], 300).unwrap();
+        let dtype = burn::tensor::DType::BF16;
+        let (b, h, kv, s, hd) = (3, 8, 2, 300, 64);
+        let q0 = rand([b, h, s, hd], &device).cast(dtype);
+        let k0 = rand([b, kv, s, hd], &device).cast(dtype);
+        let v0 = rand([b, kv, s, hd], &device).cast(dtype);
+        let w = rand([b, h, s, hd], &device);
+        let spans = Arc::new(VarlenSpans::new(&packed, tch::Device::Cuda(0)).unwrap());
+        let run = |varlen: Option<&Arc<VarlenSpans>>| {
+            let leaf = |x: &Tensor<4>| x.clone().require_grad();
+            let (q, k, v) = (leaf(&q0), leaf(&k0), leaf(&v0));
+            let out = packed_causal_attention(q.clone(), k.clone(), v.clone(), &packed, varlen);
+            let grads = (out.clone().cast(burn::tensor::DType::F32) * w.clone()).sum().backward();
+            [out, q.grad(&grads).unwrap(), k.grad(&grads).unwrap(), v.grad(&grads).unwrap()]
+                .map(|t| t.cast(burn::tensor::DType::F32))
+        };
+        let (one_launch, per_span) = (run(Some(&spans)), run(None));
+        assert!(kernels_used().contains(&"cuda-flash-varlen"), "{:?}", kernels_used());
+        for (name, got, want) in
+            ["out", "dq", "dk", "dv"].into_iter().zip(one_launch).zip(per_span).map(|((n, g), w)| (n, g, w))
+        {
+            let err = (got - want.clone()).powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+            let scale = want.powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+            assert!(err <= 1e-2 * scale, "{name}: error {err:e} of {scale:e}");
         }
     }
 

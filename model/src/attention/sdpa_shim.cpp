@@ -1,5 +1,6 @@
 // A C ABI over the forwards of LibTorch's fused CUDA attention kernels that tch 0.22 does not
-// bind (flash attention and cuDNN SDPA: tch binds their backwards only), for
+// bind (flash attention, dense and variable-length, and cuDNN SDPA: tch binds their backwards
+// only), for
 // model/src/attention/cuda.rs. Built by model/build.rs with the `cc` crate against the venv's
 // libtorch, as tch builds its own wrapper. Only the dispatcher's op declarations are used, so
 // it compiles without CUDA headers and runs wherever libtorch does (on a CPU the ops raise
@@ -15,6 +16,7 @@
 #include <tuple>
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
 
@@ -61,6 +63,38 @@ int llora_sdpa_forward(int kernel, const at::Tensor* q, const at::Tensor* k, con
     res->max_k = std::get<5>(r).guard_int(__FILE__, __LINE__);
     res->philox_seed = new at::Tensor(std::get<6>(r));
     res->philox_offset = new at::Tensor(std::get<7>(r));
+    return 0;
+  } catch (const std::exception& e) {
+    if (err != nullptr) *err = dup(e.what());
+  } catch (...) {
+    if (err != nullptr) *err = dup("unknown C++ exception");
+  }
+  return 1;
+}
+
+// What the variable-length flash forward returns, in the order `_flash_attention_backward` takes
+// them after q, k, v (the cumulative lengths and longest length are the caller's own).
+struct LloraVarlenOut {
+  at::Tensor* out;
+  at::Tensor* logsumexp;
+  at::Tensor* philox_seed;
+  at::Tensor* philox_offset;
+};
+
+// Flash attention over sequences laid end to end (packed documents): q [tokens, heads,
+// head_dim], k, v [tokens, kv_heads, head_dim]; `cu_seq` (int32 [sequences + 1], on q's
+// device) the offset of each sequence's first token, then the token count; `max_len` the
+// longest sequence. Each sequence attends only within itself (causal or not), scale
+// 1/sqrt(head_dim), no dropout. Returns 0 and fills *res, or returns 1 and sets *err.
+int llora_flash_varlen_forward(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
+                               const at::Tensor* cu_seq, int64_t max_len, int causal, LloraVarlenOut* res,
+                               char** err) {
+  try {
+    auto r = at::_flash_attention_forward(*q, *k, *v, *cu_seq, *cu_seq, max_len, max_len, 0.0, causal != 0, false);
+    res->out = new at::Tensor(std::get<0>(r));
+    res->logsumexp = new at::Tensor(std::get<1>(r));
+    res->philox_seed = new at::Tensor(std::get<2>(r));
+    res->philox_offset = new at::Tensor(std::get<3>(r));
     return 0;
   } catch (const std::exception& e) {
     if (err != nullptr) *err = dup(e.what());

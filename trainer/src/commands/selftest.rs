@@ -5,14 +5,15 @@
 //! Checks: a bf16 GEMM (the route the linear layers take) against f64; both FP8 GEMMs of a
 //! layer on `_scaled_mm` (no fallback) against the dequantised GEMM; every fused attention
 //! kernel of the device, forward and backward, against plain LibTorch ops (the kernels tried
-//! in turn in training; at least one bf16 kernel must pass); dropout's mask redrawn in
+//! in turn in training; at least one bf16 kernel must pass; on CUDA also the variable-length
+//! flash kernel of packed rows, under a block-diagonal mask); dropout's mask redrawn in
 //! backward equal to the forward's; an all-reduce on a real c10d group (NCCL on a GPU) and its
 //! bus bandwidth. Each check says whether the run depends on it (`required`).
 
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor};
-use llora_model::attention::{FusedKernel, verify};
+use llora_model::attention::{FusedKernel, verify, verify_varlen};
 use llora_model::device::DeviceSpec;
 use llora_model::precision::scaled_mm::check_layer_gemms;
 use serde_json::{Value, json};
@@ -143,6 +144,15 @@ fn attention(dev: tch::Device) -> Vec<Check> {
         let any = out.iter().any(|c| c.ok && c.name.contains("BFloat16"));
         let result = if any { Ok("at least one fused bf16 kernel passed".into()) } else { Err("none passed".into()) };
         out.push(Check::new("attention bf16 fused kernel available", true, result));
+        // Packed rows fall back to one kernel per document without it.
+        let t = Instant::now();
+        let result = verify_varlen(dev, Kind::BFloat16, 64, 8, 128).map(|()| {
+            format!(
+                "packed rows' forward and backward match plain LibTorch ({:.0} ms)",
+                t.elapsed().as_secs_f64() * 1e3
+            )
+        });
+        out.push(Check::new("attention cuda-flash-varlen BFloat16 (packed rows)", false, result));
     }
     out
 }
