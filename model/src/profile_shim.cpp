@@ -19,26 +19,11 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/version.h>
 
+#include "shim.h"
+
 namespace {
 
-char* dup(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
-  return out;
-}
-
-template <typename F>
-int guarded(char** err, F&& f) {
-  try {
-    f();
-    return 1;
-  } catch (const std::exception& e) {
-    if (err != nullptr) *err = dup(e.what());
-  } catch (...) {
-    if (err != nullptr) *err = dup("unknown C++ exception");
-  }
-  return 0;
-}
+using llora_shim::guarded;
 
 // Counted per thread: a step dispatches its ops (forward, Burn's backward, the optimizer) from
 // the thread that runs it, and other threads' work (tests running beside it) stays out.

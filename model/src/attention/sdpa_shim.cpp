@@ -1,34 +1,23 @@
 // A C ABI over the forwards of LibTorch's fused CUDA attention kernels that tch 0.22 does not
 // bind (flash attention, dense and variable-length, and cuDNN SDPA: tch binds their backwards
-// only), for
-// model/src/attention/cuda.rs. Built by model/build.rs with the `cc` crate against the venv's
-// libtorch, as tch builds its own wrapper. Only the dispatcher's op declarations are used, so
+// only), for model/src/attention/cuda.rs. Built by model/build.rs with the `cc` crate against
+// the venv's libtorch, as tch builds its own wrapper. Only the dispatcher's op declarations are used, so
 // it compiles without CUDA headers and runs wherever libtorch does (on a CPU the ops raise
 // "not implemented", which comes back as an error).
 //
-// Every entry point catches C++ exceptions and returns the message (malloc'd; the caller frees
-// it with llora_sdpa_free), so a kernel that refuses its inputs is a Rust error, never an abort.
+// Every entry point catches C++ exceptions (../shim.h) and returns the message (malloc'd; the
+// caller frees it with llora_sdpa_free), so a kernel that refuses its inputs is a Rust error.
 // Tensors come back as `new at::Tensor`, which tch takes over (tch::Tensor::from_ptr).
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <string>
 #include <tuple>
+
+#include "../shim.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ops/_flash_attention_forward.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
-
-namespace {
-
-char* dup(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
-  return out;
-}
-
-}  // namespace
 
 extern "C" {
 
@@ -50,7 +39,7 @@ struct LloraSdpaOut {
 // 1 and sets *err.
 int llora_sdpa_forward(int kernel, const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, int causal,
                        LloraSdpaOut* res, char** err) {
-  try {
+  bool ok = llora_shim::guarded(err, [&] {
     auto r = kernel == 0
                  ? at::_scaled_dot_product_flash_attention(*q, *k, *v, 0.0, causal != 0, false, std::nullopt)
                  : at::_scaled_dot_product_cudnn_attention(*q, *k, *v, std::nullopt, true, 0.0, causal != 0,
@@ -63,13 +52,8 @@ int llora_sdpa_forward(int kernel, const at::Tensor* q, const at::Tensor* k, con
     res->max_k = std::get<5>(r).guard_int(__FILE__, __LINE__);
     res->philox_seed = new at::Tensor(std::get<6>(r));
     res->philox_offset = new at::Tensor(std::get<7>(r));
-    return 0;
-  } catch (const std::exception& e) {
-    if (err != nullptr) *err = dup(e.what());
-  } catch (...) {
-    if (err != nullptr) *err = dup("unknown C++ exception");
-  }
-  return 1;
+  });
+  return ok ? 0 : 1;
 }
 
 // What the variable-length flash forward returns, in the order `_flash_attention_backward` takes
@@ -89,19 +73,14 @@ struct LloraVarlenOut {
 int llora_flash_varlen_forward(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
                                const at::Tensor* cu_seq, int64_t max_len, int causal, LloraVarlenOut* res,
                                char** err) {
-  try {
+  bool ok = llora_shim::guarded(err, [&] {
     auto r = at::_flash_attention_forward(*q, *k, *v, *cu_seq, *cu_seq, max_len, max_len, 0.0, causal != 0, false);
     res->out = new at::Tensor(std::get<0>(r));
     res->logsumexp = new at::Tensor(std::get<1>(r));
     res->philox_seed = new at::Tensor(std::get<2>(r));
     res->philox_offset = new at::Tensor(std::get<3>(r));
-    return 0;
-  } catch (const std::exception& e) {
-    if (err != nullptr) *err = dup(e.what());
-  } catch (...) {
-    if (err != nullptr) *err = dup("unknown C++ exception");
-  }
-  return 1;
+  });
+  return ok ? 0 : 1;
 }
 
 // Frees a message returned through `err`.

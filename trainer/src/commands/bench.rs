@@ -509,6 +509,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
         "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()), "attn_impl": llora_model::attention::kernels_used(),
+        "rms_norm": if llora_model::norm::fused_kernels_used() { "cuda-fused" } else { "composite" },
         "warmup": args.warmup, "steps": args.steps,
         "step_s_median": r4(med), "step_s_min": r4(quantile(&step_s, 0.0)), "step_s_max": r4(quantile(&step_s, 1.0)),
         "step_s_p25": r4(quantile(&step_s, 0.25)), "step_s_p75": r4(quantile(&step_s, 0.75)),

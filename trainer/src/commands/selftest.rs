@@ -6,7 +6,8 @@
 //! layer on `_scaled_mm` (no fallback) against the dequantised GEMM; every fused attention
 //! kernel of the device, forward and backward, against plain LibTorch ops (the kernels tried
 //! in turn in training; at least one bf16 kernel must pass; on CUDA also the variable-length
-//! flash kernel of packed rows, under a block-diagonal mask); dropout's mask redrawn in
+//! flash kernel of packed rows, under a block-diagonal mask); on CUDA LibTorch's fused RMSNorm
+//! kernels against the definition in f64; dropout's mask redrawn in
 //! backward equal to the forward's; an all-reduce on a real c10d group (NCCL on a GPU) and its
 //! bus bandwidth. Each check says whether the run depends on it (`required`).
 
@@ -56,6 +57,14 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
     }
     if only("attention") {
         checks.extend(attention(dev));
+    }
+    if only("norm") && dev.is_cuda() {
+        // Norms fall back to the composite without them.
+        for kind in [Kind::BFloat16, Kind::Float] {
+            let result = llora_model::norm::verify_fused_kernels(dev, kind)
+                .map(|()| "forward and backward match the definition in f64".to_string());
+            checks.push(Check::new(format!("RMSNorm fused kernels {kind:?}"), false, result));
+        }
     }
     if only("dropout") {
         checks.push(Check::new("dropout mask redrawn in backward", true, dropout_redraw(&device)));

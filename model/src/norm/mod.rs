@@ -2,7 +2,12 @@
 //! input as it came (bf16 under bf16 compute) and one f32 statistic per row, where the
 //! composite of Burn ops kept an f32 copy of the input (twice the bytes of a bf16 one) and the
 //! normalised values for backward. Two norms per decoder block: at 70B and bf16 that is 16 KB
-//! per token per norm instead of 32-48.
+//! per token per norm instead of 32-48. On CUDA the node's forward and backward are LibTorch's
+//! fused kernels (`cuda.rs`, one kernel each way); elsewhere a handful of LibTorch ops.
+
+mod cuda;
+
+pub use cuda::{used as fused_kernels_used, verify as verify_fused_kernels};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -82,10 +87,25 @@ fn normalised(x: &tch::Tensor, r: &tch::Tensor) -> tch::Tensor {
     (x.to_kind(tch::Kind::Float) * r).to_kind(x.kind())
 }
 
+/// The norm's output and `inv_rms` (f32, `[.., 1]`), and whether the fused CUDA kernel made them.
+///
+/// # Shapes
+/// - x: `[.., d]`; w: `[d]`; output: as x, in x's dtype
+fn norm_forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64) -> (tch::Tensor, tch::Tensor, bool) {
+    let w = w.to_kind(x.kind());
+    if cuda::usable(x) {
+        match cuda::forward(x, &w, eps) {
+            Ok((y, r)) => return (y, r, true),
+            Err(e) => tracing::warn!("fused RMSNorm forward failed, using the composite: {e}"),
+        }
+    }
+    let r = inv_rms(x, eps);
+    (normalised(x, &r) * w, r, false)
+}
+
 impl FusedRmsNormBackend for LibTorch {
     fn rms_norm(x: TchTensor, w: TchTensor, eps: f64) -> TchTensor {
-        let (x, w) = (&x.tensor, &w.tensor);
-        TchTensor::new(normalised(x, &inv_rms(x, eps)) * w.to_kind(x.kind()))
+        TchTensor::new(norm_forward(&x.tensor, &w.tensor, eps).0)
     }
 }
 
@@ -93,12 +113,36 @@ impl FusedRmsNormBackend for LibTorch {
 #[derive(Debug)]
 struct RmsNormBackward;
 
-/// What the node keeps: the input (as it came), the gain, and `inv_rms` (f32, one per row).
+/// What the node keeps: the input (as it came), the gain, `inv_rms` (f32, one per row), and
+/// whether the fused CUDA kernel ran forward (then its backward runs too).
 #[derive(Debug, Clone)]
 struct RmsNormState {
     x: TchTensor,
     w: TchTensor,
     r: TchTensor,
+    fused: bool,
+}
+
+/// The fused kernel's (dx, dw) where the forward was fused: dw only where the gain is in x's
+/// dtype (the kernel returns it in that dtype; an f32 gain's gradient stays f32 through the
+/// composite). A failure leaves both to the composite.
+fn fused_backward(
+    dy: &tch::Tensor,
+    st: &RmsNormState,
+    [want_dx, want_dw]: [bool; 2],
+) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
+    let (x, w) = (&st.x.tensor, &st.w.tensor);
+    if !st.fused {
+        return (None, None);
+    }
+    let want_dw = want_dw && w.kind() == x.kind();
+    match cuda::backward(&dy.contiguous(), x, &st.r.tensor, &w.to_kind(x.kind()), [want_dx, want_dw]) {
+        Ok(grads) => grads,
+        Err(e) => {
+            tracing::warn!("fused RMSNorm backward failed, using the composite: {e}");
+            (None, None)
+        }
+    }
 }
 
 impl Backward<LibTorch, 2> for RmsNormBackward {
@@ -107,26 +151,31 @@ impl Backward<LibTorch, 2> for RmsNormBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [node_x, node_w] = ops.parents;
         let dy = grads.consume::<LibTorch>(&ops.node).tensor;
-        let RmsNormState { x, w, r } = ops.state;
+        let (fused_dx, fused_dw) = fused_backward(&dy, &ops.state, [node_x.is_some(), node_w.is_some()]);
+        let RmsNormState { x, w, r, .. } = ops.state;
         let (x, w, r) = (&x.tensor, &w.tensor, &r.tensor);
         let d = *x.size().last().expect("a norm input has a last dimension");
         if let Some(node) = node_w {
             // dw = Σ over rows of dy · n, with n the normalised input as the forward rounded it.
-            let n = normalised(x, r);
-            let rows = dy.numel() as i64 / d;
-            let dw = (&dy.to_kind(tch::Kind::Float) * n.to_kind(tch::Kind::Float))
-                .reshape([rows, d])
-                .sum_dim_intlist([0i64].as_slice(), false, tch::Kind::Float)
-                .to_kind(w.kind());
+            let dw = fused_dw.map(|dw| dw.to_kind(w.kind())).unwrap_or_else(|| {
+                let n = normalised(x, r);
+                let rows = dy.numel() as i64 / d;
+                (&dy.to_kind(tch::Kind::Float) * n.to_kind(tch::Kind::Float))
+                    .reshape([rows, d])
+                    .sum_dim_intlist([0i64].as_slice(), false, tch::Kind::Float)
+                    .to_kind(w.kind())
+            });
             grads.register::<LibTorch>(node.id, TchTensor::new(dw));
         }
         if let Some(node) = node_x {
             // dn = dy · w in the activations' dtype (the forward's product), then in f32:
             // dx = r · (dn − n · mean(dn · n)), n = x · r.
-            let dn = (&dy * w.to_kind(dy.kind())).to_kind(tch::Kind::Float);
-            let n = x.to_kind(tch::Kind::Float) * r;
-            let proj = (&dn * &n).mean_dim(-1, true, tch::Kind::Float);
-            let dx = ((dn - n * proj) * r).to_kind(x.kind());
+            let dx = fused_dx.unwrap_or_else(|| {
+                let dn = (&dy * w.to_kind(dy.kind())).to_kind(tch::Kind::Float);
+                let n = x.to_kind(tch::Kind::Float) * r;
+                let proj = (&dn * &n).mean_dim(-1, true, tch::Kind::Float);
+                ((dn - n * proj) * r).to_kind(x.kind())
+            });
             grads.register::<LibTorch>(node.id, TchTensor::new(dx));
         }
     }
@@ -136,10 +185,10 @@ impl<C: CheckpointStrategy> FusedRmsNormBackend for Autodiff<LibTorch, C> {
     fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         let nodes = [x.node(), w.node()];
         let (x, w) = (x.into_primitive(), w.into_primitive());
-        let r = inv_rms(&x.tensor, eps);
-        let y = TchTensor::new(normalised(&x.tensor, &r) * w.tensor.to_kind(x.tensor.kind()));
+        let (y, r, fused) = norm_forward(&x.tensor, &w.tensor, eps);
+        let y = TchTensor::new(y);
         match RmsNormBackward.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(RmsNormState { x, w, r: TchTensor::new(r) }, y),
+            OpsKind::Tracked(prep) => prep.finish(RmsNormState { x, w, r: TchTensor::new(r), fused }, y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -155,12 +204,27 @@ mod tests {
     /// bf16 is compared within 1% of the largest value).
     #[test]
     fn fused_matches_composite_forward_and_backward() {
-        let device = Device::libtorch().autodiff();
+        fused_matches_composite(&Device::libtorch().autodiff());
+    }
+
+    /// The same on a CUDA device, where the node runs LibTorch's fused kernels (and they ran).
+    /// SKIPPED without one.
+    #[test]
+    fn cuda_fused_matches_composite_forward_and_backward() {
+        if !tch::Cuda::is_available() {
+            eprintln!("SKIPPED: no CUDA device");
+            return;
+        }
+        fused_matches_composite(&Device::libtorch_cuda(0).autodiff());
+        assert!(fused_kernels_used());
+    }
+
+    fn fused_matches_composite(device: &Device) {
         device.seed(3);
         let (b, s, d) = (2, 5, 64);
-        let x0 = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 3.0), &device);
-        let w0 = Tensor::<1>::random([d], Distribution::Normal(1.0, 0.2), &device);
-        let g = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 1.0), &device);
+        let x0 = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 3.0), device);
+        let w0 = Tensor::<1>::random([d], Distribution::Normal(1.0, 0.2), device);
+        let g = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 1.0), device);
         for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
             let run = |fused: bool| {
                 let x = x0.clone().cast(dtype).require_grad();

@@ -1,0 +1,196 @@
+//! RMSNorm on CUDA through LibTorch's fused kernels (`_fused_rms_norm` and its backward): one
+//! kernel each way, where the composite makes about seven passes over the activations forward
+//! and fifteen backward, with f32 temporaries of the whole `[tokens, d]` (the first H100 traces,
+//! issue #37, counted RMSNorm's f32 statistics among the ~22 ms of casts and elementwise work
+//! of a 70B-layer bf16 step). The kernel is checked against an f64 reference on the first
+//! problem of each device and dtype ([`usable`]); where it is missing or fails, the composite
+//! runs.
+//!
+//! Numerics: the kernel accumulates in f32 and rounds `w · x · rstd` once; HF rounds `x · rstd`
+//! to the activations' dtype before the gain, so in bf16 the two differ by at most an ulp.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_int};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+unsafe extern "C" {
+    fn llora_rms_norm_backward(
+        dy: *const torch_sys::C_tensor,
+        x: *const torch_sys::C_tensor,
+        rstd: *const torch_sys::C_tensor,
+        w: *const torch_sys::C_tensor,
+        want_dx: c_int,
+        want_dw: c_int,
+        dx: *mut *mut torch_sys::C_tensor,
+        dw: *mut *mut torch_sys::C_tensor,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_norm_free(s: *mut c_char);
+}
+
+/// `(w · x · rstd, rstd)` over the last dimension, rstd = `1/√(mean(x²) + ε)` in f32.
+///
+/// # Shapes
+/// - x: `[.., d]`; w: `[d]` in x's dtype
+/// - output: y as x; rstd `[.., 1]`, f32
+pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64) -> Result<(tch::Tensor, tch::Tensor), tch::TchError> {
+    let mut stat = x.size();
+    let d = std::mem::replace(stat.last_mut().expect("a norm input has a last dimension"), 1);
+    let (y, rstd) = x.f_internal_fused_rms_norm([d].as_slice(), Some(w), eps)?;
+    USED.store(true, Ordering::Relaxed);
+    // One per row, as `[.., 1]` whatever shape the kernel gave it (a view of the same values).
+    Ok((y, rstd.f_reshape(stat)?))
+}
+
+/// The gradients of [`forward`]'s output under `dy`: dx (with `want_dx`) and dw (with
+/// `want_dw`), each in x's dtype.
+///
+/// # Shapes
+/// - dy, x: `[.., d]`; rstd as [`forward`] returned it; w: `[d]` in x's dtype
+pub fn backward(
+    dy: &tch::Tensor,
+    x: &tch::Tensor,
+    rstd: &tch::Tensor,
+    w: &tch::Tensor,
+    [want_dx, want_dw]: [bool; 2],
+) -> Result<(Option<tch::Tensor>, Option<tch::Tensor>), tch::TchError> {
+    let (mut dx, mut dw, mut err) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: the tensors outlive the call; on success dx and dw are new at::Tensors that tch
+    // takes over below, on failure err is a malloc'd message freed once.
+    let rc = unsafe {
+        llora_rms_norm_backward(
+            dy.as_ptr(),
+            x.as_ptr(),
+            rstd.as_ptr(),
+            w.as_ptr(),
+            c_int::from(want_dx),
+            c_int::from(want_dw),
+            &mut dx,
+            &mut dw,
+            &mut err,
+        )
+    };
+    if rc != 0 {
+        let msg = if err.is_null() {
+            "fused RMSNorm backward failed".to_string()
+        } else {
+            // SAFETY: a NUL-terminated message from the shim.
+            let m = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
+            unsafe { llora_norm_free(err) };
+            m
+        };
+        return Err(tch::TchError::Torch(msg));
+    }
+    // SAFETY: fresh tensors owned by nobody else.
+    let own = |p| Some(unsafe { tch::Tensor::from_ptr(p) }).filter(tch::Tensor::defined);
+    Ok((own(dx), own(dw)))
+}
+
+/// Whether the fused kernels have run in this process (bench JSON names the norm's route).
+static USED: AtomicBool = AtomicBool::new(false);
+
+/// Whether [`forward`] has run in this process.
+pub fn used() -> bool {
+    USED.load(Ordering::Relaxed)
+}
+
+/// The verdict of [`verify`] per CUDA device and dtype.
+static VERDICTS: Mutex<Option<HashMap<(usize, tch::Kind), bool>>> = Mutex::new(None);
+
+/// Whether a norm of `x` takes the fused kernels: x on a CUDA device, in a float dtype, and
+/// the kernels passed their check there in that dtype (checked once, logged either way).
+pub fn usable(x: &tch::Tensor) -> bool {
+    let tch::Device::Cuda(device) = x.device() else { return false };
+    let kind = x.kind();
+    if !matches!(kind, tch::Kind::Float | tch::Kind::BFloat16 | tch::Kind::Half) {
+        return false;
+    }
+    let mut guard = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
+    *guard.get_or_insert_with(HashMap::new).entry((device, kind)).or_insert_with(|| {
+        match verify(tch::Device::Cuda(device), kind) {
+            Ok(()) => {
+                tracing::info!(device, dtype = ?kind, "RMSNorm: LibTorch's fused kernels (verified against f64)");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(device, dtype = ?kind, "RMSNorm: fused kernels refused ({e}); the composite runs");
+                false
+            }
+        }
+    })
+}
+
+/// Checks the fused forward and backward on `device` in `kind` against the definition in f64
+/// on the same rounded inputs: `y = w·x·r`, `dx = r·(dn − n·mean(dn·n))` with `n = x·r`,
+/// `dn = dy·w`, and `dw = Σ dy·n`, for 2 × 133 rows of 1024 (norm-wise relative error under
+/// 1e-2 in bf16/f16, the rounding of the outputs; 1e-5 in f32).
+pub fn verify(device: tch::Device, kind: tch::Kind) -> Result<(), String> {
+    let _guard = tch::no_grad_guard();
+    let (rows, d, eps) = ([2i64, 133], 1024i64, 1e-5);
+    let rand = |shape: &[i64], mean: f64, std: f64| {
+        tch::Tensor::f_randn(shape, (tch::Kind::Float, device))
+            .and_then(|t| (t * std + mean).f_to_kind(kind))
+            .map_err(|e| format!("inputs: {e}"))
+    };
+    let (x, w, dy) =
+        (rand(&[rows[0], rows[1], d], 0.0, 3.0)?, rand(&[d], 1.0, 0.2)?, rand(&[rows[0], rows[1], d], 0.0, 1.0)?);
+    let (y, rstd) = forward(&x, &w, eps).map_err(|e| format!("forward: {e}"))?;
+    let (dx, dw) = backward(&dy, &x, &rstd, &w, [true, true]).map_err(|e| format!("backward: {e}"))?;
+    let (dx, dw) = (dx.ok_or("backward returned no dx")?, dw.ok_or("backward returned no dw")?);
+    let f64s = |t: &tch::Tensor| t.to_kind(tch::Kind::Double);
+    let (x64, w64, dy64) = (f64s(&x), f64s(&w), f64s(&dy));
+    let r = (x64.square().mean_dim(-1, true, tch::Kind::Double) + eps).rsqrt();
+    let n = &x64 * &r;
+    let dn = &dy64 * &w64;
+    let want_dx = (&dn - &n * (&dn * &n).mean_dim(-1, true, tch::Kind::Double)) * &r;
+    let want_dw = (&dy64 * &n).reshape([-1, d]).sum_dim_intlist([0i64].as_slice(), false, tch::Kind::Double);
+    let tol = if kind == tch::Kind::Float { 1e-5 } else { 1e-2 };
+    for (name, got, want) in [("y", &y, &n * &w64), ("dx", &dx, want_dx), ("dw", &dw, want_dw)] {
+        if got.kind() != kind || got.size() != want.size() {
+            return Err(format!("{name} is {:?} {:?}, expected {kind:?} {:?}", got.kind(), got.size(), want.size()));
+        }
+        let err = (f64s(got) - &want).norm().double_value(&[]);
+        let scale = want.norm().double_value(&[]).max(1e-30);
+        let close = err / scale < tol; // false for NaN, which must count as a mismatch
+        if !close {
+            return Err(format!("{name} differs: error {err:.3e} against {scale:.3e}"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On the CPU, `_fused_rms_norm` is LibTorch's composite: its forward is the definition, so
+    /// the argument plumbing (last-dimension shape, gain, ε, the f32 rstd) is checked here;
+    /// its backward has no CPU kernel, and the check reports that as an error, not a panic.
+    #[test]
+    fn forward_plumbing_on_the_cpu_and_a_missing_backward() {
+        let x = tch::Tensor::from_slice(&[3.0f32, 4.0, 1.0, 1.0]).view([2, 1, 2]);
+        let w = tch::Tensor::from_slice(&[1.0f32, 2.0]);
+        let (y, rstd) = forward(&x, &w, 0.0).unwrap();
+        let r = 12.5f32.sqrt();
+        let got: Vec<f32> = y.flatten(0, -1).try_into().unwrap();
+        let want = [3.0 / r, 8.0 / r, 1.0, 2.0];
+        assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{got:?}");
+        assert_eq!((rstd.size(), rstd.kind()), (vec![2, 1, 1], tch::Kind::Float));
+        let err = verify(tch::Device::Cpu, tch::Kind::Float).unwrap_err();
+        assert!(err.starts_with("backward: "), "{err}");
+        assert!(!usable(&x), "the CPU keeps the composite");
+    }
+
+    /// On a CUDA device: the fused kernels pass their check in f32 and bf16. SKIPPED without one.
+    #[test]
+    fn cuda_fused_norm_matches_the_definition() {
+        if !tch::Cuda::is_available() {
+            eprintln!("SKIPPED: no CUDA device");
+            return;
+        }
+        for kind in [tch::Kind::Float, tch::Kind::BFloat16] {
+            assert_eq!(verify(tch::Device::Cuda(0), kind), Ok(()), "{kind:?}");
+        }
+    }
+}
