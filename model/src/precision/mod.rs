@@ -191,7 +191,7 @@ impl LinearQuant {
         let mut st = self.scales.lock().unwrap();
         let state = st.get_mut(role);
         if train && state.initialized && x.numel() > 0 {
-            let amax = x.abs().max().to_kind(Kind::Float);
+            let amax = crate::fp8::amax_on_device(x);
             self.lazy.lock().unwrap()[role as usize].push(amax);
             return state.scale;
         }
@@ -451,10 +451,8 @@ impl LinearQuant {
     ) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
         let d_out = *g.size().last().unwrap();
         let g2 = g.reshape([-1, d_out]);
-        let (dx, gd) = match self.spec.compute {
-            Compute::Fp32 | Compute::Bf16 => {
-                (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), g2.shallow_clone())
-            }
+        let (dx, fp8_grad) = match self.spec.compute {
+            Compute::Fp32 | Compute::Bf16 => (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), None),
             Compute::Fp8 => {
                 let s = self.scale_for(Role::Grad, &g2, true);
                 let q = quantize_tch(&g2, s, Fp8Format::E5M2);
@@ -472,14 +470,21 @@ impl LinearQuant {
                         false,
                     )
                 });
-                (dx, dequantize_tch(&q, 1.0 / s))
+                (dx, Some((q, s)))
             }
         };
         let dx = dx.map(|dx| dx.reshape(&st.x_size).to_kind(st.x_kind));
         let dw = match (&st.saved, want_dw) {
             (Some((saved, in_scale)), true) => {
                 let x = self.input_for_backward(saved, *in_scale);
-                Some(gd.to_kind(Kind::Float).tr().matmul(&x).to_kind(w.kind()))
+                // The gradient as the weight-gradient GEMM sees it (under FP8 its quantised
+                // values), made only here: a frozen base weight's backward never makes an f32
+                // copy of its `[tokens, out]` gradient.
+                let gd = match &fp8_grad {
+                    Some((q, s)) => dequantize_tch(q, 1.0 / s),
+                    None => g2.to_kind(Kind::Float),
+                };
+                Some(gd.tr().matmul(&x).to_kind(w.kind()))
             }
             _ => None,
         };

@@ -3,7 +3,8 @@
 //! `scripts/gpu-check.sh` runs on a GPU node (no Rust toolchain there) and, on the CPU, in CI.
 //!
 //! Checks: a bf16 GEMM (the route the linear layers take) against f64; both FP8 GEMMs of a
-//! layer on `_scaled_mm` (no fallback) against the dequantised GEMM; every fused attention
+//! layer on `_scaled_mm` (no fallback) against the dequantised GEMM; on CUDA the two-pass FP8
+//! quantiser against the f32 route; every fused attention
 //! kernel of the device, forward and backward, against plain LibTorch ops (the kernels tried
 //! in turn in training; at least one bf16 kernel must pass; on CUDA also the variable-length
 //! flash kernel of packed rows, under a block-diagonal mask); on CUDA LibTorch's fused RMSNorm
@@ -54,6 +55,12 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
     if only("gemm") {
         checks.push(Check::new("bf16 GEMM", true, bf16_gemm(dev)));
         checks.push(Check::new("FP8 GEMMs on _scaled_mm", true, check_layer_gemms(dev)));
+        if dev.is_cuda() {
+            // Training falls back to the four-pass f32 route without it.
+            let result = llora_model::fp8::check_cuda_routes(dev)
+                .map(|()| "codes and amaxes equal the f32 route's, bit for bit".to_string());
+            checks.push(Check::new("FP8 two-pass quantiser and one-pass amax", false, result));
+        }
     }
     if only("attention") {
         checks.extend(attention(dev));
