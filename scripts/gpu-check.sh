@@ -11,7 +11,9 @@
 #   4. llora vs the peer (scripts/peer/step_bench.py) on tiny, small and the Llama 2 70B layer
 #      at 8192 tokens, bf16 and FP8: step time, tokens/s, model TFLOP/s (one FLOP model,
 #      trainer/src/flops.rs) and its fraction of the GPU's dense bf16 peak, peak memory
-#      (nvidia-smi's, sampled), and `llora plan`'s prediction against it;
+#      (nvidia-smi's, sampled), and `llora plan`'s prediction against it; at the shapes of
+#      UNFUSED_SHAPES (GPU default: the 70B layer) also with LLORA_CUDA_FUSED_ROUTES=off (rows
+#      "bf16-unfused", "fp8-unfused": what the fused norm and the two-pass FP8 quantiser gain);
 #   5. on a GPU (or with PACKING=1), sample packing against padding (scripts/bench-packing.sh:
 #      llora packed and padded, PEFT padded, target tokens per second; PACKING=0 skips it).
 #
@@ -32,7 +34,7 @@ MODE=gpu
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -69,6 +71,7 @@ if [[ $MODE == gpu ]]; then
   NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
   SHAPES=${SHAPES:-tiny:512 small:2048 llama2-70b-1layer:8192}
   PRECISIONS=${PRECISIONS:-bf16 fp8}
+  UNFUSED_SHAPES=${UNFUSED_SHAPES-llama2-70b-1layer:8192}
   STEPS=${STEPS:-10}
   THREADS=8
 else
@@ -76,6 +79,7 @@ else
   NGPU=2 # two Gloo ranks stand in for the GPUs of a node
   SHAPES=${SHAPES:-tiny:128}
   PRECISIONS=${PRECISIONS:-bf16 fp8}
+  UNFUSED_SHAPES=${UNFUSED_SHAPES-}
   STEPS=${STEPS:-2}
   THREADS=1
 fi
@@ -156,17 +160,23 @@ run_sampled() { # run_sampled OUTFILE CMD...: the command's last stdout line, pl
 }
 for shape in $SHAPES; do
   IFS=: read -r preset seq <<<"$shape"
-  for precision in $PRECISIONS; do
+  precisions=$PRECISIONS
+  # The same step with the newer fused CUDA routes off (LLORA_CUDA_FUSED_ROUTES=off): what they gain.
+  [[ " $UNFUSED_SHAPES " == *" $shape "* ]] && precisions="$precisions $(printf '%s-unfused ' $PRECISIONS)"
+  for precision in $precisions; do
     common=(--preset "$preset" --seq-len "$seq" --batch 1 --warmup 2 --steps "$STEPS" --threads "$THREADS")
-    extra=(--precision "$precision")
-    [[ $precision == fp8 ]] && extra=(--precision fp8 --fp8-weights --fp8-activations)
+    base=${precision%-unfused}
+    routes=(env LLORA_CUDA_FUSED_ROUTES=on)
+    [[ $precision == *-unfused ]] && routes=(env LLORA_CUDA_FUSED_ROUTES=off)
+    extra=(--precision "$base")
+    [[ $base == fp8 ]] && extra=(--precision fp8 --fp8-weights --fp8-activations)
     if [[ ${TRACE:-0} == 1 ]]; then
       trace="$REPORT_DIR/trace-$preset-$seq-$precision.json"
       rm -f "$trace"
       extra+=(--trace "$trace")
     fi
     say "bench $preset s$seq $precision: llora"
-    run_sampled "$work/l.json" "$LLORA" bench "${common[@]}" "${extra[@]}" --device "$DEVICE" --tag llora
+    run_sampled "$work/l.json" "${routes[@]}" "$LLORA" bench "${common[@]}" "${extra[@]}" --device "$DEVICE" --tag llora
     say "bench $preset s$seq bf16: peer"
     [[ -f "$work/p-$preset-$seq.json" ]] \
       || run_sampled "$work/p-$preset-$seq.json" "$PYTHON" scripts/peer/step_bench.py "${common[@]}" --dtype bf16 --device "${DEVICE%%:*}" --tag peer
@@ -188,7 +198,7 @@ row = {"section": "bench", "preset": l.get("preset"), "seq_len": l.get("seq_len"
        "llora_mfu_bf16_peak": (tflops(l) / peak) if peak and tflops(l) else None,
        "llora_peak_mb": l.get(mem), "peer_peak_mb": p.get(mem),
        "peer_peak_cuda_allocated_mb": p.get("peak_cuda_allocated_mb"), "gpu": gpu or None,
-       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"),
+       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"), "rms_norm": l.get("rms_norm"),
        "llora_fwd_s": l.get("fwd_s_median"), "llora_bwd_s": l.get("bwd_s_median"), "llora_opt_s": l.get("opt_s_median"),
        "peer_fwd_s": p.get("fwd_s_median"), "peer_bwd_s": p.get("bwd_s_median"), "peer_opt_s": p.get("opt_s_median"),
        "llora_device_peak_allocated_mb": l.get("device_peak_allocated_mb"),

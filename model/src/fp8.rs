@@ -154,6 +154,9 @@ static CUDA_ROUTES: std::sync::Mutex<Option<std::collections::HashMap<usize, boo
 /// [`check_cuda_routes`] (run once per device, logged either way).
 fn cuda_routes_checked(device: tch::Device) -> bool {
     let tch::Device::Cuda(index) = device else { return false };
+    if !crate::device::cuda_fused_routes() {
+        return false;
+    }
     let mut guard = CUDA_ROUTES.lock().unwrap_or_else(|e| e.into_inner());
     *guard.get_or_insert_with(Default::default).entry(index).or_insert_with(|| match check_cuda_routes(device) {
         Ok(()) => {

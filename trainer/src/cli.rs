@@ -536,6 +536,10 @@ pub struct BenchArgs {
     /// Keep frozen base weights as FP8 + scale (needs `--precision fp8`).
     #[arg(long)]
     pub fp8_weights: bool,
+    /// With `--fp8-weights` on CUDA: one layout, transposed for each backward GEMM
+    /// (`precision.fp8_weights_one_layout`: half the weights' memory).
+    #[arg(long)]
+    pub fp8_weights_one_layout: bool,
     /// Also append the JSON line to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,

@@ -681,6 +681,10 @@ pub struct PrecisionConfig {
     pub fp8_activations: bool,
     /// Keep frozen base weights as FP8 + scale (needs `compute = "fp8"`).
     pub fp8_weights: bool,
+    /// With `fp8_weights` on CUDA: keep each weight in one layout and transpose it for every
+    /// input-gradient GEMM rather than keeping the transpose too (half the weights' memory:
+    /// what lets the whole 70B train on one 141 GB GPU; `llora plan` says when it is needed).
+    pub fp8_weights_one_layout: bool,
     /// Delayed scaling: amaxes of this many past steps set each scale (1..=1024).
     pub amax_history_len: usize,
     /// How the history becomes one amax: `"max"` or `"most_recent"`.
@@ -696,6 +700,7 @@ impl Default for PrecisionConfig {
             compute: Compute::Fp32,
             fp8_activations: false,
             fp8_weights: false,
+            fp8_weights_one_layout: false,
             amax_history_len: amax.history_len,
             amax_compute_algo: amax.algo,
             amax_margin: amax.margin,
@@ -720,6 +725,12 @@ impl PrecisionConfig {
             &pr.fp8_weights,
             "needs precision.compute = \"fp8\"",
         );
+        p.check(
+            !pr.fp8_weights_one_layout || pr.fp8_weights,
+            "precision.fp8_weights_one_layout",
+            &pr.fp8_weights_one_layout,
+            "needs precision.fp8_weights = true",
+        );
         let reduced = pr.compute != Compute::Fp32 || pr.fp8_activations;
         p.check(
             !reduced || *device != DeviceSpec::Flex,
@@ -737,6 +748,7 @@ impl PrecisionConfig {
             compute: self.compute,
             fp8_activations: self.fp8_activations,
             fp8_weights: self.fp8_weights,
+            fp8_weights_one_layout: self.fp8_weights_one_layout,
             amax: AmaxSpec {
                 history_len: self.amax_history_len,
                 algo: self.amax_compute_algo,
@@ -1346,6 +1358,23 @@ mod tests {
             let err = Config::load(None, &[ov("model.quantize=\"nf4\""), ov(extra)]).unwrap_err().to_string();
             assert!(err.contains("model.quantize") && err.contains(key), "{extra}: {err}");
         }
+    }
+
+    /// `precision.fp8_weights_one_layout` reaches the model's precision with FP8 weights, and
+    /// without them is refused naming both keys.
+    #[test]
+    fn one_layout_needs_fp8_weights() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let fp8 = [ov("precision.compute=\"fp8\""), ov("precision.fp8_weights=true")];
+        let c =
+            Config::load(None, &[fp8[0].clone(), fp8[1].clone(), ov("precision.fp8_weights_one_layout=true")]).unwrap();
+        assert!(c.precision_spec().fp8_weights_one_layout);
+        assert!(!Config::load(None, &fp8).unwrap().precision_spec().fp8_weights_one_layout);
+        let err = Config::load(None, &[ov("precision.fp8_weights_one_layout=true")]).unwrap_err().to_string();
+        assert!(
+            err.contains("precision.fp8_weights_one_layout") && err.contains("precision.fp8_weights = true"),
+            "{err}"
+        );
     }
 
     /// `lora.rslora` reaches the adapters: α/√r instead of α/r (#40 item 1).

@@ -377,7 +377,8 @@ pub fn budget(s: &Shape) -> Budget {
     let sharded = s.shard_frozen_weights && s.world > 1;
     // FP8 weights kept whole on CUDA keep their transpose too (`_scaled_mm` wants the
     // input-gradient GEMM's weight column-major: precision/mod.rs, `StoredWeight::Fp8`).
-    let transposed = s.target == Target::Cuda && p.compute == Compute::Fp8 && p.fp8_weights && !sharded;
+    let transposed =
+        s.target == Target::Cuda && p.compute == Compute::Fp8 && p.fp8_weights && !p.fp8_weights_one_layout && !sharded;
     let w = weight_elem(p) * if transposed { 2.0 } else { 1.0 };
     let mut lines = Vec::new();
     let mut add = |name, bytes: f64, note: String| lines.push(Line { name, bytes, note });
@@ -395,7 +396,14 @@ pub fn budget(s: &Shape) -> Budget {
             format!("{w} B/elem, 1/{} of every block + {gathered} block(s) gathered", s.world),
         )
     } else {
-        let layouts = if transposed { " (both layouts)" } else { "" };
+        let one = s.target == Target::Cuda && p.fp8_weights && p.fp8_weights_one_layout;
+        let layouts = if transposed {
+            " (both layouts)"
+        } else if one {
+            " (one layout, transposed for each backward GEMM)"
+        } else {
+            ""
+        };
         (l as f64 * block(1.0), format!("{w} B/elem{layouts}, replicated"))
     };
     add("frozen linear weights", frozen, note);
@@ -493,18 +501,49 @@ pub fn budget(s: &Shape) -> Budget {
     Budget { lines, peak }
 }
 
-/// The cheapest recipe for `s` that fits in `device_bytes`: no sharding and the fewest
-/// recomputed blocks first, then sharding with the fewest. None if nothing fits.
+/// Dense FLOPs per byte of memory bandwidth of the GPUs llora plans for (H100/H200 bf16: 989
+/// TFLOP/s over 3.4-4.8 TB/s): what turns a transpose's bytes into recomputed blocks' time.
+const GPU_FLOP_PER_BYTE: f64 = 250.0;
+
+/// The time of keeping FP8 weights in one layout, in blocks recomputed: every layer's weights
+/// transposed once per backward (2 B moved per value) against one block's forward (2 FLOPs per
+/// value per token), so `layers · FLOP-per-byte / tokens` (≈ 2.4 blocks for 70B at 8192 tokens).
+fn one_layout_cost(s: &Shape) -> f64 {
+    s.model.num_hidden_layers as f64 * GPU_FLOP_PER_BYTE / (s.micro_batch * s.seq_len).max(1) as f64
+}
+
+/// The cheapest recipe for `s` that fits in `device_bytes`: no sharding before sharding (its
+/// gathers cost every block), and within each the fewest recomputed blocks, where on CUDA with
+/// FP8 weights keeping them in one layout (`precision.fp8_weights_one_layout`: half their bytes)
+/// counts as [`one_layout_cost`] blocks. None if nothing fits.
 pub fn cheapest_recipe(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
     let l = s.model.num_hidden_layers;
     let shard_options: &[bool] = if s.world > 1 { &[false, true] } else { &[false] };
+    let p = s.precision;
+    let mut layouts = vec![p.fp8_weights_one_layout];
+    if s.target == Target::Cuda && p.fp8_weights && !p.fp8_weights_one_layout {
+        layouts.push(true);
+    }
     for &shard in shard_options {
-        for n in 0..=l {
-            let cand = Shape { recompute_layers: n, shard_frozen_weights: shard, ..s.clone() };
-            let b = budget(&cand);
-            if b.peak <= device_bytes {
-                return Some((cand, b));
+        let mut best: Option<(f64, Shape, Budget)> = None;
+        for &one_layout in &layouts {
+            let precision = PrecisionSpec { fp8_weights_one_layout: one_layout, ..p };
+            // The peak falls with every block recomputed: the first that fits is this layout's best.
+            let fit = (0..=l).find_map(|n| {
+                let cand = Shape { recompute_layers: n, shard_frozen_weights: shard, precision, ..s.clone() };
+                let b = budget(&cand);
+                (b.peak <= device_bytes).then_some((cand, b))
+            });
+            if let Some((cand, b)) = fit {
+                let extra = if one_layout && !p.fp8_weights_one_layout { one_layout_cost(s) } else { 0.0 };
+                let cost = cand.recompute_layers as f64 + extra;
+                if best.as_ref().is_none_or(|(c, _, _)| cost < *c) {
+                    best = Some((cost, cand, b));
+                }
             }
+        }
+        if let Some((_, cand, b)) = best {
+            return Some((cand, b));
         }
     }
     None
@@ -532,7 +571,8 @@ pub fn to_json(s: &Shape, device_bytes: Option<f64>) -> Value {
         out["fits"] = (b.peak <= dev).into();
         out["cheapest"] = match cheapest_recipe(s, dev) {
             Some((c, cb)) => {
-                json!({"recompute_layers": c.recompute_layers, "shard_frozen_weights": c.shard_frozen_weights, "peak_mb": mb(cb.peak)})
+                json!({"recompute_layers": c.recompute_layers, "shard_frozen_weights": c.shard_frozen_weights,
+                       "fp8_weights_one_layout": c.precision.fp8_weights_one_layout, "peak_mb": mb(cb.peak)})
             }
             None => Value::Null,
         };
@@ -672,9 +712,14 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
         let _ = writeln!(o, "\nthis recipe needs {:.1} GiB of {:.1} GiB: {verdict}", b.peak / GB, dev / GB);
         match cheapest_recipe(s, dev) {
             Some((r, rb)) => {
+                let layout = if r.precision.fp8_weights_one_layout != s.precision.fp8_weights_one_layout {
+                    ", precision.fp8_weights_one_layout = true"
+                } else {
+                    ""
+                };
                 let _ = writeln!(
                     o,
-                    "cheapest recipe that fits: train.recompute_layers = {}, train.shard_frozen_weights = {} ({:.1} GiB)",
+                    "cheapest recipe that fits: train.recompute_layers = {}, train.shard_frozen_weights = {}{layout} ({:.1} GiB)",
                     r.recompute_layers,
                     r.shard_frozen_weights,
                     rb.peak / GB
@@ -684,7 +729,8 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
                 let _ = writeln!(
                     o,
                     "no recipe fits: every block recomputed{} still needs more; use more ranks, FP8 weights \
-                     (precision.compute = \"fp8\", precision.fp8_weights = true) or shorter sequences",
+                     (precision.compute = \"fp8\", precision.fp8_weights = true, in one layout: \
+                     precision.fp8_weights_one_layout = true) or shorter sequences",
                     if s.world > 1 { " with sharded frozen weights" } else { "" }
                 );
             }
@@ -814,6 +860,38 @@ mod tests {
         // 288 GiB holds the replicated FP8 replica with every activation.
         let (r, _) = cheapest_recipe(&mlperf(8, 0, false), 288.0 * GB).unwrap();
         assert_eq!((r.recompute_layers, r.shard_frozen_weights), (0, false));
+    }
+
+    /// One 141 GB GPU (issue #37 item 6): the 70B's FP8 weights in both layouts (130560 MB:
+    /// 2 B per value) leave no room, every block recomputed or not; in one layout they take
+    /// exactly half, and the search finds that recipe with the fewest recomputed blocks.
+    #[test]
+    fn one_gpu_fits_the_70b_with_fp8_weights_in_one_layout() {
+        let line = |s: &Shape| budget(s).lines.iter().find(|x| x.name == "frozen linear weights").unwrap().bytes;
+        let both = mlperf(1, 0, false);
+        let one = Shape { precision: PrecisionSpec { fp8_weights_one_layout: true, ..both.precision }, ..both.clone() };
+        // 80 blocks of (8192·(8192 + 2·1024) + 8192² + 3·8192·28672) values, 1 B each per layout.
+        let values = 80.0 * (8192.0 * 10240.0 + 8192.0 * 8192.0 + 3.0 * 8192.0 * 28672.0);
+        assert!((line(&both) - 2.0 * values).abs() / values < 1e-3, "{} vs {}", line(&both), 2.0 * values);
+        assert_eq!(line(&one), line(&both) / 2.0);
+        let dev = 141.0 * GB;
+        assert!(budget(&Shape { recompute_layers: 80, ..both.clone() }).peak > dev, "both layouts cannot fit");
+        let (r, b) = cheapest_recipe(&both, dev).expect("one layout fits 141 GiB");
+        assert!(r.precision.fp8_weights_one_layout && b.peak <= dev);
+        let fewer = Shape { recompute_layers: r.recompute_layers - 1, ..r.clone() };
+        assert!(budget(&fewer).peak > dev, "one block fewer would fit too");
+        assert!(report(&both, Some(dev)).contains("precision.fp8_weights_one_layout = true"));
+        // Its time, in recomputed blocks: 80 layers · 250 FLOP/B / 8192 tokens.
+        assert_eq!(one_layout_cost(&both), 80.0 * 250.0 / 8192.0);
+        // 8 x 180 GiB: both layouts fit only with many blocks recomputed, one layout with none,
+        // which costs less; at 288 GiB both layouts fit with none, and stay.
+        let dev = 180.0 * GB;
+        let both_n = (0..=80).find(|&n| budget(&mlperf(8, n, false)).peak <= dev).unwrap();
+        assert!(both_n as f64 > one_layout_cost(&both), "{both_n}");
+        let (r, _) = cheapest_recipe(&mlperf(8, 0, false), dev).unwrap();
+        assert_eq!((r.recompute_layers, r.shard_frozen_weights, r.precision.fp8_weights_one_layout), (0, false, true));
+        let (r, _) = cheapest_recipe(&mlperf(8, 0, false), 288.0 * GB).unwrap();
+        assert!(!r.precision.fp8_weights_one_layout);
     }
 
     #[test]

@@ -170,7 +170,7 @@ static VERDICTS: Mutex<Option<HashMap<Problem, bool>>> = Mutex::new(None);
 /// Whether packed rows of problem `p` take the variable-length kernel: bf16/f16 on CUDA, and
 /// its check ([`verify`]) passed on the first problem of this kind (logged either way).
 pub fn usable(p: Problem) -> bool {
-    if !matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) {
+    if !matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) || !crate::device::cuda_fused_routes() {
         return false;
     }
     let mut guard = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());

@@ -102,6 +102,9 @@ static VERDICTS: Mutex<Option<HashMap<(usize, tch::Kind), bool>>> = Mutex::new(N
 /// the kernels passed their check there in that dtype (checked once, logged either way).
 pub fn usable(x: &tch::Tensor) -> bool {
     let tch::Device::Cuda(device) = x.device() else { return false };
+    if !crate::device::cuda_fused_routes() {
+        return false;
+    }
     let kind = x.kind();
     if !matches!(kind, tch::Kind::Float | tch::Kind::BFloat16 | tch::Kind::Half) {
         return false;

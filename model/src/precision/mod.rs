@@ -276,7 +276,8 @@ impl LinearQuant {
         Some(match kind {
             Kind::BFloat16 => StoredWeight::Bf16(TchTensor::new(stored)),
             _ => {
-                let transposed = device.is_cuda().then(|| TchTensor::new(stored.tr().contiguous()));
+                let keep = device.is_cuda() && !spec.fp8_weights_one_layout;
+                let transposed = keep.then(|| TchTensor::new(stored.tr().contiguous()));
                 StoredWeight::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
             }
         })
@@ -754,7 +755,14 @@ mod tests {
     use burn::tensor::{Device, Distribution, TensorData, Tolerance};
 
     fn fp8_spec(fp8_activations: bool, fp8_weights: bool) -> PrecisionSpec {
-        PrecisionSpec { compute: Compute::Fp8, fp8_activations, fp8_weights, amax: AmaxSpec::default(), nf4: None }
+        PrecisionSpec {
+            compute: Compute::Fp8,
+            fp8_activations,
+            fp8_weights,
+            fp8_weights_one_layout: false,
+            amax: AmaxSpec::default(),
+            nf4: None,
+        }
     }
 
     fn host(t: &Tensor<2>) -> Vec<f32> {

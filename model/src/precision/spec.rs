@@ -38,6 +38,10 @@ pub struct PrecisionSpec {
     pub fp8_activations: bool,
     /// Store frozen base weights as FP8 + scale (needs `compute = Fp8`).
     pub fp8_weights: bool,
+    /// With `fp8_weights` on CUDA, keep each weight's codes in one layout and transpose them
+    /// for every input-gradient GEMM, instead of keeping the transpose too: half the weights'
+    /// bytes (65 of 130 GB for Llama 2 70B) for one copy per weight per backward.
+    pub fp8_weights_one_layout: bool,
     /// Delayed-scaling settings.
     pub amax: AmaxSpec,
     /// Store frozen base weights in NF4 (QLoRA; `model.quantize = "nf4"`), dequantised for

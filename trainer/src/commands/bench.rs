@@ -148,18 +148,26 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
         &args.fp8_weights,
         "needs --precision fp8",
     );
+    p.check(
+        !args.fp8_weights_one_layout || args.fp8_weights,
+        "--fp8-weights-one-layout",
+        &args.fp8_weights_one_layout,
+        "needs --fp8-weights",
+    );
     if let Err(e) = precision_spec(args).validate_nf4() {
         p.check(false, "--quantize", &args.quantize.quantize, &e);
     }
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
 }
 
-/// The precision `--precision`, `--fp8-activations`, `--fp8-weights` and `--quantize` ask for.
+/// The precision `--precision`, `--fp8-activations`, `--fp8-weights` (`--fp8-weights-one-layout`)
+/// and `--quantize` ask for.
 fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
     let spec = crate::config::PrecisionConfig {
         compute: args.precision,
         fp8_activations: args.fp8_activations,
         fp8_weights: args.fp8_weights,
+        fp8_weights_one_layout: args.fp8_weights_one_layout,
         ..Default::default()
     }
     .spec();
@@ -484,6 +492,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
         "accum": args.accum, "world": dist.world.size, "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
+        "fp8_weights_one_layout": args.fp8_weights_one_layout,
         // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
         "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),
         // One decoder block run alone (see `block_memory`); null for a sharded model.
