@@ -18,6 +18,7 @@ fn main() {
     rpath::main();
     println!("cargo:rustc-check-cfg=cfg(llora_nccl)");
     println!("cargo:rerun-if-changed=src/dist/c10d_shim.cpp");
+    println!("cargo:rerun-if-changed=../model/src/shim.h");
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!("torch-sys did not report its libtorch directory: run ./scripts/setup.sh first");
     };
@@ -37,6 +38,7 @@ fn main() {
     build
         .cpp(true)
         .file("src/dist/c10d_shim.cpp")
+        .include("../model/src")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -1,4 +1,5 @@
-// What every C ABI shim of llora-model shares (model/build.rs compiles them): a message copied
+// What every C ABI shim of llora shares (model/build.rs compiles the model's, trainer/build.rs
+// the c10d one with this folder on its include path): a message copied
 // for Rust (malloc'd; each shim exports a `_free` for it) and a guard that turns any C++
 // exception into that message, so a LibTorch op that refuses its inputs is a Rust error, never
 // an abort across the FFI boundary.

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "shim.h"  // model/src/shim.h: the error guard every llora shim shares
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -29,25 +31,7 @@ struct Group {
   std::chrono::milliseconds timeout;
 };
 
-char* dup(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) std::memcpy(out, s.c_str(), s.size() + 1);
-  return out;
-}
-
-// Runs `f`; on a C++ exception stores its message in *err and returns false.
-template <typename F>
-bool guarded(char** err, F&& f) {
-  try {
-    f();
-    return true;
-  } catch (const std::exception& e) {
-    if (err != nullptr) *err = dup(e.what());
-  } catch (...) {
-    if (err != nullptr) *err = dup("unknown C++ exception");
-  }
-  return false;
-}
+using llora_shim::guarded;
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
   // wait() rethrows the collective's failure; a false return means the timeout passed.
