@@ -14,7 +14,8 @@
 # whole epoch each way; `small` (~200 tokens/s on 2 cores) trains STEPS_SMALL steps (default 3).
 #
 # On a GPU node (no Rust there: scripts/gpu-check.sh runs it from the bundle), give the binary
-# and the device: LLORA=path skips the set-up and the build, PYTHON is the peer's Python (with
+# and the device: LLORA=path skips the set-up and the build (and loads the node's torch
+# libraries, scripts/node-libs.sh), PYTHON is the peer's Python (with
 # torch, transformers, peft, numpy, pyarrow), DEVICE=cuda:0 runs both sides there in
 # PRECISION (default bf16 on CUDA, fp32 on the CPU; the peer in the same dtype). PRESETS picks
 # the presets (default "tiny small"). The last line printed is every result as JSON.
@@ -30,6 +31,8 @@ fi
 llora=${LLORA:-./target/release/llora}
 py=${PYTHON:-.venv/bin/python}
 [[ $py == */* ]] && py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")" # the peer runs from scripts/peer
+# A given binary may be a bundle's, built elsewhere: it loads the node's torch libraries.
+[[ -n ${LLORA:-} ]] && PYTHON=$py source scripts/node-libs.sh
 device=${DEVICE:-cpu}
 if [[ $device == cuda* ]]; then precision=${PRECISION:-bf16}; else precision=${PRECISION:-fp32}; fi
 presets=${PRESETS:-tiny small}

@@ -44,7 +44,7 @@ tmp=$(mktemp)
 strip -o "$tmp" target/release/llora
 xz -T0 -6 -c "$tmp" >"$OUT/llora.xz"
 rm -f "$tmp"
-cp scripts/gpu-check.sh scripts/bench-packing.sh "$OUT/scripts/"
+cp scripts/gpu-check.sh scripts/bench-packing.sh scripts/node-libs.sh "$OUT/scripts/"
 cp -r scripts/peer "$OUT/scripts/"
 rm -rf "$OUT/scripts/peer/__pycache__"
 cp configs/*.toml "$OUT/configs/"

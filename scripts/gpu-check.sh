@@ -46,17 +46,8 @@ fi
 "$PYTHON" -c 'import torch, transformers, peft, safetensors' 2>/dev/null \
   || { echo "gpu-check.sh: $PYTHON lacks torch, transformers, peft or safetensors" >&2; exit 1; }
 TORCHRUN=("$PYTHON" -m torch.distributed.run)
-# A llora built on another machine (scripts/gpu-bundle.sh) loads the node's LibTorch, CUDA,
-# cuDNN and NCCL from this Python's torch wheel: torch/lib and every nvidia/*/lib folder.
-torch_libs=$("$PYTHON" - <<'PY'
-import glob, os, torch
-lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-site = os.path.dirname(os.path.dirname(torch.__file__))
-nvidia = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(site, "nvidia", "**", "lib*.so*"), recursive=True)})
-print(":".join([lib] + nvidia))
-PY
-)
-export LD_LIBRARY_PATH="$torch_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The node's torch libraries, for a llora built elsewhere (scripts/gpu-bundle.sh).
+source scripts/node-libs.sh
 "$LLORA" --version >/dev/null 2>&1 || { echo "gpu-check.sh: $LLORA does not start here: $("$LLORA" --version 2>&1 | head -3)" >&2; exit 1; }
 REPORT_DIR=${REPORT_DIR:-gpu-check-$(hostname)-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$REPORT_DIR"
