@@ -188,6 +188,14 @@ pub fn check_cuda_routes(device: tch::Device) -> Result<(), String> {
                 return Err(format!("two-pass {kind:?} {format:?}: codes differ from the f32 route"));
             }
         }
+        for probe in [x.narrow(0, 0, 4096), x.narrow(0, 4096, 7)] {
+            let (scale, scale_inv) = current_scale(&probe, Fp8Format::E4M3);
+            let fast = quantize_clamped_by(&probe, &scale, &scale_inv, Fp8Format::E4M3)
+                .map_err(|e| format!("two-pass current scaling {kind:?}: {e}"))?;
+            if bits(&fast).ok() != bits(&quantize_via_f32_by(&probe, &scale, Fp8Format::E4M3)).ok() {
+                return Err(format!("two-pass current scaling {kind:?}: codes differ from the f32 route"));
+            }
+        }
         for probe in [x.shallow_clone(), x.narrow(0, 0, 4096), x.narrow(0, 4097, 3)] {
             let (got, want) = (amax_norm(&probe).double_value(&[]), amax_abs_max(&probe).double_value(&[]));
             if got.to_bits() != want.to_bits() && !(got.is_nan() && want.is_nan()) {
@@ -240,18 +248,51 @@ pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
 /// the device. Returns the codes and `1 / scale` as a 0-dim f32 tensor on `x`'s device: the
 /// same f32 arithmetic as [`Fp8Tensor::quantize_current`], so the same codes.
 pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
-    let max = f64::from(format.max());
+    let (scale, scale_inv) = current_scale(x, format);
+    let two_pass = matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16) && cuda_routes_checked(x.device());
+    let codes = match two_pass.then(|| quantize_clamped_by(x, &scale, &scale_inv, format)) {
+        Some(Ok(codes)) => codes,
+        _ => quantize_via_f32_by(x, &scale, format),
+    };
+    (codes, scale_inv)
+}
+
+/// `(max / amax(x), its inverse)` as 0-dim f32 tensors on x's device, read by nobody; 1 where
+/// the amax is zero or not finite.
+fn current_scale(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
     let amax = amax_on_device(x);
     // `max / amax` as one f32 division (the host's `fp8_max / amax`). Few ops on purpose: on a
     // small model the host's launches are the bottleneck. An amax of 0 gives +inf and a NaN
     // amax NaN, both 1 after nan_to_num; an infinite amax gives 0, made 1 by adding (s == 0).
-    let mut scale = amax.full_like(max) / &amax;
+    let mut scale = amax.full_like(f64::from(format.max())) / &amax;
     let _ = scale.nan_to_num_(1.0, 1.0, 1.0);
     let _ = scale.g_add_(&scale.eq(0.0));
+    let scale_inv = scale.reciprocal();
+    (scale, scale_inv)
+}
+
+/// [`quantize_clamped`] with the scale a 0-dim f32 tensor on x's device (and its inverse): x
+/// clamped to `±max·(1/s)` in its own dtype, then one multiply stored as FP8. The same codes
+/// as [`quantize_via_f32_by`], for the reason [`quantize_clamped`] gives.
+fn quantize_clamped_by(
+    x: &tch::Tensor,
+    scale: &tch::Tensor,
+    scale_inv: &tch::Tensor,
+    format: Fp8Format,
+) -> Result<tch::Tensor, tch::TchError> {
+    let bound = scale_inv.f_mul_scalar(f64::from(format.max()))?;
+    let clamped = x.f_clamp_tensor(Some(&bound.f_neg()?), Some(&bound))?;
+    let out = tch::Tensor::f_empty(x.size(), (format.kind(), x.device()))?;
+    clamped.f_mul_out(&out, &scale.f_view([1])?)
+}
+
+/// `clamp(x·s, ±max)` cast to FP8 through an f32 copy, the scale a 0-dim f32 tensor.
+fn quantize_via_f32_by(x: &tch::Tensor, scale: &tch::Tensor, format: Fp8Format) -> tch::Tensor {
+    let max = f64::from(format.max());
     let mut scaled = x.to_kind(tch::Kind::Float);
-    let _ = scaled.g_mul_(&scale);
+    let _ = scaled.g_mul_(scale);
     let _ = scaled.clamp_(-max, max);
-    (scaled.to_kind(format.kind()), scale.reciprocal())
+    scaled.to_kind(format.kind())
 }
 
 /// `float(q) · scale_inv` in f32, the factor a 0-dim f32 tensor on q's device.
@@ -655,6 +696,12 @@ mod tests {
                 let bits =
                     |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).flatten(0, -1)).unwrap();
                 assert_eq!(bits(&codes), bits(&host.data), "case {i} {format:?}: codes");
+                // CUDA's two-pass route, run here: the same codes.
+                let (scale, inv) = current_scale(x, format);
+                if matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16) {
+                    let two_pass = quantize_clamped_by(x, &scale, &inv, format).unwrap();
+                    assert_eq!(bits(&two_pass), bits(&host.data), "case {i} {format:?}: two-pass codes");
+                }
                 let s = scale_inv.double_value(&[]) as f32;
                 assert_eq!(
                     s.to_bits(),
