@@ -2,7 +2,7 @@
 //! attention, dense and variable-length, and cuDNN SDPA), called through `sdpa_shim.cpp`.
 //! Which kernel runs is `choice.rs`'s; the variable-length one is `varlen.rs`'s.
 
-use std::ffi::{CStr, c_char, c_int};
+use std::ffi::{c_char, c_int};
 
 /// What the shim's forward returns, in the order the matching backward takes it.
 #[repr(C)]
@@ -175,20 +175,11 @@ pub fn flash_varlen_forward(
     })
 }
 
-/// The shim's return code as a result: its message (freed here) on failure.
+/// The shim's return code (0: success) as a result: its message (freed here) on failure.
 fn check(rc: c_int, err: *mut c_char) -> Result<(), tch::TchError> {
-    if rc == 0 {
-        return Ok(());
-    }
-    let msg = if err.is_null() {
-        "fused attention forward failed".to_string()
-    } else {
-        // SAFETY: a NUL-terminated message from the shim, freed once.
-        let m = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
-        unsafe { llora_sdpa_free(err) };
-        m
-    };
-    Err(tch::TchError::Torch(msg))
+    // SAFETY: on failure `err` is null or the shim's malloc'd message, used only here.
+    unsafe { crate::profile::shim_status(c_int::from(rc == 0), err, "fused attention forward", llora_sdpa_free) }
+        .map_err(tch::TchError::Torch)
 }
 
 /// Takes over a tensor the shim returned.

@@ -10,7 +10,7 @@
 //! to the activations' dtype before the gain, so in bf16 the two differ by at most an ulp.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_char, c_int};
+use std::ffi::{c_char, c_int};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -71,17 +71,9 @@ pub fn backward(
             &mut err,
         )
     };
-    if rc != 0 {
-        let msg = if err.is_null() {
-            "fused RMSNorm backward failed".to_string()
-        } else {
-            // SAFETY: a NUL-terminated message from the shim.
-            let m = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
-            unsafe { llora_norm_free(err) };
-            m
-        };
-        return Err(tch::TchError::Torch(msg));
-    }
+    // SAFETY: on failure `err` is null or the shim's malloc'd message, used only here.
+    unsafe { crate::profile::shim_status(c_int::from(rc == 0), err, "fused RMSNorm backward", llora_norm_free) }
+        .map_err(tch::TchError::Torch)?;
     // SAFETY: fresh tensors owned by nobody else.
     let own = |p| Some(unsafe { tch::Tensor::from_ptr(p) }).filter(tch::Tensor::defined);
     Ok((own(dx), own(dw)))
