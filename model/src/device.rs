@@ -300,26 +300,6 @@ pub fn heap_bytes() -> Option<HeapBytes> {
     None
 }
 
-/// The environment variable that turns off the CUDA routes added after the first GPU
-/// measurements (fused RMSNorm kernels, the two-pass FP8 quantiser and one-pass amax, the
-/// variable-length attention of packed rows) when set to `off`: a diagnostic switch, so that
-/// one GPU run can time each step with and without them (`scripts/gpu-check.sh`'s `-unfused`
-/// rows). The routes give the same results either way (bit for bit, or within an ulp for the
-/// norm).
-pub const FUSED_ROUTES_ENV: &str = "LLORA_CUDA_FUSED_ROUTES";
-
-/// Whether the newer CUDA routes may run ([`FUSED_ROUTES_ENV`] not `off`); read once.
-pub fn cuda_fused_routes() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let on = std::env::var(FUSED_ROUTES_ENV).map_or(true, |v| v != "off");
-        if !on {
-            tracing::info!("{FUSED_ROUTES_ENV}=off: the fused CUDA routes are off");
-        }
-        on
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

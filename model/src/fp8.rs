@@ -136,38 +136,87 @@ impl Fp8Format {
 /// On CUDA, for f32 and bf16 inputs, in two passes with no f32 temporary ([`quantize_clamped`],
 /// once [`cuda_routes_checked`]); otherwise cast to f32, scale, clamp and cast (four passes; on
 /// the CPU the faster: its two-pass route runs through temporaries and scalar cast loops). Both
-/// give the same codes.
+/// give the same codes. Each call is counted by route ([`take_quantiser_counts`]).
 pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
-    if matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16)
-        && cuda_routes_checked(x.device())
+    if two_pass_route(x)
         && let Ok(q) = quantize_clamped(x, scale, format)
     {
+        count(true);
         return q;
     }
+    count(false);
     quantize_via_f32(x, scale, format)
 }
 
-/// The verdict of [`check_cuda_routes`] per CUDA device.
-static CUDA_ROUTES: std::sync::Mutex<Option<std::collections::HashMap<usize, bool>>> = std::sync::Mutex::new(None);
+/// FP8 quantisations since the last [`take_quantiser_counts`], by route.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QuantiserCounts {
+    /// Through the two-pass route (clamp in the input's dtype, one multiply stored as FP8).
+    pub two_pass: usize,
+    /// Through an f32 copy (cast, scale, clamp, cast).
+    pub via_f32: usize,
+}
 
-/// Whether `device` is a CUDA device whose two-pass quantiser and one-pass amax passed
-/// [`check_cuda_routes`] (run once per device, logged either way).
-fn cuda_routes_checked(device: tch::Device) -> bool {
-    let tch::Device::Cuda(index) = device else { return false };
-    if !crate::device::cuda_fused_routes() {
-        return false;
+impl QuantiserCounts {
+    /// The routes taken, by name (`llora bench` reports them per step).
+    pub fn routes(self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.two_pass > 0 {
+            out.push("two-pass");
+        }
+        if self.via_f32 > 0 {
+            out.push("f32");
+        }
+        out
     }
-    let mut guard = CUDA_ROUTES.lock().unwrap_or_else(|e| e.into_inner());
-    *guard.get_or_insert_with(Default::default).entry(index).or_insert_with(|| match check_cuda_routes(device) {
-        Ok(()) => {
-            tracing::info!(device = index, "FP8: two-pass quantiser and one-pass amax (checked against the f32 route)");
-            true
+}
+
+thread_local! {
+    /// This thread's quantisations (a step's forward and backward run on the thread calling them).
+    static QUANTISED: std::cell::Cell<QuantiserCounts> = const { std::cell::Cell::new(QuantiserCounts { two_pass: 0, via_f32: 0 }) };
+}
+
+fn count(two_pass: bool) {
+    QUANTISED.with(|c| {
+        let mut n = c.get();
+        if two_pass {
+            n.two_pass += 1
+        } else {
+            n.via_f32 += 1
         }
-        Err(e) => {
-            tracing::warn!(device = index, "FP8: two-pass quantiser refused ({e}); the f32 route runs");
-            false
-        }
-    })
+        c.set(n);
+    });
+}
+
+/// This thread's quantisations by route since the last call, and resets them.
+pub fn take_quantiser_counts() -> QuantiserCounts {
+    QUANTISED.with(|c| c.replace(QuantiserCounts::default()))
+}
+
+/// Whether `x` takes the two-pass quantiser: f32 or bf16 on a device whose routes passed.
+fn two_pass_route(x: &tch::Tensor) -> bool {
+    matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16) && cuda_routes_checked(x.device())
+}
+
+/// What the FP8 routes' check is called, in logs and in `llora selftest`.
+pub const CUDA_ROUTES_CHECK: &str = "FP8 two-pass quantiser and one-pass amax";
+
+/// The verdict of [`check_cuda_routes`] per device.
+static CUDA_ROUTES: crate::routes::Verdicts<tch::Device> =
+    crate::routes::Verdicts::new(CUDA_ROUTES_CHECK, "the f32 route runs");
+
+/// Whether `device` takes the CUDA routes ([`crate::routes::takes_cuda_routes`]) and its
+/// two-pass quantiser and one-pass amax passed [`check_cuda_routes`] there (run once per
+/// device, logged either way). The check quantises, which asks this again: it gets `false`,
+/// the f32 route it compares with.
+pub fn cuda_routes_checked(device: tch::Device) -> bool {
+    crate::routes::takes_cuda_routes(device) && crate::routes::fused_routes() && cuda_routes(device).is_ok()
+}
+
+/// [`check_cuda_routes`] on `device` once per process, its result kept (`llora selftest` reports
+/// it; training asks [`cuda_routes_checked`]).
+pub fn cuda_routes(device: tch::Device) -> Result<(), String> {
+    CUDA_ROUTES.check(device, || check_cuda_routes(device))
 }
 
 /// Checks the two-pass quantiser ([`quantize_clamped`]) against the f32 route bit for bit on
@@ -249,10 +298,15 @@ pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
 /// same f32 arithmetic as [`Fp8Tensor::quantize_current`], so the same codes.
 pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
     let (scale, scale_inv) = current_scale(x, format);
-    let two_pass = matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16) && cuda_routes_checked(x.device());
-    let codes = match two_pass.then(|| quantize_clamped_by(x, &scale, &scale_inv, format)) {
-        Some(Ok(codes)) => codes,
-        _ => quantize_via_f32_by(x, &scale, format),
+    let codes = match two_pass_route(x).then(|| quantize_clamped_by(x, &scale, &scale_inv, format)) {
+        Some(Ok(codes)) => {
+            count(true);
+            codes
+        }
+        _ => {
+            count(false);
+            quantize_via_f32_by(x, &scale, format)
+        }
     };
     (codes, scale_inv)
 }
@@ -659,17 +713,46 @@ mod tests {
             assert_eq!(route(&x).kind(), Kind::Float);
         }
         assert_eq!(check_cuda_routes(tch::Device::Cpu), Ok(()));
+        let _off = crate::routes::on_cpu_for_this_thread(false);
         assert!(!cuda_routes_checked(tch::Device::Cpu), "the CPU keeps its own routes");
     }
 
-    /// On a CUDA device the two-pass quantiser and the one-pass amax pass their check, so
-    /// training takes them. SKIPPED without one.
+    /// The CUDA route logic on the CPU (`LLORA_CUDA_ROUTES_ON_CPU`): the first quantisation
+    /// runs the routes' check, which quantises and takes the amax itself and so asks for the
+    /// verdict being made (the second GPU run's self-deadlock: a lock held across the check).
+    /// It ends within the time limit, passes, and later quantisations take the two-pass route
+    /// and the ∞-norm amax, counted, with the f32 route's codes (current scaling too).
     #[test]
+    fn the_cuda_routes_check_runs_once_on_the_cpu_without_deadlock() {
+        crate::routes::tests::on_cpu_within(60, "FP8 routes' first use", || {
+            let x = (tch::Tensor::randn([257, 64], (tch::Kind::Float, tch::Device::Cpu)) * 300.0)
+                .to_kind(tch::Kind::BFloat16);
+            let _ = take_quantiser_counts();
+            let codes = quantize_tch(&x, 1.5, Fp8Format::E4M3);
+            let (current, _) = quantize_current_on_device(&x, Fp8Format::E5M2);
+            let counts = take_quantiser_counts();
+            assert_eq!(cuda_routes(tch::Device::Cpu), Ok(()));
+            assert!(cuda_routes_checked(tch::Device::Cpu));
+            let bits = |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).flatten(0, -1)).unwrap();
+            assert_eq!(bits(&codes), bits(&quantize_via_f32(&x, 1.5, Fp8Format::E4M3)));
+            let (scale, _) = current_scale(&x, Fp8Format::E5M2);
+            assert_eq!(bits(&current), bits(&quantize_via_f32_by(&x, &scale, Fp8Format::E5M2)));
+            assert_eq!(
+                counts,
+                QuantiserCounts { two_pass: 2, via_f32: 0 },
+                "the check's own quantisations are not counted"
+            );
+            assert_eq!(counts.routes(), ["two-pass"]);
+            assert_eq!(amax_on_device(&x).double_value(&[]), amax_norm(&x).double_value(&[]));
+        });
+    }
+
+    /// On a CUDA device the two-pass quantiser and the one-pass amax pass their check, so
+    /// training takes them.
+    #[test]
+    #[ignore = "needs CUDA"]
     fn cuda_fp8_routes_pass_their_check() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED: no CUDA device");
-            return;
-        }
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
         assert_eq!(check_cuda_routes(tch::Device::Cuda(0)), Ok(()));
         assert!(cuda_routes_checked(tch::Device::Cuda(0)));
     }

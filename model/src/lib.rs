@@ -21,6 +21,7 @@ pub mod precision;
 pub mod profile;
 pub mod recompute;
 pub mod rope;
+pub mod routes;
 pub mod shard;
 
 pub use config::LlamaConfig;

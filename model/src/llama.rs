@@ -355,7 +355,9 @@ impl LlamaForCausalLM {
         let index = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(packed.positions(), [b * s]), device);
         let gather = |t: Tensor<4>| t.reshape([s, hd]).select(0, index.clone()).reshape([b, 1, s, hd]);
         let varlen = match tch_device(device) {
-            Some(dev @ tch::Device::Cuda(_)) if matches!(self.activations, DType::BF16 | DType::F16) => {
+            Some(dev)
+                if crate::routes::takes_cuda_routes(dev) && matches!(self.activations, DType::BF16 | DType::F16) =>
+            {
                 Some(Arc::new(VarlenSpans::new(packed, dev)?))
             }
             _ => None,

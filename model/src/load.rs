@@ -69,6 +69,8 @@ impl LlamaForCausalLM {
          -> anyhow::Result<LoraLinear> {
             let module = name;
             let name = format!("{name}.weight");
+            // Events before each piece of building, so that a hang's last line names its place.
+            tracing::debug!(weight = %name, "model: loading a linear weight");
             let (mut layer, whole) = match stores {
                 Some(spec) => {
                     let whole = weights.stored(&name, [out, inp], spec)?;
@@ -100,6 +102,7 @@ impl LlamaForCausalLM {
         }
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
+            tracing::debug!(layer = l, of = c.num_hidden_layers, "model: building decoder layer");
             let p = format!("model.layers.{l}");
             let (q_proj, k_proj, v_proj, qkv_proj) = if c.fused_qkv {
                 (
@@ -237,6 +240,7 @@ impl<'a> WeightSource<'a> {
             None => self.get(name, dims)?.into_data(),
         };
         let values = data.into_vec::<f32>().map_err(|e| anyhow::anyhow!("tensor {name}: {e:?}"))?;
+        tracing::debug!(tensor = name, ?dims, "model: converting a weight to its storage dtype");
         let stored = LinearQuant::store_weight(spec, &values, dims, device).unwrap_or_else(|| {
             let t = tch::Tensor::from_slice(&values).reshape([dims[0] as i64, dims[1] as i64]).to_device(device);
             StoredWeight::F32(TchTensor::new(t))

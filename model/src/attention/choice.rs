@@ -33,8 +33,9 @@ pub fn forward(q: &tch::Tensor, k: &tch::Tensor, v: &tch::Tensor, causal: bool) 
 /// A kind of attention problem: what decides which kernels can run it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Problem {
-    /// CUDA device index.
-    pub device: usize,
+    /// The device: a CUDA one, or the CPU standing in for CUDA
+    /// ([`crate::routes::takes_cuda_routes`]).
+    pub device: tch::Device,
     /// Element type of q, k and v.
     pub kind: tch::Kind,
     /// Query heads.
@@ -51,7 +52,10 @@ impl Problem {
     /// # Shapes
     /// - q: `[batch, heads, seq, head_dim]`; k: `[batch, kv_heads, seq, head_dim]`
     pub fn of(q: &tch::Tensor, k: &tch::Tensor) -> Option<Self> {
-        let tch::Device::Cuda(device) = q.device() else { return None };
+        let device = q.device();
+        if !crate::routes::takes_cuda_routes(device) {
+            return None;
+        }
         let (qs, ks) = (q.size(), k.size());
         Some(Self { device, kind: q.kind(), heads: qs[1], kv_heads: ks[1], head_dim: qs[3] })
     }
@@ -67,16 +71,29 @@ impl Problem {
     }
 }
 
-/// For one kind of problem: the candidates not yet refused, whether the first is verified, and
-/// the sequence lengths seen.
-type Candidates = (Vec<FusedKernel>, bool, std::collections::BTreeSet<i64>);
+/// For one kind of problem: the candidates not yet refused, whether the first is verified (or
+/// being verified), and the sequence lengths seen.
+#[derive(Debug)]
+struct Candidates {
+    left: Vec<FusedKernel>,
+    first: Check,
+    lengths: std::collections::BTreeSet<i64>,
+}
+
+/// Where the first candidate's check stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    NotYet,
+    Running,
+    Passed,
+}
 
 /// Distinct sequence lengths cuDNN SDPA is kept for. It builds and caches an execution graph per
 /// shape (the first GPU run's check took 2.8 s for cuDNN, 19 ms for flash attention), so a run
 /// whose batches take many lengths (`data.padding = "longest"`) spends its time building graphs:
 /// past this many lengths the problem moves to the next candidate (flash attention), which
 /// takes any length as it comes. Fixed-length jobs (MLPerf's 8192 tokens) keep cuDNN.
-const CUDNN_MAX_LENGTHS: usize = 4;
+pub const CUDNN_MAX_LENGTHS: usize = 4;
 
 /// The candidates of every kind of problem seen.
 static CHOICES: Mutex<Option<HashMap<Problem, Candidates>>> = Mutex::new(None);
@@ -87,36 +104,36 @@ pub fn choose(p: Problem) -> Option<FusedKernel> {
     choose_for(p, None)
 }
 
+/// What [`choose_for`] does next, decided under the lock.
+enum Next {
+    Take(Option<FusedKernel>),
+    Verify(FusedKernel),
+}
+
 /// [`choose`] for a problem of `seq` tokens: also moves a problem off cuDNN SDPA once it has
 /// seen more than [`CUDNN_MAX_LENGTHS`] sequence lengths. A length's first forward decides,
 /// so the forward and the recomputed forward of one micro-batch run the same kernel.
-pub fn choose_for(p: Problem, seq: Option<i64>) -> Option<FusedKernel> {
-    let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    let (left, verified, lengths) =
-        map.entry(p).or_insert_with(|| (p.candidates().to_vec(), false, Default::default()));
-    if let Some(seq) = seq {
-        lengths.insert(seq);
-        if lengths.len() > CUDNN_MAX_LENGTHS && left.first() == Some(&FusedKernel::CudaCudnn) && left.len() > 1 {
-            tracing::info!(
-                device = p.device,
-                dtype = ?p.kind,
-                lengths = lengths.len(),
-                "attention: sequence lengths vary (cuDNN builds a graph per length); moving to the next kernel"
-            );
-            left.remove(0);
-            *verified = false;
+///
+/// A candidate's check runs with no lock held (a check that reaches this function again, or
+/// another thread meanwhile, gets `None`: the generic attention, the check's own reference).
+pub fn choose_for(p: Problem, mut seq: Option<i64>) -> Option<FusedKernel> {
+    loop {
+        let kernel = match next(p, seq.take()) {
+            Next::Take(kernel) => return kernel,
+            Next::Verify(kernel) => kernel,
+        };
+        tracing::debug!(device = ?p.device, dtype = ?p.kind, "attention kernel {}: first-use check starting", kernel.name());
+        let result = crate::routes::run_check(|| verify(kernel, p.device, p.kind, p.heads, p.kv_heads, p.head_dim));
+        let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(c) = guard.as_mut().and_then(|m| m.get_mut(&p)) else { continue };
+        if c.left.first() != Some(&kernel) {
+            continue; // moved on meanwhile (refused by a failing forward)
         }
-    }
-    while let Some(&kernel) = left.first() {
-        if *verified {
-            return Some(kernel);
-        }
-        match verify(kernel, tch::Device::Cuda(p.device), p.kind, p.heads, p.kv_heads, p.head_dim) {
+        match result {
             Ok(()) => {
-                *verified = true;
+                c.first = Check::Passed;
                 tracing::info!(
-                    device = p.device,
+                    device = ?p.device,
                     dtype = ?p.kind,
                     heads = p.heads,
                     kv_heads = p.kv_heads,
@@ -126,24 +143,67 @@ pub fn choose_for(p: Problem, seq: Option<i64>) -> Option<FusedKernel> {
                 );
             }
             Err(e) => {
-                tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} refused: {e}", kernel.name());
-                left.remove(0);
+                tracing::warn!(device = ?p.device, dtype = ?p.kind, "attention kernel {} refused: {e}", kernel.name());
+                c.left.remove(0);
+                c.first = Check::NotYet;
+                none_left(p, &c.left);
             }
         }
     }
-    tracing::warn!(device = p.device, dtype = ?p.kind, "no fused CUDA attention kernel passed its check: using the generic O(S²) attention");
-    None
+}
+
+/// Warns once a problem's last candidate is gone.
+fn none_left(p: Problem, left: &[FusedKernel]) {
+    if left.is_empty() {
+        tracing::warn!(device = ?p.device, dtype = ?p.kind, "no fused CUDA attention kernel passed its check: using the generic O(S²) attention");
+    }
+}
+
+/// Under the lock: records `seq`, moves off cuDNN past [`CUDNN_MAX_LENGTHS`] lengths, and
+/// says whether the first candidate is ready, needs its check (then marked running), or none
+/// is left.
+fn next(p: Problem, seq: Option<i64>) -> Next {
+    let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let c = map.entry(p).or_insert_with(|| Candidates {
+        left: p.candidates().to_vec(),
+        first: Check::NotYet,
+        lengths: Default::default(),
+    });
+    if let Some(seq) = seq {
+        c.lengths.insert(seq);
+        if c.lengths.len() > CUDNN_MAX_LENGTHS && c.left.first() == Some(&FusedKernel::CudaCudnn) && c.left.len() > 1 {
+            tracing::info!(
+                device = ?p.device,
+                dtype = ?p.kind,
+                lengths = c.lengths.len(),
+                "attention: sequence lengths vary (cuDNN builds a graph per length); moving to the next kernel"
+            );
+            c.left.remove(0);
+            c.first = Check::NotYet;
+        }
+    }
+    match (c.left.first(), c.first) {
+        (None, _) => Next::Take(None),
+        (Some(&k), Check::Passed) => Next::Take(Some(k)),
+        (Some(_), Check::Running) => Next::Take(None),
+        (Some(&k), Check::NotYet) => {
+            c.first = Check::Running;
+            Next::Verify(k)
+        }
+    }
 }
 
 /// Drops `kernel` for `p` after it failed on a real problem; the next call of [`choose`]
 /// verifies the next candidate.
 pub fn refuse(p: Problem, kernel: FusedKernel, err: &tch::TchError) {
     let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((left, verified, _)) = guard.get_or_insert_with(HashMap::new).get_mut(&p)
-        && left.first() == Some(&kernel)
+    if let Some(c) = guard.get_or_insert_with(HashMap::new).get_mut(&p)
+        && c.left.first() == Some(&kernel)
     {
-        tracing::warn!(device = p.device, dtype = ?p.kind, "attention kernel {} failed, trying the next: {err}", kernel.name());
-        left.remove(0);
-        *verified = false;
+        tracing::warn!(device = ?p.device, dtype = ?p.kind, "attention kernel {} failed, trying the next: {err}", kernel.name());
+        c.left.remove(0);
+        c.first = Check::NotYet;
+        none_left(p, &c.left);
     }
 }

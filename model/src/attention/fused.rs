@@ -171,6 +171,9 @@ pub fn forward_with(
     let group = if kernel.native_gqa() { 1 } else { q.size()[1] / k.size()[1] };
     let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
     let t = TchTensor::new;
+    // The CPU standing in for CUDA runs a CUDA kernel's route on its own kernel (K/V as the
+    // CUDA kernel gets them); the saved state is the CPU kernel's, so backward runs it too.
+    let kernel = if crate::routes::stands_in(q.device()) { FusedKernel::CpuFlash } else { kernel };
     match kernel {
         FusedKernel::CpuFlash => {
             let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));

@@ -40,11 +40,17 @@ use burn::tensor::ops::AttentionModuleOptions;
 
 use crate::packing::PackedRows;
 
-/// The attention problem `q` poses with `kv_heads` K/V heads, on a CUDA device (else `None`).
+/// The attention problem `q` poses with `kv_heads` K/V heads, on a device that takes the CUDA
+/// routes (a CUDA one, or the CPU standing in for it; else `None`).
 fn problem(q: &Tensor<4>, kv_heads: usize) -> Option<choice::Problem> {
-    let inner = q.device().inner();
-    let DispatchDevice::LibTorch(LibTorchDevice::Cuda(device)) = inner.as_dispatch() else { return None };
-    let device = *device;
+    let device = match q.device().inner().as_dispatch() {
+        DispatchDevice::LibTorch(LibTorchDevice::Cuda(n)) => tch::Device::Cuda(*n),
+        DispatchDevice::LibTorch(LibTorchDevice::Cpu) => tch::Device::Cpu,
+        _ => return None,
+    };
+    if !crate::routes::takes_cuda_routes(device) {
+        return None;
+    }
     let [_, heads, _, head_dim] = q.dims().map(|d| d as i64);
     Some(choice::Problem { device, kind: tch_kind(q.dtype()), heads, kv_heads: kv_heads as i64, head_dim })
 }
@@ -77,12 +83,9 @@ impl AttentionKernel {
     /// `kv_heads` K/V heads: on CUDA, whether a fused kernel passed its check for this dtype
     /// and these head counts (checked on first use, see `choice.rs`).
     pub fn for_query(q: &Tensor<4>, kv_heads: usize) -> Self {
-        match q.device().inner().as_dispatch() {
-            DispatchDevice::LibTorch(LibTorchDevice::Cpu) => Self::TorchFused,
-            DispatchDevice::LibTorch(LibTorchDevice::Cuda(_)) => match problem(q, kv_heads).and_then(choice::choose) {
-                Some(_) => Self::TorchFused,
-                None => Self::Generic,
-            },
+        match (q.device().inner().as_dispatch(), problem(q, kv_heads)) {
+            (DispatchDevice::LibTorch(_), None) => Self::TorchFused, // the CPU's own kernel
+            (_, Some(p)) => choice::choose(p).map_or(Self::Generic, |_| Self::TorchFused),
             _ => Self::Generic,
         }
     }
@@ -347,14 +350,54 @@ mod tests {
         fused_matches_generic(&device, burn::tensor::DType::BF16, 2e-2);
     }
 
-    /// On a CUDA device: the kernels chosen for f32 and bf16 (cuDNN or flash with grouped K/V
-    /// in bf16) match the generic attention through Burn's autodiff. SKIPPED without one.
+    /// The CUDA route choice on the CPU standing in for CUDA: f32 takes the memory-efficient
+    /// kernel's route and bf16 cuDNN's (each checked on first use, the CPU kernel standing in),
+    /// and both still match the generic attention through Burn's autodiff.
     #[test]
+    fn cuda_route_choice_runs_on_the_cpu_standing_in() {
+        crate::routes::tests::on_cpu_within(120, "attention's CUDA route choice", || {
+            let device = Device::libtorch().autodiff();
+            fused_matches_generic(&device, burn::tensor::DType::F32, 1e-5);
+            fused_matches_generic(&device, burn::tensor::DType::BF16, 2e-2);
+            let used = kernels_used();
+            assert!(used.contains(&"cuda-memory-efficient") && used.contains(&"cuda-cudnn"), "{used:?}");
+        });
+    }
+
+    /// cuDNN SDPA builds a graph per sequence length: a problem that has seen more than
+    /// [`choice::CUDNN_MAX_LENGTHS`] lengths moves to flash attention, and stays there; one
+    /// length repeated never moves (the choice's logic, on the CPU standing in for CUDA).
+    #[test]
+    fn many_sequence_lengths_move_a_problem_off_cudnn() {
+        crate::routes::tests::on_cpu_within(120, "cuDNN/flash selection", || {
+            let p = choice::Problem {
+                device: tch::Device::Cpu,
+                kind: tch::Kind::BFloat16,
+                heads: 6,
+                kv_heads: 3,
+                head_dim: 24,
+            };
+            for _ in 0..10 {
+                assert_eq!(choice::choose_for(p, Some(64)), Some(FusedKernel::CudaCudnn));
+            }
+            let mut chosen = Vec::new();
+            for seq in [65, 66, 67, 68, 64, 69] {
+                chosen.push(choice::choose_for(p, Some(seq)).unwrap());
+            }
+            use FusedKernel::{CudaCudnn as C, CudaFlash as F};
+            // Lengths 64..=67 are four; 68 is the fifth (moves); 64 again stays on flash.
+            assert_eq!(chosen, [C, C, C, F, F, F]);
+            let f32_problem = choice::Problem { kind: tch::Kind::Float, ..p };
+            assert_eq!(choice::choose(f32_problem), Some(FusedKernel::CudaEfficient));
+        });
+    }
+
+    /// On a CUDA device: the kernels chosen for f32 and bf16 (cuDNN or flash with grouped K/V
+    /// in bf16) match the generic attention through Burn's autodiff.
+    #[test]
+    #[ignore = "needs CUDA"]
     fn cuda_fused_matches_generic_forward_and_backward() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED: no CUDA device");
-            return;
-        }
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
         let device = Device::libtorch_cuda(0).autodiff();
         fused_matches_generic(&device, burn::tensor::DType::F32, 1e-3);
         fused_matches_generic(&device, burn::tensor::DType::BF16, 2e-2);
@@ -365,13 +408,11 @@ mod tests {
 
     /// On a CUDA device, at a Llama 70B head shape (64 query heads on 8 K/V heads of 128): each
     /// bf16 kernel's verdict is printed, and at least one of cuDNN SDPA and flash attention
-    /// passes with grouped K/V as they are. SKIPPED without one.
+    /// passes with grouped K/V as they are.
     #[test]
+    #[ignore = "needs CUDA"]
     fn cuda_bf16_kernels_take_grouped_heads() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED: no CUDA device");
-            return;
-        }
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
         let dev = tch::Device::Cuda(0);
         let mut passed = Vec::new();
         for kernel in [FusedKernel::CudaCudnn, FusedKernel::CudaFlash, FusedKernel::CudaEfficient] {
@@ -390,6 +431,7 @@ mod tests {
     /// abort or a pass.
     #[test]
     fn self_check_accepts_cpu_and_reports_failures() {
+        let _off = crate::routes::on_cpu_for_this_thread(false);
         let cpu = tch::Device::Cpu;
         assert_eq!(verify(FusedKernel::CpuFlash, cpu, tch::Kind::Float, 4, 2, 16), Ok(()));
         assert_eq!(verify(FusedKernel::CpuFlash, cpu, tch::Kind::BFloat16, 4, 2, 16), Ok(()));
@@ -403,14 +445,24 @@ mod tests {
     /// On a CUDA device: packed rows in bf16 through the variable-length kernel (one launch)
     /// equal the per-document route (one fused kernel per span) in value and in all three
     /// input gradients through Burn's autodiff (norm-wise 1e-2: both round to bf16), and the
-    /// varlen kernel is the one that ran. SKIPPED without one.
+    /// varlen kernel is the one that ran.
     #[test]
+    #[ignore = "needs CUDA"]
     fn cuda_packed_rows_take_the_varlen_kernel() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED: no CUDA device");
-            return;
-        }
-        let device = Device::libtorch_cuda(0).autodiff();
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
+        packed_rows_take_the_varlen_route(Device::libtorch_cuda(0).autodiff(), tch::Device::Cuda(0));
+    }
+
+    /// The same route on the CPU standing in for CUDA: the batch's offsets, the one-launch
+    /// autodiff node, its backward, and the per-document route agree.
+    #[test]
+    fn packed_rows_take_the_varlen_route_on_the_cpu_standing_in() {
+        crate::routes::tests::on_cpu_within(120, "packed rows' varlen route", || {
+            packed_rows_take_the_varlen_route(Device::libtorch().autodiff(), tch::Device::Cpu);
+        });
+    }
+
+    fn packed_rows_take_the_varlen_route(device: Device, dev: tch::Device) {
         device.seed(3);
         let packed = PackedRows::new(vec![vec![100, 3, 1, 150], vec![300], vec![7, 200]], 300).unwrap();
         let dtype = burn::tensor::DType::BF16;
@@ -419,7 +471,7 @@ mod tests {
         let k0 = rand([b, kv, s, hd], &device).cast(dtype);
         let v0 = rand([b, kv, s, hd], &device).cast(dtype);
         let w = rand([b, h, s, hd], &device);
-        let spans = Arc::new(VarlenSpans::new(&packed, tch::Device::Cuda(0)).unwrap());
+        let spans = Arc::new(VarlenSpans::new(&packed, dev).unwrap());
         let run = |varlen: Option<&Arc<VarlenSpans>>| {
             let leaf = |x: &Tensor<4>| x.clone().require_grad();
             let (q, k, v) = (leaf(&q0), leaf(&k0), leaf(&v0));

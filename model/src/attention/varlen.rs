@@ -12,9 +12,8 @@
 //! no variable-length kernel: there the per-span route is the fast one (torch's CPU flash
 //! attention on each document).
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 use burn::backend::libtorch::TchTensor;
 
@@ -100,14 +99,12 @@ pub fn forward(
     causal: bool,
 ) -> Result<Saved, tch::TchError> {
     let batch = q.size()[0];
-    let f = cuda::flash_varlen_forward(
-        &tokens_first(q)?,
-        &tokens_first(k)?,
-        &tokens_first(v)?,
-        &spans.cu.tensor,
-        spans.max_len,
-        causal,
-    )?;
+    let (tq, tk, tv) = (tokens_first(q)?, tokens_first(k)?, tokens_first(v)?);
+    let f = if crate::routes::stands_in(q.device()) {
+        stand_in_forward(&tq, &tk, &tv, spans, causal)?
+    } else {
+        cuda::flash_varlen_forward(&tq, &tk, &tv, &spans.cu.tensor, spans.max_len, causal)?
+    };
     USED.store(true, Ordering::Relaxed);
     let kept = VarlenKept {
         spans: spans.clone(),
@@ -133,6 +130,12 @@ impl VarlenKept {
     ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
         let batch = q.size()[0];
         let (cu, max) = (&self.spans.cu.tensor, self.spans.max_len);
+        if crate::routes::stands_in(q.device()) {
+            let (g, tq, tk, tv, to) =
+                (tokens_first(grad)?, tokens_first(q)?, tokens_first(k)?, tokens_first(v)?, tokens_first(out)?);
+            let (dq, dk, dv) = stand_in_backward([&g, &tq, &tk, &tv, &to], lse, &self.spans, causal)?;
+            return Ok((heads_first(&dq, batch)?, heads_first(&dk, batch)?, heads_first(&dv, batch)?));
+        }
         let (dq, dk, dv) = tch::Tensor::f_internal_flash_attention_backward(
             &tokens_first(grad)?.f_contiguous()?,
             &tokens_first(q)?,
@@ -156,6 +159,85 @@ impl VarlenKept {
     }
 }
 
+/// The sequences `spans` lays end to end, as token ranges `(start, len)` (read from the
+/// offsets on the CPU standing in for CUDA).
+fn sequences(spans: &VarlenSpans) -> Result<Vec<(i64, i64)>, tch::TchError> {
+    let cu = Vec::<i32>::try_from(&spans.cu.tensor)?;
+    Ok(cu.windows(2).map(|w| (i64::from(w[0]), i64::from(w[1] - w[0]))).collect())
+}
+
+/// One sequence of a tokens-first tensor as the fused kernels take it.
+///
+/// # Shapes
+/// - x: `[tokens, heads, head_dim]`; output: `[1, heads, len, head_dim]`
+fn one_sequence(x: &tch::Tensor, (start, len): (i64, i64)) -> Result<tch::Tensor, tch::TchError> {
+    x.f_narrow(0, start, len)?.f_transpose(0, 1)?.f_unsqueeze(0)
+}
+
+/// The inverse of [`one_sequence`] over all sequences: `[1, heads, len, head_dim]` parts laid
+/// end to end as `[tokens, heads, head_dim]`.
+fn end_to_end(parts: &[tch::Tensor]) -> Result<tch::Tensor, tch::TchError> {
+    tch::Tensor::f_cat(parts, 2)?.f_squeeze_dim(0)?.f_transpose(0, 1)?.f_contiguous()
+}
+
+/// The variable-length forward as the CPU's fused kernel on each sequence (the CPU standing in
+/// for CUDA has no variable-length kernel): what the route's offsets, layout and check do runs,
+/// the kernel does not. The log-sum-exp is kept `[1, heads, tokens]`, which only
+/// [`stand_in_backward`] reads.
+///
+/// # Shapes
+/// As [`cuda::flash_varlen_forward`].
+fn stand_in_forward(
+    q: &tch::Tensor,
+    k: &tch::Tensor,
+    v: &tch::Tensor,
+    spans: &VarlenSpans,
+    causal: bool,
+) -> Result<cuda::VarlenForward, tch::TchError> {
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for seq in sequences(spans)? {
+        let [q, k, v] = [q, k, v].map(|x| one_sequence(x, seq));
+        let saved = super::fused::forward_with(super::FusedKernel::CpuFlash, &q?, &k?, &v?, causal)?;
+        outs.push(saved.out.tensor);
+        lses.push(saved.lse.tensor);
+    }
+    let none = tch::Tensor::new;
+    Ok(cuda::VarlenForward {
+        out: end_to_end(&outs)?,
+        logsumexp: tch::Tensor::f_cat(&lses, 2)?,
+        philox_seed: none(),
+        philox_offset: none(),
+    })
+}
+
+/// The backward of [`stand_in_forward`]: the CPU's fused backward on each sequence.
+///
+/// # Shapes
+/// - grad, q, out: `[tokens, heads, head_dim]`; k, v: `[tokens, kv_heads, head_dim]`; lse as
+///   [`stand_in_forward`] kept it
+fn stand_in_backward(
+    [grad, q, k, v, out]: [&tch::Tensor; 5],
+    lse: &tch::Tensor,
+    spans: &VarlenSpans,
+    causal: bool,
+) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
+    let mut parts: [Vec<tch::Tensor>; 3] = Default::default();
+    for seq @ (start, len) in sequences(spans)? {
+        let [g, q, k, v, out] = [grad, q, k, v, out].map(|x| one_sequence(x, seq));
+        let saved = Saved {
+            out: TchTensor::new(out?),
+            lse: TchTensor::new(lse.f_narrow(2, start, len)?.f_contiguous()?),
+            kept: Kept::Cpu,
+        };
+        let (dq, dk, dv) = super::fused::backward(&g?, &q?, &k?, &v?, &saved, causal)?;
+        for (part, d) in parts.iter_mut().zip([dq, dk, dv]) {
+            part.push(d);
+        }
+    }
+    let [dq, dk, dv] = parts.map(|p| end_to_end(&p));
+    Ok((dq?, dk?, dv?))
+}
+
 /// Whether the variable-length kernel has run in this process (bench JSON names it).
 static USED: AtomicBool = AtomicBool::new(false);
 
@@ -165,27 +247,17 @@ pub fn used() -> bool {
 }
 
 /// The verdict of [`verify`] per kind of problem.
-static VERDICTS: Mutex<Option<HashMap<Problem, bool>>> = Mutex::new(None);
+static VERDICTS: crate::routes::Verdicts<Problem> =
+    crate::routes::Verdicts::new("packed attention: cuda-flash-varlen", "one fused kernel per document instead");
 
-/// Whether packed rows of problem `p` take the variable-length kernel: bf16/f16 on CUDA, and
-/// its check ([`verify`]) passed on the first problem of this kind (logged either way).
+/// Whether packed rows of problem `p` take the variable-length kernel: bf16/f16 on a device
+/// that takes the CUDA routes, and its check ([`verify`]) passed on the first problem of this
+/// kind (logged either way).
 pub fn usable(p: Problem) -> bool {
-    if !matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) || !crate::device::cuda_fused_routes() {
+    if !matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) || !crate::routes::fused_routes() {
         return false;
     }
-    let mut guard = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
-    *guard.get_or_insert_with(HashMap::new).entry(p).or_insert_with(|| {
-        match verify(tch::Device::Cuda(p.device), p.kind, p.heads, p.kv_heads, p.head_dim) {
-            Ok(()) => {
-                tracing::info!(device = p.device, dtype = ?p.kind, "packed attention: cuda-flash-varlen (verified against plain LibTorch)");
-                true
-            }
-            Err(e) => {
-                tracing::warn!(device = p.device, dtype = ?p.kind, "packed attention: variable-length flash refused ({e}); one fused kernel per document instead");
-                false
-            }
-        }
-    })
+    VERDICTS.passed(p, || verify(p.device, p.kind, p.heads, p.kv_heads, p.head_dim))
 }
 
 /// Checks the variable-length kernel on `device`, forward and backward, against plain
@@ -322,19 +394,33 @@ mod tests {
     /// (through the C++ shim), never a panic, an abort or a pass.
     #[test]
     fn the_check_reports_a_missing_kernel() {
+        let _off = crate::routes::on_cpu_for_this_thread(false);
         let err = verify(tch::Device::Cpu, tch::Kind::BFloat16, 4, 2, 16).unwrap_err();
         eprintln!("varlen flash on the CPU: {}", err.lines().next().unwrap_or(""));
         assert!(err.starts_with("forward: "), "{err}");
     }
 
-    /// On a CUDA device: the kernel passes its check at the Llama 2 70B head shape (64 query
-    /// heads on 8 K/V heads of 128) and at a small one. SKIPPED without one.
+    /// The route on the CPU standing in for CUDA: offsets uploaded, tokens-first layout, the
+    /// per-sequence stand-in kernel and its backward pass the block-diagonal check, and the
+    /// verdict is kept per problem (bf16 takes it; f32 never asks).
     #[test]
+    fn the_varlen_route_passes_its_check_on_the_cpu_standing_in() {
+        crate::routes::tests::on_cpu_within(120, "varlen attention's first use", || {
+            let cpu = tch::Device::Cpu;
+            assert_eq!(verify(cpu, tch::Kind::BFloat16, 4, 2, 16), Ok(()));
+            let p = Problem { device: cpu, kind: tch::Kind::BFloat16, heads: 4, kv_heads: 2, head_dim: 16 };
+            assert!(usable(p));
+            assert_eq!(VERDICTS.verdict(p), Some(true));
+            assert!(!usable(Problem { kind: tch::Kind::Float, ..p }), "f32 takes one kernel per document");
+        });
+    }
+
+    /// On a CUDA device: the kernel passes its check at the Llama 2 70B head shape (64 query
+    /// heads on 8 K/V heads of 128) and at a small one.
+    #[test]
+    #[ignore = "needs CUDA"]
     fn cuda_varlen_matches_the_block_diagonal_reference() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED: no CUDA device");
-            return;
-        }
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
         let dev = tch::Device::Cuda(0);
         assert_eq!(verify(dev, tch::Kind::BFloat16, 64, 8, 128), Ok(()));
         assert_eq!(verify(dev, tch::Kind::BFloat16, 4, 2, 64), Ok(()));

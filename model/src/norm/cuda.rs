@@ -9,9 +9,7 @@
 //! Numerics: the kernel accumulates in f32 and rounds `w · x · rstd` once; HF rounds `x · rstd`
 //! to the activations' dtype before the gain, so in bf16 the two differ by at most an ulp.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 unsafe extern "C" {
@@ -55,6 +53,9 @@ pub fn backward(
     w: &tch::Tensor,
     [want_dx, want_dw]: [bool; 2],
 ) -> Result<(Option<tch::Tensor>, Option<tch::Tensor>), tch::TchError> {
+    if crate::routes::stands_in(x.device()) {
+        return composite_backward(dy, x, rstd, w, [want_dx, want_dw]);
+    }
     let (mut dx, mut dw, mut err) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: the tensors outlive the call; on success dx and dw are new at::Tensors that tch
     // takes over below, on failure err is a malloc'd message freed once.
@@ -79,6 +80,24 @@ pub fn backward(
     Ok((own(dx), own(dw)))
 }
 
+/// [`backward`] as the norm node's composite, for the CPU standing in for CUDA (the CPU has
+/// no fused backward kernel).
+///
+/// # Shapes
+/// As [`backward`].
+fn composite_backward(
+    dy: &tch::Tensor,
+    x: &tch::Tensor,
+    rstd: &tch::Tensor,
+    w: &tch::Tensor,
+    [want_dx, want_dw]: [bool; 2],
+) -> Result<(Option<tch::Tensor>, Option<tch::Tensor>), tch::TchError> {
+    Ok((
+        want_dx.then(|| super::composite_dx(dy, x, rstd, w)),
+        want_dw.then(|| super::composite_dw(dy, x, rstd, x.kind())),
+    ))
+}
+
 /// Whether the fused kernels have run in this process (bench JSON names the norm's route).
 static USED: AtomicBool = AtomicBool::new(false);
 
@@ -87,33 +106,23 @@ pub fn used() -> bool {
     USED.load(Ordering::Relaxed)
 }
 
-/// The verdict of [`verify`] per CUDA device and dtype.
-static VERDICTS: Mutex<Option<HashMap<(usize, tch::Kind), bool>>> = Mutex::new(None);
+/// The verdict of [`verify`] per device and dtype.
+static VERDICTS: crate::routes::Verdicts<(tch::Device, tch::Kind)> =
+    crate::routes::Verdicts::new("RMSNorm: LibTorch's fused kernels", "the composite runs");
 
-/// Whether a norm of `x` takes the fused kernels: x on a CUDA device, in a float dtype, and
-/// the kernels passed their check there in that dtype (checked once, logged either way).
+/// Whether a norm of `x` takes the fused kernels: x on a device that takes the CUDA routes
+/// ([`crate::routes::takes_cuda_routes`]), in a float dtype, and the kernels passed their check
+/// there in that dtype (checked once, logged either way).
 pub fn usable(x: &tch::Tensor) -> bool {
-    let tch::Device::Cuda(device) = x.device() else { return false };
-    if !crate::device::cuda_fused_routes() {
+    let device = x.device();
+    if !crate::routes::takes_cuda_routes(device) || !crate::routes::fused_routes() {
         return false;
     }
     let kind = x.kind();
     if !matches!(kind, tch::Kind::Float | tch::Kind::BFloat16 | tch::Kind::Half) {
         return false;
     }
-    let mut guard = VERDICTS.lock().unwrap_or_else(|e| e.into_inner());
-    *guard.get_or_insert_with(HashMap::new).entry((device, kind)).or_insert_with(|| {
-        match verify(tch::Device::Cuda(device), kind) {
-            Ok(()) => {
-                tracing::info!(device, dtype = ?kind, "RMSNorm: LibTorch's fused kernels (verified against f64)");
-                true
-            }
-            Err(e) => {
-                tracing::warn!(device, dtype = ?kind, "RMSNorm: fused kernels refused ({e}); the composite runs");
-                false
-            }
-        }
-    })
+    VERDICTS.passed((device, kind), || verify(device, kind))
 }
 
 /// Checks the fused forward and backward on `device` in `kind` against the definition in f64
@@ -172,18 +181,52 @@ mod tests {
         let want = [3.0 / r, 8.0 / r, 1.0, 2.0];
         assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{got:?}");
         assert_eq!((rstd.size(), rstd.kind()), (vec![2, 1, 1], tch::Kind::Float));
+        let _off = crate::routes::on_cpu_for_this_thread(false);
         let err = verify(tch::Device::Cpu, tch::Kind::Float).unwrap_err();
         assert!(err.starts_with("backward: "), "{err}");
         assert!(!usable(&x), "the CPU keeps the composite");
     }
 
-    /// On a CUDA device: the fused kernels pass their check in f32 and bf16. SKIPPED without one.
+    /// The route on the CPU standing in for CUDA: the check runs once per dtype (forward
+    /// through `_fused_rms_norm`, the backward's composite against the f64 definition) and
+    /// passes, so norms take the fused node's plumbing; the composite backward is the
+    /// definition, checked by hand on one row.
     #[test]
+    fn the_fused_route_runs_on_the_cpu_standing_in() {
+        crate::routes::tests::on_cpu_within(60, "fused RMSNorm's first use", || {
+            for kind in [tch::Kind::Float, tch::Kind::BFloat16] {
+                let x = tch::Tensor::randn([3, 5, 64], (tch::Kind::Float, tch::Device::Cpu)).to_kind(kind);
+                // Another test's thread may be running this key's check: then this call takes
+                // the composite, and the verdict comes when that check ends.
+                let key = (tch::Device::Cpu, kind);
+                if !usable(&x) {
+                    crate::routes::tests::until(30, || VERDICTS.verdict(key).is_some());
+                }
+                assert_eq!(VERDICTS.verdict(key), Some(true), "{kind:?}");
+            }
+            // One row x = (3, 4), w = (1, 2), ε = 0: r = 1/√12.5, n = x·r; dy = (1, 0):
+            // dn = (1, 0), mean(dn·n) = 3r/2, dx = r·(dn − n·3r/2), dw = dy·n = (3r, 0).
+            let x = tch::Tensor::from_slice(&[3.0f64, 4.0]).view([1, 1, 2]);
+            let w = tch::Tensor::from_slice(&[1.0f64, 2.0]);
+            let r = 1.0 / 12.5f64.sqrt();
+            let rstd = tch::Tensor::from_slice(&[r]).view([1, 1, 1]);
+            let dy = tch::Tensor::from_slice(&[1.0f64, 0.0]).view([1, 1, 2]);
+            let (dx, dw) = backward(&dy, &x, &rstd, &w, [true, true]).unwrap();
+            let got = |t: Option<tch::Tensor>| {
+                Vec::<f64>::try_from(t.unwrap().to_kind(tch::Kind::Double).flatten(0, -1)).unwrap()
+            };
+            let want_dx = [r * (1.0 - 3.0 * r * 1.5 * r), r * (0.0 - 4.0 * r * 1.5 * r)];
+            for (a, b) in got(dx).iter().zip(want_dx).chain(got(dw).iter().zip([3.0 * r, 0.0])) {
+                assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+            }
+        });
+    }
+
+    /// On a CUDA device: the fused kernels pass their check in f32 and bf16.
+    #[test]
+    #[ignore = "needs CUDA"]
     fn cuda_fused_norm_matches_the_definition() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED: no CUDA device");
-            return;
-        }
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
         for kind in [tch::Kind::Float, tch::Kind::BFloat16] {
             assert_eq!(verify(tch::Device::Cuda(0), kind), Ok(()), "{kind:?}");
         }

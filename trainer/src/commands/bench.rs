@@ -416,6 +416,8 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     let mut saved_bytes = 0;
     // FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
     let mut fp8_gemms = llora_model::precision::scaled_mm::GemmCounts::default();
+    // FP8 quantisations of each step, by route (two-pass or through f32).
+    let mut quantiser = Vec::new();
     let cuda_index = match device_spec {
         DeviceSpec::Cuda(n) => Some(n),
         _ => None,
@@ -427,9 +429,11 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         let (c0, t0) = (cpu_seconds(), Instant::now());
         let _ = llora_model::precision::take_saved_bytes();
         let _ = take_gemm_counts();
+        let _ = llora_model::fp8::take_quantiser_counts();
         let s = bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
         saved_bytes = llora_model::precision::take_saved_bytes();
         fp8_gemms = take_gemm_counts();
+        quantiser.push(llora_model::fp8::take_quantiser_counts());
         let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         loss = s.loss;
         if step + 1 == args.warmup.max(1) {
@@ -515,6 +519,11 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
             let (path, t_scaled, t_emulated) = llora_model::precision::scaled_mm::cpu_path();
             json!({"path": path.name(), "scaled_mm_s": t_scaled, "emulated_s": t_emulated})
         }),
+        // The FP8 quantiser route(s) each step took, and the last step's quantisations by route.
+        "fp8_quantiser_routes": quantiser.iter().map(|c| c.routes()).collect::<Vec<_>>(),
+        "fp8_quantisations": quantiser.last().map(|c| json!({"two_pass": c.two_pass, "f32": c.via_f32})),
+        // The CPU took the CUDA routes (LLORA_CUDA_ROUTES_ON_CPU=1): control flow, not kernels.
+        "cuda_routes_on_cpu": cuda_index.is_none() && llora_model::routes::on_cpu(),
         "base_weight_bytes_per_layer": weight_bytes,
         "threads": args.device.effective_threads(args.threads),
         "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()), "attn_impl": llora_model::attention::kernels_used(),

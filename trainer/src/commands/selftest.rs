@@ -11,6 +11,9 @@
 //! kernels against the definition in f64; dropout's mask redrawn in
 //! backward equal to the forward's; an all-reduce on a real c10d group (NCCL on a GPU) and its
 //! bus bandwidth. Each check says whether the run depends on it (`required`).
+//!
+//! With `LLORA_CUDA_ROUTES_ON_CPU=1` and `--device cpu` the CUDA routes' checks run on the CPU,
+//! each CUDA kernel replaced by its LibTorch composite: their control flow, not their kernels.
 
 use std::time::Instant;
 
@@ -52,20 +55,23 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
         .ok_or_else(|| anyhow::anyhow!("llora selftest needs a LibTorch device (cpu or cuda:N), not {spec}"))?;
     let only = |name: &str| args.only.as_deref().is_none_or(|o| o == name);
     let mut checks = Vec::new();
+    // The CUDA routes' checks run on CUDA, and on the CPU standing in for it
+    // (LLORA_CUDA_ROUTES_ON_CPU=1: the same control flow, the kernels as composites).
+    let cuda_routes = llora_model::routes::takes_cuda_routes(dev);
     if only("gemm") {
         checks.push(Check::new("bf16 GEMM", true, bf16_gemm(dev)));
         checks.push(Check::new("FP8 GEMMs on _scaled_mm", true, check_layer_gemms(dev)));
-        if dev.is_cuda() {
+        if cuda_routes {
             // Training falls back to the four-pass f32 route without it.
-            let result = llora_model::fp8::check_cuda_routes(dev)
+            let result = llora_model::fp8::cuda_routes(dev)
                 .map(|()| "codes and amaxes equal the f32 route's, bit for bit".to_string());
-            checks.push(Check::new("FP8 two-pass quantiser and one-pass amax", false, result));
+            checks.push(Check::new(llora_model::fp8::CUDA_ROUTES_CHECK, false, result));
         }
     }
     if only("attention") {
-        checks.extend(attention(dev));
+        checks.extend(attention(dev, cuda_routes));
     }
-    if only("norm") && dev.is_cuda() {
+    if only("norm") && cuda_routes {
         // Norms fall back to the composite without them.
         for kind in [Kind::BFloat16, Kind::Float] {
             let result = llora_model::norm::verify_fused_kernels(dev, kind)
@@ -136,8 +142,8 @@ fn bf16_gemm(dev: tch::Device) -> Result<String, String> {
 
 /// Every fused kernel of the device against plain LibTorch, at a Llama 2 70B head shape (64
 /// query heads on 8 K/V heads of 128) in bf16 and, for the f32 kernel, f32.
-fn attention(dev: tch::Device) -> Vec<Check> {
-    let cases: &[(FusedKernel, Kind)] = if dev.is_cuda() {
+fn attention(dev: tch::Device, cuda_routes: bool) -> Vec<Check> {
+    let cases: &[(FusedKernel, Kind)] = if cuda_routes {
         &[
             (FusedKernel::CudaCudnn, Kind::BFloat16),
             (FusedKernel::CudaFlash, Kind::BFloat16),
@@ -153,10 +159,10 @@ fn attention(dev: tch::Device) -> Vec<Check> {
         let result = verify(kernel, dev, kind, 64, 8, 128)
             .map(|()| format!("forward and backward match plain LibTorch ({:.0} ms)", t.elapsed().as_secs_f64() * 1e3));
         // Training tries the CUDA bf16 kernels in turn: one of them is enough.
-        let required = !dev.is_cuda() || kind == Kind::Float;
+        let required = !cuda_routes || kind == Kind::Float;
         out.push(Check::new(format!("attention {} {kind:?}", kernel.name()), required, result));
     }
-    if dev.is_cuda() {
+    if cuda_routes {
         let any = out.iter().any(|c| c.ok && c.name.contains("BFloat16"));
         let result = if any { Ok("at least one fused bf16 kernel passed".into()) } else { Err("none passed".into()) };
         out.push(Check::new("attention bf16 fused kernel available", true, result));

@@ -117,11 +117,14 @@ pub fn grads_on_device(
     }
     let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
         // Forward and backward interleave block by block: all of it counts as backward.
+        tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward + backward, block by block");
         let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute)?;
         (loss, grads, 0.0)
     } else {
         let loss = {
             let _span = debug_span!("forward").entered();
+            // An event at the start (spans print when they close): a hang names its phase.
+            tracing::debug!("step phase: forward");
             model.loss(mb.ids, mb.labels, mb.packed.as_ref(), true)?.loss_sum.sum().div_scalar(norm)
         };
         if sync {
@@ -129,6 +132,7 @@ pub fn grads_on_device(
         }
         let forward_s = t.elapsed().as_secs_f64();
         let _span = debug_span!("backward").entered();
+        tracing::debug!("step phase: backward");
         (loss.clone().inner(), vec![loss.backward()], forward_s)
     };
     let g: Vec<Tensor<1>> = model
@@ -186,6 +190,7 @@ pub fn train_step(
     let (lr, clip_grad_norm) = (opts.lr, opts.clip_grad_norm);
     let t = Instant::now();
     let _span = debug_span!("optimizer").entered();
+    tracing::debug!("step phase: all-reduce and optimizer");
     let grads = grads_acc.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
     let grads = all_reduce_bucket(comm, grads)?;
     let (micro_losses, square_norms) = read_losses_and_norms(losses, &grads);

@@ -1,0 +1,243 @@
+//! The CUDA routes' shared control: which devices take them, their first-use verdicts, and the
+//! CPU stand-in that runs all of it in CI.
+//!
+//! Every CUDA-only route (the FP8 two-pass quantiser and one-pass amax, LibTorch's fused
+//! RMSNorm kernels, the fused attention kernels and their choice, the variable-length kernel of
+//! packed rows) is checked against a reference the first time a device meets it and falls back
+//! to that reference when the check fails. That control flow is the dangerous part of code
+//! written where it cannot run: a lock held across the FP8 check, which re-entered its own
+//! route, hung every FP8 run of the second GPU run. Two rules live here:
+//! - [`Verdicts`] never holds its lock while a check runs. A caller that arrives while a check
+//!   of the same key runs (the check itself re-entering the route it checks, or another
+//!   thread) gets the reference route, which is what the check compares with, so the result is
+//!   the same; a check that panics counts as failed.
+//! - [`ON_CPU_ENV`]`=1` makes the CPU take the CUDA routes ([`takes_cuda_routes`]), with each
+//!   kernel the CPU lacks replaced by its LibTorch composite ([`stands_in`]): the route
+//!   choice, first-use checks, fallbacks and counters then run in CI and in `llora selftest` /
+//!   `llora bench --device cpu`. It measures nothing about the kernels themselves.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// The environment variable that makes the CPU take the CUDA routes when set to `1`.
+pub const ON_CPU_ENV: &str = "LLORA_CUDA_ROUTES_ON_CPU";
+
+/// The environment variable that turns off the CUDA routes added after the first GPU
+/// measurements (fused RMSNorm kernels, the two-pass FP8 quantiser and one-pass amax, the
+/// variable-length attention of packed rows) when set to `off`: a diagnostic switch, so that
+/// one GPU run can time each step with and without them (`scripts/gpu-check.sh`'s `-unfused`
+/// rows). The routes give the same results either way (bit for bit, or within an ulp for the
+/// norm).
+pub const FUSED_ROUTES_ENV: &str = "LLORA_CUDA_FUSED_ROUTES";
+
+/// Whether the newer CUDA routes may run ([`FUSED_ROUTES_ENV`] not `off`); read once.
+pub fn fused_routes() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = std::env::var(FUSED_ROUTES_ENV).map_or(true, |v| v != "off");
+        if !on {
+            tracing::info!("{FUSED_ROUTES_ENV}=off: the fused CUDA routes are off");
+        }
+        on
+    })
+}
+
+thread_local! {
+    /// This thread's override of [`ON_CPU_ENV`] ([`on_cpu_for_this_thread`]).
+    static FORCED: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Whether the CPU takes the CUDA routes: this thread's override, else [`ON_CPU_ENV`] (read
+/// once; a value other than `1`, `0` or empty is reported and taken as off).
+pub fn on_cpu() -> bool {
+    if let Some(forced) = FORCED.with(Cell::get) {
+        return forced;
+    }
+    static ENV: OnceLock<bool> = OnceLock::new();
+    *ENV.get_or_init(|| match std::env::var(ON_CPU_ENV).as_deref() {
+        Ok("1") => {
+            tracing::info!("{ON_CPU_ENV}=1: the CPU takes the CUDA routes, the kernels it lacks as composites");
+            true
+        }
+        Ok("0" | "") | Err(_) => false,
+        Ok(other) => {
+            tracing::warn!("{ON_CPU_ENV}={other:?} is neither 1 nor 0: taken as 0 (the CPU keeps its own routes)");
+            false
+        }
+    })
+}
+
+/// Restores a thread's earlier override when dropped (see [`on_cpu_for_this_thread`]).
+#[must_use = "the override ends when this is dropped"]
+pub struct OnCpuOverride(Option<bool>);
+
+impl Drop for OnCpuOverride {
+    fn drop(&mut self) {
+        FORCED.with(|f| f.set(self.0));
+    }
+}
+
+/// Sets [`on_cpu`] for this thread until the returned guard is dropped, whatever the
+/// environment says: tests run on threads of one process, so they cannot set the variable.
+pub fn on_cpu_for_this_thread(on: bool) -> OnCpuOverride {
+    OnCpuOverride(FORCED.with(|f| f.replace(Some(on))))
+}
+
+/// Whether tensors on `device` take the CUDA routes: a CUDA device, or the CPU under
+/// [`ON_CPU_ENV`].
+pub fn takes_cuda_routes(device: tch::Device) -> bool {
+    match device {
+        tch::Device::Cuda(_) => true,
+        tch::Device::Cpu => on_cpu(),
+        _ => false,
+    }
+}
+
+/// Whether the CPU stands in for CUDA on `device`: a CUDA route's kernel that the CPU lacks
+/// runs as its LibTorch composite there.
+pub fn stands_in(device: tch::Device) -> bool {
+    device == tch::Device::Cpu && on_cpu()
+}
+
+/// The first-use verdicts of one route, per key (a device, a device and dtype, an attention
+/// problem): each key's check runs once, logged either way, with no lock held while it runs.
+pub struct Verdicts<K> {
+    /// What the route is, as logs and `llora selftest` name it.
+    route: &'static str,
+    /// What runs instead when the check fails, for the warning.
+    fallback: &'static str,
+    /// Per key: `None` while its check runs, then the check's result.
+    map: Mutex<Option<HashMap<K, Verdict>>>,
+}
+
+/// A key's check: `None` while it runs, then its result.
+type Verdict = Option<Result<(), String>>;
+
+impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
+    /// An empty table for `route`, whose reference is `fallback`.
+    pub const fn new(route: &'static str, fallback: &'static str) -> Self {
+        Self { route, fallback, map: Mutex::new(None) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<HashMap<K, Verdict>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the route passed its check for `key` (see [`Self::check`]).
+    pub fn passed(&self, key: K, check: impl FnOnce() -> Result<(), String>) -> bool {
+        self.check(key, check).is_ok()
+    }
+
+    /// The route's check for `key`: run the first time (the lock released meanwhile), its
+    /// result kept. While that check runs, every caller for `key`, the check itself included,
+    /// gets an error: the reference route.
+    pub fn check(&self, key: K, check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+        {
+            let mut guard = self.lock();
+            let map = guard.get_or_insert_with(HashMap::new);
+            match map.get(&key) {
+                Some(Some(done)) => return done.clone(),
+                Some(None) => {
+                    tracing::trace!(route = self.route, ?key, "asked during its own check: the reference route");
+                    return Err(format!("{}: asked while its check runs", self.route));
+                }
+                None => map.insert(key, None),
+            };
+        }
+        tracing::debug!(route = self.route, ?key, "first-use check: starting");
+        let result = run_check(check);
+        self.lock().get_or_insert_with(HashMap::new).insert(key, Some(result.clone()));
+        match &result {
+            Ok(()) => tracing::info!(?key, "{}: checked against its reference, taken", self.route),
+            Err(e) => tracing::warn!(?key, "{} refused ({e}); {}", self.route, self.fallback),
+        }
+        result
+    }
+
+    /// The verdict for `key` once its check has ended: `Some(true)` passed, `Some(false)`
+    /// refused, `None` not checked yet or being checked.
+    pub fn verdict(&self, key: K) -> Option<bool> {
+        self.lock().as_ref()?.get(&key)?.as_ref().map(Result::is_ok)
+    }
+}
+
+/// Runs a first-use check, a panic counted as a failure with its message: a check must never
+/// leave its route "being checked" for the rest of the process, nor take the process down.
+pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    std::panic::catch_unwind(AssertUnwindSafe(check)).unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into());
+        Err(format!("the check panicked: {msg}"))
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Runs `f` on a thread of its own with the CUDA routes on the CPU, failing the test if it
+    /// takes longer than `secs` (a deadlock fails, it does not hang the suite).
+    pub(crate) fn on_cpu_within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _on = on_cpu_for_this_thread(true);
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+            Ok(v) => v,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("{what}: hung (no answer within {secs} s)"),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: panicked (see above)"),
+        }
+    }
+
+    /// Waits until `done` holds, failing the test after `secs`.
+    pub(crate) fn until(secs: u64, done: impl Fn() -> bool) {
+        let start = std::time::Instant::now();
+        while !done() {
+            assert!(start.elapsed().as_secs() < secs, "not done within {secs} s");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// A check that re-enters its own route gets the reference route (no deadlock); its
+    /// verdict is then kept, and a check that panics is a refusal, not a stuck "checking".
+    #[test]
+    fn a_check_that_reenters_its_route_sees_the_reference() {
+        static V: Verdicts<u8> = Verdicts::new("test route", "the reference runs");
+        let inner = on_cpu_within(20, "re-entrant check", || {
+            let mut seen = None;
+            let outer = V.passed(1, || {
+                seen = Some(V.passed(1, || panic!("a nested check must not run")));
+                Ok(())
+            });
+            (outer, seen)
+        });
+        assert_eq!(inner, (true, Some(false)));
+        assert_eq!(V.verdict(1), Some(true));
+        assert!(!V.passed(2, || panic!("broken kernel")));
+        assert_eq!(V.verdict(2), Some(false));
+        assert!(!V.passed(3, || Err("codes differ".into())));
+        assert_eq!(V.verdict(4), None);
+    }
+
+    /// The switch: the CPU takes the CUDA routes only under it; other devices never.
+    #[test]
+    fn the_cpu_takes_cuda_routes_only_under_the_switch() {
+        let _off = on_cpu_for_this_thread(false);
+        assert!(!takes_cuda_routes(tch::Device::Cpu) && !stands_in(tch::Device::Cpu));
+        assert!(takes_cuda_routes(tch::Device::Cuda(3)) && !stands_in(tch::Device::Cuda(3)));
+        {
+            let _on = on_cpu_for_this_thread(true);
+            assert!(takes_cuda_routes(tch::Device::Cpu) && stands_in(tch::Device::Cpu));
+            assert!(!takes_cuda_routes(tch::Device::Mps));
+        }
+        assert!(!on_cpu(), "the override ends with its guard");
+    }
+}

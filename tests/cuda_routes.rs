@@ -1,0 +1,137 @@
+//! The CUDA routes' control flow, run by the release binary on the CPU with
+//! `LLORA_CUDA_ROUTES_ON_CPU=1` (each CUDA kernel replaced by its LibTorch composite), every
+//! process under a time limit: the route choice, first-use checks, fallbacks and counters that
+//! a GPU node meets first, here in CI. The second GPU run hung forever in the FP8 routes' check
+//! (a lock held while the check re-entered it): these tests fail within their limit instead.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use wait_timeout::ChildExt;
+
+/// Runs `llora ARGS` from the repository root with `env` added, killed after `limit_s`:
+/// (exit success, stdout, stderr). A process over its limit fails the test as hung, with the
+/// last lines it logged.
+fn llora_within(limit_s: u64, env: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut cmd = common::llora_command(&common::root(), args);
+    cmd.envs(env.iter().copied())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .stdin(Stdio::null());
+    let mut child = cmd.spawn().expect("start llora");
+    let status = child.wait_timeout(Duration::from_secs(limit_s)).unwrap();
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
+    let Some(status) = status else {
+        let _ = child.kill();
+        let _ = child.wait();
+        let stderr = read(&err);
+        let tail: Vec<&str> = stderr.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect();
+        panic!("llora {args:?} hung: no exit within {limit_s} s; its last lines:\n{}", tail.join("\n"));
+    };
+    (status.success(), read(&out), read(&err))
+}
+
+const ON_CPU: (&str, &str) = ("LLORA_CUDA_ROUTES_ON_CPU", "1");
+
+fn selftest_checks(part: &str) -> Vec<serde_json::Value> {
+    let (ok, stdout, stderr) =
+        llora_within(180, &[ON_CPU], &["selftest", "--device", "cpu", "--threads", "1", "--only", part]);
+    assert!(ok, "selftest --only {part}: {stderr}");
+    let record: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    record["checks"].as_array().unwrap().clone()
+}
+
+/// `llora selftest` runs the checks it runs on CUDA, named as there, one part at a time and
+/// each within its limit: the FP8 two-pass quantiser and one-pass amax (the check that hung),
+/// the fused RMSNorm in both dtypes, and every CUDA attention kernel's route with the packed
+/// rows' variable-length one; all pass with the CPU's composites standing in.
+#[test]
+fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
+    let named = |checks: &[serde_json::Value], name: &str| {
+        let c = checks.iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("no {name:?} in {checks:?}"));
+        assert_eq!(c["ok"], true, "{c}");
+    };
+    let gemm = selftest_checks("gemm");
+    named(&gemm, "FP8 two-pass quantiser and one-pass amax");
+    let norm = selftest_checks("norm");
+    named(&norm, "RMSNorm fused kernels BFloat16");
+    named(&norm, "RMSNorm fused kernels Float");
+    let attention = selftest_checks("attention");
+    for name in [
+        "attention cuda-cudnn BFloat16",
+        "attention cuda-flash BFloat16",
+        "attention cuda-memory-efficient Float",
+        "attention cuda-flash-varlen BFloat16 (packed rows)",
+    ] {
+        named(&attention, name);
+    }
+}
+
+/// A short FP8 bench on the CPU: with the switch, every step takes the two-pass quantiser,
+/// the norm the fused route and attention cuDNN's route, and the JSON says so; without it,
+/// the f32 quantiser. Under `RUST_LOG=debug` the log names each place before it starts (a
+/// hang's last line says where it is): every decoder layer built, every weight converted, the
+/// FP8 routes' first-use check, and each step phase, in that order.
+#[test]
+fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
+    let args = [
+        "bench",
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--threads",
+        "1",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--precision",
+        "fp8",
+        "--fp8-weights",
+        "--fp8-activations",
+    ];
+    let (ok, stdout, stderr) = llora_within(240, &[ON_CPU, ("RUST_LOG", "debug")], &args);
+    assert!(ok, "{stderr}");
+    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(r["cuda_routes_on_cpu"], true, "{r}");
+    assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["two-pass"], ["two-pass"]]), "{r}");
+    assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
+    assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
+    assert!(r["attn_impl"].as_array().unwrap().iter().any(|k| k == "cuda-cudnn"), "{r}");
+    let layers = 4; // the tiny preset's
+
+    let place =
+        |needle: &str| stderr.find(needle).unwrap_or_else(|| panic!("no {needle:?} in the debug log:\n{stderr}"));
+    let built = (0..layers).map(|l| place(&format!("layer={l} of={layers}"))).collect::<Vec<_>>();
+    assert!(built.windows(2).all(|w| w[0] < w[1]), "layers logged out of order");
+    let converted = place("model: converting a weight to its storage dtype");
+    let check = place("first-use check: starting");
+    let [fwd, bwd, opt] =
+        ["step phase: forward", "step phase: backward", "step phase: all-reduce and optimizer"].map(place);
+    assert!(built[0] < converted && converted < check && check < fwd && fwd < bwd && bwd < opt, "order:\n{stderr}");
+    assert!(stderr.contains("FP8 two-pass quantiser and one-pass amax: checked against its reference, taken"));
+
+    let (ok, stdout, stderr) = llora_within(240, &[], &args);
+    assert!(ok, "{stderr}");
+    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(r["cuda_routes_on_cpu"], false, "{r}");
+    assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["f32"], ["f32"]]), "{r}");
+    assert_eq!(r["rms_norm"], "composite", "{r}");
+}
+
+/// A value of the switch other than 1 or 0 is reported, not silently taken for either.
+#[test]
+fn an_unknown_switch_value_is_reported() {
+    let (ok, _, stderr) = llora_within(
+        120,
+        &[("LLORA_CUDA_ROUTES_ON_CPU", "yes")],
+        &["selftest", "--device", "cpu", "--threads", "1", "--only", "gemm"],
+    );
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("LLORA_CUDA_ROUTES_ON_CPU=\"yes\" is neither 1 nor 0"), "{stderr}");
+}
