@@ -25,24 +25,44 @@
 # report even when the process printed a good result. TRACE=1 adds a Chrome/Perfetto trace of
 # one step of each llora bench (REPORT_DIR/trace-PRESET-SEQ-PRECISION.json).
 #
+# It survives a hang: every process runs under a time limit (`timeout`, whole process group;
+# defaults sized per section, LIMIT_S=N caps each at N seconds); one over its limit is reported
+# as **hung** with its last 20 log lines and the check goes on. The self-tests run one part at a
+# time. report.json and report.md are rewritten after every section, so a run killed at any
+# moment leaves what it measured. Sections in order of value: CUDA tests (a bundle's test
+# executables, `--ignored`, one test at a time; TESTS=0 skips), self-test parts, parity
+# (PARITY=0 skips), the benches (the 70B layer first, PEFT beside each shape; SHAPES= runs
+# none), the whole 70B (WHOLE_70B=1, default on a GPU of 140 GB or more), packing, the tiny job
+# end to end (E2E=1, default on a GPU).
+#
 #   scripts/gpu-check.sh                      # on a GPU node, all of the above
 #   scripts/gpu-check.sh --cpu                # the same report path on the CPU, small shapes
-#   REPORT_DIR=/tmp/r SHAPES="small:2048" TRACE=1 scripts/gpu-check.sh
+#   REPORT_DIR=/tmp/r SHAPES="small:2048" TRACE=1 LIMIT_S=120 scripts/gpu-check.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
 MODE=gpu
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
-LLORA=${LLORA:-target/release/llora}
+# Paths the caller gave are the caller's, resolved before this script moves to the repository.
+abs() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+[[ -n ${LLORA:-} ]] && LLORA=$(abs "$LLORA")
+[[ ${PYTHON:-} == */* ]] && PYTHON=$(abs "$PYTHON")
+[[ -n ${REPORT_DIR:-} ]] && REPORT_DIR=$(abs "$REPORT_DIR")
+cd "$(dirname "$0")/.."
+if [[ $MODE == gpu ]] && ! command -v nvidia-smi >/dev/null; then
+  echo "gpu-check.sh: nvidia-smi not found: not an NVIDIA GPU node (use --cpu)" >&2
+  exit 1
+fi
+LLORA=${LLORA:-$PWD/target/release/llora}
 [[ -x $LLORA ]] || { echo "gpu-check.sh: no llora binary at $LLORA (build it, or set LLORA=path)" >&2; exit 1; }
 if [[ -z ${PYTHON:-} ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  if [[ -x .venv/bin/python ]]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
 fi
+command -v "$PYTHON" >/dev/null || { echo "gpu-check.sh: no Python at $PYTHON (set PYTHON=path)" >&2; exit 1; }
 "$PYTHON" -c 'import torch, transformers, peft, safetensors' 2>/dev/null \
   || { echo "gpu-check.sh: $PYTHON lacks torch, transformers, peft or safetensors" >&2; exit 1; }
 TORCHRUN=("$PYTHON" -m torch.distributed.run)
@@ -57,10 +77,9 @@ rows="$REPORT_DIR/rows.jsonl"
 : >"$rows"
 export OMP_WAIT_POLICY=PASSIVE
 if [[ $MODE == gpu ]]; then
-  command -v nvidia-smi >/dev/null || { echo "gpu-check.sh: nvidia-smi not found: not an NVIDIA GPU node (use --cpu)" >&2; exit 1; }
   DEVICE=cuda:0
   NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-  SHAPES=${SHAPES:-tiny:512 small:2048 llama2-70b-1layer:8192}
+  SHAPES=${SHAPES-llama2-70b-1layer:8192 small:2048 tiny:512}
   PRECISIONS=${PRECISIONS:-bf16 fp8}
   UNFUSED_SHAPES=${UNFUSED_SHAPES-llama2-70b-1layer:8192}
   STEPS=${STEPS:-10}
@@ -68,165 +87,74 @@ if [[ $MODE == gpu ]]; then
 else
   DEVICE=cpu
   NGPU=2 # two Gloo ranks stand in for the GPUs of a node
-  SHAPES=${SHAPES:-tiny:128}
+  SHAPES=${SHAPES-tiny:128}
   PRECISIONS=${PRECISIONS:-bf16 fp8}
   UNFUSED_SHAPES=${UNFUSED_SHAPES-}
   STEPS=${STEPS:-2}
   THREADS=1
 fi
+# Time limits (seconds) of each kind of process; LIMIT_S=N caps every one at N.
+if [[ $MODE == gpu ]]; then
+  L_TEST=300 L_SELFTEST=180 L_PARITY=300 L_BENCH=300 L_PEER=300 L_WHOLE=480 L_PACKING=600 L_E2E=300
+else
+  L_TEST=300 L_SELFTEST=600 L_PARITY=900 L_BENCH=900 L_PEER=900 L_WHOLE=900 L_PACKING=1800 L_E2E=900
+fi
+limit() { local s=$1; if [[ -n ${LIMIT_S:-} ]] && ((LIMIT_S < s)); then s=$LIMIT_S; fi; echo "$s"; }
 row() { echo "$1" >>"$rows"; }
 say() { echo "# gpu-check: $*" >&2; }
-# exited WHAT RC: records a process's exit status (the report fails on any non-zero).
-exited() { row "{\"section\": \"exit\", \"what\": \"$1\", \"rc\": $2}"; }
-
-# 1. The machine.
-say "machine"
-gpus=null
-if [[ $MODE == gpu ]]; then
-  gpus=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
-    | "$PYTHON" -c 'import json,sys; print(json.dumps([dict(zip(["name","driver","memory"], [x.strip() for x in l.split(",")])) for l in sys.stdin if l.strip()]))')
-fi
-peer_torch=$("$PYTHON" -c 'import json, torch, transformers, peft; print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__}))')
-row "{\"section\": \"machine\", \"mode\": \"$MODE\", \"gpus\": $gpus, \"peer\": $peer_torch, \"llora\": $("$PYTHON" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$("$LLORA" --version)")}"
-
-# 2. Self-tests: this process alone (NCCL on one GPU), then one rank per GPU for the bus bandwidth.
-say "self-tests on $DEVICE"
-rc=0
-"$LLORA" selftest --device "$DEVICE" --threads "$THREADS" 2>"$work/selftest.log" >"$work/selftest.out" || rc=$?
-exited "llora selftest --device $DEVICE" "$rc"
-tail -1 "$work/selftest.out" | sed 's/^{/{"section": "selftest", /' >>"$rows" || true
-say "all-reduce over $NGPU ranks"
-rc=0
-"${TORCHRUN[@]}" --standalone --nproc-per-node "$NGPU" --no-python "$LLORA" selftest --device "${DEVICE%%:*}" \
-  --threads "$THREADS" --only all-reduce 2>"$work/allreduce.log" >"$work/allreduce.out" || rc=$?
-exited "torchrun x$NGPU llora selftest --only all-reduce" "$rc"
-tail -1 "$work/allreduce.out" | sed 's/^{/{"section": "allreduce", /' >>"$rows" || true
-
-# 3. Parity with HF + PEFT: a fixture (base, adapter, batch and PEFT's losses in fp32 and bf16,
-# computed by scripts/peer/fixtures.py on the CPU) evaluated by llora on the device.
-say "parity with HF transformers + PEFT"
-fx="$work/parity"
-"$PYTHON" scripts/peer/fixtures.py --out "$fx" --preset tiny-gqa --seq-len 96 --batch 2 --lora-b normal \
-  --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --bf16-twin --threads 2 >"$work/fixtures.log" 2>&1
-if "$PYTHON" -c 'import pyarrow' 2>/dev/null; then
-  "$PYTHON" - "$fx" <<'PY'
-import sys, pyarrow as pa, pyarrow.parquet as pq
-from safetensors.numpy import load_file
-b = load_file(sys.argv[1] + "/batch.safetensors")
-pq.write_table(pa.table({"input_ids": [list(map(int, r)) for r in b["input_ids"]], "labels": [list(map(int, r)) for r in b["labels"]]}),
-               sys.argv[1] + "/batch.parquet")
-PY
-  for precision in fp32 bf16; do
-    rc=0
-    "$LLORA" eval --model "$fx" --adapter "$fx" --data "$fx/batch.parquet" --batch-size 2 --precision "$precision" \
-      --device "$DEVICE" --threads "$THREADS" 2>>"$work/eval.log" >"$work/eval-$precision.out" || rc=$?
-    exited "llora eval --precision $precision" "$rc"
-    tail -1 "$work/eval-$precision.out" \
-      | "$PYTHON" -c 'import json,sys; d=json.load(sys.stdin); e=json.load(open(sys.argv[2]+"/expected.json")); fp32=e["losses"][0]; want=e["bf16_loss"] if sys.argv[1]=="bf16" else fp32; got=d["loss_per_token"]; print(json.dumps({"section": "parity", "precision": sys.argv[1], "llora_loss": got, "peft_loss": want, "peft_fp32_loss": fp32, "rel_diff": abs(got-want)/abs(want), "ok": abs(got-fp32) <= 2*abs(want-fp32) + 1e-4*abs(fp32) if sys.argv[1]=="bf16" else abs(got-want) <= 1e-5*abs(want)}))' "$precision" "$fx" >>"$rows"
-  done
-else
-  row '{"section": "parity", "skipped": "pyarrow is not installed in this Python: llora eval reads parquet"}'
-fi
-
-# 4. llora vs the peer, with the device's memory peak sampled by nvidia-smi on a GPU.
-peak_sampler() { # writes the largest memory.used (MiB) of GPU 0 while its parent runs
-  local max=0 now
-  while :; do
-    now=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1)
-    [[ $now =~ ^[0-9]+$ ]] && ((now > max)) && max=$now && echo "$max" >"$1"
-    sleep 0.2
-  done
-}
-run_sampled() { # run_sampled OUTFILE CMD...: the command's last stdout line, plus device_peak_mb
-  local out=$1; shift
-  local peak="$work/peak.$$" pid= rc=0
-  echo 0 >"$peak"
-  if [[ $MODE == gpu ]]; then peak_sampler "$peak" & pid=$!; fi
-  "$@" 2>>"$work/bench.log" >"$out.all" || rc=$?
-  exited "$(basename "$1") ${*:2:8}" "$rc"
-  tail -1 "$out.all" >"$out.line" || true
-  [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
-  "$PYTHON" -c 'import json,sys; l=open(sys.argv[1]).read().strip(); d=json.loads(l) if l else {"error": "no output"}; d["device_peak_mb"]=float(open(sys.argv[2]).read() or 0) or None; print(json.dumps(d))' \
-    "$out.line" "$peak" >"$out"
-}
-for shape in $SHAPES; do
-  IFS=: read -r preset seq <<<"$shape"
-  precisions=$PRECISIONS
-  # The same step with the newer fused CUDA routes off (LLORA_CUDA_FUSED_ROUTES=off): what they gain.
-  [[ " $UNFUSED_SHAPES " == *" $shape "* ]] && precisions="$precisions $(printf '%s-unfused ' $PRECISIONS)"
-  for precision in $precisions; do
-    common=(--preset "$preset" --seq-len "$seq" --batch 1 --warmup 2 --steps "$STEPS" --threads "$THREADS")
-    base=${precision%-unfused}
-    routes=(env LLORA_CUDA_FUSED_ROUTES=on)
-    [[ $precision == *-unfused ]] && routes=(env LLORA_CUDA_FUSED_ROUTES=off)
-    extra=(--precision "$base")
-    [[ $base == fp8 ]] && extra=(--precision fp8 --fp8-weights --fp8-activations)
-    if [[ ${TRACE:-0} == 1 ]]; then
-      trace="$REPORT_DIR/trace-$preset-$seq-$precision.json"
-      rm -f "$trace"
-      extra+=(--trace "$trace")
-    fi
-    say "bench $preset s$seq $precision: llora"
-    run_sampled "$work/l.json" "${routes[@]}" "$LLORA" bench "${common[@]}" "${extra[@]}" --device "$DEVICE" --tag llora
-    say "bench $preset s$seq bf16: peer"
-    [[ -f "$work/p-$preset-$seq.json" ]] \
-      || run_sampled "$work/p-$preset-$seq.json" "$PYTHON" scripts/peer/step_bench.py "${common[@]}" --dtype bf16 --device "${DEVICE%%:*}" --tag peer
-    "$PYTHON" - "$work/l.json" "$work/p-$preset-$seq.json" "$precision" "$MODE" >>"$rows" <<'PY'
+# limited WHAT SECONDS LOG CMD...: CMD under a time limit (its whole process group killed past
+# it; stdout as the caller redirects it, stderr appended to LOG, no stdin); records its exit
+# row: status ok, failed or hung, with LOG's last 20 lines unless ok. Leaves the exit code in rc.
+limited() {
+  local what=$1 secs log=$3 status=ok
+  secs=$(limit "$2")
+  shift 3
+  rc=0
+  timeout --kill-after=10 "$secs" "$@" 2>>"$log" </dev/null || rc=$?
+  if ((rc == 124 || rc == 137)); then
+    status=hung
+    say "HUNG: $what (no exit within its ${secs} s limit); the check goes on"
+  elif ((rc != 0)); then
+    status=failed
+  fi
+  "$PYTHON" - "$what" "$rc" "$status" "$secs" "$log" >>"$rows" <<'PY'
 import json, sys
-l, p = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
-precision, mode = sys.argv[3], sys.argv[4]
-peaks = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "MI300X": 1307.4, "MI355X": 2516.6}
-gpu = p.get("gpu_name") or ""
-peak = next((v for k, v in peaks.items() if k in gpu.upper()), None)
-def tflops(d):
-    return d["flops_per_step"] / d["step_s_median"] / 1e12 if d.get("step_s_median") else None
-mem = "device_peak_mb" if mode == "gpu" else "peak_rss_mb"
-row = {"section": "bench", "preset": l.get("preset"), "seq_len": l.get("seq_len"), "precision": precision,
-       "llora_step_s": l.get("step_s_median"), "peer_bf16_step_s": p.get("step_s_median"),
-       "ratio": (l["step_s_median"] / p["step_s_median"]) if l.get("step_s_median") and p.get("step_s_median") else None,
-       "llora_tokens_per_s": l.get("tokens_per_s"), "peer_tokens_per_s": p.get("tokens_per_s"),
-       "llora_tflops": tflops(l), "peer_tflops": tflops(p),
-       "llora_mfu_bf16_peak": (tflops(l) / peak) if peak and tflops(l) else None,
-       "llora_peak_mb": l.get(mem), "peer_peak_mb": p.get(mem),
-       "peer_peak_cuda_allocated_mb": p.get("peak_cuda_allocated_mb"), "gpu": gpu or None,
-       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"), "rms_norm": l.get("rms_norm"),
-       "llora_fwd_s": l.get("fwd_s_median"), "llora_bwd_s": l.get("bwd_s_median"), "llora_opt_s": l.get("opt_s_median"),
-       "peer_fwd_s": p.get("fwd_s_median"), "peer_bwd_s": p.get("bwd_s_median"), "peer_opt_s": p.get("opt_s_median"),
-       "llora_device_peak_allocated_mb": l.get("device_peak_allocated_mb"),
-       "llora_device_peak_reserved_mb": l.get("device_peak_reserved_mb"),
-       "ops_per_step": l.get("ops_per_step"), "host_syncs_per_step": l.get("host_syncs_per_step"),
-       "fp8_gemms_fallback": l.get("fp8_gemms_fallback"), "error": l.get("error") or p.get("error")}
-if row["llora_peak_mb"] and row["planned_peak_mb"]:
-    row["measured_over_planned"] = row["llora_peak_mb"] / row["planned_peak_mb"]
+what, rc, status, secs, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+row = {"section": "exit", "what": what, "rc": rc, "status": status, "limit_s": secs}
+if status != "ok":
+    try:
+        row["tail"] = open(log, errors="replace").read().splitlines()[-20:]
+    except OSError:
+        row["tail"] = []
 print(json.dumps(row))
 PY
-  done
-done
-
-# 5. Packing against padding on the device (scripts/bench-packing.sh; GPU mode, or PACKING=1):
-# target tokens/s of llora packed (variable-length flash attention on CUDA) and padded, and of
-# PEFT padded, on a long-tailed synthetic corpus.
-if [[ ${PACKING:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
-  say "packing against padding"
-  rc=0
-  LLORA="$LLORA" PYTHON="$PYTHON" DEVICE="$DEVICE" THREADS="$THREADS" OUT="$work/packing" DOCS="${PACKING_DOCS:-256}" \
-    STEPS_SMALL="${PACKING_STEPS:-20}" PRESETS="${PACKING_PRESETS:-tiny small}" \
-    scripts/bench-packing.sh >"$work/packing.out" 2>"$work/packing.log" || rc=$?
-  exited "bench-packing.sh on $DEVICE" "$rc"
-  tail -1 "$work/packing.out" \
-    | "$PYTHON" -c 'import json,sys; [print(json.dumps(dict(section="packing", **r))) for r in json.load(sys.stdin)]' >>"$rows" || true
-fi
-
-# The report: JSON (every row) and markdown (the tables).
-"$PYTHON" - "$rows" "$REPORT_DIR" <<'PY'
+}
+# report [final]: report.json and report.md from the rows so far (rewritten after every section).
+report() {
+  local rc=0
+  "$PYTHON" "$work/report.py" "$rows" "$REPORT_DIR" "${1:-partial}" || rc=$?
+  return "$rc"
+}
+cat >"$work/report.py" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-out = sys.argv[2]
+rows = []
+for l in open(sys.argv[1]):
+    try:
+        rows.append(json.loads(l))
+    except ValueError:
+        pass  # a process killed mid-line
+out, final = sys.argv[2], sys.argv[3] == "final"
 by = lambda s: [r for r in rows if r.get("section") == s]
-json.dump({"rows": rows}, open(f"{out}/report.json", "w"), indent=1)
 m = by("machine")[0]
-md = [f"# llora gpu-check ({m['mode']} mode)", "", f"- llora: {m['llora']}", f"- peer: {json.dumps(m['peer'])}",
-      f"- GPUs: {json.dumps(m['gpus'])}", "", "## Self-tests", "", "| check | ok | detail |", "|---|---|---|"]
+md = [f"# llora gpu-check ({m['mode']} mode{'' if final else ', in progress'})", "", f"- llora: {m['llora']}",
+      f"- peer: {json.dumps(m['peer'])}", f"- GPUs: {json.dumps(m['gpus'])}", ""]
+if by("cuda_test"):
+    md += ["## CUDA tests (the bundle's test executables, `--ignored`, one test at a time)", "",
+           "| binary | test | result |", "|---|---|---|"]
+    for r in by("cuda_test"):
+        md.append(f"| {r['binary']} | {r['test']} | {r['status'] if r['status'] == 'passed' else '**' + r['status'] + '**'} |")
+    md.append("")
+md += ["## Self-tests", "", "| check | ok | detail |", "|---|---|---|"]
 for s in by("selftest") + by("allreduce"):
     for c in s.get("checks", []):
         ok = "yes" if c["ok"] else ("**no**" if c["required"] else "no (optional)")
@@ -236,11 +164,17 @@ md += ["", "## Parity with HF transformers + PEFT (eval loss; bf16: within twice
 for r in by("parity"):
     if "skipped" in r:
         md.append(f"| skipped: {r['skipped']} | | | | |")
+    elif "error" in r:
+        md.append(f"| {r['precision']} | **{r['error']}** | | | **no** |")
     else:
         md.append(f"| {r['precision']} | {r['llora_loss']:.6f} | {r['peft_loss']:.6f} | {r['rel_diff']:.2e} | {'yes' if r['ok'] else '**no**'} |")
-md += ["", "## Exit statuses (every process must exit 0)", "", "| process | exit |", "|---|---|"]
+md += ["", "## Exit statuses (every process must exit 0 within its limit)", "", "| process | exit | status | limit s |", "|---|---|---|---|"]
 for r in by("exit"):
-    md.append(f"| {r['what']} | {r['rc'] if r['rc'] == 0 else '**' + str(r['rc']) + '**'} |")
+    st = r.get("status", "ok")
+    md.append(f"| {r['what']} | {r['rc'] if r['rc'] == 0 else '**' + str(r['rc']) + '**'} | {st if st == 'ok' else '**' + st + '**'} | {r.get('limit_s', '')} |")
+for r in by("exit"):
+    if r.get("tail"):
+        md += ["", f"<details><summary>{r.get('status')}: {r['what']} (last lines of its log)</summary>", "", "```"] + r["tail"] + ["```", "</details>"]
 md += ["", "## llora against PyTorch + PEFT (bf16)", "",
        "| shape | llora precision | llora step s | PEFT bf16 step s | ratio | llora TFLOP/s | PEFT TFLOP/s | of bf16 peak | llora peak MB | PEFT peak MB | planned MB | measured/planned | attention |",
        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -264,10 +198,27 @@ if by("packing"):
         name, tps = r.get("run") or r.get("tag"), r.get("target_tokens_per_s")
         vs = f(tps / base[r["preset"]], 2) if tps and base.get(r["preset"]) else ""
         md.append(f"| {name} | {f(r.get('steps'))} | {f(tps, 1)} | {f(r.get('samples_per_s'), 2)} | {vs} | {r.get('attention', '')} | {'yes' if r.get('ok', True) else '**no**'} |")
+if by("whole"):
+    md += ["", "## The whole model on one device (FP8 weights + activations, `llora plan`'s recipe)", "",
+           "| shape | flags | step s | tokens/s | device peak MB | planned MB | measured/planned | error |", "|---|---|---|---|---|---|---|---|"]
+    for r in by("whole"):
+        ratio = r["device_peak_mb"] / r["planned_peak_mb"] if r.get("device_peak_mb") and r.get("planned_peak_mb") else None
+        md.append(f"| {r.get('preset')} s{r.get('seq_len')} | {r.get('flags', '')} | {f(r.get('step_s_median'),4)} | {f(r.get('tokens_per_s'),1)} | "
+                  f"{f(r.get('device_peak_mb'),0)} | {f(r.get('planned_peak_mb'),0)} | {f(ratio)} | {r.get('error') or ''} |")
+if by("e2e"):
+    md += ["", "## The tiny job end to end (to the benchmark's target)", "", "| precision | ok | time to train s | final eval |", "|---|---|---|---|"]
+    for r in by("e2e"):
+        md.append(f"| {r['precision']} | {'yes' if r['ok'] else '**no**'} | {f(r.get('time_to_train_s'),1)} | {f(r.get('final_eval'),4)} |")
 open(f"{out}/report.md", "w").write("\n".join(md) + "\n")
+json.dump({"rows": rows, "final": final}, open(f"{out}/report.json", "w"), indent=1)
+if not final:
+    sys.exit(0)
 failed = [c["name"] for s in by("selftest") + by("allreduce") for c in s.get("checks", []) if c["required"] and not c["ok"]]
 failed += [f"parity {r['precision']}" for r in by("parity") if "skipped" not in r and not r["ok"]]
-failed += [f"exit {r['rc']}: {r['what']}" for r in by("exit") if r["rc"] != 0]
+failed += [f"{r.get('status', 'exit')} (exit {r['rc']}): {r['what']}" for r in by("exit") if r["rc"] != 0]
+failed += [f"CUDA test {r['test']}: {r['status']}" for r in by("cuda_test") if r["status"] != "passed"]
+failed += [f"end to end {r['precision']}" for r in by("e2e") if not r["ok"]]
+failed += [f"whole model: {r['error']}" for r in by("whole") if r.get("error")]
 failed += [f"packing run {r['run']}" for r in by("packing") if not r.get("ok", True)]
 missing = [s for s in ("selftest", "allreduce", "parity", "bench") if not by(s)]
 print("\n".join(md))
@@ -275,4 +226,224 @@ if failed or missing:
     print(f"gpu-check: failed checks {failed}, missing sections {missing}", file=sys.stderr)
     sys.exit(1)
 PY
+
+# 1. The machine.
+say "machine"
+gpus=null
+if [[ $MODE == gpu ]]; then
+  gpus=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    | "$PYTHON" -c 'import json,sys; print(json.dumps([dict(zip(["name","driver","memory"], [x.strip() for x in l.split(",")])) for l in sys.stdin if l.strip()]))')
+fi
+peer_torch=$("$PYTHON" -c 'import json, torch, transformers, peft; print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__}))')
+row "{\"section\": \"machine\", \"mode\": \"$MODE\", \"gpus\": $gpus, \"peer\": $peer_torch, \"llora\": $("$PYTHON" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$("$LLORA" --version)")}"
+
+report
+
+# 1. The CUDA tests a bundle carries (scripts/gpu-bundle.sh: test-bin/), each test alone.
+if [[ ${TESTS:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 && -d ${TEST_BINS:-test-bin} ]]; then
+  for bin in "${TEST_BINS:-test-bin}"/*; do
+    [[ -f $bin && -x $bin ]] || continue
+    name=$(basename "$bin")
+    say "CUDA tests of $name"
+    "$bin" --ignored --list 2>/dev/null </dev/null | sed -n 's/: test$//p' >"$work/tests-$name.list" || true
+    while read -r t; do
+      limited "test $name $t" "$L_TEST" "$work/tests.log" "$bin" --ignored --exact "$t" --test-threads=1 >>"$work/tests.out"
+      status=passed
+      ((rc == 124 || rc == 137)) && status=hung
+      ((rc != 0 && rc != 124 && rc != 137)) && status=failed
+      row "{\"section\": \"cuda_test\", \"binary\": \"$name\", \"test\": \"$t\", \"status\": \"$status\"}"
+    done <"$work/tests-$name.list"
+    report
+  done
+fi
+
+# 2. Self-tests, one part at a time (a hang hides nothing else): this process alone (NCCL on
+# one GPU), then one rank per GPU for the all-reduce's bus bandwidth.
+for part in gemm attention norm dropout all-reduce; do
+  say "self-test $part on $DEVICE"
+  limited "llora selftest --only $part --device $DEVICE" "$L_SELFTEST" "$work/selftest.log" \
+    "$LLORA" selftest --device "$DEVICE" --threads "$THREADS" --only "$part" >"$work/selftest-$part.out"
+  tail -1 "$work/selftest-$part.out" | sed "s/^{/{\"section\": \"selftest\", \"part\": \"$part\", /" >>"$rows" || true
+  report
+done
+say "all-reduce over $NGPU ranks"
+limited "torchrun x$NGPU llora selftest --only all-reduce" "$L_SELFTEST" "$work/allreduce.log" \
+  "${TORCHRUN[@]}" --standalone --nproc-per-node "$NGPU" --no-python "$LLORA" selftest --device "${DEVICE%%:*}" \
+  --threads "$THREADS" --only all-reduce >"$work/allreduce.out"
+tail -1 "$work/allreduce.out" | sed 's/^{/{"section": "allreduce", /' >>"$rows" || true
+report
+
+# 3. Parity with HF + PEFT: a fixture (base, adapter, batch and PEFT's losses in fp32 and bf16,
+# computed by scripts/peer/fixtures.py on the CPU) evaluated by llora on the device.
+if [[ ${PARITY:-1} == 1 ]]; then
+say "parity with HF transformers + PEFT"
+fx="$work/parity"
+limited "peer fixtures.py (parity fixture)" "$L_PARITY" "$work/fixtures.log" "$PYTHON" scripts/peer/fixtures.py --out "$fx" \
+  --preset tiny-gqa --seq-len 96 --batch 2 --lora-b normal \
+  --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --bf16-twin --threads 2 >>"$work/fixtures.log"
+if [[ -f $fx/batch.safetensors ]] && "$PYTHON" -c 'import pyarrow' 2>/dev/null; then
+  "$PYTHON" - "$fx" <<'PY'
+import sys, pyarrow as pa, pyarrow.parquet as pq
+from safetensors.numpy import load_file
+b = load_file(sys.argv[1] + "/batch.safetensors")
+pq.write_table(pa.table({"input_ids": [list(map(int, r)) for r in b["input_ids"]], "labels": [list(map(int, r)) for r in b["labels"]]}),
+               sys.argv[1] + "/batch.parquet")
+PY
+  for precision in fp32 bf16; do
+    limited "llora eval --precision $precision" "$L_PARITY" "$work/eval.log" "$LLORA" eval --model "$fx" --adapter "$fx" \
+      --data "$fx/batch.parquet" --batch-size 2 --precision "$precision" --device "$DEVICE" --threads "$THREADS" \
+      >"$work/eval-$precision.out"
+    tail -1 "$work/eval-$precision.out" \
+      | "$PYTHON" -c 'import json,sys; d=json.load(sys.stdin); e=json.load(open(sys.argv[2]+"/expected.json")); fp32=e["losses"][0]; want=e["bf16_loss"] if sys.argv[1]=="bf16" else fp32; got=d["loss_per_token"]; print(json.dumps({"section": "parity", "precision": sys.argv[1], "llora_loss": got, "peft_loss": want, "peft_fp32_loss": fp32, "rel_diff": abs(got-want)/abs(want), "ok": abs(got-fp32) <= 2*abs(want-fp32) + 1e-4*abs(fp32) if sys.argv[1]=="bf16" else abs(got-want) <= 1e-5*abs(want)}))' "$precision" "$fx" >>"$rows" \
+      || row "{\"section\": \"parity\", \"precision\": \"$precision\", \"ok\": false, \"error\": \"no loss printed (see the exit rows)\"}"
+  done
+elif [[ -f $fx/batch.safetensors ]]; then
+  row '{"section": "parity", "skipped": "pyarrow is not installed in this Python: llora eval reads parquet"}'
+fi
+
+report
+fi
+
+# 4. llora vs the peer, with the device's memory peak sampled by nvidia-smi on a GPU.
+peak_sampler() { # writes the largest memory.used (MiB) of GPU 0 while its parent runs
+  local max=0 now
+  while :; do
+    now=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -1)
+    [[ $now =~ ^[0-9]+$ ]] && ((now > max)) && max=$now && echo "$max" >"$1"
+    sleep 0.2
+  done
+}
+run_sampled() { # run_sampled OUTFILE SECONDS CMD...: the command's last stdout line, plus device_peak_mb
+  local out=$1 secs=$2; shift 2
+  local peak="$work/peak.$$" pid=
+  echo 0 >"$peak"
+  if [[ $MODE == gpu ]]; then peak_sampler "$peak" & pid=$!; fi
+  limited "$(basename "$1") ${*:2:12}" "$secs" "$work/bench.log" "$@" >"$out.all"
+  tail -1 "$out.all" >"$out.line" || true
+  [[ -n $pid ]] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+  "$PYTHON" -c 'import json,sys; l=open(sys.argv[1]).read().strip(); d=json.loads(l) if l.startswith("{") else {"error": "no output (see the exit rows)"}; d["device_peak_mb"]=float(open(sys.argv[2]).read() or 0) or None; print(json.dumps(d))' \
+    "$out.line" "$peak" >"$out"
+}
+for shape in $SHAPES; do
+  IFS=: read -r preset seq <<<"$shape"
+  precisions=$PRECISIONS
+  # The same step with the newer fused CUDA routes off (LLORA_CUDA_FUSED_ROUTES=off): what they gain.
+  [[ " $UNFUSED_SHAPES " == *" $shape "* ]] && precisions="$precisions $(printf '%s-unfused ' $PRECISIONS)"
+  for precision in $precisions; do
+    common=(--preset "$preset" --seq-len "$seq" --batch 1 --warmup 2 --steps "$STEPS" --threads "$THREADS")
+    base=${precision%-unfused}
+    routes=(env LLORA_CUDA_FUSED_ROUTES=on)
+    [[ $precision == *-unfused ]] && routes=(env LLORA_CUDA_FUSED_ROUTES=off)
+    extra=(--precision "$base")
+    [[ $base == fp8 ]] && extra=(--precision fp8 --fp8-weights --fp8-activations)
+    if [[ ${TRACE:-0} == 1 ]]; then
+      trace="$REPORT_DIR/trace-$preset-$seq-$precision.json"
+      rm -f "$trace"
+      extra+=(--trace "$trace")
+    fi
+    say "bench $preset s$seq $precision: llora"
+    run_sampled "$work/l.json" "$L_BENCH" "${routes[@]}" "$LLORA" bench "${common[@]}" "${extra[@]}" --device "$DEVICE" --tag llora
+    say "bench $preset s$seq bf16: peer"
+    [[ -f "$work/p-$preset-$seq.json" ]] \
+      || run_sampled "$work/p-$preset-$seq.json" "$L_PEER" "$PYTHON" scripts/peer/step_bench.py "${common[@]}" --dtype bf16 --device "${DEVICE%%:*}" --tag peer
+    "$PYTHON" - "$work/l.json" "$work/p-$preset-$seq.json" "$precision" "$MODE" "$preset" "$seq" >>"$rows" <<'PY'
+import json, sys
+l, p = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+precision, mode = sys.argv[3], sys.argv[4]
+peaks = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "MI300X": 1307.4, "MI355X": 2516.6}
+gpu = p.get("gpu_name") or ""
+peak = next((v for k, v in peaks.items() if k in gpu.upper()), None)
+def tflops(d):
+    return d["flops_per_step"] / d["step_s_median"] / 1e12 if d.get("step_s_median") else None
+mem = "device_peak_mb" if mode == "gpu" else "peak_rss_mb"
+row = {"section": "bench", "preset": l.get("preset") or sys.argv[5], "seq_len": l.get("seq_len") or int(sys.argv[6]), "precision": precision,
+       "llora_step_s": l.get("step_s_median"), "peer_bf16_step_s": p.get("step_s_median"),
+       "ratio": (l["step_s_median"] / p["step_s_median"]) if l.get("step_s_median") and p.get("step_s_median") else None,
+       "llora_tokens_per_s": l.get("tokens_per_s"), "peer_tokens_per_s": p.get("tokens_per_s"),
+       "llora_tflops": tflops(l), "peer_tflops": tflops(p),
+       "llora_mfu_bf16_peak": (tflops(l) / peak) if peak and tflops(l) else None,
+       "llora_peak_mb": l.get(mem), "peer_peak_mb": p.get(mem),
+       "peer_peak_cuda_allocated_mb": p.get("peak_cuda_allocated_mb"), "gpu": gpu or None,
+       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"), "rms_norm": l.get("rms_norm"),
+       "llora_fwd_s": l.get("fwd_s_median"), "llora_bwd_s": l.get("bwd_s_median"), "llora_opt_s": l.get("opt_s_median"),
+       "peer_fwd_s": p.get("fwd_s_median"), "peer_bwd_s": p.get("bwd_s_median"), "peer_opt_s": p.get("opt_s_median"),
+       "llora_device_peak_allocated_mb": l.get("device_peak_allocated_mb"),
+       "llora_device_peak_reserved_mb": l.get("device_peak_reserved_mb"),
+       "ops_per_step": l.get("ops_per_step"), "host_syncs_per_step": l.get("host_syncs_per_step"),
+       "fp8_gemms_fallback": l.get("fp8_gemms_fallback"), "error": l.get("error") or p.get("error")}
+if row["llora_peak_mb"] and row["planned_peak_mb"]:
+    row["measured_over_planned"] = row["llora_peak_mb"] / row["planned_peak_mb"]
+print(json.dumps(row))
+PY
+    report
+  done
+done
+
+
+# 5. The whole Llama 2 70B on one GPU (WHOLE_70B=1; default on a GPU of 140 GB or more): FP8
+# weights in one layout and the recomputed blocks `llora plan` chooses for this memory, one
+# step of 8192 tokens, its device peak against the plan.
+whole_default=0
+if [[ $MODE == gpu ]]; then
+  mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -1)
+  [[ $mem_mib =~ ^[0-9]+$ ]] && ((mem_mib >= 140000)) && whole_default=1
+fi
+if [[ ${WHOLE_70B:-$whole_default} == 1 ]]; then
+  wpreset=llama2-70b wseq=8192 wmem=${WHOLE_MEMORY:-$([[ $MODE == gpu ]] && echo "${mem_mib}MiB" || echo 8GiB)}
+  say "the whole $wpreset at $wseq tokens on one device ($wmem)"
+  limited "llora plan (the MLPerf config, one rank, $wmem)" 60 "$work/whole.log" "$LLORA" plan configs/llama2-70b-mlperf.toml \
+    --world 1 --device-memory "$wmem" --json >"$work/whole-plan.json"
+  wflags=$("$PYTHON" -c 'import json,sys; c=json.load(open(sys.argv[1]))["cheapest"]; print(("--fp8-weights-one-layout " if c.get("fp8_weights_one_layout") else "") + "--recompute-layers " + str(c.get("recompute_layers", 0)))' \
+    "$work/whole-plan.json" 2>/dev/null || echo "")
+  if [[ -n $wflags ]]; then
+    # shellcheck disable=SC2086 # two flags, split on purpose
+    run_sampled "$work/whole.json" "$L_WHOLE" "$LLORA" bench --preset "$wpreset" --seq-len "$wseq" --batch 1 --warmup 1 \
+      --steps "${WHOLE_STEPS:-3}" --threads "$THREADS" --device "$DEVICE" --precision fp8 --fp8-weights --fp8-activations $wflags --tag llora
+    "$PYTHON" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({"section": "whole", "flags": sys.argv[2], **{k: d.get(k) for k in ("preset","seq_len","step_s_median","tokens_per_s","device_peak_mb","device_peak_allocated_mb","planned_peak_mb","peak_rss_mb","fp8_quantiser_routes","error")}}))' \
+      "$work/whole.json" "$wflags" >>"$rows" || true
+  else
+    row "{\"section\": \"whole\", \"error\": \"llora plan found no recipe that fits $wmem (work/whole-plan.json)\"}"
+  fi
+  report
+fi
+
+# 5. Packing against padding on the device (scripts/bench-packing.sh; GPU mode, or PACKING=1):
+# target tokens/s of llora packed (variable-length flash attention on CUDA) and padded, and of
+# PEFT padded, on a long-tailed synthetic corpus.
+if [[ ${PACKING:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
+  say "packing against padding"
+  limited "bench-packing.sh on $DEVICE" "$L_PACKING" "$work/packing.log" env LLORA="$LLORA" PYTHON="$PYTHON" DEVICE="$DEVICE" \
+    THREADS="$THREADS" OUT="$work/packing" DOCS="${PACKING_DOCS:-256}" STEPS_SMALL="${PACKING_STEPS:-20}" \
+    PRESETS="${PACKING_PRESETS:-tiny small}" scripts/bench-packing.sh >"$work/packing.out"
+  tail -1 "$work/packing.out" \
+    | "$PYTHON" -c 'import json,sys; [print(json.dumps(dict(section="packing", **r))) for r in json.load(sys.stdin)]' >>"$rows" || true
+fi
+
+report
+
+# 7. The tiny job end to end on the device, fp32 and bf16 (E2E=1, default on a GPU): the demo's
+# MLPerf-style run to its target, with time-to-train.
+if [[ ${E2E:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
+  for precision in fp32 bf16; do
+    say "tiny job end to end, $precision"
+    limited "llora train tiny $precision" "$L_E2E" "$work/e2e.log" "$LLORA" train configs/tiny-cpu.toml \
+      --set "run.device=\"$DEVICE\"" --set "precision.compute=\"$precision\"" --set "run.dir=\"$work/e2e-$precision\"" \
+      --set "run.threads=$THREADS" >"$work/e2e-$precision.out"
+    "$PYTHON" - "$work/e2e-$precision" "$precision" "$rc" >>"$rows" <<'PY'
+import json, pathlib, sys
+d, precision, rc = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+log = d / "result_0.txt"
+events = [json.loads(l.split(":::MLLOG", 1)[1]) for l in log.read_text().splitlines() if ":::MLLOG" in l] if log.exists() else []
+stop = next((e for e in events if e.get("key") == "run_stop"), None)
+start = next((e for e in events if e.get("key") == "run_start"), None)
+evals = [e["value"] for e in events if e.get("key") == "eval_accuracy"]
+print(json.dumps({"section": "e2e", "precision": precision, "ok": rc == 0 and bool(stop) and stop.get("metadata", {}).get("status") == "success",
+                  "time_to_train_s": (stop["time_ms"] - start["time_ms"]) / 1e3 if stop and start else None,
+                  "final_eval": evals[-1] if evals else None}))
+PY
+    report
+  done
+fi
+
+report final
 say "report: $REPORT_DIR/report.md and $REPORT_DIR/report.json"

@@ -321,10 +321,12 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap()).unwrap();
     let rows = report["rows"].as_array().unwrap();
     let section = |s: &str| rows.iter().filter(|r| r["section"] == s).collect::<Vec<_>>();
+    // One row per part, each its own process.
     let selftest = section("selftest");
-    assert_eq!(selftest.len(), 1, "{report}");
+    let parts: Vec<&str> = selftest.iter().map(|r| r["part"].as_str().unwrap()).collect();
+    assert_eq!(parts, ["gemm", "attention", "norm", "dropout", "all-reduce"], "{report}");
     let names: Vec<&str> =
-        selftest[0]["checks"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+        selftest.iter().flat_map(|r| r["checks"].as_array().unwrap()).map(|c| c["name"].as_str().unwrap()).collect();
     for want in [
         "bf16 GEMM",
         "FP8 GEMMs on _scaled_mm",
@@ -334,7 +336,8 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
     ] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
-    assert_eq!(selftest[0]["ok"], true, "{}", selftest[0]);
+    assert!(selftest.iter().all(|r| r["ok"] == true), "{selftest:?}");
+    assert_eq!(report["final"], true);
     let allreduce = &section("allreduce")[0]["checks"][0];
     assert!(allreduce["ok"] == true && allreduce["detail"].as_str().unwrap().starts_with("2 ranks"), "{allreduce}");
     let parity = section("parity");
@@ -348,11 +351,56 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
     }
     // Every process it ran is listed with its exit status, and all exited 0.
     let exits = section("exit");
-    assert!(exits.len() >= 6, "{exits:?}");
-    assert!(exits.iter().all(|r| r["rc"] == 0), "{exits:?}");
+    assert!(exits.len() >= 10, "{exits:?}");
+    assert!(exits.iter().all(|r| r["rc"] == 0 && r["status"] == "ok" && r["limit_s"].as_u64() > Some(0)), "{exits:?}");
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.contains("## Self-tests") && md.contains("## llora against PyTorch + PEFT"), "{md}");
     assert!(md.contains("## Exit statuses") && md.contains("## Where the step goes"), "{md}");
+}
+
+/// gpu-check survives a hang: a self-test part that never exits (a stand-in binary sleeps in
+/// `--only gemm`) is killed at its limit and reported as hung with its last log lines, the
+/// other parts still run, and the report is written and fails.
+#[test]
+fn gpu_check_reports_a_hung_process_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let hanging = dir.path().join("llora-hangs-in-gemm");
+    std::fs::write(
+        &hanging,
+        format!(
+            "#!/bin/sh\ncase \" $* \" in *\" --only gemm \"*) echo 'gemm: about to hang' >&2; exec sleep 600 ;; esac\nexec '{}' \"$@\"\n",
+            common::llora_bin().display()
+        ),
+    )
+    .unwrap();
+    std::process::Command::new("chmod").arg("+x").arg(&hanging).status().unwrap();
+    let report_dir = dir.path().join("report");
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(common::root().join("scripts/gpu-check.sh"))
+        .arg("--cpu")
+        .env("REPORT_DIR", &report_dir)
+        .env("LLORA", &hanging)
+        .env("PYTHON", common::root().join(".venv/bin/python"))
+        .envs([("LIMIT_S", "20"), ("SHAPES", ""), ("PARITY", "0"), ("PACKING", "0")])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "a hung process fails the report: {stdout}\n{stderr}");
+    assert!(started.elapsed().as_secs() < 240, "gpu-check took {:?}", started.elapsed());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report_dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["final"], true);
+    let rows = report["rows"].as_array().unwrap();
+    let hung: Vec<_> = rows.iter().filter(|r| r["status"] == "hung").collect();
+    assert_eq!(hung.len(), 1, "{rows:?}");
+    assert!(hung[0]["what"].as_str().unwrap().contains("--only gemm") && hung[0]["limit_s"] == 20, "{}", hung[0]);
+    assert!(hung[0]["tail"].as_array().unwrap().iter().any(|l| l == "gemm: about to hang"), "{}", hung[0]);
+    let parts: Vec<&str> =
+        rows.iter().filter(|r| r["section"] == "selftest").map(|r| r["part"].as_str().unwrap()).collect();
+    assert_eq!(parts, ["attention", "norm", "dropout", "all-reduce"], "the other parts ran");
+    assert!(rows.iter().any(|r| r["section"] == "allreduce"), "{rows:?}");
+    let md = std::fs::read_to_string(report_dir.join("report.md")).unwrap();
+    assert!(md.contains("**hung**") && md.contains("gemm: about to hang"), "{md}");
 }
 
 /// The launch and synchronisation budgets of a training step, held on the CPU so that a new

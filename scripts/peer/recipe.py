@@ -53,13 +53,18 @@ def hf_config(preset, seq_len):
     return cfg
 
 
-def random_model(cfg, dtype, seed):
-    """HF's own random initialisation from `seed`, allocated directly in the base dtype."""
+def random_model(cfg, dtype, seed, device=None):
+    """HF's own random initialisation from `seed`, allocated directly in the base dtype; on `device`
+    (allocated and initialised there, from that device's generator) when one is given."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(BASE_DTYPES[dtype])
     try:
-        model = LlamaForCausalLM(cfg)
+        if device is None:
+            model = LlamaForCausalLM(cfg)
+        else:
+            with torch.device(device):
+                model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
     model.config.use_cache = False

@@ -10,8 +10,9 @@ loss = mean over the batch's target tokens.
 (what from_pretrained(dtype=bfloat16) + get_peft_model gives). bf16-autocast: f32 weights, the
 forward under torch.autocast (what HF Trainer(bf16=True) does with an f32 model).
 
---device cuda[:N]: the model is built on the CPU from the same seed (the same weights, adapters
-and tokens as a CPU run) and moved to the GPU; every clock read waits for the GPU; the JSON adds
+--device cuda[:N]: the model is allocated and initialised on the GPU (HF's random init of the
+70B layer's 1.6 B values on the host took over a minute on a GPU node; on the device, seconds), so
+its random weights differ from a CPU run's (speed does not depend on them); every clock read waits for the GPU; the JSON adds
 peak_cuda_allocated_mb / peak_cuda_reserved_mb over the timed steps and what picks the kernels
 (GPU, CUDA, cuDNN, TF32, the SDPA switches).
 """
@@ -105,12 +106,14 @@ def main(a):
     load0 = recipe.loadavg()
     t_build = time.perf_counter()
     cfg = recipe.hf_config(a.preset, a.seq_len)
-    model = recipe.with_lora(recipe.random_model(cfg, a.dtype, a.seed), a.lora_r, a.lora_alpha, a.lora_dropout,
-                             a.targets.split(","), dora=a.dora)
+    print(f"# step_bench: building {a.preset} on {dev}", file=sys.stderr, flush=True)
+    base = recipe.random_model(cfg, a.dtype, a.seed, device=dev if gpu else None)
+    model = recipe.with_lora(base, a.lora_r, a.lora_alpha, a.lora_dropout, a.targets.split(","), dora=a.dora)
     model.to(dev)
     model.train()
     sync()
     build_s = time.perf_counter() - t_build
+    print(f"# step_bench: built in {build_s:.1f} s", file=sys.stderr, flush=True)
     rss_after_build = recipe.peak_rss_mb()
     params = recipe.trainable(model)
     optim = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
