@@ -416,6 +416,34 @@ fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     assert!(common::newest_checkpoint(&run).unwrap().join("adapter/adapter_model.safetensors").is_file());
 }
 
+/// A signal sent twice (coreutils `timeout` signals the child, then its group) still ends with
+/// the step's checkpoint and exit 130, and the second is reported; a third exits at once without
+/// the checkpoint, saying so, with 131: never a silent 130 with no checkpoint.
+#[test]
+fn repeated_signals_never_lose_the_checkpoint_silently() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let mut args = short_run_args(&config, &run);
+    args.extend(["--set".into(), "schedule.max_steps=1000".into()]);
+    let out = common::signals_after_two_steps(&args, &run, "TERM", 2);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("signal again") && stderr.contains("interrupted after step"), "{stderr}");
+    assert!(checkpoint_step(&run).is_some_and(|s| s >= 2), "a checkpoint after two signals: {stderr}");
+
+    let run = dir.path().join("run-3");
+    let mut args = short_run_args(&config, &run);
+    args.extend(["--set".into(), "schedule.max_steps=1000".into()]);
+    let out = common::signals_after_two_steps(&args, &run, "TERM", 3);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(131), "{stderr}");
+    assert!(
+        stderr.contains("signal a third time: exiting at once, without the checkpoint") && stderr.contains("exit 131"),
+        "{stderr}"
+    );
+}
+
 /// Golden losses, as torchtune's recipe tests do: the random `demo` base and LoRA with seed 1
 /// on the synthetic set; the first five training losses of the 12-step run were recorded from
 /// llora when this test was written, on this CPU with one thread. Step 1 does not depend on the adapters (B = 0) and

@@ -158,13 +158,21 @@ pub fn strs(v: &[String]) -> Vec<&str> {
 /// Starts `llora ARGS` (a training run into `run_dir`), sends it `signal` (`"TERM"`, `"INT"`)
 /// once its metrics show two steps, and returns how it ended.
 pub fn signal_after_two_steps(args: &[String], run_dir: &Path, signal: &str) -> Output {
+    signals_after_two_steps(args, run_dir, signal, 1)
+}
+
+/// [`signal_after_two_steps`] with the signal sent `times` times in a row (as `timeout` and
+/// launchers do: the child, then its group).
+pub fn signals_after_two_steps(args: &[String], run_dir: &Path, signal: &str, times: usize) -> Output {
     let child = llora_command(&root(), &strs(args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let started = std::time::Instant::now();
     while !std::fs::read_to_string(run_dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
         assert!(started.elapsed().as_secs() < 300, "no step after 5 minutes");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let kill = Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
-    assert!(kill.success());
+    for _ in 0..times {
+        let kill = Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
+        assert!(kill.success());
+    }
     child.wait_with_output().unwrap()
 }
