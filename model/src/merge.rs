@@ -106,7 +106,7 @@ impl Adapter {
             self.unused.remove(&key).with_context(|| format!("{key} is missing from the adapter"))
         };
         let (a_name, b_name) = (take("lora_A.weight")?, take("lora_B.weight")?);
-        let magnitude = if self.spec.dora { Some(take(crate::peft::MAGNITUDE)?) } else { None };
+        let magnitude = if self.spec.dora { Some(take(crate::params::MAGNITUDE)?) } else { None };
         let module_spec = self.spec.module_spec(module)?;
         let r = module_spec.rank;
         let a = self.shard.read_f32(&a_name, &[r, inp])?;

@@ -7,6 +7,10 @@ use burn::tensor::Tensor;
 use crate::llama::{Attention, DecoderLayer, LlamaForCausalLM, Mlp};
 use crate::lora::{LoraAdapter, LoraLinear};
 
+/// The name of DoRA's magnitude in a PEFT adapter file, after the module's
+/// (`...q_proj.lora_magnitude_vector`, `[out]`).
+pub const MAGNITUDE: &str = "lora_magnitude_vector";
+
 impl LlamaForCausalLM {
     /// Every adapter with its PEFT module path, in forward order
     /// (`base_model.model.model.layers.0.self_attn.q_proj`, ...).
@@ -74,7 +78,7 @@ impl LlamaForCausalLM {
                     out.push((format!("{name}.lora_A.weight"), ParamMut::Matrix(&mut a.a)));
                     out.push((format!("{name}.lora_B.weight"), ParamMut::Matrix(&mut a.b)));
                     if let Some(m) = a.magnitude.as_mut() {
-                        out.push((format!("{name}.{}", crate::peft::MAGNITUDE), ParamMut::Vector(m)));
+                        out.push((format!("{name}.{}", MAGNITUDE), ParamMut::Vector(m)));
                     }
                 }
             }

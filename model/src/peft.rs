@@ -7,6 +7,7 @@
 //! implement it. A key PEFT may add later is refused unless it holds PEFT's "unset" (null, false,
 //! empty), so a newer adapter is never evaluated differently from PEFT without a word.
 
+use crate::params::MAGNITUDE;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
@@ -414,10 +415,6 @@ pub fn save_peft_adapter(
     write_atomic(&dir.join("adapter_model.safetensors"), &safetensors_bytes(&tensors)?)?;
     write_atomic(&dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
 }
-
-/// The name of DoRA's magnitude in a PEFT adapter file, after the module's
-/// (`...q_proj.lora_magnitude_vector`, `[out]`).
-pub const MAGNITUDE: &str = "lora_magnitude_vector";
 
 /// A PEFT adapter file's tensors by PEFT name without the adapter name
 /// (`...q_proj.lora_A.weight`, `...q_proj.lora_magnitude_vector`), mapped to their stored names

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use burn::backend::libtorch::TchTensor;
 use tch::Kind;
 
-use crate::precision::{Nf4Scales, StoredWeight};
+use crate::precision::weights::{Nf4Scales, StoredWeight};
 
 /// The collective sharded weights are gathered with (the trainer's c10d process group).
 pub trait WeightGather: Send + Sync {
@@ -215,6 +215,41 @@ impl WeightShard {
             slot => {
                 panic!("a sharded weight {:?} was used outside its block's gather ({slot:?}; llora bug)", self.dims)
             }
+        }
+    }
+}
+
+/// Where a layer's frozen weight lives when not in its Burn parameter.
+#[derive(Debug, Clone)]
+pub enum FrozenWeight {
+    /// The whole weight on this rank.
+    Whole(StoredWeight),
+    /// This rank's slice; gathered around the block's forward and backward.
+    Sharded(Arc<WeightShard>),
+}
+
+impl FrozenWeight {
+    /// The whole weight (for a sharded one: while gathered).
+    pub fn whole(&self) -> StoredWeight {
+        match self {
+            Self::Whole(w) => w.clone(),
+            Self::Sharded(s) => s.whole(),
+        }
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Self::Whole(w) => w.dims(),
+            Self::Sharded(s) => s.dims(),
+        }
+    }
+
+    /// Bytes this rank holds (outside a gather).
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Whole(w) => w.bytes(),
+            Self::Sharded(s) => s.local_bytes(),
         }
     }
 }

@@ -67,8 +67,9 @@ pub enum Kept {
     Cpu,
     /// Memory-efficient attention: its dropout RNG state (unused with dropout 0, but required).
     Efficient { seed: MaybeTensor, offset: MaybeTensor },
-    /// Flash attention over the sequences of packed rows (`varlen.rs`).
-    Varlen(super::varlen::VarlenKept),
+    /// A kernel that runs its own backward (the variable-length flash attention of packed
+    /// rows, `varlen.rs`): this file dispatches to it without depending on it.
+    Own(std::sync::Arc<dyn OwnBackward>),
     /// Flash attention or cuDNN SDPA.
     Sdpa {
         /// Which of the two.
@@ -98,6 +99,23 @@ impl Kept {
     }
 }
 
+/// The backward of a kernel whose state is its own ([`Kept::Own`]).
+pub trait OwnBackward: std::fmt::Debug + Send + Sync {
+    /// (dq, dk, dv), dk and dv at K/V's head count.
+    ///
+    /// # Shapes
+    /// - grad, out: as q, `[batch, heads, seq, head_dim]`; k, v: `[batch, kv_heads, seq,
+    ///   head_dim]`; lse as the forward returned it
+    fn backward(
+        &self,
+        grad: &tch::Tensor,
+        qkv: [&tch::Tensor; 3],
+        out: &tch::Tensor,
+        lse: &tch::Tensor,
+        causal: bool,
+    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError>;
+}
+
 /// What the fused forward keeps for its backward: O(S) per head, never the probabilities.
 #[derive(Debug, Clone)]
 pub struct Saved {
@@ -112,13 +130,9 @@ pub struct Saved {
 /// The kernels forwards ran with in this process (bench JSON names them).
 static USED: Mutex<BTreeSet<FusedKernel>> = Mutex::new(BTreeSet::new());
 
-/// The fused kernels attention has run with so far in this process.
+/// The fused kernels of this file that attention has run with so far in this process.
 pub fn kernels_used() -> Vec<&'static str> {
-    let mut used: Vec<_> = USED.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|k| k.name()).collect();
-    if super::varlen::used() {
-        used.push("cuda-flash-varlen");
-    }
-    used
+    USED.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|k| k.name()).collect()
 }
 
 /// Repeats each KV head `group` times (a copy: for kernels that take equal head counts).
@@ -252,7 +266,7 @@ pub fn backward(
             )?;
             Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
         }
-        Kept::Varlen(kept) => kept.backward(&grad, [q, k, v], out, lse, causal),
+        Kept::Own(kept) => kept.backward(&grad, [q, k, v], out, lse, causal),
         Kept::Efficient { seed, offset } => {
             let group = q.size()[1] / k.size()[1];
             let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));

@@ -23,7 +23,7 @@ mod cuda;
 mod fused;
 mod varlen;
 
-pub use fused::{FusedKernel, kernels_used, verify};
+pub use fused::{FusedKernel, verify};
 pub use varlen::{VarlenSpans, verify as verify_varlen};
 
 use std::sync::Arc;
@@ -39,6 +39,15 @@ use burn::tensor::Tensor;
 use burn::tensor::ops::AttentionModuleOptions;
 
 use crate::packing::PackedRows;
+
+/// The fused kernels attention has run with so far in this process (bench JSON names them).
+pub fn kernels_used() -> Vec<&'static str> {
+    let mut used = fused::kernels_used();
+    if varlen::used() {
+        used.push("cuda-flash-varlen");
+    }
+    used
+}
 
 /// The attention problem `q` poses with `kv_heads` K/V heads, on a device that takes the CUDA
 /// routes (a CUDA one, or the CPU standing in for it; else `None`).

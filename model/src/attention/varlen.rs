@@ -19,7 +19,7 @@ use burn::backend::libtorch::TchTensor;
 
 use super::choice::Problem;
 use super::cuda;
-use super::fused::{Kept, MaybeTensor, Saved, check_against_reference};
+use super::fused::{FusedKernel, Kept, MaybeTensor, OwnBackward, Saved, check_against_reference};
 use crate::packing::PackedRows;
 
 /// The sequences of a packed batch laid end to end, as a variable-length kernel takes them.
@@ -112,15 +112,15 @@ pub fn forward(
         offset: MaybeTensor::keep(f.philox_offset),
     };
     let out = heads_first(&f.out, batch)?;
-    Ok(Saved { out: TchTensor::new(out), lse: TchTensor::new(f.logsumexp), kept: Kept::Varlen(kept) })
+    Ok(Saved { out: TchTensor::new(out), lse: TchTensor::new(f.logsumexp), kept: Kept::Own(Arc::new(kept)) })
 }
 
-impl VarlenKept {
+impl OwnBackward for VarlenKept {
     /// The backward of [`forward`]: (dq, dk, dv), dk and dv at K/V's head count.
     ///
     /// # Shapes
     /// - grad, out: as q in [`forward`]; lse as the forward returned it
-    pub fn backward(
+    fn backward(
         &self,
         grad: &tch::Tensor,
         [q, k, v]: [&tch::Tensor; 3],
@@ -197,7 +197,7 @@ fn stand_in_forward(
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for seq in sequences(spans)? {
         let [q, k, v] = [q, k, v].map(|x| one_sequence(x, seq));
-        let saved = super::fused::forward_with(super::FusedKernel::CpuFlash, &q?, &k?, &v?, causal)?;
+        let saved = super::fused::forward_with(FusedKernel::CpuFlash, &q?, &k?, &v?, causal)?;
         outs.push(saved.out.tensor);
         lses.push(saved.lse.tensor);
     }
@@ -266,7 +266,7 @@ pub fn verify(device: tch::Device, kind: tch::Kind, heads: i64, kv_heads: i64, h
     check_packed(device, kind, [heads, kv_heads, head_dim], |[q, k, v, w], packed| {
         let spans = Arc::new(VarlenSpans::new(packed, device).map_err(|e| format!("offsets: {e}"))?);
         let saved = forward(q, k, v, &spans, true).map_err(|e| format!("forward: {e}"))?;
-        let Kept::Varlen(kept) = &saved.kept else { unreachable!("the varlen forward keeps its own state") };
+        let Kept::Own(kept) = &saved.kept else { unreachable!("the varlen forward keeps its own state") };
         let (dq, dk, dv) = kept
             .backward(w, [q, k, v], &saved.out.tensor, &saved.lse.tensor, true)
             .map_err(|e| format!("backward: {e}"))?;

@@ -93,8 +93,8 @@ fn composite_backward(
     [want_dx, want_dw]: [bool; 2],
 ) -> Result<(Option<tch::Tensor>, Option<tch::Tensor>), tch::TchError> {
     Ok((
-        want_dx.then(|| super::composite_dx(dy, x, rstd, w)),
-        want_dw.then(|| super::composite_dw(dy, x, rstd, x.kind())),
+        want_dx.then(|| super::composite::dx(dy, x, rstd, w)),
+        want_dw.then(|| super::composite::dw(dy, x, rstd, x.kind())),
     ))
 }
 

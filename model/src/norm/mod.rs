@@ -5,6 +5,7 @@
 //! per token per norm instead of 32-48. On CUDA the node's forward and backward are LibTorch's
 //! fused kernels (`cuda.rs`, one kernel each way); elsewhere a handful of LibTorch ops.
 
+mod composite;
 mod cuda;
 
 pub use cuda::{used as fused_kernels_used, verify as verify_fused_kernels};
@@ -69,24 +70,6 @@ pub trait FusedRmsNormBackend: Backend {
     fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
 }
 
-/// `1 / √(mean(x²) + ε)` per row, in f32.
-///
-/// # Shapes
-/// - x: `[.., d]` (any float dtype); output: `[.., 1]`, f32
-fn inv_rms(x: &tch::Tensor, eps: f64) -> tch::Tensor {
-    let x = x.to_kind(tch::Kind::Float);
-    (x.square().mean_dim(-1, true, tch::Kind::Float) + eps).rsqrt()
-}
-
-/// The norm's output from x and its `inv_rms`: normalised in f32, cast to x's dtype, then
-/// times the gain cast to x's dtype (HF's order).
-///
-/// # Shapes
-/// - x: `[.., d]`; r: `[.., 1]` f32; w: `[d]`; output: as x, in x's dtype
-fn normalised(x: &tch::Tensor, r: &tch::Tensor) -> tch::Tensor {
-    (x.to_kind(tch::Kind::Float) * r).to_kind(x.kind())
-}
-
 /// The norm's output and `inv_rms` (f32, `[.., 1]`), and whether the fused CUDA kernel made them.
 ///
 /// # Shapes
@@ -99,8 +82,8 @@ fn norm_forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64) -> (tch::Tensor, tch
             Err(e) => tracing::warn!("fused RMSNorm forward failed, using the composite: {e}"),
         }
     }
-    let r = inv_rms(x, eps);
-    (normalised(x, &r) * w, r, false)
+    let r = composite::inv_rms(x, eps);
+    (composite::normalised(x, &r) * w, r, false)
 }
 
 impl FusedRmsNormBackend for LibTorch {
@@ -145,31 +128,6 @@ fn fused_backward(
     }
 }
 
-/// The gain's gradient as LibTorch ops: Σ over rows of dy · n (in f32), with n the normalised
-/// input as the forward rounded it, in `kind`.
-///
-/// # Shapes
-/// - dy, x: `[.., d]`; r: `[.., 1]` f32; output: `[d]`
-fn composite_dw(dy: &tch::Tensor, x: &tch::Tensor, r: &tch::Tensor, kind: tch::Kind) -> tch::Tensor {
-    let d = *x.size().last().expect("a norm input has a last dimension");
-    (dy.to_kind(tch::Kind::Float) * normalised(x, r).to_kind(tch::Kind::Float))
-        .reshape([-1, d])
-        .sum_dim_intlist([0i64].as_slice(), false, tch::Kind::Float)
-        .to_kind(kind)
-}
-
-/// The input's gradient as LibTorch ops: dn = dy · w in the activations' dtype (the forward's
-/// product), then in f32 `dx = r · (dn − n · mean(dn · n))`, n = x · r; in x's dtype.
-///
-/// # Shapes
-/// - dy, x: `[.., d]`; r: `[.., 1]` f32; w: `[d]`; output: as x
-fn composite_dx(dy: &tch::Tensor, x: &tch::Tensor, r: &tch::Tensor, w: &tch::Tensor) -> tch::Tensor {
-    let dn = (dy * w.to_kind(dy.kind())).to_kind(tch::Kind::Float);
-    let n = x.to_kind(tch::Kind::Float) * r;
-    let proj = (&dn * &n).mean_dim(-1, true, tch::Kind::Float);
-    ((dn - n * proj) * r).to_kind(x.kind())
-}
-
 impl Backward<LibTorch, 2> for RmsNormBackward {
     type State = RmsNormState;
 
@@ -180,11 +138,11 @@ impl Backward<LibTorch, 2> for RmsNormBackward {
         let RmsNormState { x, w, r, .. } = ops.state;
         let (x, w, r) = (&x.tensor, &w.tensor, &r.tensor);
         if let Some(node) = node_w {
-            let dw = fused_dw.map(|dw| dw.to_kind(w.kind())).unwrap_or_else(|| composite_dw(&dy, x, r, w.kind()));
+            let dw = fused_dw.map(|dw| dw.to_kind(w.kind())).unwrap_or_else(|| composite::dw(&dy, x, r, w.kind()));
             grads.register::<LibTorch>(node.id, TchTensor::new(dw));
         }
         if let Some(node) = node_x {
-            let dx = fused_dx.unwrap_or_else(|| composite_dx(&dy, x, r, w));
+            let dx = fused_dx.unwrap_or_else(|| composite::dx(&dy, x, r, w));
             grads.register::<LibTorch>(node.id, TchTensor::new(dx));
         }
     }

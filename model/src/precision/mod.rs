@@ -51,10 +51,11 @@ pub mod blocked;
 pub mod nf4;
 pub mod scaled_mm;
 mod spec;
-mod weights;
+pub(crate) mod weights;
 
+pub use crate::shard::FrozenWeight;
 pub use spec::{Compute, Nf4Spec, PrecisionSpec, Storage};
-pub use weights::{FrozenWeight, Nf4Scales, StoredWeight};
+pub use weights::{Nf4Scales, StoredWeight};
 
 /// Bytes of activations the ops in this module saved for backward since the last
 /// [`take_saved_bytes`]; benchmarks read it to compare storage formats.

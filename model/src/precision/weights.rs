@@ -1,13 +1,10 @@
-//! Frozen base weights held outside Burn's parameters: in bf16, as FP8 codes + scale, in NF4,
-//! or as this rank's shard of them.
-
-use std::sync::Arc;
+//! Frozen base weights held outside Burn's parameters: in bf16, as FP8 codes + scale, or in NF4
+//! (`shard.rs` holds a rank's shard of one, and `FrozenWeight`, the whole or the shard).
 
 use burn::backend::libtorch::TchTensor;
 use tch::Kind;
 
 use crate::fp8::dequantize_tch;
-use crate::shard::WeightShard;
 
 /// A frozen weight held outside Burn's parameter: in reduced precision, or (sharded) in f32.
 #[derive(Debug, Clone)]
@@ -177,40 +174,5 @@ impl StoredWeight {
         };
         let s = t.size();
         [s[0] as usize, s[1] as usize]
-    }
-}
-
-/// Where a layer's frozen weight lives when not in its Burn parameter.
-#[derive(Debug, Clone)]
-pub enum FrozenWeight {
-    /// The whole weight on this rank.
-    Whole(StoredWeight),
-    /// This rank's slice; gathered around the block's forward and backward.
-    Sharded(Arc<WeightShard>),
-}
-
-impl FrozenWeight {
-    /// The whole weight (for a sharded one: while gathered).
-    pub fn whole(&self) -> StoredWeight {
-        match self {
-            Self::Whole(w) => w.clone(),
-            Self::Sharded(s) => s.whole(),
-        }
-    }
-
-    /// `[out, in]`.
-    pub fn dims(&self) -> [usize; 2] {
-        match self {
-            Self::Whole(w) => w.dims(),
-            Self::Sharded(s) => s.dims(),
-        }
-    }
-
-    /// Bytes this rank holds (outside a gather).
-    pub fn bytes(&self) -> usize {
-        match self {
-            Self::Whole(w) => w.bytes(),
-            Self::Sharded(s) => s.local_bytes(),
-        }
     }
 }

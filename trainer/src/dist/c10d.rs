@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{Backend, Collective, DistError, PendingBytes, ReduceOp, World};
+use super::collective::{Backend, Collective, DistError, InFlight, PendingBytes, ReduceOp, plain_c10d_message};
+use super::world::World;
 
 unsafe extern "C" {
     fn llora_c10d_new(
@@ -97,6 +98,12 @@ impl Work {
         // SAFETY: a live work handle; `self` is consumed, so waited once, then freed by Drop.
         let ok = unsafe { llora_c10d_work_wait(self.ptr, &mut err) };
         check(ok, err)
+    }
+}
+
+impl InFlight for Work {
+    fn wait(self: Box<Self>) -> Result<(), String> {
+        Work::wait(*self)
     }
 }
 
@@ -271,7 +278,7 @@ impl ProcessGroup {
     }
 
     fn fail(&self, op: &'static str, message: String) -> DistError {
-        let message = super::plain_c10d_message(&message);
+        let message = plain_c10d_message(&message);
         DistError::Collective { op, rank: self.world.rank, world: self.world.size, lost: self.lost_ranks(), message }
     }
 
@@ -414,7 +421,7 @@ impl Collective for ProcessGroup {
         if ptr.is_null() {
             return Err(self.fail("all_gather", check(0, err).unwrap_err()));
         }
-        Ok(PendingBytes { out, work: Some(Work { ptr, _group: self.handle.clone() }) })
+        Ok(PendingBytes { out, work: Some(Box::new(Work { ptr, _group: self.handle.clone() })) })
     }
 
     fn wait_all_gather_bytes(&self, pending: PendingBytes) -> Result<tch::Tensor, DistError> {
