@@ -3,6 +3,11 @@
 # formatting and clippy, then builds and runs every test of the workspace. Extra arguments go
 # to `cargo test`.
 #
+#   ./scripts/test.sh            # everything (what CI runs)
+#   ./scripts/test.sh --quick    # the unit tier: each crate's own tests and the house rules
+#                                #   (tests/house.rs), no end-to-end runs (well under 3 minutes
+#                                #   on 2 cores once built)
+#
 # Tests run in the release profile: the tiny-model training tests are ~10x slower unoptimised,
 # and the demo uses the same profile, so one build of the dependencies serves both.
 set -euo pipefail
@@ -14,8 +19,17 @@ if [[ "${CI:-}" == "true" && -z "${CARGO_TARGET_DIR:-}" ]]; then
   export CARGO_TARGET_DIR="$HOME/.cache/llora/target"
 fi
 
+QUICK=0
+if [[ ${1:-} == --quick ]]; then
+  QUICK=1
+  shift
+fi
 ./scripts/setup.sh --parity
 # The habits every Rust project has: formatted (rustfmt.toml) and clippy-clean, or the suite fails.
 cargo fmt --all --check || { echo "test.sh: run 'cargo fmt --all' (the tree is not formatted)" >&2; exit 1; }
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
-cargo test --release --workspace "$@"
+if ((QUICK)); then
+  cargo test --release --workspace --lib --test house "$@"
+else
+  cargo test --release --workspace "$@"
+fi

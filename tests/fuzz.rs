@@ -27,6 +27,24 @@ fn runner(cases: u32) -> Runner {
     }
 }
 
+/// Counts the cases a property accepted: a positive control, so that a parser that refused
+/// everything (and so never reached the assertions under `Ok`) fails the test.
+#[derive(Default)]
+struct Accepted(std::sync::atomic::AtomicUsize);
+
+impl Accepted {
+    fn one(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Fails unless at least one case reached `Ok`.
+    fn assert_some(&self, what: &str) {
+        let n = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(n > 0, "{what}: no case was accepted, so the properties under Ok never ran");
+        eprintln!("{what}: {n} cases accepted");
+    }
+}
+
 /// Values a hostile user types: numbers at and past every edge, non-numbers, paths, lists.
 fn hostile_value() -> impl Strategy<Value = String> {
     prop_oneof![
@@ -73,11 +91,15 @@ fn config_keys() -> Vec<String> {
 fn config_overrides() {
     let keys = config_keys();
     let defaults: toml::Table = toml::from_str(&Config::load(None, &[]).unwrap().to_toml()).unwrap();
+    // Positive control: a plain valid override is accepted.
+    assert!(Config::load(None, &["optim.lr=1e-4".parse::<Override>().unwrap()]).is_ok());
+    let accepted = Accepted::default();
     proptest!(runner(400), |(key in prop::sample::select(keys.clone()), value in hostile_value(), garbage in prop::bool::weighted(0.05))| {
         let key = if garbage { format!("{key}.x") } else { key };
         let Ok(o) = format!("{key}={value}").parse::<Override>() else { return Ok(()) };
         let parsed = Config::load(None, &[o]);
         if let Ok(c) = &parsed {
+            accepted.one();
             let again = Config::parse("shown", &c.to_toml(), &[]);
             prop_assert!(again.as_ref().is_ok_and(|a| a == c), "{key}={value}: shown config does not parse back: {again:?}");
             let default = key.split('.').try_fold(toml::Value::Table(defaults.clone()), |v, k| v.get(k).cloned());
@@ -85,6 +107,7 @@ fn config_overrides() {
             prop_assert!(!(was_count && value.starts_with('-') && value.parse::<i64>().is_ok()), "{key}={value} accepted");
         }
     });
+    accepted.assert_some("config overrides");
 }
 
 /// A valid `config.json` of a small Llama.
@@ -118,15 +141,19 @@ fn hostile_json() -> impl Strategy<Value = serde_json::Value> {
 fn hf_config_json() {
     let fields: Vec<String> =
         hf_config().as_object().unwrap().keys().cloned().chain(["rope_scaling".into(), "head_dim".into()]).collect();
+    assert!(LlamaConfig::from_hf_json(&hf_config().to_string()).is_ok(), "the unmutated config.json");
+    let accepted = Accepted::default();
     proptest!(runner(300), |(field in prop::sample::select(fields), value in hostile_json(), remove in prop::bool::weighted(0.2))| {
         let mut json = hf_config();
         let obj = json.as_object_mut().unwrap();
         if remove { obj.remove(&field); } else { obj.insert(field.clone(), value.clone()); }
         if let Ok(c) = LlamaConfig::from_hf_json(&json.to_string()) {
+            accepted.one();
             prop_assert!(c.check().is_ok(), "{field} = {value}: accepted an inconsistent model {c:?}");
             prop_assert!(c.num_attention_heads > 0 && c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0);
         }
     });
+    accepted.assert_some("config.json");
 }
 
 /// Bytes of a valid file with one of the mutations a damaged download shows.
@@ -177,13 +204,18 @@ fn safetensors_files() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("config.json"), LlamaConfig::demo().to_hf_json()).unwrap();
     let file = dir.path().join("model.safetensors");
+    std::fs::write(&file, &valid).unwrap();
+    assert!(read_safetensors_f32(&file).is_ok() && HfCheckpoint::open(dir.path()).is_ok(), "the unmutated file");
+    let accepted = Accepted::default();
     proptest!(runner(300), |(bytes in mutated(valid.clone()))| {
         std::fs::write(&file, &bytes).unwrap();
         let _ = read_safetensors_f32(&file);
         if let Ok(ckpt) = HfCheckpoint::open(dir.path()) {
+            accepted.one();
             let _ = ckpt.read("model.norm.weight", &[2]);
         }
     });
+    accepted.assert_some("safetensors");
 }
 
 /// `model.safetensors.index.json` naming any file, inside or outside the directory: never a
@@ -237,15 +269,20 @@ fn parquet_files() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("t.parquet");
     let opts = ReadOptions { vocab: 16, max_seq_len: 8, on_bad_row: OnBadRow::Error };
+    std::fs::write(&file, &valid).unwrap();
+    assert_eq!(read_parquet(&file, &opts).map(|(r, _)| r.len()).ok(), Some(6), "the unmutated file");
+    let accepted = Accepted::default();
     proptest!(runner(300), |(bytes in mutated(valid.clone()))| {
         std::fs::write(&file, &bytes).unwrap();
         if let Ok((read, _)) = read_parquet(&file, &opts) {
+            accepted.one();
             for s in &read {
                 prop_assert!(s.input_ids.len() <= 8 && s.input_ids.len() == s.labels.len());
                 prop_assert!(s.input_ids.iter().all(|&t| (t as usize) < 16));
             }
         }
     });
+    accepted.assert_some("parquet");
 }
 
 /// `adapter_config.json` with one field replaced or removed: never a panic; an accepted one has
@@ -259,15 +296,20 @@ fn adapter_config_json() {
     });
     let fields: Vec<String> = valid.as_object().unwrap().keys().cloned().collect();
     let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("adapter_config.json"), valid.to_string()).unwrap();
+    assert!(read_peft_config(dir.path()).is_ok(), "the unmutated adapter_config.json");
+    let accepted = Accepted::default();
     proptest!(runner(300), |(field in prop::sample::select(fields), value in hostile_json(), remove in prop::bool::weighted(0.2))| {
         let mut json = valid.clone();
         let obj = json.as_object_mut().unwrap();
         if remove { obj.remove(&field); } else { obj.insert(field.clone(), value.clone()); }
         std::fs::write(dir.path().join("adapter_config.json"), json.to_string()).unwrap();
         if let Ok(spec) = read_peft_config(dir.path()).map(|c| c.spec) {
+            accepted.one();
             prop_assert!(spec.rank >= 1 && spec.alpha.is_finite() && !spec.targets.is_empty(), "{field} = {value}: {spec:?}");
         }
     });
+    accepted.assert_some("adapter_config.json");
 }
 
 /// Runs the binary with `args` and a deadline: it must end by itself, with llora's error exit
