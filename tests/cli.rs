@@ -745,3 +745,39 @@ fn fails_naming_with(code: i32, args: &[&str], needles: &[&str]) {
         assert!(stderr.contains(n), "{args:?}: stderr lacks {n:?}:\n{stderr}");
     }
 }
+
+/// A reader that goes away (`llora plan ... | head -1`, `llora train ... | true`) ends the
+/// output, not the command: no panic, the command's own exit status, and a run still writes
+/// its result log to the end and its adapter.
+#[test]
+fn a_closed_stdout_ends_the_output_not_the_command() {
+    let closed = |dir: &std::path::Path, args: &[&str]| {
+        let mut child = common::llora_command(dir, args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // the reader is gone before the first line
+        child.wait_with_output().unwrap()
+    };
+    for args in
+        [&["config", "show", "configs/llama2-70b-mlperf.toml"][..], &["plan", "configs/tiny-cpu.toml", "--json"]]
+    {
+        let out = closed(&common::root(), args);
+        let (_, stderr) = text(&out);
+        assert!(out.status.success() && !stderr.contains("panicked"), "{args:?}: {:?} {stderr}", out.status);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let mut args = common::short_run_args(&config, &run);
+    args.extend(["--set".into(), "schedule.max_steps=4".into()]);
+    let out = closed(&common::root(), &common::strs(&args));
+    let (_, stderr) = text(&out);
+    // Its own verdict: the short run cannot reach its target, exit 1 saying so.
+    assert!(out.status.code() == Some(1) && stderr.contains("did not reach"), "{:?} {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let log = common::mllog(&run.join("result_0.txt"));
+    assert!(log.iter().any(|e| e["key"] == "run_stop"), "the result log ends: {log:?}");
+    assert!(run.join("adapter/adapter_model.safetensors").is_file());
+}

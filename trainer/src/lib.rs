@@ -8,6 +8,7 @@ pub mod dist;
 pub mod engine;
 pub mod flops;
 pub mod mlperf;
+pub mod output;
 pub mod paths;
 pub mod plan;
 pub mod plot;

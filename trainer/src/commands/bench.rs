@@ -568,7 +568,7 @@ pub fn command(args: &BenchArgs) -> anyhow::Result<()> {
         record["tag"] = tag.clone().into();
     }
     let line = record.to_string();
-    println!("{line}");
+    crate::outln!("{line}");
     if let Some(out) = &args.out {
         use std::io::Write;
         let mut f = std::fs::OpenOptions::new()

@@ -5,6 +5,6 @@ use crate::config::Config;
 /// Prints the resolved config.
 pub fn show(args: &crate::cli::ConfigArgs) -> anyhow::Result<()> {
     let config = Config::load(args.config.as_deref(), &args.overrides)?;
-    print!("{}", config.to_toml());
+    crate::out!("{}", config.to_toml());
     Ok(())
 }

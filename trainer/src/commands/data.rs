@@ -95,7 +95,10 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         let json = tok.to_string(true).map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))?;
         write_atomic(&out.join("tokenizer.json"), json.as_bytes())
     })?;
-    println!("{}", json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab}));
+    crate::outln!(
+        "{}",
+        json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab})
+    );
     Ok(())
 }
 
@@ -119,7 +122,7 @@ fn synth_chat(a: &SynthArgs, synth: &Synth) -> anyhow::Result<()> {
         write_atomic(&out.join("tokenizer.json"), json.as_bytes())?;
         write_atomic(&out.join("tokenizer_config.json"), serde_json::to_string_pretty(&tokenizer_config())?.as_bytes())
     })?;
-    println!(
+    crate::outln!(
         "{}",
         json!({"out": a.out.display().to_string(), "train": a.train, "eval": a.eval, "vocab": a.vocab,
                "model_vocab": a.vocab + SPECIAL_TOKENS, "format": "chat"})
@@ -159,7 +162,7 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
         a.out.display()
     );
     write_atomic(&a.out, &parquet_bytes(&samples)?)?;
-    println!(
+    crate::outln!(
         "{}",
         json!({"rows": rows, "written": samples.len(), "dropped_too_long": dropped, "bad_rows": bad,
                "out": a.out.display().to_string(), "peak_rss_mb": crate::engine::observe::peak_rss_mb()})
@@ -221,7 +224,7 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
         lens.push(s.input_ids.len());
         targets.push(s.target_tokens());
     })?;
-    println!("{}: {} rows, {} valid, {} bad", a.file.display(), report.rows, lens.len(), report.skipped);
+    crate::outln!("{}: {} rows, {} valid, {} bad", a.file.display(), report.rows, lens.len(), report.skipped);
     anyhow::ensure!(report.rows > 0, "{}: the file has no rows", a.file.display());
     let buckets = 8;
     let width = a.max_seq_len.div_ceil(buckets).max(1);
@@ -229,12 +232,12 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
     for &l in &lens {
         hist[((l.saturating_sub(1)) / width).min(buckets - 1)] += 1;
     }
-    println!("length histogram (tokens):");
+    crate::outln!("length histogram (tokens):");
     for (i, n) in hist.iter().enumerate() {
-        println!("  {:>6}..{:<6} {n:>8}", i * width + 1, ((i + 1) * width).min(a.max_seq_len));
+        crate::outln!("  {:>6}..{:<6} {n:>8}", i * width + 1, ((i + 1) * width).min(a.max_seq_len));
     }
     let total: usize = targets.iter().sum();
-    println!(
+    crate::outln!(
         "target tokens: total {total}, per row min {} mean {:.1} max {}",
         targets.iter().min().unwrap_or(&0),
         total as f64 / targets.len().max(1) as f64,
@@ -245,7 +248,7 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
     let packed = llora_data::packing::stats(&lens, packing);
     let tokens: usize = lens.iter().sum();
     let padded_efficiency = tokens as f64 / (lens.len().max(1) * a.max_seq_len) as f64;
-    println!(
+    crate::outln!(
         "rows of {} tokens: padded {} ({:.1}% tokens, the rest padding), packed {} ({:.1}% tokens; window {})",
         a.max_seq_len,
         lens.len(),
@@ -255,9 +258,9 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
         packing.window
     );
     for p in &report.problems {
-        println!("bad {p}");
+        crate::outln!("bad {p}");
     }
-    println!(
+    crate::outln!(
         "{}",
         json!({"rows": report.rows, "valid": lens.len(), "bad": report.skipped, "target_tokens": total, "histogram": hist,
             "tokens": tokens, "padded_rows": lens.len(), "padded_efficiency": padded_efficiency,
@@ -306,8 +309,8 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
     let to_tensor = |c: llora_data::batch::Collated| {
         Tensor::<2, Int>::from_data(TensorData::new(c.input_ids, [c.batch, c.seq]), &device)
     };
-    println!("read {} train + {} eval rows in {read_s:.2} s", train.len(), eval.len());
-    println!("{:<22} {:>8} {:>12} {:>14}", "stream", "workers", "seq/s", "tokens/s");
+    crate::outln!("read {} train + {} eval rows in {read_s:.2} s", train.len(), eval.len());
+    crate::outln!("{:<22} {:>8} {:>12} {:>14}", "stream", "workers", "seq/s", "tokens/s");
     for &w in &a.workers {
         let order = SampleOrder::new(train.len(), 1, true, Position::default())?;
         let t = Instant::now();
@@ -326,7 +329,7 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
             batch.micro_batches.into_iter().for_each(|m| drop(to_tensor(m)));
         }
         let s = t.elapsed().as_secs_f64();
-        println!("{:<22} {w:>8} {:>12.0} {:>14.0}", "train batches", seqs as f64 / s, tokens as f64 / s);
+        crate::outln!("{:<22} {w:>8} {:>12.0} {:>14.0}", "train batches", seqs as f64 / s, tokens as f64 / s);
     }
     for &w in &a.eval_workers {
         let t = Instant::now();
@@ -334,7 +337,7 @@ fn bench(a: &DataBenchArgs) -> anyhow::Result<()> {
         let rows = Arc::new(llora_data::batch::eval_rows(&eval, None));
         eval_batches(eval.clone(), rows, 1, (0, 1), (Padding::Longest, false), w).for_each(|m| drop(to_tensor(m)));
         let s = t.elapsed().as_secs_f64();
-        println!(
+        crate::outln!(
             "{:<22} {w:>8} {:>12.0} {:>14.0}   one pass {s:.3} s",
             "eval pass",
             eval.len() as f64 / s,
@@ -440,10 +443,12 @@ fn bench_tokenizer(a: &crate::cli::TokenizerBenchArgs) -> anyhow::Result<()> {
     let s = t.elapsed().as_secs_f64();
     let tokens: usize = out.samples.iter().map(|x| x.input_ids.len()).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("generated {} reports ({:.0} MB of text) in {gen_s:.1} s", a.docs, bytes as f64 / 1e6);
-    println!("| tokenizer | reports | words/report | tokens | threads | seconds | documents/s | tokens/s | MB/s |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    println!(
+    crate::outln!("generated {} reports ({:.0} MB of text) in {gen_s:.1} s", a.docs, bytes as f64 / 1e6);
+    crate::outln!(
+        "| tokenizer | reports | words/report | tokens | threads | seconds | documents/s | tokens/s | MB/s |"
+    );
+    crate::outln!("|---|---|---|---|---|---|---|---|---|");
+    crate::outln!(
         "| {} | {} | {} + {} | {tokens} | {threads} | {s:.1} | {:.0} | {:.0} | {:.1} |",
         a.tokenizer.display(),
         a.docs,

@@ -70,7 +70,7 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         };
         anyhow::bail!("the eval loss is {per_token}: {culprit}");
     }
-    println!(
+    crate::outln!(
         "{}",
         json!({"loss_per_token": per_token, "loss_per_sample": per_sample, "target_tokens": tokens, "samples": samples.len(), "skipped_rows": report.skipped})
     );

@@ -33,7 +33,7 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
     let done = done.expect("written");
     info!(modules = done.merged_modules, rank = spec.rank, alpha = spec.alpha, out = %args.out.display(),
         bytes = done.bytes, "merged checkpoint written, tensor by tensor");
-    println!(
+    crate::outln!(
         "{}",
         json!({"out": args.out.display().to_string(), "merged_modules": done.merged_modules, "tensors": done.tensors,
                "bytes": done.bytes, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,

@@ -85,7 +85,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
             // Decoded whole each time: a character may span several tokens.
             let text = tokenizer.decode(&out_ids, true).unwrap_or_default();
             if let Some(tail) = text.strip_prefix(shown.as_str()) {
-                print!("{tail}");
+                crate::out!("{tail}");
                 let _ = std::io::stdout().flush();
                 shown = text;
             }
@@ -96,13 +96,13 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let decode_tps = (new.len().saturating_sub(1)) as f64 / (total - prefill).max(1e-9);
     let text = tokenizer.decode(&new, true).map_err(|e| anyhow::anyhow!("decoding: {e}"))?;
     if a.json {
-        println!(
+        crate::outln!(
             "{}",
             json!({"prompt_ids": ids, "new_tokens": new.len(), "ids": new, "text": text,
                 "prefill_s": prefill, "decode_tokens_per_s": decode_tps})
         );
     } else {
-        println!();
+        crate::outln!();
         tracing::info!(
             prompt_tokens = ids.len(),
             new_tokens = new.len(),

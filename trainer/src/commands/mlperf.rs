@@ -16,19 +16,19 @@ pub fn run(command: &MlperfCommand) -> anyhow::Result<()> {
     match command {
         MlperfCommand::Score { dir } => {
             let score = score_dir(dir)?;
-            print!("{}", score.table());
-            println!("{}", score.json());
+            crate::out!("{}", score.table());
+            crate::outln!("{}", score.json());
             Ok(())
         }
         MlperfCommand::Check { log, ruleset } => {
             let verdict = crate::compliance::check(log, ruleset)?;
-            print!("{}", verdict.output);
+            crate::out!("{}", verdict.output);
             ensure!(
                 verdict.passed,
                 "{}: the MLPerf compliance checker (training ruleset {ruleset}) rejected this log",
                 log.display()
             );
-            println!("PASS: {} (training ruleset {ruleset})", log.display());
+            crate::outln!("PASS: {} (training ruleset {ruleset})", log.display());
             Ok(())
         }
         MlperfCommand::Run(args) => {
@@ -38,8 +38,8 @@ pub fn run(command: &MlperfCommand) -> anyhow::Result<()> {
             let score = run_many(&config, &name, args.runs as usize, &args.out, &dist)?;
             dist.shutdown()?;
             if let Some(score) = score {
-                print!("{}", score.table());
-                println!("{}", score.json());
+                crate::out!("{}", score.table());
+                crate::outln!("{}", score.json());
             }
             Ok(())
         }

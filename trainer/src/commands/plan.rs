@@ -22,9 +22,9 @@ pub fn run(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
     );
     let shape = shape_of(&config, world)?;
     if args.json {
-        println!("{}", to_json(&shape, args.device_memory));
+        crate::outln!("{}", to_json(&shape, args.device_memory));
     } else {
-        print!("{}", report(&shape, args.device_memory));
+        crate::out!("{}", report(&shape, args.device_memory));
     }
     match args.device_memory {
         Some(device) if budget(&shape).peak > device => {

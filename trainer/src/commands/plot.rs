@@ -27,7 +27,7 @@ pub fn run(args: &crate::cli::PlotArgs) -> anyhow::Result<()> {
     for (label, dir) in runs {
         let curve = read_metrics(&dir.join("metrics.jsonl"), &label)?;
         let reached = curve.eval.iter().find(|(_, l)| *l <= args.target).map(|(s, _)| *s);
-        println!(
+        crate::outln!(
             "{}",
             serde_json::json!({"run": label, "dir": dir.display().to_string(), "samples_to_target": reached, "evals": curve.eval.len()})
         );

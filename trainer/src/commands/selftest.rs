@@ -246,7 +246,7 @@ pub fn command(args: SelftestArgs) -> anyhow::Result<()> {
     let record = run(&args)?;
     // Under a launcher only rank 0 prints.
     if std::env::var("RANK").map_or(true, |r| r == "0") {
-        println!("{record}");
+        crate::outln!("{record}");
     }
     anyhow::ensure!(record["ok"] == true, "self-test failed: {}", record["failed"]);
     Ok(())

@@ -76,7 +76,7 @@ impl MlLogger {
             tracing::error!("cannot write the MLPerf result log");
         }
         if self.echo {
-            println!("{text}");
+            crate::outln!("{text}");
         }
     }
 

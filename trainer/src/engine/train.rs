@@ -650,7 +650,7 @@ impl<'a> Trainer<'a> {
         }
         info!(status = status.name(), samples, time_to_train_s = format!("{ttt:.1}"), result_log = %self.result_log.display(),
             saved = %saved.display(), plot = %plot.display(), "run finished");
-        println!(
+        crate::outln!(
             "status: {}  samples: {samples}  eval_loss: {}  time_to_train: {:.1} s ({:.2} min){}  run.dir: {}",
             status.name(),
             last_eval.map_or("n/a".into(), |l| format!("{l:.4}")),
