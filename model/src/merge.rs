@@ -227,6 +227,9 @@ fn write_shard(
             for (row, u) in &updates {
                 u.apply(&mut w[row * cols..(row * cols + u.delta.len())]);
             }
+            if !updates.is_empty() {
+                check_merged(name, &w, cols, to)?;
+            }
             merged += usize::from(!updates.is_empty());
             write(&encode(&w, to))?;
         }
@@ -234,6 +237,24 @@ fn write_shard(
     }
     w.flush().with_context(|| format!("cannot write {}", path.display()))?;
     Ok((merged, names.len(), (8 + json.len() + offset) as u64))
+}
+
+/// Refuses a merged weight that is not finite in the dtype it is written in (an adapter holding
+/// NaN or infinity, or an update past f16's range), naming the tensor and the first place.
+fn check_merged(name: &str, w: &[f32], cols: usize, to: Dtype) -> anyhow::Result<()> {
+    let limit = if to == Dtype::F16 { 65504.0 } else { f32::MAX };
+    let bad = |v: &f32| !v.is_finite() || v.abs() > limit;
+    let Some(first) = w.iter().position(bad) else { return Ok(()) };
+    let count = w.iter().filter(|v| bad(v)).count();
+    anyhow::bail!(
+        "tensor {name}: the merged weight holds {count} value(s) that are not finite in {} (the first at row {}, \
+         column {}, {}): the adapter's update for this module holds NaN or infinity{}; nothing was written",
+        torch_name(to),
+        first / cols.max(1),
+        first % cols.max(1),
+        w[first],
+        if to == Dtype::F16 { " or overflows f16 (try --dtype bf16)" } else { "" }
+    )
 }
 
 /// Writes `ckpt` with the PEFT adapter in `adapter_dir` folded in, into the existing empty
@@ -415,5 +436,29 @@ mod tests {
         std::fs::create_dir(&out3).unwrap();
         let err = format!("{:#}", export_merged(&ckpt, &other, &out3, None).unwrap_err());
         assert!(err.contains("layers.99") && err.contains("matches no module of the base model"), "{err}");
+
+        // An adapter holding a NaN (a diverged run): the merged weight is refused, named.
+        let nan = dir.path().join("nan");
+        std::fs::create_dir(&nan).unwrap();
+        std::fs::copy(adapter.join("adapter_config.json"), nan.join("adapter_config.json")).unwrap();
+        let poisoned: Vec<(String, Vec<usize>, Vec<u8>)> = peft
+            .iter()
+            .map(|(n, (_, s, b))| {
+                let mut b = b.clone();
+                if n.contains("layers.1.mlp.down_proj.lora_B") {
+                    b[4 * 5..4 * 6].copy_from_slice(&f32::NAN.to_le_bytes());
+                }
+                (n.clone(), s.clone(), b)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = poisoned
+            .iter()
+            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
+            .collect();
+        std::fs::write(nan.join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        let out4 = dir.path().join("merged4");
+        std::fs::create_dir(&out4).unwrap();
+        let err = format!("{:#}", export_merged(&ckpt, &nan, &out4, None).unwrap_err());
+        assert!(err.contains("tensor model.layers.1.mlp.down_proj.weight") && err.contains("not finite"), "{err}");
     }
 }
