@@ -247,7 +247,8 @@ if [[ ${TESTS:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 && -d ${TEST_BINS
     say "CUDA tests of $name"
     "$bin" --ignored --list 2>/dev/null </dev/null | sed -n 's/: test$//p' >"$work/tests-$name.list" || true
     while read -r t; do
-      limited "test $name $t" "$L_TEST" "$work/tests.log" "$bin" --ignored --exact "$t" --test-threads=1 >>"$work/tests.out"
+      # stdout too: the test harness prints a failed test's output there.
+      limited "test $name $t" "$L_TEST" "$work/tests.log" "$bin" --ignored --exact "$t" --test-threads=1 >>"$work/tests.log"
       status=passed
       ((rc == 124 || rc == 137)) && status=hung
       ((rc != 0 && rc != 124 && rc != 137)) && status=failed
