@@ -781,3 +781,19 @@ fn a_closed_stdout_ends_the_output_not_the_command() {
     assert!(log.iter().any(|e| e["key"] == "run_stop"), "the result log ends: {log:?}");
     assert!(run.join("adapter/adapter_model.safetensors").is_file());
 }
+
+/// Sizes that multiply past 2^64 are refused naming each factor, never wrapped around into a
+/// small world: 2 × (2^63 + 2) is 4 modulo 2^64, which divides the global batch of 8.
+#[test]
+fn a_huge_world_is_refused_not_wrapped() {
+    let huge = (1u64 << 63) + 2;
+    let out =
+        llora(&["plan", "configs/tiny-cpu.toml", "--world", &huge.to_string(), "--set", "train.micro_batch_size=2"]);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success() && stdout.is_empty(), "{stdout}");
+    assert!(
+        stderr.contains("train.micro_batch_size = 2 × --world = 9223372036854775810 multiply past 2^64"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

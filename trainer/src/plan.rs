@@ -580,8 +580,23 @@ pub fn to_json(s: &Shape, device_bytes: Option<f64>) -> Value {
     out
 }
 
+/// The product of sizes, or an error naming each factor when it does not fit a `usize` (a huge
+/// world or batch must be refused, not wrapped around into a small one).
+pub fn checked_product(factors: &[(&str, usize)]) -> anyhow::Result<usize> {
+    factors.iter().try_fold(1usize, |acc, &(_, n)| acc.checked_mul(n)).ok_or_else(|| {
+        let named: Vec<String> = factors.iter().map(|(what, n)| format!("{what} = {n}")).collect();
+        anyhow::anyhow!("{} multiply past 2^64: lower one of them", named.join(" × "))
+    })
+}
+
 /// The run a config describes, on `world` ranks.
 pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<Shape> {
+    // Every size the budget multiplies together, checked once here.
+    checked_product(&[
+        ("train.micro_batch_size", config.train.micro_batch_size),
+        ("data.max_seq_len", config.data.max_seq_len),
+        ("ranks", world),
+    ])?;
     let model = match (&config.model.path, &config.model.preset) {
         (Some(path), _) if path.join("config.json").exists() => {
             llora_model::checkpoint::HfCheckpoint::open(path)

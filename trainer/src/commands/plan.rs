@@ -14,11 +14,11 @@ pub fn run(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
     let world = args.world.or(env_world).unwrap_or(1);
     anyhow::ensure!(world >= 1, "--world must be at least 1");
     let (gbs, micro) = (config.train.global_batch_size, config.train.micro_batch_size);
+    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", micro), ("--world", world)])?;
     anyhow::ensure!(
-        gbs.is_multiple_of(micro * world),
-        "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × ranks = {micro} × {world} = {}: \
-         training would refuse this world size",
-        micro * world
+        gbs.is_multiple_of(per_step),
+        "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × ranks = {micro} × {world} = \
+         {per_step}: training would refuse this world size"
     );
     let shape = shape_of(&config, world)?;
     if args.json {

@@ -318,13 +318,14 @@ impl<'a> Trainer<'a> {
             rank: world.rank,
             world: world.size,
         };
+        let per_step =
+            crate::plan::checked_product(&[("train.micro_batch_size", geometry.micro), ("ranks", geometry.world)])?;
         anyhow::ensure!(
-            geometry.global.is_multiple_of(geometry.micro * geometry.world),
-            "train.global_batch_size = {} must be a multiple of train.micro_batch_size × ranks = {} × {} = {}",
+            geometry.global.is_multiple_of(per_step),
+            "train.global_batch_size = {} must be a multiple of train.micro_batch_size × ranks = {} × {} = {per_step}",
             geometry.global,
             geometry.micro,
             geometry.world,
-            geometry.micro * geometry.world
         );
 
         let run_dir = &config.run.dir;
