@@ -797,3 +797,42 @@ fn a_huge_world_is_refused_not_wrapped() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Values that would be accepted and ignored are refused, each naming its flag or key: NF4
+/// settings without NF4 (flags and config keys), `eval --pack-window` without `--pack`,
+/// `data inspect --pack-window 0`; and an NF4 base of other blocks can be benched (evaluated,
+/// generated) on its own blocks with `--quant-block-size`.
+#[test]
+fn settings_that_would_be_ignored_are_refused() {
+    let eval = ["eval", "--model", "runs/absent", "--data", "absent.parquet"];
+    fails_naming(&[&eval[..], &["--pack-window", "4"]].concat(), &["--pack-window", "only applies with --pack"]);
+    fails_naming(&[&eval[..], &["--quant-block-size", "128"]].concat(), &["--quant-block-size", "--quantize nf4"]);
+    fails_naming(&["bench", "--preset", "tiny", "--double-quant", "false"], &["--double-quant", "--quantize nf4"]);
+    fails_naming(
+        &["config", "show", "--set", "model.quant_block_size=128"],
+        &["model.quant_block_size", "model.quantize"],
+    );
+    fails_naming(&["config", "show", "--set", "model.double_quant=false"], &["model.double_quant", "model.quantize"]);
+    fails_naming(&["data", "inspect", "absent.parquet", "--pack-window", "0"], &["--pack-window 0", "at least 1"]);
+    let out = llora(&[
+        "bench",
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "16",
+        "--threads",
+        "1",
+        "--warmup",
+        "0",
+        "--steps",
+        "1",
+        "--quantize",
+        "nf4",
+        "--quant-block-size",
+        "128",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(r["nf4"]["block"], 128, "{r}");
+}

@@ -134,9 +134,9 @@ pub struct EvalArgs {
     /// (`data.packing`); the loss is each sample's own, as unpacked.
     #[arg(long)]
     pub pack: bool,
-    /// Samples packed together with `--pack` (`data.pack_window`).
-    #[arg(long, default_value_t = llora_data::packing::DEFAULT_WINDOW)]
-    pub pack_window: usize,
+    /// Samples packed together with `--pack` (`data.pack_window`; its default unless set).
+    #[arg(long)]
+    pub pack_window: Option<usize>,
     /// `cpu`, `cuda:N` or `flex`.
     #[arg(long, default_value = "cpu")]
     pub device: llora_model::device::DeviceSpec,
@@ -611,15 +611,32 @@ pub struct QuantizeArgs {
     /// tensor at a time as they load and dequantised for each GEMM (fp32 or bf16 compute).
     #[arg(long, default_value = "none", value_enum)]
     pub quantize: crate::config::Quantize,
-    /// With `--quantize nf4`: quantise the block scales too (QLoRA's double quantisation).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub double_quant: bool,
+    /// With `--quantize nf4`: quantise the block scales too (QLoRA's double quantisation;
+    /// `true` unless set).
+    #[arg(long, action = clap::ArgAction::Set)]
+    pub double_quant: Option<bool>,
+    /// With `--quantize nf4`: values per block scale, as the run's `model.quant_block_size` (64,
+    /// QLoRA's and bitsandbytes', unless set): a base quantised with other blocks is another base.
+    #[arg(long)]
+    pub quant_block_size: Option<usize>,
 }
 
 impl QuantizeArgs {
-    /// The NF4 storage asked for, if any (blocks of 64, QLoRA's).
-    pub fn nf4(&self) -> Option<llora_model::precision::Nf4Spec> {
-        (self.quantize == crate::config::Quantize::Nf4)
-            .then_some(llora_model::precision::Nf4Spec { double: self.double_quant, ..Default::default() })
+    /// The NF4 storage asked for, if any; `--double-quant` and `--quant-block-size` without
+    /// `--quantize nf4` are refused (they would be ignored).
+    pub fn nf4(&self) -> anyhow::Result<Option<llora_model::precision::Nf4Spec>> {
+        if self.quantize != crate::config::Quantize::Nf4 {
+            anyhow::ensure!(
+                self.double_quant.is_none() && self.quant_block_size.is_none(),
+                "--double-quant and --quant-block-size only apply with --quantize nf4 (without it the base is \
+                 not quantised): add --quantize nf4 or drop them"
+            );
+            return Ok(None);
+        }
+        let d = llora_model::precision::Nf4Spec::default();
+        Ok(Some(llora_model::precision::Nf4Spec {
+            block: self.quant_block_size.unwrap_or(d.block),
+            double: self.double_quant.unwrap_or(d.double),
+        }))
     }
 }

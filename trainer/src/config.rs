@@ -198,6 +198,13 @@ impl ModelConfig {
                 &format!("must be one of {}", quoted(MODEL_PRESETS)),
             );
         }
+        let nf4 = llora_model::precision::Nf4Spec::default();
+        if m.quantize != Quantize::Nf4 {
+            let only =
+                "only applies with model.quantize = \"nf4\" (the base is not quantised): set it, or drop this key";
+            p.check(m.quant_block_size == nf4.block, "model.quant_block_size", &m.quant_block_size, only);
+            p.check(m.double_quant == nf4.double, "model.double_quant", &m.double_quant, only);
+        }
         if let Some(pt) = &m.pretrain {
             p.check(
                 m.path.is_some() && m.preset.is_some(),

@@ -154,7 +154,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
         &args.fp8_weights_one_layout,
         "needs --fp8-weights",
     );
-    if let Err(e) = precision_spec(args).validate_nf4() {
+    if let Err(e) = precision_spec(args)?.validate_nf4() {
         p.check(false, "--quantize", &args.quantize.quantize, &e);
     }
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
@@ -162,7 +162,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// The precision `--precision`, `--fp8-activations`, `--fp8-weights` (`--fp8-weights-one-layout`)
 /// and `--quantize` ask for.
-fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
+fn precision_spec(args: &BenchArgs) -> anyhow::Result<llora_model::precision::PrecisionSpec> {
     let spec = crate::config::PrecisionConfig {
         compute: args.precision,
         fp8_activations: args.fp8_activations,
@@ -171,7 +171,7 @@ fn precision_spec(args: &BenchArgs) -> llora_model::precision::PrecisionSpec {
         ..Default::default()
     }
     .spec();
-    llora_model::precision::PrecisionSpec { nf4: args.quantize.nf4(), ..spec }
+    Ok(llora_model::precision::PrecisionSpec { nf4: args.quantize.nf4()?, ..spec })
 }
 
 /// The largest [`llora_model::device::heap_bytes`] (in use, and allocator-resident) seen by a
@@ -270,7 +270,7 @@ fn load(args: &BenchArgs, spec: DeviceSpec, dir: &std::path::Path) -> anyhow::Re
     let baseline = rss_mb().unwrap_or(0.0);
     let t = Instant::now();
     let ckpt = llora_model::checkpoint::HfCheckpoint::open(dir)?;
-    let precision = precision_spec(args);
+    let precision = precision_spec(args)?;
     let model = ckpt.load_model(&BuildOptions { precision: Some(precision), ..Default::default() }, &device)?;
     let load_s = t.elapsed().as_secs_f64();
     let mb = |bytes: usize| bytes as f64 / (1 << 20) as f64;
@@ -366,7 +366,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         dora: args.dora,
         ..LoraSpec::default()
     };
-    let precision = precision_spec(args);
+    let precision = precision_spec(args)?;
     let plan = crate::plan::budget(&crate::plan::Shape {
         model: config.clone(),
         lora: spec.clone(),
@@ -543,7 +543,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
         "peak_heap_resident_mb": (heap_resident_peak * 10.0).round() / 10.0,
         "dora": args.dora,
-        "nf4": args.quantize.nf4().map(|n| json!({"block": n.block, "double": n.double})),
+        "nf4": precision.nf4.map(|n| json!({"block": n.block, "double": n.double})),
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "final_loss": (loss * 1e5).round() / 1e5,

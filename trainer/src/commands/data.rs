@@ -218,6 +218,11 @@ fn instruction_samples(
 
 /// Rows, lengths, target tokens and every bad row of a file; fails if any row is bad.
 fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.pack_window >= 1,
+        "--pack-window {}: must be at least 1 (samples packed together)",
+        a.pack_window
+    );
     let opts = ReadOptions { vocab: a.vocab, max_seq_len: a.max_seq_len, on_bad_row: OnBadRow::Skip };
     let (mut lens, mut targets) = (Vec::new(), Vec::new());
     let report = for_each_row(&a.file, &opts, |s| {
@@ -244,7 +249,7 @@ fn inspect(a: &InspectArgs) -> anyhow::Result<()> {
         targets.iter().max().unwrap_or(&0)
     );
     // Rows of max_seq_len tokens: one sample each (padded) or packed (`data.packing`).
-    let packing = llora_data::packing::Packing { seq_len: a.max_seq_len, window: a.pack_window.max(1) };
+    let packing = llora_data::packing::Packing { seq_len: a.max_seq_len, window: a.pack_window };
     let packed = llora_data::packing::stats(&lens, packing);
     let tokens: usize = lens.iter().sum();
     let padded_efficiency = tokens as f64 / (lens.len().max(1) * a.max_seq_len) as f64;

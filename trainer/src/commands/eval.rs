@@ -16,7 +16,7 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     let spec = llora_model::precision::PrecisionSpec {
         compute: args.precision,
         fp8_weights: args.fp8_weights,
-        nf4: args.quantize.nf4(),
+        nf4: args.quantize.nf4()?,
         ..Default::default()
     };
     spec.validate_nf4().map_err(|e| anyhow::anyhow!("--quantize nf4: {e}"))?;
@@ -30,7 +30,9 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     crate::config::check_threads(&mut p, "--threads", args.threads);
     crate::config::check_workers(&mut p, "--workers", args.workers);
     p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");
-    p.check(args.pack_window >= 1, "--pack-window", &args.pack_window, "must be at least 1");
+    let pack_window = args.pack_window.unwrap_or(llora_data::packing::DEFAULT_WINDOW);
+    p.check(pack_window >= 1, "--pack-window", &pack_window, "must be at least 1");
+    p.check(args.pack || args.pack_window.is_none(), "--pack-window", &pack_window, "only applies with --pack");
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
     let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
@@ -57,9 +59,7 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         batch_size: args.batch_size,
         workers: args.workers,
         padding: llora_data::batch::Padding::Longest,
-        packing: args
-            .pack
-            .then_some(llora_data::packing::Packing { seq_len: args.max_seq_len, window: args.pack_window }),
+        packing: args.pack.then_some(llora_data::packing::Packing { seq_len: args.max_seq_len, window: pack_window }),
     };
     let loss = evaluate(&model, &samples, how, &device, &crate::dist::SingleProcess)?;
     let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
