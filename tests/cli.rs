@@ -836,3 +836,30 @@ fn settings_that_would_be_ignored_are_refused() {
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["nf4"]["block"], 128, "{r}");
 }
+
+/// A `rank_pattern` / `alpha_pattern` key that matches no adapted module (a typo, another case,
+/// a module not targeted) is refused naming the key, not ignored and written to
+/// adapter_config.json; so is a rank above a module's smaller dimension (the random base is
+/// d 128).
+#[test]
+fn pattern_keys_that_set_nothing_and_oversized_ranks_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
+    for (set, needles) in [
+        ("lora.rank_pattern={\"v_prj\"=4}", &["rank_pattern key \"v_prj\" matches no adapted module"][..]),
+        ("lora.alpha_pattern={\"Q_PROJ\"=8.0}", &["alpha_pattern key \"Q_PROJ\" matches no adapted module"]),
+        ("lora.rank_pattern={\"gate_proj\"=4}", &["\"gate_proj\" matches no adapted module"]),
+        ("lora.rank=100000", &["lora rank 100000", "above its smaller dimension"]),
+    ] {
+        let run = dir.path().join(format!("run-{}", set.len()));
+        let mut args = common::short_run_args(&config, &run);
+        args.extend(["--set".into(), set.into(), "--set".into(), "lora.targets=[\"q_proj\",\"v_proj\"]".into()]);
+        let out = common::llora_in(&common::root(), &common::strs(&args));
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{set}: {stderr}");
+        for n in needles {
+            assert!(stderr.contains(n), "{set}: {stderr}");
+        }
+        assert!(!run.join("adapter").exists(), "{set}: an adapter was written");
+    }
+}

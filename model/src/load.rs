@@ -61,6 +61,8 @@ impl LlamaForCausalLM {
         let stores = precision.as_ref().filter(|p| {
             !trainable && (p.stores_frozen_weights() || sharding.is_some()) && tch_device(device).is_some()
         });
+        // The modules that got adapters, for the pattern keys' check after the layers.
+        let adapted = std::cell::RefCell::new(Vec::<String>::new());
         let linear = |weights: &mut WeightSource<'_>,
                       name: &str,
                       short: &str,
@@ -79,8 +81,11 @@ impl LlamaForCausalLM {
                 None => (LoraLinear::new(weights.get(&name, [out, inp])?, trainable), None),
             };
             if let Some(spec) = lora.filter(|s| s.targets(short) && s.adapts(module)) {
+                let own = spec.module_spec(module)?;
+                own.check_rank_fits(module, [out, inp])?;
+                adapted.borrow_mut().push(module.to_string());
                 // Before sharding: DoRA's initial magnitude is the whole weight's row norms.
-                layer = layer.with_new_adapter(&spec.module_spec(module)?, device);
+                layer = layer.with_new_adapter(&own, device);
             }
             if let (Some((whole, spec)), Some(s)) = (whole, sharding) {
                 let adapter = layer.lora.take();
@@ -147,6 +152,9 @@ impl LlamaForCausalLM {
                 )?,
                 mlp,
             });
+        }
+        if let Some(spec) = lora {
+            spec.check_patterns_used(&adapted.borrow())?;
         }
         // A frozen table is cast to the activations' dtype as soon as it is read, and its f32
         // buffer returned to the kernel: otherwise the allocator keeps the two f32 tables'

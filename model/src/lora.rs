@@ -128,6 +128,41 @@ impl LoraSpec {
         })
     }
 
+    /// Refuses pattern keys that set nothing: a `rank_pattern` / `alpha_pattern` key that
+    /// matches none of `adapted` (the full names of the modules that got adapters) is a typo,
+    /// another case, or a module not targeted, and would otherwise be ignored and still written
+    /// to adapter_config.json.
+    pub fn check_patterns_used(&self, adapted: &[String]) -> anyhow::Result<()> {
+        use crate::patterns::value_for;
+        let keys = self.rank_pattern.iter().map(|(k, _)| ("rank_pattern", k));
+        for (what, key) in keys.chain(self.alpha_pattern.iter().map(|(k, _)| ("alpha_pattern", k))) {
+            let alone = [(key.clone(), ())];
+            let used = adapted.iter().any(|m| value_for(&alone, m).is_ok_and(|v| v.is_some()));
+            anyhow::ensure!(
+                used,
+                "lora.{what} key {key:?} matches no adapted module (targets {:?}{}; e.g. {:?}): a typo, another \
+                 case or an untargeted module; fix or remove it",
+                self.targets,
+                self.layers.as_ref().map_or(String::new(), |l| format!(", layers {l:?}")),
+                adapted.first().map_or("none", String::as_str)
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses a rank above a module's smaller dimension (`out × in`): the update `B·A` cannot
+    /// have a larger rank, and `r · (in + out)` values would be allocated for nothing.
+    pub fn check_rank_fits(&self, module: &str, [out, inp]: [usize; 2]) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.rank <= out.min(inp),
+            "lora rank {} for {module} ({out} × {inp}) is above its smaller dimension {}: lower lora.rank or its \
+             rank_pattern entry",
+            self.rank,
+            out.min(inp)
+        );
+        Ok(())
+    }
+
     /// Whether module `name` (full name) gets an adapter: its last part is a target and its
     /// layer is one of `layers` (when set).
     pub fn adapts(&self, name: &str) -> bool {
