@@ -390,7 +390,9 @@ if [[ $MODE == gpu ]]; then
   [[ $mem_mib =~ ^[0-9]+$ ]] && ((mem_mib >= 140000)) && whole_default=1
 fi
 if [[ ${WHOLE_70B:-$whole_default} == 1 ]]; then
-  wpreset=llama2-70b wseq=8192 wmem=${WHOLE_MEMORY:-$([[ $MODE == gpu ]] && echo "${mem_mib}MiB" || echo 8GiB)}
+  # The card's memory less 2 GiB for the CUDA context, cuBLAS and NCCL workspaces, which the
+  # plan does not count.
+  wpreset=llama2-70b wseq=8192 wmem=${WHOLE_MEMORY:-$([[ $MODE == gpu ]] && echo "$((mem_mib - 2048))MiB" || echo 8GiB)}
   say "the whole $wpreset at $wseq tokens on one device ($wmem)"
   limited "llora plan (the MLPerf config, one rank, $wmem)" 60 "$work/whole.log" "$LLORA" plan configs/llama2-70b-mlperf.toml \
     --world 1 --device-memory "$wmem" --json >"$work/whole-plan.json"
