@@ -1,0 +1,419 @@
+//! One linear layer in reduced precision: its state (spec, scales, the frozen weight when kept
+//! here), how a weight is stored, and the forward and backward GEMMs on LibTorch tensors that
+//! the autodiff node (`nodes.rs`) runs.
+
+use std::sync::{Arc, Mutex};
+
+use burn::backend::libtorch::TchTensor;
+use tch::Kind;
+
+use super::scaled_mm::{Fp8Operand, fp8_gemm};
+use super::scaling::{LinearScales, Role, scale_of};
+use super::spec::{Compute, PrecisionSpec};
+use super::weights::StoredWeight;
+use super::{bf16, nf4};
+use crate::fp8::{Fp8Format, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch};
+use crate::shard::FrozenWeight;
+
+/// The reduced-precision state of one linear layer, shared by the module and the autodiff
+/// nodes of its uses (which record amaxes into it).
+#[derive(Debug)]
+pub struct LinearQuant {
+    /// The precision it runs in.
+    pub spec: PrecisionSpec,
+    /// The delayed-scaling states.
+    pub scales: Mutex<LinearScales>,
+    /// Amaxes of this step still on the device (0-dim f32), per [`Role`]: delayed scaling needs
+    /// them only at the step's end, where the model reads all of them at once
+    /// (`LlamaForCausalLM::settle_fp8_amaxes`), not once per GEMM.
+    lazy: Mutex<[Vec<tch::Tensor>; 3]>,
+    /// The frozen weight, when it is kept here (reduced precision, or sharded) rather than in
+    /// the layer's parameter.
+    pub stored: Option<FrozenWeight>,
+}
+
+/// Elements converted at a time when storing a weight (16 MB of f32).
+const CONVERT_CHUNK: usize = 1 << 22;
+
+/// `max |x|` of host values, NaN if any is NaN (as [`amax_tch`]).
+fn host_amax(values: &[f32]) -> f32 {
+    let mut amax = 0.0f32;
+    for &x in values {
+        if x.is_nan() {
+            return f32::NAN;
+        }
+        amax = amax.max(x.abs());
+    }
+    amax
+}
+
+/// What a linear layer keeps of its input for the weight gradient.
+#[derive(Debug, Clone)]
+pub(super) enum SavedInput {
+    /// As it came (f32 or bf16 activations), to be quantised again in backward.
+    AsIs(TchTensor),
+    /// bf16.
+    Bf16(TchTensor),
+    /// E4M3 codes and the inverse scale (delayed scaling: known on the host).
+    Fp8(TchTensor, f32),
+    /// E4M3 codes and the inverse scale as a 0-dim tensor on the device (current scaling,
+    /// computed there: see [`crate::fp8::quantize_current_on_device`]).
+    Fp8Current(TchTensor, TchTensor),
+}
+
+impl SavedInput {
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            Self::AsIs(t) | Self::Bf16(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
+            Self::Fp8(t, _) | Self::Fp8Current(t, _) => t.tensor.numel() + 4,
+        }
+    }
+}
+
+impl LinearQuant {
+    /// A fresh state; `stored` is the frozen weight in reduced precision, if any.
+    pub fn new(spec: PrecisionSpec, stored: Option<FrozenWeight>) -> Self {
+        Self { spec, scales: Mutex::new(LinearScales::new()), lazy: Mutex::new(Default::default()), stored }
+    }
+
+    /// The scale to quantise `x` with as `role`, recording its amax in training. Once the
+    /// role has a scale (every use after its first), the amax stays on the device until
+    /// [`Self::take_lazy_amaxes`]: quantising waits for nothing. The first use, and evaluation
+    /// of a never-trained layer, read the amax now ([`scale_of`]).
+    fn scale_for(&self, role: Role, x: &tch::Tensor, train: bool) -> f32 {
+        let mut st = self.scales.lock().unwrap();
+        let state = st.get_mut(role);
+        if train && state.initialized && x.numel() > 0 {
+            let amax = crate::fp8::amax_on_device(x);
+            self.lazy.lock().unwrap()[role as usize].push(amax);
+            return state.scale;
+        }
+        scale_of(state, amax_tch(x), &self.spec.amax, train)
+    }
+
+    /// The amaxes recorded on the device since the last call, one 0-dim f32 tensor per role
+    /// that has any: the largest finite one, or −1 where none is finite (non-finite amaxes are
+    /// not recorded, as [`DelayedScaling::observe`] skips them).
+    pub fn take_lazy_amaxes(&self) -> Vec<(Role, tch::Tensor)> {
+        let mut lazy = self.lazy.lock().unwrap();
+        let mut out = Vec::new();
+        for role in Role::ALL {
+            let list = std::mem::take(&mut lazy[role as usize]);
+            if list.is_empty() {
+                continue;
+            }
+            let all = tch::Tensor::stack(&list, 0);
+            out.push((role, all.masked_fill(&all.isfinite().logical_not(), -1.0).max()));
+        }
+        out
+    }
+
+    /// Records an amax read back from [`Self::take_lazy_amaxes`] (negative: none finite).
+    pub fn record_amax(&self, role: Role, amax: f32) {
+        if amax >= 0.0 {
+            let _ = self.scales.lock().unwrap().get_mut(role).observe(amax, &self.spec.amax);
+        }
+    }
+
+    /// Stores a frozen `[out, in]` f32 weight, given as host values, as `spec` asks (bf16 for
+    /// bf16 compute, E4M3 with its exact amax for FP8 weights) on `device`; `None` when it
+    /// stays in f32. Rows are converted a few MB at a time, so the only full-size buffers are
+    /// `values` and the result (what loading a checkpoint can afford at 70B).
+    pub fn store_weight(
+        spec: &PrecisionSpec,
+        values: &[f32],
+        dims: [usize; 2],
+        device: tch::Device,
+    ) -> Option<StoredWeight> {
+        Self::store_weight_in_chunks(spec, values, dims, device, CONVERT_CHUNK)
+    }
+
+    /// [`Self::store_weight`] converting about `chunk` elements (whole rows) at a time.
+    pub(super) fn store_weight_in_chunks(
+        spec: &PrecisionSpec,
+        values: &[f32],
+        dims: [usize; 2],
+        device: tch::Device,
+        chunk: usize,
+    ) -> Option<StoredWeight> {
+        if let Some(nf4) = spec.nf4 {
+            let [out, inp] = dims;
+            assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
+            let q = nf4::Nf4::quantize(values, nf4.block, nf4.double);
+            return Some(StoredWeight::from_nf4(&q, dims, device));
+        }
+        let (kind, scale) = match spec.compute {
+            Compute::Bf16 => (Kind::BFloat16, 1.0),
+            Compute::Fp8 if spec.fp8_weights => {
+                let amax = host_amax(values);
+                let scale = crate::fp8::scale_for_amax(amax, Fp8Format::E4M3.max(), 0).unwrap_or(1.0);
+                (Fp8Format::E4M3.kind(), scale)
+            }
+            _ => return None,
+        };
+        let [out, inp] = dims;
+        assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
+        let stored = tch::Tensor::empty([out as i64, inp as i64], (kind, device));
+        let rows = (chunk / inp.max(1)).max(1);
+        for r0 in (0..out).step_by(rows) {
+            let n = rows.min(out - r0);
+            let src = tch::Tensor::from_slice(&values[r0 * inp..(r0 + n) * inp])
+                .reshape([n as i64, inp as i64])
+                .to_device(device);
+            let converted = match kind {
+                Kind::BFloat16 => src.to_kind(Kind::BFloat16),
+                _ => quantize_tch(&src, scale, Fp8Format::E4M3),
+            };
+            stored.narrow(0, r0 as i64, n as i64).copy_(&converted);
+        }
+        Some(match kind {
+            Kind::BFloat16 => StoredWeight::Bf16(TchTensor::new(stored)),
+            _ => {
+                let keep = device.is_cuda() && !spec.fp8_weights_one_layout;
+                let transposed = keep.then(|| TchTensor::new(stored.tr().contiguous()));
+                StoredWeight::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
+            }
+        })
+    }
+
+    /// Ends a step: every amax recorded since the last update joins its history (amaxes still
+    /// on the device are read here; the model reads all of its layers' at once before).
+    pub fn update(&self) {
+        for (role, amax) in self.take_lazy_amaxes() {
+            self.record_amax(role, amax.double_value(&[]) as f32);
+        }
+        let mut s = self.scales.lock().unwrap();
+        let spec = self.spec.amax;
+        s.input.update(&spec);
+        s.weight.update(&spec);
+        s.grad.update(&spec);
+    }
+
+    /// `‖Wᵢ‖²` of each row of the weight as stored, accumulated in f32 (no f32 copy of a bf16
+    /// weight; FP8 codes are dequantised).
+    pub(super) fn weight_row_sq(&self, w: &tch::Tensor) -> tch::Tensor {
+        let _no_grad = tch::no_grad_guard();
+        let w = match self.stored.as_ref().map(FrozenWeight::whole) {
+            Some(StoredWeight::Bf16(t)) => t.tensor.shallow_clone(),
+            Some(stored) => stored.dequantize(),
+            None => w.shallow_clone(),
+        };
+        w.norm_scalaropt_dim_dtype(2.0, [1i64].as_slice(), false, Kind::Float).square()
+    }
+
+    /// `a·Wᵀ` in f32 with the weight as this layer's fp32/bf16 GEMM takes it (FP8 codes
+    /// dequantised to f32: an FP8 GEMM would quantise `a` with the activations' scale).
+    ///
+    /// # Shapes
+    /// - a: `[r, in]`; w: `[out, in]`; output: `[r, out]`
+    pub(super) fn times_weight_t(&self, a: &tch::Tensor, w: &tch::Tensor) -> tch::Tensor {
+        let _no_grad = tch::no_grad_guard();
+        self.gemm(a, &self.compute_weight(w).tr()).to_kind(Kind::Float)
+    }
+
+    /// The dtype of the GEMM operands of fp32 and bf16 compute.
+    fn operand_kind(&self) -> Kind {
+        if self.spec.compute == Compute::Bf16 { Kind::BFloat16 } else { Kind::Float }
+    }
+
+    /// The weight as an fp32 or bf16 GEMM uses it: f32, or bf16 (as stored, or an f32
+    /// parameter cast).
+    fn compute_weight(&self, w: &tch::Tensor) -> tch::Tensor {
+        match self.stored.as_ref().map(FrozenWeight::whole) {
+            Some(StoredWeight::Bf16(t)) if self.spec.compute == Compute::Bf16 => t.tensor.shallow_clone(),
+            Some(stored) => stored.dequantize_to(self.operand_kind()),
+            None => w.to_kind(self.operand_kind()),
+        }
+    }
+
+    /// `a · b` for fp32 and bf16 compute, in the operands' dtype: bf16 operands on torch's bf16
+    /// GEMM, or through f32 GEMMs where it has none ([`bf16`]).
+    fn gemm(&self, a: &tch::Tensor, b: &tch::Tensor) -> tch::Tensor {
+        let kind = self.operand_kind();
+        let a = a.to_kind(kind);
+        if bf16::operand_kind(kind, a.device()) != kind { bf16::mm_via_f32(&a, b, Kind::BFloat16) } else { a.matmul(b) }
+    }
+
+    /// The weight as FP8 GEMMs use it: the stored E4M3 codes, or the weight quantised with
+    /// `scale` (the forward's, in backward) or, without one, its delayed scale.
+    fn fp8_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> Fp8Weight {
+        let whole = self.stored.as_ref().map(FrozenWeight::whole);
+        let dequantized;
+        let w = match &whole {
+            Some(StoredWeight::Fp8 { codes, scale_inv, transposed }) => {
+                return Fp8Weight {
+                    codes: codes.tensor.shallow_clone(),
+                    transposed: transposed.as_ref().map(|t| t.tensor.shallow_clone()),
+                    scale_inv: *scale_inv,
+                    scale: 1.0,
+                };
+            }
+            // A sharded f32 (or bf16) weight is quantised as a parameter would be.
+            Some(StoredWeight::F32(t) | StoredWeight::Bf16(t)) => &t.tensor,
+            // Not reached: `PrecisionSpec::validate` refuses FP8 compute over NF4.
+            Some(nf4 @ StoredWeight::Nf4 { .. }) => {
+                dequantized = nf4.dequantize();
+                &dequantized
+            }
+            None => w,
+        };
+        let s = scale.unwrap_or_else(|| self.scale_for(Role::Weight, w, train));
+        Fp8Weight { codes: quantize_tch(w, s, Fp8Format::E4M3), transposed: None, scale_inv: 1.0 / s, scale: s }
+    }
+
+    /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
+    /// for the weight gradient. The output is in the activations' dtype.
+    pub(super) fn forward(&self, x_in: &TchTensor, w: &tch::Tensor, train: bool, keep_input: bool) -> LinearForward {
+        // Kept inputs are clones of `x_in` (sharing its storage count), never fresh wrappers:
+        // burn-tch writes in place into storage it believes unique.
+        let x = &x_in.tensor;
+        let size = x.size();
+        let d_in = *size.last().unwrap();
+        let x2 = x.reshape([-1, d_in]);
+        let fp8_store = self.spec.fp8_activations;
+        let (y, saved, w_scale) = match self.spec.compute {
+            Compute::Fp8 => {
+                let s = self.scale_for(Role::Input, &x2, train);
+                let q = quantize_tch(&x2, s, Fp8Format::E4M3);
+                let wq = self.fp8_weight(w, None, train);
+                // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
+                let y = fp8_gemm(
+                    Fp8Operand { codes: &q, scale_inv: 1.0 / s },
+                    Fp8Operand { codes: &wq.codes.tr(), scale_inv: wq.scale_inv },
+                    x.kind(),
+                    true,
+                );
+                let saved = keep_input.then(|| {
+                    if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::AsIs(x_in.clone()) }
+                });
+                (y, saved.map(|sv| (sv, s)), wq.scale)
+            }
+            compute => {
+                // bf16: the GEMM takes bf16 operands (a no-op cast for bf16 activations) and
+                // returns bf16, accumulating in f32 inside the kernel. fp32 on bf16 activations
+                // (an adapter of a bf16 layer) upcasts them, as PEFT does.
+                let saved = keep_input.then(|| {
+                    if fp8_store {
+                        let (q, scale_inv) = quantize_current_on_device(&x2, Fp8Format::E4M3);
+                        SavedInput::Fp8Current(TchTensor::new(q), TchTensor::new(scale_inv))
+                    } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
+                        // The activation itself: no copy.
+                        SavedInput::Bf16(x_in.clone())
+                    } else if compute == Compute::Bf16 {
+                        SavedInput::Bf16(TchTensor::new(x2.to_kind(Kind::BFloat16)))
+                    } else {
+                        SavedInput::AsIs(x_in.clone())
+                    }
+                });
+                // The GEMM gives its operands' dtype.
+                (self.gemm(&x2, &self.compute_weight(w).tr()), saved.map(|sv| (sv, 1.0)), 1.0)
+            }
+        };
+        let mut out_size = size.clone();
+        *out_size.last_mut().unwrap() = *y.size().last().unwrap();
+        LinearForward { y: y.reshape(&out_size), saved, w_scale }
+    }
+
+    /// The saved input as the weight-gradient GEMM uses it, `[N, in]`, in f32: weight
+    /// gradients are f32 GEMMs on the (bf16- or FP8-valued) operands, as PEFT computes its f32
+    /// adapters' gradients; one operand of an adapter's is rank-wide, so this costs little.
+    fn input_for_backward(&self, saved: &SavedInput, in_scale: f32) -> tch::Tensor {
+        match saved {
+            SavedInput::AsIs(x) => {
+                let x = x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]);
+                match self.spec.compute {
+                    Compute::Fp8 => dequantize_tch(&quantize_tch(&x, in_scale, Fp8Format::E4M3), 1.0 / in_scale),
+                    _ => x.to_kind(Kind::Float),
+                }
+            }
+            SavedInput::Bf16(x) => x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]).to_kind(Kind::Float),
+            SavedInput::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
+            SavedInput::Fp8Current(q, scale_inv) => dequantize_with(&q.tensor, &scale_inv.tensor),
+        }
+    }
+
+    /// Backward: `(dx, dW)` for the output gradient `g`, each only when asked (layer 0's
+    /// input needs no gradient, a frozen weight neither). dx is in the activations' dtype, dW
+    /// in the parameter's.
+    pub(super) fn backward(
+        &self,
+        g: &tch::Tensor,
+        w: &tch::Tensor,
+        st: &LinearState,
+        want_dx: bool,
+        want_dw: bool,
+    ) -> (Option<tch::Tensor>, Option<tch::Tensor>) {
+        let d_out = *g.size().last().unwrap();
+        let g2 = g.reshape([-1, d_out]);
+        let (dx, fp8_grad) = match self.spec.compute {
+            Compute::Fp32 | Compute::Bf16 => (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), None),
+            Compute::Fp8 => {
+                let s = self.scale_for(Role::Grad, &g2, true);
+                let q = quantize_tch(&g2, s, Fp8Format::E5M2);
+                // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
+                let dx = want_dx.then(|| {
+                    let wq = self.fp8_weight(w, Some(st.w_scale), true);
+                    let w_col = match &wq.transposed {
+                        Some(t) => t.tr(),
+                        None => wq.codes.tr().contiguous().tr(),
+                    };
+                    fp8_gemm(
+                        Fp8Operand { codes: &q, scale_inv: 1.0 / s },
+                        Fp8Operand { codes: &w_col, scale_inv: wq.scale_inv },
+                        st.x_kind,
+                        false,
+                    )
+                });
+                (dx, Some((q, s)))
+            }
+        };
+        let dx = dx.map(|dx| dx.reshape(&st.x_size).to_kind(st.x_kind));
+        let dw = match (&st.saved, want_dw) {
+            (Some((saved, in_scale)), true) => {
+                let x = self.input_for_backward(saved, *in_scale);
+                // The gradient as the weight-gradient GEMM sees it (under FP8 its quantised
+                // values), made only here: a frozen base weight's backward never makes an f32
+                // copy of its `[tokens, out]` gradient.
+                let gd = match &fp8_grad {
+                    Some((q, s)) => dequantize_tch(q, 1.0 / s),
+                    None => g2.to_kind(Kind::Float),
+                };
+                Some(gd.tr().matmul(&x).to_kind(w.kind()))
+            }
+            _ => None,
+        };
+        (dx, dw)
+    }
+}
+
+/// A weight as FP8 GEMMs take it.
+struct Fp8Weight {
+    /// E4M3 codes `[out, in]`, row-major.
+    codes: tch::Tensor,
+    /// The codes transposed and contiguous, when kept (see [`StoredWeight::Fp8`]).
+    transposed: Option<tch::Tensor>,
+    /// `1 / scale`.
+    scale_inv: f32,
+    /// The scale it was quantised with now (1 for stored codes: nothing to repeat).
+    scale: f32,
+}
+
+/// A forward's output and what its backward needs.
+pub(super) struct LinearForward {
+    pub(super) y: tch::Tensor,
+    pub(super) saved: Option<(SavedInput, f32)>,
+    pub(super) w_scale: f32,
+}
+
+/// State of a quantised linear node.
+#[derive(Debug, Clone)]
+pub(super) struct LinearState {
+    pub(super) quant: Arc<LinearQuant>,
+    /// The weight parameter (shares the model's storage; no copy).
+    pub(super) w: TchTensor,
+    /// The saved input and the scale it was quantised with (weight gradient only).
+    pub(super) saved: Option<(SavedInput, f32)>,
+    pub(super) w_scale: f32,
+    pub(super) x_size: Vec<i64>,
+    pub(super) x_kind: Kind,
+}

@@ -1,0 +1,241 @@
+//! The reduced-precision ops as autodiff nodes (a LibTorch backend extension): the quantised
+//! linear layer, DoRA's weight terms, and SwiGLU keeping its inputs in the storage asked for.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::libtorch::TchTensor;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, LibTorch, backend_extension};
+use burn::tensor::Tensor;
+use tch::Kind;
+
+use super::linear::{LinearQuant, LinearState};
+use super::spec::Storage;
+use crate::fp8::{Fp8Format, dequantize_with, quantize_current_on_device};
+
+/// Bytes of activations the ops in this module saved for backward since the last
+/// [`take_saved_bytes`]; benchmarks read it to compare storage formats.
+static SAVED_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// Returns the activation bytes saved for backward by this module's ops and resets the count.
+pub fn take_saved_bytes() -> usize {
+    SAVED_BYTES.swap(0, Ordering::Relaxed)
+}
+
+/// `x·Wᵀ` in the precision of `quant`, Burn-facing.
+///
+/// `train` records amaxes for delayed scaling (evaluation does not).
+///
+/// # Shapes
+/// - x: `[batch, seq, in]`
+/// - w: `[out, in]` (ignored, may be empty, when `quant` stores the weight)
+/// - output: `[batch, seq, out]`
+pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        quant.clone(),
+        train,
+    ))
+}
+
+/// The frozen weight's part of DoRA's row norms (`LoraLinear::dora_norm`), without autodiff:
+/// `‖Wᵢ‖²` per row and `A·Wᵀ`, both f32, from the weight as `quant` stores it.
+///
+/// # Shapes
+/// - a: `[r, in]`; w: `[out, in]` (ignored when `quant` stores the weight)
+/// - output: `[out]` and `[r, out]`
+pub fn weight_row_terms(a: Tensor<2>, w: Tensor<2>, quant: &Arc<LinearQuant>) -> (Tensor<1>, Tensor<2>) {
+    let w = w.detach();
+    let row_sq = <Dispatch as LowPrecisionBackend>::weight_row_sq(w.clone().into_dispatch(), quant.clone());
+    let aw =
+        <Dispatch as LowPrecisionBackend>::times_weight_t(a.detach().into_dispatch(), w.into_dispatch(), quant.clone());
+    (Tensor::from_dispatch(row_sq), Tensor::from_dispatch(aw))
+}
+
+/// `silu(gate) · up`, keeping gate and up for backward in `storage` (the only tensors its
+/// backward needs; Burn's composite keeps more, in f32).
+///
+/// # Shapes
+/// - gate, up: `[batch, seq, I]`
+/// - output: `[batch, seq, I]`
+pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::swiglu(gate.into_dispatch(), up.into_dispatch(), storage))
+}
+
+/// Backend extension: the reduced-precision ops.
+#[backend_extension(Autodiff, LibTorch)]
+pub trait LowPrecisionBackend: Backend {
+    /// See [`quant_linear`].
+    fn quant_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        quant: Arc<LinearQuant>,
+        train: bool,
+    ) -> FloatTensor<Self>;
+    /// See [`swiglu`].
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self>;
+    /// `‖Wᵢ‖²` per row, f32, untracked (see [`weight_row_terms`]).
+    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    /// `a·Wᵀ`, f32, untracked (see [`weight_row_terms`]).
+    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+}
+
+impl LowPrecisionBackend for LibTorch {
+    fn quant_linear(x: TchTensor, w: TchTensor, quant: Arc<LinearQuant>, train: bool) -> TchTensor {
+        TchTensor::new(quant.forward(&x, &w.tensor, train, false).y)
+    }
+
+    fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage) -> TchTensor {
+        TchTensor::new(gate.tensor.silu() * &up.tensor)
+    }
+
+    fn weight_row_sq(w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
+        TchTensor::new(quant.weight_row_sq(&w.tensor))
+    }
+
+    fn times_weight_t(a: TchTensor, w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
+        TchTensor::new(quant.times_weight_t(&a.tensor, &w.tensor))
+    }
+}
+
+#[derive(Debug)]
+struct QuantLinearBackward;
+
+impl Backward<LibTorch, 2> for QuantLinearBackward {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        let st = ops.state;
+        let (dx, dw) = st.quant.backward(&grad.tensor, &st.w.tensor, &st, node_x.is_some(), node_w.is_some());
+        if let (Some(node), Some(dx)) = (node_x, dx) {
+            grads.register::<LibTorch>(node.id, TchTensor::new(dx));
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<LibTorch>(node.id, TchTensor::new(dw));
+        }
+    }
+}
+
+/// What one tensor saved by SwiGLU became.
+#[derive(Debug, Clone)]
+enum Kept {
+    /// As computed, or cast to bf16.
+    Plain(TchTensor),
+    /// E4M3 codes and the inverse scale (current scaling, a 0-dim tensor on the device).
+    Fp8(TchTensor, TchTensor),
+}
+
+impl Kept {
+    fn keep(x: TchTensor, storage: Storage) -> Self {
+        match storage {
+            Storage::F32 => Self::Plain(x),
+            Storage::Bf16 => Self::Plain(TchTensor::new(x.tensor.to_kind(Kind::BFloat16))),
+            Storage::Fp8 => {
+                let (q, scale_inv) = quantize_current_on_device(&x.tensor, Fp8Format::E4M3);
+                Self::Fp8(TchTensor::new(q), TchTensor::new(scale_inv))
+            }
+        }
+    }
+
+    /// The tensor in `kind` (the activations' dtype).
+    fn get(&self, kind: Kind) -> tch::Tensor {
+        match self {
+            Self::Plain(t) => t.tensor.to_kind(kind),
+            Self::Fp8(q, scale_inv) => dequantize_with(&q.tensor, &scale_inv.tensor).to_kind(kind),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Plain(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
+            Self::Fp8(q, _) => q.tensor.numel() + 4,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<LibTorch, 2> for SwigluBackward {
+    type State = (Kept, Kept);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_gate, node_up] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        // Gradients in the activations' dtype, computed as torch's autograd does for
+        // `silu(gate) * up`: torch's `silu_backward` kernel (f32 math inside, one pass). At most
+        // three `[tokens, I]` tensors live at once besides the kept inputs (at 70B and 8192
+        // tokens each is 0.47 GB in bf16).
+        let kind = grad.tensor.kind();
+        let gate = ops.state.0.get(kind);
+        if let Some(node) = node_up {
+            grads.register::<LibTorch>(node.id, TchTensor::new(&grad.tensor * gate.silu()));
+        }
+        if let Some(node) = node_gate {
+            let grad_up = &grad.tensor * ops.state.1.get(kind);
+            grads.register::<LibTorch>(node.id, TchTensor::new(gate.silu_backward(&grad_up)));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
+    fn quant_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        quant: Arc<LinearQuant>,
+        train: bool,
+    ) -> FloatTensor<Self> {
+        use burn::backend::ops::FloatTensorOps;
+        let w_trainable = <Self as FloatTensorOps<Self>>::float_is_require_grad(&w);
+        let nodes = [x.node(), w.node()];
+        match QuantLinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (x, w) = (x.into_primitive(), w.into_primitive());
+                let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
+                let fwd = quant.forward(&x, &w.tensor, train, w_trainable);
+                if let Some((saved, _)) = &fwd.saved {
+                    SAVED_BYTES.fetch_add(saved.bytes(), Ordering::Relaxed);
+                }
+                let state = LinearState { quant, w, saved: fwd.saved, w_scale: fwd.w_scale, x_size, x_kind };
+                prep.finish(state, TchTensor::new(fwd.y))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (x, w) = (x.into_primitive(), w.into_primitive());
+                prep.finish(TchTensor::new(quant.forward(&x, &w.tensor, train, false).y))
+            }
+        }
+    }
+
+    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+        Self::from_inner(LibTorch::weight_row_sq(Self::inner(w), quant))
+    }
+
+    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+        Self::from_inner(LibTorch::times_weight_t(Self::inner(a), Self::inner(w), quant))
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self> {
+        let nodes = [gate.node(), up.node()];
+        match SwigluBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (gate, up) = (gate.into_primitive(), up.into_primitive());
+                let out = TchTensor::new(gate.tensor.silu() * &up.tensor);
+                let state = (Kept::keep(gate, storage), Kept::keep(up, storage));
+                SAVED_BYTES.fetch_add(state.0.bytes() + state.1.bytes(), Ordering::Relaxed);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let (gate, up) = (gate.into_primitive(), up.into_primitive());
+                prep.finish(TchTensor::new(gate.tensor.silu() * &up.tensor))
+            }
+        }
+    }
+}
