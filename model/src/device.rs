@@ -160,20 +160,6 @@ fn flex_device(_threads: usize) -> anyhow::Result<Device> {
     )
 }
 
-/// The process's allocator, for Rust and (linked unprefixed, so LibTorch's `posix_memalign`
-/// and `free` resolve to it) for every CPU tensor: jemalloc.
-///
-/// LibTorch's CPU allocator is plain `malloc`. With glibc's, training either unmapped its large
-/// activations and faulted them back in every step (15% of a `small` step in `clear_page`) or,
-/// told to keep freed memory, left it fragmented between the long-lived saved activations: the
-/// RSS of a step grew 1.5-3.5x what its tensors occupied (`small` s1024 FP8: 1584 MB above the
-/// model for 453 MB of tensors). jemalloc (the usual fix for CPU training, through
-/// `LD_PRELOAD` in PyTorch's guides) with purging off is as fast or faster and keeps the RSS
-/// within a few percent of the tensors' peak, which is what makes `llora plan` checkable.
-#[cfg(target_os = "linux")]
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
 /// Makes the allocator keep freed pages for reuse instead of returning them to the kernel
 /// (jemalloc's decay off): every step reuses the same memory, with no page faults.
 ///
