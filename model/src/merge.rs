@@ -333,6 +333,17 @@ mod tests {
         }
     }
 
+    /// A new adapter folder `dir` with `from`'s adapter_config.json and these f32 tensors.
+    fn adapter_like(from: &Path, dir: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) {
+        std::fs::create_dir(dir).unwrap();
+        std::fs::copy(from.join("adapter_config.json"), dir.join("adapter_config.json")).unwrap();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
+            .collect();
+        std::fs::write(dir.join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+    }
+
     /// A bf16 base stays bf16 (same size, same header order); an adapted weight is
     /// bf16(W + (α/r)·B·A) with the product summed here by hand; every other tensor is copied
     /// byte for byte; `--dtype f32` writes f32 and says so in config.json; a foreign adapter
@@ -422,16 +433,10 @@ mod tests {
 
         // An adapter of another model: a tensor that folds into nothing is refused.
         let other = dir.path().join("other");
-        std::fs::create_dir(&other).unwrap();
-        std::fs::copy(adapter.join("adapter_config.json"), other.join("adapter_config.json")).unwrap();
         let mut extra: Vec<(String, Vec<usize>, Vec<u8>)> =
             peft.iter().map(|(n, (_, s, b))| (n.clone(), s.clone(), b.clone())).collect();
         extra.push(("base_model.model.model.layers.99.self_attn.q_proj.lora_A.weight".into(), vec![1], vec![0; 4]));
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = extra
-            .iter()
-            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
-            .collect();
-        std::fs::write(other.join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        adapter_like(&adapter, &other, &extra);
         let out3 = dir.path().join("merged3");
         std::fs::create_dir(&out3).unwrap();
         let err = format!("{:#}", export_merged(&ckpt, &other, &out3, None).unwrap_err());
@@ -439,8 +444,6 @@ mod tests {
 
         // An adapter holding a NaN (a diverged run): the merged weight is refused, named.
         let nan = dir.path().join("nan");
-        std::fs::create_dir(&nan).unwrap();
-        std::fs::copy(adapter.join("adapter_config.json"), nan.join("adapter_config.json")).unwrap();
         let poisoned: Vec<(String, Vec<usize>, Vec<u8>)> = peft
             .iter()
             .map(|(n, (_, s, b))| {
@@ -451,11 +454,7 @@ mod tests {
                 (n.clone(), s.clone(), b)
             })
             .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = poisoned
-            .iter()
-            .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
-            .collect();
-        std::fs::write(nan.join("adapter_model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        adapter_like(&adapter, &nan, &poisoned);
         let out4 = dir.path().join("merged4");
         std::fs::create_dir(&out4).unwrap();
         let err = format!("{:#}", export_merged(&ckpt, &nan, &out4, None).unwrap_err());
