@@ -552,6 +552,15 @@ fn eval_command_reports_the_hf_peft_loss() {
     );
     let fx = load_fixture(&dir);
     let last = eval_fixture_batch(&dir, &fx, &[]);
+    // Past the model's positions is refused, as train and generate refuse it.
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let past = (cfg["max_position_embeddings"].as_u64().unwrap() + 1).to_string();
+    let d = dir.to_str().unwrap();
+    let out = common::llora(&["eval", "--model", d, "--data", "unused.parquet", "--max-seq-len", &past]);
+    let (_, stderr) = common::text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("--max-seq-len {past} is past the model's max_position_embeddings")), "{stderr}");
     let reference = fx.json["losses"][0].as_f64().unwrap();
     let ours = last["loss_per_token"].as_f64().unwrap();
     assert!(((ours - reference) / reference).abs() <= 1e-5, "llora eval {ours} vs HF+PEFT {reference}");

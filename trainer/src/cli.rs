@@ -124,9 +124,11 @@ pub struct EvalArgs {
     /// MLPerf-schema parquet file (`input_ids`, `labels`).
     #[arg(long)]
     pub data: PathBuf,
-    /// Rows longer than this are bad rows.
-    #[arg(long, default_value_t = 8192)]
-    pub max_seq_len: usize,
+    /// Rows longer than this are bad rows: the model's `max_position_embeddings` unless set; a
+    /// larger value is refused (positions past it were never trained; train and generate
+    /// refuse them too).
+    #[arg(long)]
+    pub max_seq_len: Option<usize>,
     /// Sequences (rows, with `--pack`) per forward pass.
     #[arg(long, default_value_t = 1)]
     pub batch_size: usize,

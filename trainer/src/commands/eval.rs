@@ -36,6 +36,14 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora eval flags:\n  - {}", problems.join("\n  - ")))?;
     let device = args.device.for_local_rank(crate::dist::local_rank()).init(args.threads)?;
     let ckpt = HfCheckpoint::open(&args.model)?;
+    let positions = ckpt.config.max_position_embeddings;
+    let max_seq_len = args.max_seq_len.unwrap_or(positions);
+    anyhow::ensure!(
+        max_seq_len <= positions,
+        "--max-seq-len {max_seq_len} is past the model's max_position_embeddings = {positions} ({}/config.json): \
+         positions beyond it were never trained, and train and generate refuse them too; lower --max-seq-len",
+        args.model.display()
+    );
     // An NF4 base is quantised one tensor at a time as it loads (never whole in f32).
     let build = BuildOptions { precision: spec.nf4.map(|_| spec), ..Default::default() };
     let mut model = ckpt.load_model(&build, &device)?;
@@ -49,17 +57,20 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
     }
     let opts = ReadOptions {
         vocab: model.config.vocab_size,
-        max_seq_len: args.max_seq_len,
+        max_seq_len,
         on_bad_row: if args.skip_bad_rows { OnBadRow::Skip } else { OnBadRow::Error },
     };
-    let (samples, report) = read_parquet(&args.data, &opts)?;
+    let limit = if args.max_seq_len.is_some() { "--max-seq-len" } else { "the model's max_position_embeddings" };
+    let (samples, report) = read_parquet(&args.data, &opts).with_context(|| {
+        format!("rows may hold at most {max_seq_len} tokens ({limit}; --skip-bad-rows skips longer ones)")
+    })?;
     anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
     let samples = Arc::new(samples);
     let how = EvalBatching {
         batch_size: args.batch_size,
         workers: args.workers,
         padding: llora_data::batch::Padding::Longest,
-        packing: args.pack.then_some(llora_data::packing::Packing { seq_len: args.max_seq_len, window: pack_window }),
+        packing: args.pack.then_some(llora_data::packing::Packing { seq_len: max_seq_len, window: pack_window }),
     };
     let loss = evaluate(&model, &samples, how, &device, &crate::dist::SingleProcess)?;
     let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
