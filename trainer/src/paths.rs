@@ -36,12 +36,14 @@ pub fn is_free(path: &Path) -> bool {
     path.symlink_metadata().is_err() || std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_none())
 }
 
-/// Refuses an existing `out` (`flag`) unless `overwrite`; an empty directory counts as free.
-pub fn ensure_new_output(flag: &str, out: &Path, overwrite: bool) -> anyhow::Result<()> {
+/// Refuses an existing `out` (`flag`) unless `overwrite` is `Some(true)`; an empty directory
+/// counts as free. `None`: the command has no `--overwrite`, and its message offers none.
+pub fn ensure_new_output(flag: &str, out: &Path, overwrite: Option<bool>) -> anyhow::Result<()> {
+    let offer =
+        if overwrite.is_some() { ", or pass --overwrite to replace it once the new one is complete" } else { "" };
     anyhow::ensure!(
-        overwrite || is_free(out),
-        "{flag} {} already exists: llora does not replace earlier outputs (choose another path, or pass \
-         --overwrite to replace it once the new one is complete)",
+        overwrite == Some(true) || is_free(out),
+        "{flag} {} already exists: llora does not replace earlier outputs (choose another path{offer})",
         out.display()
     );
     Ok(())
@@ -135,13 +137,16 @@ mod tests {
     fn outputs_are_replaced_only_whole_and_on_request() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
-        assert!(ensure_new_output("--out", &out, false).is_ok());
+        assert!(ensure_new_output("--out", &out, Some(false)).is_ok());
         std::fs::create_dir(&out).unwrap();
-        assert!(ensure_new_output("--out", &out, false).is_ok(), "an empty directory is free");
+        assert!(ensure_new_output("--out", &out, Some(false)).is_ok(), "an empty directory is free");
         std::fs::write(out.join("a"), "old").unwrap();
-        let err = ensure_new_output("--out", &out, false).unwrap_err().to_string();
+        let err = ensure_new_output("--out", &out, Some(false)).unwrap_err().to_string();
         assert!(err.contains("already exists") && err.contains("--overwrite"), "{err}");
-        assert!(ensure_new_output("--out", &out, true).is_ok());
+        assert!(ensure_new_output("--out", &out, Some(true)).is_ok());
+        // A command without --overwrite (export) offers none.
+        let err = ensure_new_output("--out", &out, None).unwrap_err().to_string();
+        assert!(err.contains("already exists") && !err.contains("--overwrite"), "{err}");
 
         let failed = write_dir_atomic(&out, |tmp| {
             std::fs::write(tmp.join("a"), "half")?;

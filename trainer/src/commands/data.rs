@@ -70,7 +70,7 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         seed: a.seed,
         ..SynthConfig::default()
     })?;
-    crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
+    crate::paths::ensure_new_output("--out", &a.out, Some(a.overwrite))?;
     // The whole directory is swapped for the new one: with --overwrite it may hold only what
     // this command writes.
     let written: &[&str] = if a.chat {
@@ -134,7 +134,7 @@ fn synth_chat(a: &SynthArgs, synth: &Synth) -> anyhow::Result<()> {
 /// template, conversations through the chat template, or prompt/completion pairs.
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
-    crate::paths::ensure_new_output("--out", &a.out, a.overwrite)?;
+    crate::paths::ensure_new_output("--out", &a.out, Some(a.overwrite))?;
     let tok = llora_data::tokenizer::load_tokenizer(&a.tokenizer)?;
     if a.format != DataFormat::Chat {
         // The tokenizer's fault, said once (not as every row's).

@@ -12,7 +12,7 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
         "{} already holds a checkpoint; choose a new --out directory",
         args.out.display()
     );
-    crate::paths::ensure_new_output("--out", &args.out, false)?;
+    crate::paths::ensure_new_output("--out", &args.out, None)?;
     crate::paths::ensure_not_an_input("--out", &args.out, &[("--model", &args.model), ("--adapter", &args.adapter)])?;
     let dtype = args.dtype.as_deref().map(|d| match d {
         "bf16" => llora_model::merge::Dtype::BF16,

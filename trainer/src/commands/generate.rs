@@ -49,11 +49,10 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let positions = ckpt.config.max_position_embeddings;
     anyhow::ensure!(
         ids.len().saturating_add(a.max_new_tokens) <= positions,
-        "the prompt ({} tokens) plus --max-new-tokens {} exceeds the model's max_position_embeddings ({positions}): \
-         lower --max-new-tokens to at most {} or shorten the prompt",
+        "the prompt ({} tokens) plus --max-new-tokens {} exceeds the model's max_position_embeddings ({positions}): {}",
         ids.len(),
         a.max_new_tokens,
-        positions.saturating_sub(ids.len())
+        room_advice(ids.len(), positions)
     );
     let device = a.device.init(a.threads)?;
     let spec =
@@ -179,9 +178,27 @@ fn read_chat(path: &std::path::Path) -> anyhow::Result<Vec<Message>> {
     Ok(messages)
 }
 
+/// What to do when a prompt and the tokens asked for do not fit the model's positions: fewer
+/// new tokens while at least one fits, else a shorter prompt (`--max-new-tokens 0` is refused).
+fn room_advice(prompt: usize, positions: usize) -> String {
+    match positions.saturating_sub(prompt) {
+        0 => format!("the prompt alone fills them; shorten it to fewer than {positions} tokens"),
+        room => format!("lower --max-new-tokens to at most {room} or shorten the prompt"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The advice never asks for `--max-new-tokens 0` (refused): with no room left, a shorter
+    /// prompt.
+    #[test]
+    fn a_prompt_that_fills_the_positions_is_told_to_shrink() {
+        assert_eq!(room_advice(10, 16), "lower --max-new-tokens to at most 6 or shorten the prompt");
+        assert_eq!(room_advice(16, 16), "the prompt alone fills them; shorten it to fewer than 16 tokens");
+        assert_eq!(room_advice(20, 16), "the prompt alone fills them; shorten it to fewer than 16 tokens");
+    }
     use clap::Parser;
 
     fn args(extra: &[&str]) -> GenerateArgs {

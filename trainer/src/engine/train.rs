@@ -873,8 +873,8 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
     let outcome = run(&c, "model.pretrain", &Dist::single(), false)?;
     anyhow::ensure!(
         outcome.status == RunStatus::Success,
-        "pre-training stopped at eval loss {:?} above model.pretrain.target_loss = {} after {} steps; raise model.pretrain.steps",
-        outcome.eval_loss,
+        "pre-training stopped at eval loss {} above model.pretrain.target_loss = {} after {} steps; raise model.pretrain.steps",
+        outcome.eval_loss.map_or("(none: no evaluation ran)".to_string(), |l| format!("{l:.4}")),
         pt.target_loss,
         pt.steps
     );
