@@ -1032,14 +1032,20 @@ impl Config {
         self.eval.check(&mut p);
         self.precision.check(&mut p, &self.run.device);
         if let Err(e) = self.precision_spec().validate_nf4() {
-            p.check(false, "model.quantize", &self.model.quantize, &e);
+            // The key that must change, its value as the config spells it.
+            if self.precision.compute == llora_model::precision::Compute::Fp8 {
+                p.check(false, "precision.compute", &self.precision.compute.name(), &e);
+            } else {
+                p.check(false, "model.quant_block_size", &self.model.quant_block_size, &e);
+            }
         }
         if self.model.quantize == Quantize::Nf4 {
             let m = &self.model;
-            let why = "NF4 stores frozen weights: it needs model.trainable = \"lora\"";
-            p.check(m.trainable == Trainable::Lora, "model.quantize", &m.quantize, why);
-            let why = "an NF4 base needs a LibTorch device (run.device = \"cpu\" or \"cuda:N\")";
-            p.check(self.run.device != DeviceSpec::Flex, "model.quantize", &m.quantize, why);
+            let why = "model.quantize = \"nf4\" stores frozen weights: it needs model.trainable = \"lora\"";
+            p.check(m.trainable == Trainable::Lora, "model.trainable", &"all", why);
+            let why =
+                "an NF4 base (model.quantize = \"nf4\") needs a LibTorch device (run.device = \"cpu\" or \"cuda:N\")";
+            p.check(self.run.device != DeviceSpec::Flex, "run.device", &self.run.device.to_string(), why);
         }
         self.run.check(&mut p);
         self.mlperf.check(&mut p);
@@ -1357,13 +1363,15 @@ mod tests {
         let c = Config::load(None, &[ov("model.quantize=\"nf4\""), ov("model.preset=\"tiny\"")]).unwrap();
         assert_eq!(c.precision_spec().nf4, Some(llora_model::precision::Nf4Spec { block: 64, double: true }));
         assert_eq!(Config::load(None, &[]).unwrap().precision_spec().nf4, None);
-        for (extra, key) in [
-            ("precision.compute=\"fp8\"", "precision.compute"),
-            ("model.trainable=\"all\"", "trainable"),
-            ("model.quant_block_size=48", "quant_block_size"),
+        // Each names the key to change, with its value as the config spells it (not `Nf4`).
+        for (extra, named) in [
+            ("precision.compute=\"fp8\"", "`precision.compute` = \"fp8\""),
+            ("model.trainable=\"all\"", "`model.trainable` = \"all\""),
+            ("model.quant_block_size=48", "`model.quant_block_size` = 48"),
+            ("model.quant_block_size=0", "`model.quant_block_size` = 0"),
         ] {
             let err = Config::load(None, &[ov("model.quantize=\"nf4\""), ov(extra)]).unwrap_err().to_string();
-            assert!(err.contains("model.quantize") && err.contains(key), "{extra}: {err}");
+            assert!(err.contains(named) && err.contains("nf4") && !err.contains("Nf4"), "{extra}: {err}");
         }
     }
 

@@ -110,7 +110,8 @@ impl PrecisionSpec {
             }
             if !nf4.block.is_power_of_two() || !(32..=4096).contains(&nf4.block) {
                 return Err(format!(
-                    "model.quant_block_size must be a power of two in 32..=4096 (bitsandbytes' sizes), got {}",
+                    "model.quant_block_size must be a power of two in 32..=4096 (bitsandbytes' sizes) for \
+                     model.quantize = \"nf4\", got {}",
                     nf4.block
                 ));
             }
