@@ -359,8 +359,9 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
 }
 
 /// gpu-check survives a hang: a self-test part that never exits (a stand-in binary sleeps in
-/// `--only gemm`) is killed at its limit and reported as hung with its last log lines, the
-/// other parts still run, and the report is written and fails.
+/// `--only gemm`) is killed at its limit (60 s, loose enough for the real parts on a busy
+/// 2-core CI machine) and reported as hung with its last log lines, the other parts still
+/// run, and the report is written and fails.
 #[test]
 fn gpu_check_reports_a_hung_process_and_goes_on() {
     let dir = tempfile::tempdir().unwrap();
@@ -381,19 +382,19 @@ fn gpu_check_reports_a_hung_process_and_goes_on() {
         .env("REPORT_DIR", &report_dir)
         .env("LLORA", &hanging)
         .env("PYTHON", common::root().join(".venv/bin/python"))
-        .envs([("LIMIT_S", "20"), ("SHAPES", ""), ("PARITY", "0"), ("PACKING", "0")])
+        .envs([("LIMIT_S", "60"), ("SHAPES", ""), ("PARITY", "0"), ("PACKING", "0")])
         .output()
         .unwrap();
     let (stdout, stderr) = text(&out);
     assert!(!out.status.success(), "a hung process fails the report: {stdout}\n{stderr}");
-    assert!(started.elapsed().as_secs() < 240, "gpu-check took {:?}", started.elapsed());
+    assert!(started.elapsed().as_secs() < 400, "gpu-check took {:?}", started.elapsed());
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(report_dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["final"], true);
     let rows = report["rows"].as_array().unwrap();
     let hung: Vec<_> = rows.iter().filter(|r| r["status"] == "hung").collect();
     assert_eq!(hung.len(), 1, "{rows:?}");
-    assert!(hung[0]["what"].as_str().unwrap().contains("--only gemm") && hung[0]["limit_s"] == 20, "{}", hung[0]);
+    assert!(hung[0]["what"].as_str().unwrap().contains("--only gemm") && hung[0]["limit_s"] == 60, "{}", hung[0]);
     assert!(hung[0]["tail"].as_array().unwrap().iter().any(|l| l == "gemm: about to hang"), "{}", hung[0]);
     let parts: Vec<&str> =
         rows.iter().filter(|r| r["section"] == "selftest").map(|r| r["part"].as_str().unwrap()).collect();
