@@ -210,7 +210,9 @@ static CUDA_ROUTES: crate::routes::Verdicts<tch::Device> =
 /// device, logged either way). The check quantises, which asks this again: it gets `false`,
 /// the f32 route it compares with.
 pub fn cuda_routes_checked(device: tch::Device) -> bool {
-    crate::routes::takes_cuda_routes(device) && crate::routes::fused_routes() && cuda_routes(device).is_ok()
+    crate::routes::takes_cuda_routes(device)
+        && crate::routes::fused_routes()
+        && CUDA_ROUTES.passed(device, || check_cuda_routes(device))
 }
 
 /// [`check_cuda_routes`] on `device` once per process, its result kept (`llora selftest` reports

@@ -127,9 +127,10 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether the route passed its check for `key` (see [`Self::check`]).
+    /// Whether the route passed its check for `key` (see [`Self::check`]). Once decided, a
+    /// lookup: routes ask this on every use, so a refusal's message is not cloned each time.
     pub fn passed(&self, key: K, check: impl FnOnce() -> Result<(), String>) -> bool {
-        self.check(key, check).is_ok()
+        self.verdict(key).unwrap_or_else(|| self.check(key, check).is_ok())
     }
 
     /// The route's check for `key`: run the first time (the lock released meanwhile), its

@@ -54,7 +54,11 @@ pub fn backward(
     [want_dx, want_dw]: [bool; 2],
 ) -> Result<(Option<tch::Tensor>, Option<tch::Tensor>), tch::TchError> {
     if crate::routes::stands_in(x.device()) {
-        return composite_backward(dy, x, rstd, w, [want_dx, want_dw]);
+        // The CPU standing in for CUDA has no fused backward kernel: the norm node's composite.
+        return Ok((
+            want_dx.then(|| super::composite::dx(dy, x, rstd, w)),
+            want_dw.then(|| super::composite::dw(dy, x, rstd, x.kind())),
+        ));
     }
     let (mut dx, mut dw, mut err) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: the tensors outlive the call; on success dx and dw are new at::Tensors that tch
@@ -78,24 +82,6 @@ pub fn backward(
     // SAFETY: fresh tensors owned by nobody else.
     let own = |p| Some(unsafe { tch::Tensor::from_ptr(p) }).filter(tch::Tensor::defined);
     Ok((own(dx), own(dw)))
-}
-
-/// [`backward`] as the norm node's composite, for the CPU standing in for CUDA (the CPU has
-/// no fused backward kernel).
-///
-/// # Shapes
-/// As [`backward`].
-fn composite_backward(
-    dy: &tch::Tensor,
-    x: &tch::Tensor,
-    rstd: &tch::Tensor,
-    w: &tch::Tensor,
-    [want_dx, want_dw]: [bool; 2],
-) -> Result<(Option<tch::Tensor>, Option<tch::Tensor>), tch::TchError> {
-    Ok((
-        want_dx.then(|| super::composite::dx(dy, x, rstd, w)),
-        want_dw.then(|| super::composite::dw(dy, x, rstd, x.kind())),
-    ))
 }
 
 /// Whether the fused kernels have run in this process (bench JSON names the norm's route).
