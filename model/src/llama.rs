@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::attention::{VarlenSpans, causal_attention, packed_causal_attention};
 use crate::config::LlamaConfig;
+use crate::layout::BlockLinear;
 use crate::lora::{LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
 use crate::packing::PackedRows;
@@ -84,6 +85,37 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Loads the attention of decoder layer `layer`: q, k and v (or the fused qkv, as the
+    /// checkpoint's layout has it), then o.
+    fn load(c: &LlamaConfig, layer: usize, weights: &mut dyn BlockWeights) -> anyhow::Result<Self> {
+        let mut proj = |kind: BlockLinear| -> anyhow::Result<Option<LoraLinear>> {
+            BlockLinear::of(c.fused_qkv).contains(&kind).then(|| weights.linear(layer, kind)).transpose()
+        };
+        Ok(Self {
+            q_proj: proj(BlockLinear::Q)?,
+            k_proj: proj(BlockLinear::K)?,
+            v_proj: proj(BlockLinear::V)?,
+            qkv_proj: proj(BlockLinear::Qkv)?,
+            o_proj: weights.linear(layer, BlockLinear::O)?,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        })
+    }
+
+    /// The projections with their kinds, in forward order ([`DecoderLayer::linears_mut`]).
+    pub fn linears_mut(&mut self) -> Vec<(BlockLinear, &mut LoraLinear)> {
+        let Self { q_proj, k_proj, v_proj, qkv_proj, o_proj, .. } = self;
+        let all = [
+            (BlockLinear::Q, q_proj.as_mut()),
+            (BlockLinear::K, k_proj.as_mut()),
+            (BlockLinear::V, v_proj.as_mut()),
+            (BlockLinear::Qkv, qkv_proj.as_mut()),
+            (BlockLinear::O, Some(o_proj)),
+        ];
+        all.into_iter().filter_map(|(k, l)| Some((k, l?))).collect()
+    }
+
     /// Causal self-attention; on packed rows, within each document.
     ///
     /// # Shapes
@@ -167,6 +199,22 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    /// Loads the MLP of decoder layer `layer`: gate, up, down.
+    fn load(layer: usize, weights: &mut dyn BlockWeights) -> anyhow::Result<Self> {
+        Ok(Self {
+            gate_proj: weights.linear(layer, BlockLinear::Gate)?,
+            up_proj: weights.linear(layer, BlockLinear::Up)?,
+            down_proj: weights.linear(layer, BlockLinear::Down)?,
+            storage: Storage::F32,
+        })
+    }
+
+    /// The projections with their kinds, in forward order ([`DecoderLayer::linears_mut`]).
+    pub fn linears_mut(&mut self) -> Vec<(BlockLinear, &mut LoraLinear)> {
+        let Self { gate_proj, up_proj, down_proj, .. } = self;
+        vec![(BlockLinear::Gate, gate_proj), (BlockLinear::Up, up_proj), (BlockLinear::Down, down_proj)]
+    }
+
     /// # Shapes
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
@@ -213,22 +261,50 @@ impl DecoderLayer {
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), false)
     }
 
-    /// The block's linear layers, in forward order.
-    fn linears(&self) -> Vec<&LoraLinear> {
-        let a = &self.self_attn;
-        let m = &self.mlp;
-        [&a.q_proj, &a.k_proj, &a.v_proj, &a.qkv_proj]
-            .into_iter()
-            .flatten()
-            .chain([&a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj])
-            .collect()
+    /// Builds decoder layer `layer` of a model of `c` from `weights`, each part loading itself
+    /// in forward order (a hang's last debug line names the tensor being read).
+    pub(crate) fn load(c: &LlamaConfig, layer: usize, weights: &mut dyn BlockWeights) -> anyhow::Result<Self> {
+        let p = format!("model.layers.{layer}");
+        Ok(Self {
+            input_layernorm: weights.norm(&format!("{p}.input_layernorm.weight"))?,
+            self_attn: Attention::load(c, layer, weights)?,
+            post_attention_layernorm: weights.norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            mlp: Mlp::load(layer, weights)?,
+        })
+    }
+
+    /// The block's linear `kind`, if this layout has it ([`BlockLinear::of`]).
+    pub fn linear(&self, kind: BlockLinear) -> Option<&LoraLinear> {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        match kind {
+            BlockLinear::Q => a.q_proj.as_ref(),
+            BlockLinear::K => a.k_proj.as_ref(),
+            BlockLinear::V => a.v_proj.as_ref(),
+            BlockLinear::Qkv => a.qkv_proj.as_ref(),
+            BlockLinear::O => Some(&a.o_proj),
+            BlockLinear::Gate => Some(&m.gate_proj),
+            BlockLinear::Up => Some(&m.up_proj),
+            BlockLinear::Down => Some(&m.down_proj),
+        }
+    }
+
+    /// The block's linear layers with their kinds, in forward order.
+    pub fn linears(&self) -> Vec<(BlockLinear, &LoraLinear)> {
+        BlockLinear::ALL.into_iter().filter_map(|k| Some((k, self.linear(k)?))).collect()
+    }
+
+    /// Mutable variant of [`Self::linears`], same order.
+    pub fn linears_mut(&mut self) -> Vec<(BlockLinear, &mut LoraLinear)> {
+        let mut out = self.self_attn.linears_mut();
+        out.extend(self.mlp.linears_mut());
+        out
     }
 
     /// The block's sharded frozen weights.
     fn shards(&self) -> Vec<&WeightShard> {
         self.linears()
             .into_iter()
-            .filter_map(|l| match l.quant.as_ref()?.stored.as_ref()? {
+            .filter_map(|(_, l)| match l.quant.as_ref()?.stored.as_ref()? {
                 FrozenWeight::Sharded(s) => Some(&**s),
                 FrozenWeight::Whole(_) => None,
             })
@@ -260,6 +336,16 @@ impl DecoderLayer {
     pub(crate) fn release(&self) {
         self.shards().into_iter().for_each(WeightShard::release);
     }
+}
+
+/// Where a decoder block's parts come from while the model is built
+/// ([`crate::load`] implements it over a checkpoint or an initialiser).
+pub(crate) trait BlockWeights {
+    /// The linear `kind` of decoder layer `layer`, its base weight read and stored, with an
+    /// adapter when the run targets it.
+    fn linear(&mut self, layer: usize, kind: BlockLinear) -> anyhow::Result<LoraLinear>;
+    /// The RMSNorm whose gain is the tensor `name`.
+    fn norm(&mut self, name: &str) -> anyhow::Result<RmsNorm>;
 }
 
 /// How [`LlamaForCausalLM::build`] makes a model.

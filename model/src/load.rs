@@ -9,10 +9,11 @@ use burn::module::Param;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::config::LlamaConfig;
-use crate::llama::{Attention, BuildOptions, DecoderLayer, LlamaForCausalLM, Mlp, RmsNorm};
-use crate::lora::LoraLinear;
-use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, Storage, StoredWeight, tch_device};
-use crate::shard::WeightShard;
+use crate::layout::BlockLinear;
+use crate::llama::{BlockWeights, BuildOptions, DecoderLayer, LlamaForCausalLM, RmsNorm};
+use crate::lora::{LoraLinear, LoraSpec};
+use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, tch_device};
+use crate::shard::{Sharding, WeightShard};
 
 impl LlamaForCausalLM {
     /// A randomly initialised model (HF's init: N(0, 0.02²) weights, unit norms), built as
@@ -35,165 +36,157 @@ impl LlamaForCausalLM {
         weights: &mut WeightSource<'_>,
     ) -> anyhow::Result<Self> {
         let c = config;
-        let (d, i, v, hd) = (c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim);
-        let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let BuildOptions { lora, trainable, precision, sharding } = opts;
-        let trainable = *trainable;
+        let trainable = opts.trainable;
         // The targets as this checkpoint's modules: a name that matches nothing is an error here,
         // not a model without adapters that fails in backward.
-        let resolved = lora.map(|s| s.for_layout(c.fused_qkv)).transpose()?;
-        if let (Some(asked), Some(got)) = (lora, &resolved)
+        let resolved = opts.lora.map(|s| s.for_layout(c.fused_qkv)).transpose()?;
+        if let (Some(asked), Some(got)) = (opts.lora, &resolved)
             && asked.targets != got.targets
         {
             tracing::info!(asked = ?asked.targets, adapted = ?got.targets, "LoRA targets resolved for this checkpoint's layout");
         }
         let lora = resolved.as_ref();
-        if let Some(spec) = precision {
-            spec.validate().map_err(anyhow::Error::msg)?;
-        }
-        if sharding.is_some() {
-            anyhow::ensure!(!trainable, "train.shard_frozen_weights = true needs frozen base weights (LoRA)");
-            anyhow::ensure!(
-                precision.is_some() && tch_device(device).is_some(),
-                "train.shard_frozen_weights = true needs a LibTorch device (cpu or cuda)"
-            );
-        }
-        let stores = precision.as_ref().filter(|p| {
-            !trainable && (p.stores_frozen_weights() || sharding.is_some()) && tch_device(device).is_some()
-        });
-        // The modules that got adapters, for the pattern keys' check after the layers.
-        let adapted = std::cell::RefCell::new(Vec::<String>::new());
-        let linear = |weights: &mut WeightSource<'_>,
-                      name: &str,
-                      short: &str,
-                      out: usize,
-                      inp: usize|
-         -> anyhow::Result<LoraLinear> {
-            let module = name;
-            let name = format!("{name}.weight");
-            // Events before each piece of building, so that a hang's last line names its place.
-            tracing::debug!(weight = %name, "model: loading a linear weight");
-            let (mut layer, whole) = match stores {
-                Some(spec) => {
-                    let whole = weights.stored(&name, [out, inp], spec)?;
-                    (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec, device), Some((whole, spec)))
-                }
-                None => (LoraLinear::new(weights.get(&name, [out, inp])?, trainable), None),
-            };
-            if let Some(spec) = lora.filter(|s| s.targets(short) && s.adapts(module)) {
-                let own = spec.module_spec(module)?;
-                own.check_rank_fits(module, [out, inp])?;
-                adapted.borrow_mut().push(module.to_string());
-                // Before sharding: DoRA's initial magnitude is the whole weight's row norms.
-                layer = layer.with_new_adapter(&own, device);
-            }
-            if let (Some((whole, spec)), Some(s)) = (whole, sharding) {
-                let adapter = layer.lora.take();
-                layer =
-                    LoraLinear::from_stored(FrozenWeight::Sharded(Arc::new(WeightShard::new(whole, s))), spec, device);
-                layer.lora = adapter;
-            }
-            Ok(layer)
-        };
-        if let Some(wanted) = lora.and_then(|s| s.layers.as_ref()) {
-            let bad = wanted.iter().find(|&&l| l >= c.num_hidden_layers);
-            anyhow::ensure!(
-                bad.is_none(),
-                "lora layers_to_transform names layer {} but the model has {} (0..{})",
-                bad.copied().unwrap_or_default(),
-                c.num_hidden_layers,
-                c.num_hidden_layers
-            );
-        }
+        check_options(c, opts, lora, device)?;
+        let mut blocks = Loader::new(c, opts, lora, device, weights);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             tracing::debug!(layer = l, of = c.num_hidden_layers, "model: building decoder layer");
-            let p = format!("model.layers.{l}");
-            let (q_proj, k_proj, v_proj, qkv_proj) = if c.fused_qkv {
-                (
-                    None,
-                    None,
-                    None,
-                    Some(linear(weights, &format!("{p}.self_attn.qkv_proj"), "qkv_proj", qd + 2 * kvd, d)?),
-                )
-            } else {
-                (
-                    Some(linear(weights, &format!("{p}.self_attn.q_proj"), "q_proj", qd, d)?),
-                    Some(linear(weights, &format!("{p}.self_attn.k_proj"), "k_proj", kvd, d)?),
-                    Some(linear(weights, &format!("{p}.self_attn.v_proj"), "v_proj", kvd, d)?),
-                    None,
-                )
-            };
-            let self_attn = Attention {
-                q_proj,
-                k_proj,
-                v_proj,
-                qkv_proj,
-                o_proj: linear(weights, &format!("{p}.self_attn.o_proj"), "o_proj", d, qd)?,
-                n_heads: c.num_attention_heads,
-                n_kv_heads: c.num_key_value_heads,
-                head_dim: hd,
-            };
-            let mlp = Mlp {
-                gate_proj: linear(weights, &format!("{p}.mlp.gate_proj"), "gate_proj", i, d)?,
-                up_proj: linear(weights, &format!("{p}.mlp.up_proj"), "up_proj", i, d)?,
-                down_proj: linear(weights, &format!("{p}.mlp.down_proj"), "down_proj", d, i)?,
-                storage: Storage::F32,
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: norm(weights, &format!("{p}.input_layernorm.weight"), d, c.rms_norm_eps, trainable)?,
-                self_attn,
-                post_attention_layernorm: norm(
-                    weights,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    d,
-                    c.rms_norm_eps,
-                    trainable,
-                )?,
-                mlp,
-            });
+            layers.push(DecoderLayer::load(c, l, &mut blocks)?);
         }
         if let Some(spec) = lora {
-            spec.check_patterns_used(&adapted.borrow())?;
+            spec.check_patterns_used(&blocks.adapted)?;
         }
         // A frozen table is cast to the activations' dtype as soon as it is read, and its f32
         // buffer returned to the kernel: otherwise the allocator keeps the two f32 tables'
         // pages resident through training (small preset, bf16: 187 MB above the live peak).
-        let table_dtype = precision.filter(|_| !trainable).map(|p| p.activation_dtype()).filter(|&t| t != DType::F32);
-        let table = |weights: &mut WeightSource<'_>, name: &str| -> anyhow::Result<Tensor<2>> {
-            let t = weights.get(name, [v, d])?;
-            Ok(match table_dtype {
+        let table_dtype =
+            opts.precision.as_ref().filter(|_| !trainable).map(|p| p.activation_dtype()).filter(|&t| t != DType::F32);
+        let mut table = |name: &str| -> anyhow::Result<Param<Tensor<2>>> {
+            let t = blocks.weights.get(name, [c.vocab_size, c.hidden_size])?;
+            let t = match table_dtype {
                 Some(dtype) => {
                     let cast = t.cast(dtype);
                     crate::device::release_free_memory();
                     cast
                 }
                 None => t,
-            })
+            };
+            Ok(Param::from_tensor(t).set_require_grad(trainable))
         };
         // A tied head is the embedding parameter itself: one table, trained (full fine-tuning)
         // by the sum of both uses' gradients, as torch's shared nn.Parameter is.
-        let embed = table(weights, "model.embed_tokens.weight")?;
-        let lm_head = if c.tie_word_embeddings { None } else { Some(table(weights, "lm_head.weight")?) };
+        let embed_tokens = table("model.embed_tokens.weight")?;
+        let lm_head = if c.tie_word_embeddings { None } else { Some(table("lm_head.weight")?) };
         let mut model = Self {
-            embed_tokens: Param::from_tensor(embed).set_require_grad(trainable),
+            embed_tokens,
             layers,
-            norm: norm(weights, "model.norm.weight", d, c.rms_norm_eps, trainable)?,
-            lm_head: lm_head.map(|t| Param::from_tensor(t).set_require_grad(trainable)),
+            norm: blocks.norm("model.norm.weight")?,
+            lm_head,
             config: c.clone(),
             activations: DType::F32,
             rope_cache: Default::default(),
         };
-        if let Some(spec) = precision {
+        if let Some(spec) = &opts.precision {
             model.set_precision(spec)?;
         }
         Ok(model)
     }
 }
 
-fn norm(weights: &mut WeightSource<'_>, name: &str, d: usize, eps: f64, trainable: bool) -> anyhow::Result<RmsNorm> {
-    let w = weights.get::<1>(name, [d])?;
-    Ok(RmsNorm { weight: Param::from_tensor(w).set_require_grad(trainable), eps })
+/// Refuses build options that contradict each other or the model, before any tensor is read.
+fn check_options(
+    c: &LlamaConfig,
+    opts: &BuildOptions<'_>,
+    lora: Option<&LoraSpec>,
+    device: &Device,
+) -> anyhow::Result<()> {
+    if let Some(spec) = &opts.precision {
+        spec.validate().map_err(anyhow::Error::msg)?;
+    }
+    if opts.sharding.is_some() {
+        anyhow::ensure!(!opts.trainable, "train.shard_frozen_weights = true needs frozen base weights (LoRA)");
+        anyhow::ensure!(
+            opts.precision.is_some() && tch_device(device).is_some(),
+            "train.shard_frozen_weights = true needs a LibTorch device (cpu or cuda)"
+        );
+    }
+    if let Some(wanted) = lora.and_then(|s| s.layers.as_ref()) {
+        let bad = wanted.iter().find(|&&l| l >= c.num_hidden_layers);
+        anyhow::ensure!(
+            bad.is_none(),
+            "lora layers_to_transform names layer {} but the model has {} (0..{})",
+            bad.copied().unwrap_or_default(),
+            c.num_hidden_layers,
+            c.num_hidden_layers
+        );
+    }
+    Ok(())
+}
+
+/// Builds each block's parts from a weight source as the build options ask: frozen weights
+/// stored (and sharded) as read, adapters on the targeted modules.
+struct Loader<'w, 'a, 'o> {
+    config: &'o LlamaConfig,
+    lora: Option<&'o LoraSpec>,
+    trainable: bool,
+    /// The precision frozen weights are stored in as they are read, if they are.
+    stores: Option<&'o PrecisionSpec>,
+    sharding: Option<&'o Sharding>,
+    device: &'o Device,
+    weights: &'w mut WeightSource<'a>,
+    /// The modules that got adapters, for the pattern keys' check after the layers.
+    adapted: Vec<String>,
+}
+
+impl<'w, 'a, 'o> Loader<'w, 'a, 'o> {
+    fn new(
+        config: &'o LlamaConfig,
+        opts: &'o BuildOptions<'_>,
+        lora: Option<&'o LoraSpec>,
+        device: &'o Device,
+        weights: &'w mut WeightSource<'a>,
+    ) -> Self {
+        let (trainable, sharding) = (opts.trainable, opts.sharding.as_ref());
+        let stores = opts.precision.as_ref().filter(|p| {
+            !trainable && (p.stores_frozen_weights() || sharding.is_some()) && tch_device(device).is_some()
+        });
+        Self { config, lora, trainable, stores, sharding, device, weights, adapted: Vec::new() }
+    }
+}
+
+impl BlockWeights for Loader<'_, '_, '_> {
+    fn linear(&mut self, layer: usize, kind: BlockLinear) -> anyhow::Result<LoraLinear> {
+        let (module, shape) = (kind.path(layer), kind.shape(self.config));
+        let name = format!("{module}.weight");
+        // Events before each piece of building, so that a hang's last line names its place.
+        tracing::debug!(weight = %name, "model: loading a linear weight");
+        let (mut linear, whole) = match self.stores {
+            Some(spec) => {
+                let whole = self.weights.stored(&name, shape, spec)?;
+                (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec, self.device), Some((whole, spec)))
+            }
+            None => (LoraLinear::new(self.weights.get(&name, shape)?, self.trainable), None),
+        };
+        if let Some(spec) = self.lora.filter(|s| s.targets(kind.name()) && s.adapts(&module)) {
+            let own = spec.module_spec(&module)?;
+            own.check_rank_fits(&module, shape)?;
+            self.adapted.push(module);
+            // Before sharding: DoRA's initial magnitude is the whole weight's row norms.
+            linear = linear.with_new_adapter(&own, self.device);
+        }
+        if let (Some((whole, spec)), Some(s)) = (whole, self.sharding) {
+            let adapter = linear.lora.take();
+            let shard = FrozenWeight::Sharded(Arc::new(WeightShard::new(whole, s)));
+            linear = LoraLinear::from_stored(shard, spec, self.device);
+            linear.lora = adapter;
+        }
+        Ok(linear)
+    }
+
+    fn norm(&mut self, name: &str) -> anyhow::Result<RmsNorm> {
+        let w = self.weights.get::<1>(name, [self.config.hidden_size])?;
+        Ok(RmsNorm { weight: Param::from_tensor(w).set_require_grad(self.trainable), eps: self.config.rms_norm_eps })
+    }
 }
 
 /// Returns one base tensor's data given its HF name and the shape the architecture expects.

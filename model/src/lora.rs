@@ -25,6 +25,7 @@ use std::sync::Arc;
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
+use crate::layout::BlockLinear;
 use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, quant_linear};
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
@@ -102,8 +103,7 @@ impl Default for LoraSpec {
 }
 
 /// Module names a LoRA target may be: the Llama projections, `qkv_proj` on fused-QKV checkpoints.
-pub const TARGET_MODULES: &[&str] =
-    &["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+pub const TARGET_MODULES: &[&str] = &BlockLinear::NAMES;
 
 impl LoraSpec {
     /// The factor of the update `B·A·x`: α/r, or α/√r with rsLoRA.
@@ -197,13 +197,14 @@ impl LoraSpec {
                 "lora target {t:?} is no module of a Llama model: expected some of {}",
                 TARGET_MODULES.join(", ")
             );
-            let parts: Vec<&str> = match (t.as_str(), fused_qkv) {
-                ("qkv_proj", false) => vec!["q_proj", "k_proj", "v_proj"],
-                ("q_proj" | "k_proj" | "v_proj", true) => anyhow::bail!(
+            let kind = BlockLinear::from_name(t).expect("checked against TARGET_MODULES");
+            let parts: Vec<&str> = match (kind, fused_qkv) {
+                (BlockLinear::Qkv, false) => kind.parts().iter().map(|p| p.name()).collect(),
+                (BlockLinear::Q | BlockLinear::K | BlockLinear::V, true) => anyhow::bail!(
                     "lora target {t:?}: this checkpoint stores q, k and v as one fused qkv_proj, which has no {t}; \
                      target \"qkv_proj\" (one adapter on the fused projection, as the MLPerf reference does)"
                 ),
-                (name, _) => vec![name],
+                _ => vec![kind.name()],
             };
             for p in parts {
                 if !targets.iter().any(|x| x == p) {

@@ -17,6 +17,7 @@ use anyhow::{Context, ensure};
 pub use safetensors::tensor::Dtype;
 
 use crate::checkpoint::{HfCheckpoint, Shard};
+use crate::layout::BlockLinear;
 use crate::peft::{adapter_tensor_names, read_peft_config, stray_tensor_error};
 
 /// What an export wrote.
@@ -163,18 +164,18 @@ fn updates_of(
     if let Some(u) = adapter.update(module, *out, *inp)? {
         return Ok(vec![(0, u)]);
     }
-    let Some(layer) = module.strip_suffix(".qkv_proj") else { return Ok(Vec::new()) };
-    let c = &ckpt.config;
-    let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+    let fused = BlockLinear::Qkv;
+    let Some(prefix) = module.strip_suffix(fused.name()).filter(|p| p.ends_with('.')) else { return Ok(Vec::new()) };
     let mut parts = Vec::new();
     let mut row = 0;
-    for (proj, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
-        if let Some(u) = adapter.update(&format!("{layer}.{proj}"), rows, *inp)? {
+    for part in fused.parts() {
+        let [rows, _] = part.shape(&ckpt.config);
+        if let Some(u) = adapter.update(&format!("{prefix}{}", part.name()), rows, *inp)? {
             parts.push((row, u));
         }
         row += rows;
     }
-    ensure!(parts.is_empty() || row == *out, "{name}: {out} rows, but q/k/v take {qd} + {kvd} + {kvd}");
+    ensure!(parts.is_empty() || row == *out, "{name}: {out} rows, but q, k and v take {row}");
     Ok(parts)
 }
 

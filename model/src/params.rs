@@ -4,7 +4,7 @@
 use burn::module::Param;
 use burn::tensor::Tensor;
 
-use crate::llama::{Attention, DecoderLayer, LlamaForCausalLM, Mlp};
+use crate::llama::{DecoderLayer, LlamaForCausalLM};
 use crate::lora::{LoraAdapter, LoraLinear};
 
 /// The name of DoRA's magnitude in a PEFT adapter file, after the module's
@@ -35,35 +35,17 @@ impl LlamaForCausalLM {
         out
     }
 
-    /// Every linear layer with its HF module path (`model.layers.0.self_attn.q_proj`).
+    /// Every linear layer with its HF module path (`model.layers.0.self_attn.q_proj`), in
+    /// forward order.
     pub fn named_linears(&self) -> Vec<(String, &LoraLinear)> {
-        let mut out = Vec::new();
-        for (l, layer) in self.layers.iter().enumerate() {
-            let a = &layer.self_attn;
-            let p = format!("model.layers.{l}");
-            for (n, m) in
-                [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("qkv_proj", &a.qkv_proj)]
-            {
-                if let Some(m) = m {
-                    out.push((format!("{p}.self_attn.{n}"), m));
-                }
-            }
-            out.push((format!("{p}.self_attn.o_proj"), &a.o_proj));
-            let m = &layer.mlp;
-            out.push((format!("{p}.mlp.gate_proj"), &m.gate_proj));
-            out.push((format!("{p}.mlp.up_proj"), &m.up_proj));
-            out.push((format!("{p}.mlp.down_proj"), &m.down_proj));
-        }
-        out
+        let blocks = self.layers.iter().enumerate();
+        blocks.flat_map(|(l, layer)| layer.linears().into_iter().map(move |(k, m)| (k.path(l), m))).collect()
     }
 
     /// Mutable variant of [`LlamaForCausalLM::named_linears`], same order.
     pub fn named_linears_mut(&mut self) -> Vec<(String, &mut LoraLinear)> {
-        self.layers
-            .iter_mut()
-            .enumerate()
-            .flat_map(|(l, layer)| layer_linears_mut(l, &mut layer.self_attn, &mut layer.mlp))
-            .collect()
+        let blocks = self.layers.iter_mut().enumerate();
+        blocks.flat_map(|(l, layer)| layer.linears_mut().into_iter().map(move |(k, m)| (k.path(l), m))).collect()
     }
 
     /// Every parameter of one kind, named as it is saved: base weights with HF names
@@ -92,8 +74,8 @@ impl LlamaForCausalLM {
                         format!("{p}.post_attention_layernorm.weight"),
                         ParamMut::Vector(&mut post_attention_layernorm.weight),
                     ));
-                    for (name, linear) in layer_linears_mut(l, self_attn, mlp) {
-                        out.push((format!("{name}.weight"), ParamMut::Matrix(&mut linear.weight)));
+                    for (kind, linear) in self_attn.linears_mut().into_iter().chain(mlp.linears_mut()) {
+                        out.push((format!("{}.weight", kind.path(l)), ParamMut::Matrix(&mut linear.weight)));
                     }
                 }
                 out.push(("model.norm.weight".to_string(), ParamMut::Vector(&mut self.norm.weight)));
@@ -111,24 +93,6 @@ impl LlamaForCausalLM {
         let full = self.embed_tokens.val().is_require_grad();
         self.params_mut(if full { ParamKind::Base } else { ParamKind::Adapters })
     }
-}
-
-/// The linear layers of decoder layer `l` with their HF module paths, in forward order.
-fn layer_linears_mut<'a>(l: usize, a: &'a mut Attention, m: &'a mut Mlp) -> Vec<(String, &'a mut LoraLinear)> {
-    let mut out = Vec::new();
-    let p = format!("model.layers.{l}");
-    for (n, m) in
-        [("q_proj", &mut a.q_proj), ("k_proj", &mut a.k_proj), ("v_proj", &mut a.v_proj), ("qkv_proj", &mut a.qkv_proj)]
-    {
-        if let Some(m) = m.as_mut() {
-            out.push((format!("{p}.self_attn.{n}"), m));
-        }
-    }
-    out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
-    out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
-    out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
-    out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
-    out
 }
 
 /// Which parameters [`LlamaForCausalLM::params_mut`] lists.

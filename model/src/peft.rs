@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use crate::checkpoint::{Shard, safetensors_bytes, tensor_f32, write_atomic};
 use crate::config::LlamaConfig;
+use crate::layout::BlockLinear;
 use crate::llama::LlamaForCausalLM;
 use crate::lora::{LoraAdapter, LoraSpec};
 
@@ -146,15 +147,15 @@ fn llama_modules(config: &LlamaConfig) -> Vec<(String, ModuleKind)> {
     let mut out: Vec<(String, ModuleKind)> =
         ["", "model", "model.embed_tokens", "model.layers"].iter().map(|n| (n.to_string(), Other)).collect();
     out[2].1 = EmbeddingOrHead;
-    let attn: &[&str] =
-        if config.fused_qkv { &["qkv_proj", "o_proj"] } else { &["q_proj", "k_proj", "v_proj", "o_proj"] };
+    let linears = BlockLinear::of(config.fused_qkv);
+    let in_part = |part: &'static str| linears.iter().filter(move |k| k.part() == part);
     for l in 0..config.num_hidden_layers {
         let p = format!("model.layers.{l}");
         out.push((p.clone(), Other));
         out.push((format!("{p}.self_attn"), Other));
-        out.extend(attn.iter().map(|m| (format!("{p}.self_attn.{m}"), Projection)));
+        out.extend(in_part("self_attn").map(|k| (k.path(l), Projection)));
         out.push((format!("{p}.mlp"), Other));
-        out.extend(["gate_proj", "up_proj", "down_proj"].iter().map(|m| (format!("{p}.mlp.{m}"), Projection)));
+        out.extend(in_part("mlp").map(|k| (k.path(l), Projection)));
         out.push((format!("{p}.mlp.act_fn"), Other));
         out.push((format!("{p}.input_layernorm"), Other));
         out.push((format!("{p}.post_attention_layernorm"), Other));

@@ -15,6 +15,7 @@
 //! Not counted: recomputed blocks' second forward (overhead, not model work, as in Megatron's
 //! and MLPerf's "model FLOPs"), norms, softmax, RoPE and other elementwise work.
 
+use llora_model::layout::BlockLinear;
 use llora_model::{LlamaConfig, LlamaForCausalLM};
 use serde_json::{Value, json};
 
@@ -35,7 +36,7 @@ impl Adapters {
         for (name, a) in model.adapters() {
             let ([r, i], [o, _]) = (a.a.shape().dims::<2>(), a.b.shape().dims::<2>());
             out.params += (r * i + o * r) as u64;
-            let qkv = ["q_proj", "k_proj", "v_proj", "qkv_proj"].iter().any(|m| name.ends_with(m));
+            let qkv = BlockLinear::from_name(&name).is_some_and(BlockLinear::is_qkv);
             if qkv && name.contains("model.layers.0.self_attn.") {
                 out.first_block_qkv_a += (r * i) as u64;
             }

@@ -7,6 +7,7 @@
 //! `scripts/bench-memory.sh` tabulates the two (docs/memory.md).
 
 use llora_model::LlamaConfig;
+use llora_model::layout::{BlockLinear, LinearInput};
 use llora_model::precision::{Compute, PrecisionSpec};
 use serde_json::{Value, json};
 
@@ -108,48 +109,13 @@ pub struct Budget {
     pub peak: f64,
 }
 
-/// The adapted linears of a block: (name, input width, which input they share).
-/// The output width of projection `name` and the block part it is in (`self_attn`, `mlp`).
-fn out_width(c: &llora_model::LlamaConfig, name: &str) -> (usize, &'static str) {
-    let (qd, kvd) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
-    match name {
-        "qkv_proj" => (qd + 2 * kvd, "self_attn"),
-        "q_proj" => (qd, "self_attn"),
-        "k_proj" | "v_proj" => (kvd, "self_attn"),
-        "o_proj" | "down_proj" => (c.hidden_size, if name == "o_proj" { "self_attn" } else { "mlp" }),
-        _ => (c.intermediate_size, "mlp"),
-    }
-}
-
-fn adapted(s: &Shape) -> Vec<(&'static str, usize, &'static str)> {
-    let c = &s.model;
-    let (d, qd, i) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size);
-    let t = |n: &str| s.lora.targets.iter().any(|x| x == n);
-    let fused = c.fused_qkv || t("qkv_proj");
-    let mut out = Vec::new();
-    if fused {
-        if t("qkv_proj") || t("q_proj") || t("k_proj") || t("v_proj") {
-            out.push(("qkv_proj", d, "attn_in"));
-        }
-    } else {
-        for n in ["q_proj", "k_proj", "v_proj"] {
-            if t(n) {
-                out.push((n, d, "attn_in"));
-            }
-        }
-    }
-    if t("o_proj") {
-        out.push(("o_proj", qd, "attn_out"));
-    }
-    for n in ["gate_proj", "up_proj"] {
-        if t(n) {
-            out.push((n, d, "mlp_in"));
-        }
-    }
-    if t("down_proj") {
-        out.push(("down_proj", i, "mlp_hidden"));
-    }
-    out
+/// The adapted linears of a block, in forward order, as the model builds them: a target names
+/// every linear whose rows it overlaps (`qkv_proj` on separate projections adapts q, k and v;
+/// `q_proj` on a fused checkpoint is refused at load, counted here as the fused adapter).
+fn adapted(s: &Shape) -> Vec<BlockLinear> {
+    let targets: Vec<BlockLinear> = s.lora.targets.iter().filter_map(|t| BlockLinear::from_name(t)).collect();
+    let overlaps = |k: &BlockLinear| targets.iter().any(|t| t.parts().iter().any(|p| k.parts().contains(p)));
+    BlockLinear::of(s.model.fused_qkv).iter().copied().filter(overlaps).collect()
 }
 
 /// Bytes per element of the activations between the GEMMs (f32, or bf16 for bf16 and FP8).
@@ -237,8 +203,8 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
         k("SwiGLU up", i * a, "SwiGLU backward"),
     ]);
     let mut shared = Vec::new();
-    for (name, n_in, input) in adapted(s) {
-        let n = n_in as f64;
+    for kind in adapted(s) {
+        let (name, input, n) = (kind.name(), kind.input(), kind.shape(&s.model)[1] as f64);
         if s.lora.dropout > 0.0 {
             // The mask is redrawn from its seed in backward (model/src/dropout.rs).
             out.push(Kept {
@@ -248,14 +214,14 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
             });
         } else if s.precision.fp8_activations {
             out.push(Kept { name: format!("{name} adapter input"), bytes: n * a, why: "LoRA A gradient (FP8 copy)" });
-        } else if !shared.contains(&input) && input != "attn_out" {
+        } else if !shared.contains(&input) && input != LinearInput::AttnOut {
             // Without dropout the input is the activation itself, kept once for all its
             // adapters (the attention output is kept by attention already).
             shared.push(input);
             out.push(Kept { name: format!("{name} adapter input"), bytes: n * e, why: "LoRA A gradient" });
         }
         out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
-        out.extend(dora_kept(s, name));
+        out.extend(dora_kept(s, kind));
     }
     out
 }
@@ -264,11 +230,11 @@ pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
 /// factor for the magnitude's gradient, in the adapter output's dtype (f32, bf16 under FP8:
 /// `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout the dropped input's two
 /// parts apart (model/src/lora.rs).
-fn dora_kept(s: &Shape, name: &str) -> Option<Kept> {
+fn dora_kept(s: &Shape, kind: BlockLinear) -> Option<Kept> {
     if !s.lora.dora {
         return None;
     }
-    let n_out = out_width(&s.model, name).0 as f64;
+    let (name, n_out) = (kind.name(), kind.shape(&s.model)[0] as f64);
     let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
     let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
     Some(Kept {
@@ -297,17 +263,18 @@ pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
         Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
     ];
     let mut inputs = Vec::new();
-    for (name, n_in, input) in adapted(s) {
-        if input != "attn_out" && !inputs.contains(&input) {
+    for kind in adapted(s) {
+        let (input, [_, n_in]) = (kind.input(), kind.shape(&s.model));
+        if input != LinearInput::AttnOut && !inputs.contains(&input) {
             inputs.push(input);
             out.push(Kept {
-                name: format!("{input} (adapter input, once)"),
+                name: format!("{} (adapter input, once)", input.name()),
                 bytes: n_in as f64 * a,
                 why: "LoRA A gradients (masks redrawn from the seed)",
             });
         }
-        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
-        out.extend(dora_kept(s, name));
+        out.push(Kept { name: format!("{} adapter bottleneck", kind.name()), bytes: r * b, why: "LoRA B gradient" });
+        out.extend(dora_kept(s, kind));
     }
     out
 }
@@ -337,9 +304,8 @@ fn allocated(bytes: f64, target: Target) -> f64 {
 
 /// Elements of each linear weight of one decoder block, and of the largest one.
 fn block_linears(c: &LlamaConfig) -> (Vec<f64>, f64) {
-    let (d, qd, kvd, i) =
-        (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
-    let sizes: Vec<f64> = [d * qd, d * kvd, d * kvd, qd * d, d * i, d * i, i * d].iter().map(|&x| x as f64).collect();
+    let sizes: Vec<f64> =
+        BlockLinear::of(c.fused_qkv).iter().map(|k| k.shape(c).iter().product::<usize>() as f64).collect();
     let largest = sizes.iter().cloned().fold(0.0, f64::max);
     (sizes, largest)
 }
@@ -350,9 +316,8 @@ fn lora_params(s: &Shape) -> f64 {
     let c = &s.model;
     let mut total = 0usize;
     for l in 0..c.num_hidden_layers {
-        for (name, n_in, _) in adapted(s) {
-            let (n_out, part) = out_width(c, name);
-            let module = format!("model.layers.{l}.{part}.{name}");
+        for kind in adapted(s) {
+            let ([n_out, n_in], module) = (kind.shape(c), kind.path(l));
             if s.lora.layers.as_ref().is_some_and(|ls| !ls.contains(&l)) {
                 continue;
             }
@@ -460,7 +425,7 @@ pub fn budget(s: &Shape) -> Budget {
     let cpu_fp8 = if s.target == Target::Cpu { alloc(t * i * 4.0) + 3.0 * alloc(block * 4.0) } else { 0.0 };
     let fp8_kept = if saved_elem(p) < e { 2.0 * alloc(e * t * i) + alloc(4.0 * t * i) } else { 0.0 };
     let swiglu = 4.0 * alloc(e * t * i) + fp8_kept;
-    let widest_adapter = adapted(s).iter().map(|(_, n, _)| *n).max().unwrap_or(0) as f64;
+    let widest_adapter = adapted(s).iter().map(|k| k.shape(&s.model)[1]).max().unwrap_or(0) as f64;
     let upcast = if p.compute == Compute::Bf16 { alloc(widest_adapter * t * 4.0) } else { 0.0 };
     let gemm = match p.compute {
         // `_scaled_mm`'s operands: the input's and gradient's FP8 codes, the weight's codes
@@ -776,6 +741,30 @@ mod tests {
         // DoRA: a magnitude per output row of each adapted module (q d, k kv, v kv, o d).
         s.lora.dora = true;
         assert_eq!(lora_params(&s), 2.0 * (per_layer(4.0) + d + kv + kv + d));
+    }
+
+    /// The planner counts the adapters the loader attaches: a `tiny-gqa` model built with each
+    /// target set (on both layouts, `qkv_proj` on separate projections meaning q, k and v)
+    /// has as many LoRA parameters as [`lora_params`] says.
+    #[test]
+    fn adapter_count_is_the_built_models() {
+        let device = burn::tensor::Device::default();
+        for (fused, targets) in [
+            (false, &["qkv_proj", "o_proj"][..]),
+            (false, &["q_proj", "v_proj", "down_proj"]),
+            (true, &["qkv_proj", "gate_proj"]),
+        ] {
+            let mut s = mlperf(1, 0, false);
+            s.model = LlamaConfig { fused_qkv: fused, ..LlamaConfig::preset("tiny-gqa").unwrap() };
+            s.lora = llora_model::LoraSpec {
+                rank: 4,
+                targets: targets.iter().map(|t| t.to_string()).collect(),
+                ..Default::default()
+            };
+            let opts = llora_model::BuildOptions { lora: Some(&s.lora), ..Default::default() };
+            let model = llora_model::LlamaForCausalLM::random(&s.model, &opts, &device).unwrap();
+            assert_eq!(lora_params(&s), model.num_lora_parameters() as f64, "{targets:?}, fused {fused}");
+        }
     }
 
     /// NF4 (QLoRA) frozen weights, worked by hand on Llama 2 70B: 80 layers of
