@@ -192,3 +192,157 @@ fn the_check_finds_circles_of_each_kind() {
 fn common_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
+
+/// The longest a function may be, in lines from its `fn` to its closing brace: one screen
+/// (the house issue's rule; tests aside).
+const MAX_FUNCTION_LINES: usize = 100;
+
+/// `text` with every string, char literal and comment blanked out (newlines kept), so that
+/// braces and `fn` can be read off what is left. Lifetimes (`'a`) stay code.
+fn blank_literals(text: &str) -> String {
+    let c: Vec<char> = text.chars().collect();
+    let mut out = String::with_capacity(text.len());
+    let keep_newline = |ch: char| if ch == '\n' { '\n' } else { ' ' };
+    let mut i = 0;
+    while i < c.len() {
+        let start = i;
+        if c[i] == '/' && at(&c, i + 1) == '/' {
+            while i < c.len() && c[i] != '\n' {
+                i += 1;
+            }
+        } else if c[i] == '/' && at(&c, i + 1) == '*' {
+            let mut depth = 0;
+            loop {
+                if i >= c.len() {
+                    break;
+                } else if c[i] == '/' && at(&c, i + 1) == '*' {
+                    depth += 1;
+                    i += 2;
+                } else if c[i] == '*' && at(&c, i + 1) == '/' {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        } else if c[i] == 'r'
+            && (at(&c, i + 1) == '"' || (at(&c, i + 1) == '#' && (at(&c, i + 2) == '"' || at(&c, i + 2) == '#')))
+            && (i == 0 || !(c[i - 1].is_alphanumeric() || c[i - 1] == '_'))
+        {
+            let hashes = (1..).take_while(|&k| at(&c, i + k) == '#').count();
+            i += 2 + hashes;
+            let closing: Vec<char> = std::iter::once('"').chain(std::iter::repeat_n('#', hashes)).collect();
+            while i < c.len() && c[i..].iter().take(closing.len()).ne(closing.iter()) {
+                i += 1;
+            }
+            i += closing.len();
+        } else if c[i] == '"' {
+            i += 1;
+            while i < c.len() && c[i] != '"' {
+                i += if c[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if c[i] == '\''
+            && (at(&c, i + 2) == '\'' || (at(&c, i + 1) == '\\' && c[i + 2..].iter().take(10).any(|&x| x == '\'')))
+        {
+            i += 1;
+            while i < c.len() && c[i] != '\'' {
+                i += if c[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else {
+            out.push(c[i]);
+            i += 1;
+            continue;
+        }
+        out.extend(c[start..i.min(c.len())].iter().map(|&ch| keep_newline(ch)));
+    }
+    out
+}
+
+/// The character at `i`, or NUL past the end.
+fn at(c: &[char], i: usize) -> char {
+    c.get(i).copied().unwrap_or('\0')
+}
+
+/// Every function of `text` (its code before `#[cfg(test)]`) longer than `max` lines: name,
+/// first line (1-based) and length.
+fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
+    let code = blank_literals(text.split("#[cfg(test)]").next().unwrap_or_default());
+    let fn_re = Regex::new(r"\bfn\s+([A-Za-z_][A-Za-z0-9_]*)").unwrap();
+    let line_of = |at: usize| code[..at].matches('\n').count() + 1;
+    let mut out = Vec::new();
+    for m in fn_re.captures_iter(&code) {
+        let start = m.get(0).unwrap().start();
+        let after = &code[start..];
+        let (Some(open), semi) = (after.find('{'), after.find(';')) else { continue };
+        if semi.is_some_and(|s| s < open) {
+            continue; // a declaration without a body (a trait's, an extern's)
+        }
+        let mut depth = 0usize;
+        let mut end = start + open;
+        for (k, ch) in after[open..].char_indices() {
+            match ch {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            if depth == 0 {
+                end = start + open + k;
+                break;
+            }
+        }
+        let lines = line_of(end) - line_of(start) + 1;
+        if lines > max {
+            out.push((m[1].to_string(), line_of(start), lines));
+        }
+    }
+    out
+}
+
+/// The Rust files under `dir`.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_function_fits_a_screen() {
+    let mut found = Vec::new();
+    for krate in ["model", "data", "trainer"] {
+        for path in rust_files(&common_root().join(krate).join("src")) {
+            for (name, line, lines) in long_functions(&std::fs::read_to_string(&path).unwrap(), MAX_FUNCTION_LINES) {
+                found.push(format!("{}:{line} fn {name}: {lines} lines", path.display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "functions over {MAX_FUNCTION_LINES} lines (split them):\n{}", found.join("\n"));
+}
+
+/// Positive controls: a long function is found, with its name, line and length; braces in
+/// strings, raw strings, char literals and comments do not end it early or late; a trait's
+/// declaration has no body; lifetimes are code; test modules are left out.
+#[test]
+fn the_length_check_reads_bodies_as_the_compiler_does() {
+    let body = |n: usize| (0..n).map(|i| format!("    let x{i} = 1;\n")).collect::<String>();
+    let text = format!(
+        "trait T {{ fn decl(&self); }}\nfn short<'a>(x: &'a str) -> char {{ let _ = \"}}\"; '}}' }}\n\
+         fn long() {{\n    let s = r#\"{{ \"# ; // {{\n    /* }} */\n{}}}\n#[cfg(test)]\nmod tests {{ fn t() {{\n{}}} }}\n",
+        body(8),
+        body(20)
+    );
+    assert_eq!(long_functions(&text, 5), [("long".to_string(), 3, 12)]);
+    assert!(long_functions(&text, 12).is_empty());
+}

@@ -332,113 +332,169 @@ fn lora_params(s: &Shape) -> f64 {
 /// The memory one rank of the run `s` needs at its peak, term by term, each tensor as the
 /// allocator rounds it ([`allocated`]).
 pub fn budget(s: &Shape) -> Budget {
-    let c = &s.model;
-    let (d, l, v, i) = (c.hidden_size as f64, c.num_hidden_layers, c.vocab_size as f64, c.intermediate_size as f64);
-    let t = (s.micro_batch * s.seq_len) as f64;
-    let world = s.world.max(1) as f64;
-    let p = &s.precision;
-    let alloc = |bytes: f64| allocated(bytes, s.target);
-    let (weights, largest) = block_linears(c);
-    let sharded = s.shard_frozen_weights && s.world > 1;
-    // FP8 weights kept whole on CUDA keep their transpose too (`_scaled_mm` wants the
-    // input-gradient GEMM's weight column-major: precision/mod.rs, `StoredWeight::Fp8`).
-    let transposed =
-        s.target == Target::Cuda && p.compute == Compute::Fp8 && p.fp8_weights && !p.fp8_weights_one_layout && !sharded;
-    let w = weight_elem(p) * if transposed { 2.0 } else { 1.0 };
-    let mut lines = Vec::new();
-    let mut add = |name, bytes: f64, note: String| lines.push(Line { name, bytes, note });
     let runtime = match s.target {
         Target::Cpu => CPU_RUNTIME_BYTES,
         Target::Cuda => CUDA_RUNTIME_BYTES,
     };
-    add("runtime", runtime, format!("{:?} runtime before the model", s.target));
-    let block = |share: f64| weights.iter().map(|&n| alloc(n * w / share)).sum::<f64>();
-    let (frozen, note) = if sharded {
+    let mut lines =
+        vec![Line { name: "runtime", bytes: runtime, note: format!("{:?} runtime before the model", s.target) }];
+    lines.push(frozen_weights(s));
+    lines.extend(nf4_dequantised(s));
+    lines.push(tables_and_norms(s));
+    let n_lora = lora_params(s);
+    // Parameter, its gradient, the flat gradient the step reduces, AdamW's two moments.
+    let note = format!("{n_lora} parameters x 5 f32");
+    lines.push(Line { name: "LoRA weights, gradients, AdamW", bytes: n_lora * 4.0 * 5.0, note });
+    lines.push(saved_activations(s));
+    lines.push(final_norm_and_loss(s));
+    lines.push(workspace(s));
+    lines.extend(cpu_gemm_workspace(s));
+    let mut peak: f64 = lines.iter().map(|x| x.bytes).sum();
+    if s.target == Target::Cuda {
+        let margin = (peak - runtime) * CUDA_FRAGMENTATION;
+        lines.push(Line { name: "allocator margin", bytes: margin, note: "5% of tensors (caching allocator)".into() });
+        peak += margin;
+    }
+    Budget { lines, peak }
+}
+
+/// Tokens of one micro-batch.
+fn tokens(s: &Shape) -> f64 {
+    (s.micro_batch * s.seq_len) as f64
+}
+
+/// Whether the frozen weights are sharded over more than one rank.
+fn sharded(s: &Shape) -> bool {
+    s.shard_frozen_weights && s.world > 1
+}
+
+/// The frozen linear weights: every block's, replicated or a 1/world share of each plus the
+/// blocks gathered at a time.
+fn frozen_weights(s: &Shape) -> Line {
+    let (c, p) = (&s.model, &s.precision);
+    let l = c.num_hidden_layers;
+    let (weights, _) = block_linears(c);
+    // FP8 weights kept whole on CUDA keep their transpose too (`_scaled_mm` wants the
+    // input-gradient GEMM's weight column-major: precision/weights.rs, `StoredWeight::Fp8`).
+    let transposed = s.target == Target::Cuda
+        && p.compute == Compute::Fp8
+        && p.fp8_weights
+        && !p.fp8_weights_one_layout
+        && !sharded(s);
+    let w = weight_elem(p) * if transposed { 2.0 } else { 1.0 };
+    let block = |share: f64| weights.iter().map(|&n| allocated(n * w / share, s.target)).sum::<f64>();
+    let (bytes, note) = if sharded(s) {
         // The block that runs and the next one, whose gather is in flight meanwhile.
         let gathered = l.min(2);
         (
-            l as f64 * block(world) + gathered as f64 * block(1.0),
+            l as f64 * block(s.world as f64) + gathered as f64 * block(1.0),
             format!("{w} B/elem, 1/{} of every block + {gathered} block(s) gathered", s.world),
         )
     } else {
         let one = s.target == Target::Cuda && p.fp8_weights && p.fp8_weights_one_layout;
-        let layouts = if transposed {
-            " (both layouts)"
-        } else if one {
-            " (one layout, transposed for each backward GEMM)"
-        } else {
-            ""
+        let layouts = match (transposed, one) {
+            (true, _) => " (both layouts)",
+            (false, true) => " (one layout, transposed for each backward GEMM)",
+            (false, false) => "",
         };
         (l as f64 * block(1.0), format!("{w} B/elem{layouts}, replicated"))
     };
-    add("frozen linear weights", frozen, note);
-    if p.nf4.is_some() {
-        // Each GEMM dequantises its weight whole: NF4 codes to f32 (precision/weights.rs),
-        // then the compute dtype's copy for bf16.
-        let copy = if p.compute == Compute::Bf16 { alloc(largest * 2.0) } else { 0.0 };
-        add(
-            "NF4 weight dequantised for its GEMM",
-            alloc(largest * 4.0) + copy,
-            "the largest linear weight in f32 (and bf16), while its GEMM runs".into(),
-        );
-    }
-    // Frozen tables are stored in the activations' dtype (llama.rs build); norms f32.
-    let e = act_elem(p);
+    Line { name: "frozen linear weights", bytes, note }
+}
+
+/// NF4: each GEMM dequantises its weight whole: NF4 codes to f32 (precision/weights.rs), then
+/// the compute dtype's copy for bf16.
+fn nf4_dequantised(s: &Shape) -> Option<Line> {
+    let p = &s.precision;
+    p.nf4?;
+    let (_, largest) = block_linears(&s.model);
+    let copy = if p.compute == Compute::Bf16 { allocated(largest * 2.0, s.target) } else { 0.0 };
+    Some(Line {
+        name: "NF4 weight dequantised for its GEMM",
+        bytes: allocated(largest * 4.0, s.target) + copy,
+        note: "the largest linear weight in f32 (and bf16), while its GEMM runs".into(),
+    })
+}
+
+/// Frozen tables, stored in the activations' dtype (load.rs), and the f32 norms.
+fn tables_and_norms(s: &Shape) -> Line {
+    let c = &s.model;
+    let (d, v, l) = (c.hidden_size as f64, c.vocab_size as f64, c.num_hidden_layers);
+    let e = act_elem(&s.precision);
     // A tied LM head is the embedding table itself (Llama 3.2 1B/3B).
     let tables = if c.tie_word_embeddings { 1.0 } else { 2.0 };
-    add(
-        "embedding, LM head, norms",
-        tables * alloc(v * d * e) + (2 * l + 1) as f64 * alloc(d * 4.0),
-        format!("{e} B/elem tables{}, f32 norms, replicated", if c.tie_word_embeddings { " (tied: one)" } else { "" }),
-    );
-    let n_lora = lora_params(s);
-    // Parameter, its gradient, the flat gradient the step reduces, AdamW's two moments.
-    add("LoRA weights, gradients, AdamW", n_lora * 4.0 * 5.0, format!("{n_lora} parameters x 5 f32"));
+    Line {
+        name: "embedding, LM head, norms",
+        bytes: tables * allocated(v * d * e, s.target) + (2 * l + 1) as f64 * allocated(d * 4.0, s.target),
+        note: format!(
+            "{e} B/elem tables{}, f32 norms, replicated",
+            if c.tie_word_embeddings { " (tied: one)" } else { "" }
+        ),
+    }
+}
+
+/// What backward needs kept at its start: the blocks with a graph (block 0's input needs no
+/// gradient), each recomputed block's input, and the recomputed block being backpropagated.
+fn saved_activations(s: &Shape) -> Line {
+    let l = s.model.num_hidden_layers;
+    let (t, e, d) = (tokens(s), act_elem(&s.precision), s.model.hidden_size as f64);
+    let alloc = |bytes: f64| allocated(bytes, s.target);
     let kept: f64 = kept_per_token(s).iter().map(|k| alloc(k.bytes * t)).sum();
     let n = s.recompute_layers.min(l);
-    // Kept at the top of backward: the blocks with a graph (block 0's input needs no
-    // gradient), each recomputed block's input, and the recomputed block being backpropagated.
-    let untracked_input = n == 0 && !sharded;
+    let untracked_input = n == 0 && !sharded(s);
     let graphs = (l - n) as f64 * kept - if untracked_input { alloc(e * d * t) } else { 0.0 };
     let recompute = if n > 0 { n as f64 * alloc(e * d * t) + kept } else { 0.0 };
-    add("saved activations", graphs + recompute, format!("{} blocks kept, {n} recomputed", l - n));
-    let rows = (t * s.target_fraction).ceil();
-    // The final norm's input and its output, the loss's dh rows, one chunk of f32 logits
-    // (and the chunk's bf16 GEMM output it is upcast from).
-    let chunk = LCE_CHUNK_BYTES.min(rows * v * 4.0);
+    Line {
+        name: "saved activations",
+        bytes: graphs + recompute,
+        note: format!("{} blocks kept, {n} recomputed", l - n),
+    }
+}
+
+/// Target rows of a micro-batch.
+fn target_rows(s: &Shape) -> f64 {
+    (tokens(s) * s.target_fraction).ceil()
+}
+
+/// The final norm's input and its output, and the loss's dh rows.
+fn final_norm_and_loss(s: &Shape) -> Line {
+    let (t, e, d) = (tokens(s), act_elem(&s.precision), s.model.hidden_size as f64);
+    let rows = target_rows(s);
+    let bytes = 2.0 * allocated(e * d * t, s.target) + allocated(e * d * rows, s.target);
+    Line { name: "final norm and loss", bytes, note: format!("{rows} target rows kept for backward") }
+}
+
+/// Whether bf16 GEMMs are routed through f32 (a CPU without native bf16).
+fn upcast_gemms(s: &Shape) -> bool {
+    act_elem(&s.precision) < 4.0 && !s.native_bf16_gemm
+}
+
+/// The loss's transients: one chunk of f32 logits (and the chunk's bf16 GEMM output it is
+/// upcast from), and the LM head's f32 column block when bf16 GEMMs go through f32.
+fn loss_transients(s: &Shape) -> (f64, f64) {
+    let (e, d, v) = (act_elem(&s.precision), s.model.hidden_size as f64, s.model.vocab_size as f64);
+    let alloc = |bytes: f64| allocated(bytes, s.target);
+    let chunk = LCE_CHUNK_BYTES.min(target_rows(s) * v * 4.0);
     let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
-    // bf16 GEMMs routed through f32 upcast the LM head a column block at a time.
-    let upcast_gemms = e < 4.0 && !s.native_bf16_gemm;
     let head_block = (v * d).min(llora_model::loss::LCE_HEAD_BLOCK_ELEMENTS as f64);
-    let table = if upcast_gemms { alloc(head_block * 4.0) } else { 0.0 };
-    let head = alloc(e * d * t) + alloc(e * d * t) + alloc(e * d * rows);
-    add("final norm and loss", head, format!("{rows} target rows kept for backward"));
+    let table = if upcast_gemms(s) { alloc(head_block * 4.0) } else { 0.0 };
+    (chunk, table)
+}
+
+/// The largest transient: the loss's, or backward's largest op. That is SwiGLU's, with four
+/// `[tokens, I]` activation-dtype tensors live (plus, when gate and up are stored in FP8, their
+/// dequantised copies and one f32 transient), or the MLP GEMM with its operands' copies; plus
+/// the residual-stream gradient. The loss's transients are gone when backward starts.
+fn workspace(s: &Shape) -> Line {
+    let p = &s.precision;
+    let (t, e) = (tokens(s), act_elem(p));
+    let (d, i) = (s.model.hidden_size as f64, s.model.intermediate_size as f64);
+    let alloc = |bytes: f64| allocated(bytes, s.target);
+    let (chunk, table) = loss_transients(s);
     let loss = chunk + table;
-    // The largest backward op: SwiGLU's, with four [tokens, I] activation-dtype tensors live
-    // (see precision.rs), plus, when gate and up are stored in FP8, their dequantised copies
-    // (and one f32 transient); or the MLP GEMM with its weight dequantised to f32 (FP8), or the
-    // f32 upcast of the widest adapter input (f32 adapters on bf16 activations). Plus the
-    // residual-stream gradient.
-    // torch's CPU `_scaled_mm` converts its operands to f32: the whole first operand and a
-    // column block of the second (scaled_mm.rs), with its transpose and f32 output.
-    let block = largest.min(CPU_GEMM_BLOCK_ELEMENTS);
-    let cpu_fp8 = if s.target == Target::Cpu { alloc(t * i * 4.0) + 3.0 * alloc(block * 4.0) } else { 0.0 };
     let fp8_kept = if saved_elem(p) < e { 2.0 * alloc(e * t * i) + alloc(4.0 * t * i) } else { 0.0 };
     let swiglu = 4.0 * alloc(e * t * i) + fp8_kept;
-    let widest_adapter = adapted(s).iter().map(|k| k.shape(&s.model)[1]).max().unwrap_or(0) as f64;
-    let upcast = if p.compute == Compute::Bf16 { alloc(widest_adapter * t * 4.0) } else { 0.0 };
-    let gemm = match p.compute {
-        // `_scaled_mm`'s operands: the input's and gradient's FP8 codes, the weight's codes
-        // and (uncached) transposed codes.
-        Compute::Fp8 => alloc(t * i * e) + alloc(t * d * e) + alloc(t * i) + 2.0 * alloc(largest) + cpu_fp8,
-        // bf16 routed through f32 (precision/bf16.rs): the first operand in f32, a column
-        // block of the weight in f32 and its f32 output block.
-        Compute::Bf16 if upcast_gemms => {
-            alloc(t * i * e) + alloc(t * d * e) + alloc(t * i * 4.0) + 2.0 * alloc(block * 4.0)
-        }
-        _ => alloc(t * i * e) + alloc(t * d * e) + upcast,
-    };
-    // The loss's transients are gone when backward starts: the larger of the two counts.
+    let gemm = gemm_workspace(s);
     let backward = swiglu.max(gemm) + 2.0 * alloc(t * d * e);
     let note = if loss > backward {
         "the loss: a chunk of logits".to_string() + if table > 0.0 { " and a block of the LM head in f32" } else { "" }
@@ -447,23 +503,49 @@ pub fn budget(s: &Shape) -> Budget {
     } else {
         "backward: the MLP GEMM with its operands' copies".into()
     };
-    add("loss or backward workspace", loss.max(backward), note);
-    if s.target == Target::Cpu {
-        // The big GEMMs run in f32 for fp32 compute and for the emulated FP8 recipe.
-        let (per_thread, which) = match p.compute {
-            Compute::Bf16 if s.native_bf16_gemm => (CPU_ADAPTER_GEMM_WORKSPACE, "the adapters' f32 GEMMs"),
-            _ => (CPU_F32_GEMM_WORKSPACE, "f32 GEMMs"),
-        };
-        let threads = s.threads.max(1);
-        add("GEMM workspace", per_thread * threads as f64, format!("MKL's buffers for {which}, {threads} thread(s)"));
+    Line { name: "loss or backward workspace", bytes: loss.max(backward), note }
+}
+
+/// The MLP GEMM's operands and their copies in backward, by compute precision.
+fn gemm_workspace(s: &Shape) -> f64 {
+    let p = &s.precision;
+    let (t, e) = (tokens(s), act_elem(p));
+    let (d, i) = (s.model.hidden_size as f64, s.model.intermediate_size as f64);
+    let alloc = |bytes: f64| allocated(bytes, s.target);
+    let (_, largest) = block_linears(&s.model);
+    // torch's CPU `_scaled_mm` converts its operands to f32: the whole first operand and a
+    // column block of the second (scaled_mm.rs), with its transpose and f32 output.
+    let block = largest.min(CPU_GEMM_BLOCK_ELEMENTS);
+    let cpu_fp8 = if s.target == Target::Cpu { alloc(t * i * 4.0) + 3.0 * alloc(block * 4.0) } else { 0.0 };
+    // The f32 upcast of the widest adapter input (f32 adapters on bf16 activations).
+    let widest_adapter = adapted(s).iter().map(|k| k.shape(&s.model)[1]).max().unwrap_or(0) as f64;
+    let upcast = if p.compute == Compute::Bf16 { alloc(widest_adapter * t * 4.0) } else { 0.0 };
+    match p.compute {
+        // `_scaled_mm`'s operands: the input's and gradient's FP8 codes, the weight's codes
+        // and (uncached) transposed codes.
+        Compute::Fp8 => alloc(t * i * e) + alloc(t * d * e) + alloc(t * i) + 2.0 * alloc(largest) + cpu_fp8,
+        // bf16 routed through f32 (precision/bf16.rs): the first operand in f32, a column
+        // block of the weight in f32 and its f32 output block.
+        Compute::Bf16 if upcast_gemms(s) => {
+            alloc(t * i * e) + alloc(t * d * e) + alloc(t * i * 4.0) + 2.0 * alloc(block * 4.0)
+        }
+        _ => alloc(t * i * e) + alloc(t * d * e) + upcast,
     }
-    let mut peak: f64 = lines.iter().map(|x| x.bytes).sum();
-    if s.target == Target::Cuda {
-        let margin = (peak - runtime) * CUDA_FRAGMENTATION;
-        lines.push(Line { name: "allocator margin", bytes: margin, note: "5% of tensors (caching allocator)".into() });
-        peak += margin;
+}
+
+/// CPU: MKL's per-thread buffers; the big GEMMs run in f32 for fp32 compute and for the
+/// emulated FP8 recipe.
+fn cpu_gemm_workspace(s: &Shape) -> Option<Line> {
+    if s.target != Target::Cpu {
+        return None;
     }
-    Budget { lines, peak }
+    let (per_thread, which) = match s.precision.compute {
+        Compute::Bf16 if s.native_bf16_gemm => (CPU_ADAPTER_GEMM_WORKSPACE, "the adapters' f32 GEMMs"),
+        _ => (CPU_F32_GEMM_WORKSPACE, "f32 GEMMs"),
+    };
+    let threads = s.threads.max(1);
+    let note = format!("MKL's buffers for {which}, {threads} thread(s)");
+    Some(Line { name: "GEMM workspace", bytes: per_thread * threads as f64, note })
 }
 
 /// Dense FLOPs per byte of memory bandwidth of the GPUs llora plans for (H100/H200 bf16: 989

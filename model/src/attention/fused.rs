@@ -250,54 +250,9 @@ pub fn backward(
         g
     };
     match &saved.kept {
-        Kept::Cpu => {
-            let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
-            let (dq, dk, dv) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
-                &f(&grad),
-                &f(q),
-                &f(k),
-                &f(v),
-                &f(out),
-                lse,
-                0.0,
-                causal,
-                None::<tch::Tensor>,
-                None,
-            )?;
-            Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
-        }
+        Kept::Cpu => cpu_backward(&grad, [q, k, v], out, lse, causal),
         Kept::Own(kept) => kept.backward(&grad, [q, k, v], out, lse, causal),
-        Kept::Efficient { seed, offset } => {
-            let group = q.size()[1] / k.size()[1];
-            let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
-            // What torch's `_scaled_dot_product_efficient_attention_backward_cuda` does: the
-            // kernel works in [batch, seq, heads, head_dim]; mask type 1 = causal from top left.
-            let t = |x: &tch::Tensor| x.transpose(1, 2);
-            let (s_q, s_k) = (q.size()[2], k.size()[2]);
-            let (dq, dk, dv, _) = tch::Tensor::f_internal_efficient_attention_backward(
-                &t(&grad),
-                &t(q),
-                &t(k),
-                &t(v),
-                None::<&tch::Tensor>,
-                &t(out),
-                None::<&tch::Tensor>,
-                None::<&tch::Tensor>,
-                s_q,
-                s_k,
-                lse,
-                0.0,
-                &seed.get(),
-                &offset.get(),
-                i64::from(causal),
-                false,
-                None,
-                None,
-                None,
-                false,
-            )?;
-            Ok((t(&dq), sum_heads(t(&dk), group), sum_heads(t(&dv), group)))
-        }
+        Kept::Efficient { seed, offset } => efficient_backward(&grad, [q, k, v], out, lse, causal, [seed, offset]),
         Kept::Sdpa { flash: true, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset } => {
             tch::Tensor::f_internal_scaled_dot_product_flash_attention_backward(
                 &grad,
@@ -338,6 +293,74 @@ pub fn backward(
             )
         }
     }
+}
+
+/// The fused backward that ran: (dq, dk, dv).
+type Grads = Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError>;
+
+/// [`backward`] of the CPU flash kernel (in its compute kind; gradients in the inputs' kinds).
+fn cpu_backward(
+    grad: &tch::Tensor,
+    [q, k, v]: [&tch::Tensor; 3],
+    out: &tch::Tensor,
+    lse: &tch::Tensor,
+    causal: bool,
+) -> Grads {
+    let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
+    let (dq, dk, dv) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
+        &f(grad),
+        &f(q),
+        &f(k),
+        &f(v),
+        &f(out),
+        lse,
+        0.0,
+        causal,
+        None::<tch::Tensor>,
+        None,
+    )?;
+    Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
+}
+
+/// [`backward`] of CUDA's memory-efficient kernel, which has no native GQA: K and V repeated
+/// to the query heads again and their gradients summed over each group.
+fn efficient_backward(
+    grad: &tch::Tensor,
+    [q, k, v]: [&tch::Tensor; 3],
+    out: &tch::Tensor,
+    lse: &tch::Tensor,
+    causal: bool,
+    [seed, offset]: [&MaybeTensor; 2],
+) -> Grads {
+    let group = q.size()[1] / k.size()[1];
+    let (k, v) = (&repeat_heads(k, group), &repeat_heads(v, group));
+    // What torch's `_scaled_dot_product_efficient_attention_backward_cuda` does: the
+    // kernel works in [batch, seq, heads, head_dim]; mask type 1 = causal from top left.
+    let t = |x: &tch::Tensor| x.transpose(1, 2);
+    let (s_q, s_k) = (q.size()[2], k.size()[2]);
+    let (dq, dk, dv, _) = tch::Tensor::f_internal_efficient_attention_backward(
+        &t(grad),
+        &t(q),
+        &t(k),
+        &t(v),
+        None::<&tch::Tensor>,
+        &t(out),
+        None::<&tch::Tensor>,
+        None::<&tch::Tensor>,
+        s_q,
+        s_k,
+        lse,
+        0.0,
+        &seed.get(),
+        &offset.get(),
+        i64::from(causal),
+        false,
+        None,
+        None,
+        None,
+        false,
+    )?;
+    Ok((t(&dq), sum_heads(t(&dk), group), sum_heads(t(&dv), group)))
 }
 
 /// Checks `kernel`'s forward and backward on `device` against plain LibTorch ops (f32 matmul,

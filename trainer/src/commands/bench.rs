@@ -345,17 +345,29 @@ fn bench_step(
     train_step(model, optim, dist.comm.as_ref(), mine, targets, opts)
 }
 
-/// Timed LoRA steps of a preset on random tokens.
-fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
-    anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
-    anyhow::ensure!(args.accum >= 1, "--accum must be at least 1");
-    anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
-    let la0 = loadavg();
-    let device = device_spec.init(args.threads)?;
-    let train_device = device.clone().autodiff();
-    train_device.seed(args.seed);
-    let rss_before_build = rss_mb();
-    let heap_before_build = llora_model::device::heap_bytes().unwrap_or_default().in_use as f64 / (1 << 20) as f64;
+/// The bench's model, as built, and what building it took.
+struct Built {
+    config: LlamaConfig,
+    precision: llora_model::precision::PrecisionSpec,
+    model: LlamaForCausalLM,
+    /// `llora plan`'s prediction for this run.
+    plan: crate::plan::Budget,
+    /// Base-weight bytes of one decoder layer as stored (f32, bf16 or FP8 + scale).
+    weight_bytes: usize,
+    build_s: f64,
+    /// RSS before building and its high-water mark after, heap in use before and after (MiB).
+    rss: (Option<f64>, Option<f64>),
+    heap: (f64, f64),
+}
+
+/// Heap bytes in use, MiB (0 where jemalloc's statistics are not compiled in).
+fn heap_mb() -> f64 {
+    llora_model::device::heap_bytes().unwrap_or_default().in_use as f64 / (1 << 20) as f64
+}
+
+/// Builds the preset with the bench's adapters and precision on `device` (autodiff).
+fn build(args: &BenchArgs, dist: &crate::dist::Dist, device: &Device) -> anyhow::Result<Built> {
+    let (rss_before, heap_before) = (rss_mb(), heap_mb());
     let t_build = Instant::now();
     let config = LlamaConfig::preset(&args.preset)?;
     let spec = LoraSpec {
@@ -382,26 +394,164 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         threads: args.device.effective_threads(args.threads),
         native_bf16_gemm: args.device.is_cuda() || llora_model::precision::bf16::native_on_this_cpu(),
     });
-    let mut model = LlamaForCausalLM::random(
-        &config,
-        &BuildOptions {
-            lora: Some(&spec),
-            trainable: false,
-            precision: Some(precision),
-            sharding: dist.sharding(args.shard_frozen_weights),
-        },
-        &train_device,
-    )?;
-    // Base-weight bytes of one decoder layer as stored (f32, bf16 or FP8 + scale).
-    let weight_bytes: usize = model
-        .named_linears()
-        .iter()
-        .filter(|(n, _)| n.starts_with("model.layers.0."))
-        .map(|(_, l)| l.base_weight_bytes())
-        .sum();
+    let sharding = dist.sharding(args.shard_frozen_weights);
+    let opts = BuildOptions { lora: Some(&spec), trainable: false, precision: Some(precision), sharding };
+    let model = LlamaForCausalLM::random(&config, &opts, device)?;
+    let layer0 = model.layers.first().map_or(Vec::new(), |l| l.linears());
+    let weight_bytes = layer0.iter().map(|(_, l)| l.base_weight_bytes()).sum();
     let build_s = t_build.elapsed().as_secs_f64();
-    let rss_after_build = peak_rss_mb();
-    let heap_after_build = llora_model::device::heap_bytes().unwrap_or_default().in_use as f64 / (1 << 20) as f64;
+    let (rss, heap) = ((rss_before, peak_rss_mb()), (heap_before, heap_mb()));
+    Ok(Built { config, precision, model, plan, weight_bytes, build_s, rss, heap })
+}
+
+/// What the warm-up and timed steps measured.
+#[derive(Default)]
+struct Timed {
+    /// Per timed step: wall, forward, backward and optimizer seconds, CPU utilisation.
+    step_s: Vec<f64>,
+    fwd_s: Vec<f64>,
+    bwd_s: Vec<f64>,
+    opt_s: Vec<f64>,
+    util: Vec<f64>,
+    loss: f64,
+    /// Where the machine stood when the timed steps began.
+    window: Option<Window>,
+    /// Bytes the linear layers and SwiGLU saved for backward in the last step.
+    saved_bytes: usize,
+    /// FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
+    fp8_gemms: llora_model::precision::scaled_mm::GemmCounts,
+    /// FP8 quantisations of each step, by route (two-pass or through f32).
+    quantiser: Vec<llora_model::fp8::QuantiserCounts>,
+}
+
+/// /proc/stat's (busy, total) jiffies, this process's CPU seconds and the time, at one moment.
+type Window = (Option<(f64, f64)>, f64, Instant);
+
+/// The bench's warm-up and timed steps.
+fn timed_steps(
+    args: &BenchArgs,
+    built: &mut Built,
+    dist: &crate::dist::Dist,
+    optim: &mut AdamW,
+    rng: &mut impl Rng,
+    device: &Device,
+) -> anyhow::Result<Timed> {
+    let mut t = Timed { loss: f64::NAN, ..Timed::default() };
+    for step in 0..args.warmup + args.steps {
+        let (c0, t0) = (cpu_seconds(), Instant::now());
+        let _ = llora_model::precision::take_saved_bytes();
+        let _ = take_gemm_counts();
+        let _ = llora_model::fp8::take_quantiser_counts();
+        let s = bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+        t.saved_bytes = llora_model::precision::take_saved_bytes();
+        t.fp8_gemms = take_gemm_counts();
+        t.quantiser.push(llora_model::fp8::take_quantiser_counts());
+        let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+        t.loss = s.loss;
+        if step + 1 == args.warmup.max(1) {
+            t.window = Some((proc_stat(), cpu_seconds(), Instant::now()));
+        }
+        let timed = step >= args.warmup;
+        if timed {
+            t.step_s.push(dt);
+            t.fwd_s.push(s.forward_s);
+            t.bwd_s.push(s.backward_s);
+            t.opt_s.push(s.optimizer_s);
+            t.util.push(dc / dt);
+        }
+        eprintln!(
+            "# step {step} {} {dt:.3}s (fwd {:.3} bwd {:.3} opt {:.3}) loss {:.4} cpu_util {:.2}",
+            if timed { "timed" } else { "warm" },
+            s.forward_s,
+            s.backward_s,
+            s.optimizer_s,
+            t.loss,
+            dc / dt
+        );
+    }
+    Ok(t)
+}
+
+impl Timed {
+    /// Other processes' share of the machine (cores) during the timed steps: a noisy bench
+    /// says so.
+    fn other_cores(&self) -> Option<f64> {
+        let (ps0, pc0, pw0) = self.window?;
+        let (ps0, ps1) = (ps0?, proc_stat()?);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let busy = (ps1.0 - ps0.0) / (ps1.1 - ps0.1).max(1.0) * cores;
+        let ours = (cpu_seconds() - pc0) / pw0.elapsed().as_secs_f64();
+        Some((busy - ours).max(0.0))
+    }
+
+    /// The timing fields of the record, as the peer names them.
+    fn to_json(&self, tokens: f64, flops_per_step: f64) -> Value {
+        let r4 = |x: f64| (x * 1e4).round() / 1e4;
+        let (step_s, med) = (&self.step_s, quantile(&self.step_s, 0.5));
+        json!({
+            "step_s_median": r4(med), "step_s_min": r4(quantile(step_s, 0.0)), "step_s_max": r4(quantile(step_s, 1.0)),
+            "step_s_p25": r4(quantile(step_s, 0.25)), "step_s_p75": r4(quantile(step_s, 0.75)),
+            "fwd_s_median": r4(quantile(&self.fwd_s, 0.5)), "bwd_s_median": r4(quantile(&self.bwd_s, 0.5)),
+            "opt_s_median": r4(quantile(&self.opt_s, 0.5)),
+            "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
+            "final_loss": (self.loss * 1e5).round() / 1e5,
+            "gflops_per_s": (flops_per_step / med / 1e9 * 100.0).round() / 100.0,
+            "cpu_util_median": (quantile(&self.util, 0.5) * 100.0).round() / 100.0,
+            "other_procs_cpu_cores": self.other_cores().map(|x| (x * 100.0).round() / 100.0),
+            "step_times": step_s.iter().map(|&x| r4(x)).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The FP8 fields of the record: which GEMMs and quantiser routes the steps took.
+    fn fp8_json(&self, cuda: bool) -> Value {
+        let g = &self.fp8_gemms;
+        json!({
+            "fp8_gemms_scaled_mm": g.scaled_mm, "fp8_gemms_emulated": g.emulated, "fp8_gemms_fallback": g.fallback,
+            // Which FP8 GEMM the CPU runs, and the probe's seconds for one 128³ GEMM of each.
+            "fp8_cpu_gemm": (g.emulated + g.scaled_mm > 0 && !cuda).then(|| {
+                let (path, t_scaled, t_emulated) = llora_model::precision::scaled_mm::cpu_path();
+                json!({"path": path.name(), "scaled_mm_s": t_scaled, "emulated_s": t_emulated})
+            }),
+            // The FP8 quantiser route(s) each step took, and the last step's quantisations by route.
+            "fp8_quantiser_routes": self.quantiser.iter().map(|c| c.routes()).collect::<Vec<_>>(),
+            "fp8_quantisations": self.quantiser.last().map(|c| json!({"two_pass": c.two_pass, "f32": c.via_f32})),
+            // The CPU took the CUDA routes (LLORA_CUDA_ROUTES_ON_CPU=1): control flow, not kernels.
+            "cuda_routes_on_cpu": !cuda && llora_model::routes::on_cpu(),
+        })
+    }
+}
+
+/// MiB, one decimal.
+fn mib(bytes: f64) -> f64 {
+    (bytes / (1 << 20) as f64 * 10.0).round() / 10.0
+}
+
+/// One decimal.
+fn r1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+/// Joins JSON objects into one (later keys win).
+fn merged(parts: impl IntoIterator<Item = Value>) -> Value {
+    let mut out = serde_json::Map::new();
+    for part in parts {
+        if let Value::Object(m) = part {
+            out.extend(m);
+        }
+    }
+    Value::Object(out)
+}
+
+/// Timed LoRA steps of a preset on random tokens.
+fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
+    anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
+    anyhow::ensure!(args.accum >= 1, "--accum must be at least 1");
+    anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
+    let la0 = loadavg();
+    let device = device_spec.init(args.threads)?;
+    let train_device = device.clone().autodiff();
+    train_device.seed(args.seed);
+    let mut built = build(args, dist, &train_device)?;
     let heap_peak = HeapPeak::start();
     let mut optim = AdamW::new(OptimConfig {
         lr: args.lr,
@@ -410,14 +560,6 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         ..OptimConfig::default()
     });
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed + 1);
-    let (mut step_s, mut fwd_s, mut bwd_s, mut opt_s, mut util) = (vec![], vec![], vec![], vec![], vec![]);
-    let mut loss = f64::NAN;
-    let mut window = None;
-    let mut saved_bytes = 0;
-    // FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
-    let mut fp8_gemms = llora_model::precision::scaled_mm::GemmCounts::default();
-    // FP8 quantisations of each step, by route (two-pass or through f32).
-    let mut quantiser = Vec::new();
     let cuda_index = match device_spec {
         DeviceSpec::Cuda(n) => Some(n),
         _ => None,
@@ -425,37 +567,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     if let Some(n) = cuda_index {
         llora_model::profile::reset_device_peaks(n).map_err(anyhow::Error::msg)?;
     }
-    for step in 0..args.warmup + args.steps {
-        let (c0, t0) = (cpu_seconds(), Instant::now());
-        let _ = llora_model::precision::take_saved_bytes();
-        let _ = take_gemm_counts();
-        let _ = llora_model::fp8::take_quantiser_counts();
-        let s = bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
-        saved_bytes = llora_model::precision::take_saved_bytes();
-        fp8_gemms = take_gemm_counts();
-        quantiser.push(llora_model::fp8::take_quantiser_counts());
-        let (dt, dc) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
-        loss = s.loss;
-        if step + 1 == args.warmup.max(1) {
-            window = Some((proc_stat(), cpu_seconds(), Instant::now()));
-        }
-        let timed = step >= args.warmup;
-        if timed {
-            step_s.push(dt);
-            fwd_s.push(s.forward_s);
-            bwd_s.push(s.backward_s);
-            opt_s.push(s.optimizer_s);
-            util.push(dc / dt);
-        }
-        eprintln!(
-            "# step {step} {} {dt:.3}s (fwd {:.3} bwd {:.3} opt {:.3}) loss {loss:.4} cpu_util {:.2}",
-            if timed { "timed" } else { "warm" },
-            s.forward_s,
-            s.backward_s,
-            s.optimizer_s,
-            dc / dt
-        );
-    }
+    let timed = timed_steps(args, &mut built, dist, &mut optim, &mut rng, &train_device)?;
     let (heap_peak, heap_resident_peak) = heap_peak.finish();
     // The caching allocator's peaks over warm-up and timed steps (what `llora plan` predicts).
     let device_peaks = cuda_index.map(llora_model::profile::device_peaks).transpose().map_err(anyhow::Error::msg)?;
@@ -464,99 +576,70 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     let peak_rss = peak_rss_mb();
     // One extra step, counted (the op observer costs time, so it never runs in a timed step).
     let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
-    bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
+    bench_step(args, &built.config, dist, &mut built.model, &mut optim, &mut rng, &train_device)?;
     let counts = counter.finish();
     if let Some(path) = &args.trace {
         let trace = llora_model::profile::Trace::start(cuda_index.is_some()).map_err(anyhow::Error::msg)?;
-        bench_step(args, &config, dist, &mut model, &mut optim, &mut rng, &train_device)?;
+        bench_step(args, &built.config, dist, &mut built.model, &mut optim, &mut rng, &train_device)?;
         trace.finish(path).map_err(anyhow::Error::msg)?;
     }
-    let block = block_memory(&model, args.batch, args.seq_len, &train_device);
-    // Other processes' share of the machine during the timed steps: a noisy bench says so.
-    let others = window.and_then(|(ps0, pc0, pw0)| {
-        let (ps0, ps1) = (ps0?, proc_stat()?);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        let busy = (ps1.0 - ps0.0) / (ps1.1 - ps0.1).max(1.0) * cores;
-        let ours = (cpu_seconds() - pc0) / pw0.elapsed().as_secs_f64();
-        Some((busy - ours).max(0.0))
-    });
-    let med = quantile(&step_s, 0.5);
+    let Built { config, precision, model, plan, .. } = &built;
+    let block = block_memory(model, args.batch, args.seq_len, &train_device);
     // Per rank: its accum × batch sequences.
     let seqs = args.batch * args.accum;
-    let tokens = (seqs * args.seq_len) as f64;
-    let adapters = crate::flops::Adapters::of(&model);
-    let flops = crate::flops::Flops::sequence(&config, adapters, args.seq_len, false)
+    let adapters = crate::flops::Adapters::of(model);
+    let flops = crate::flops::Flops::sequence(config, adapters, args.seq_len, false)
         .times(seqs as u64)
-        .to_json(&config, adapters);
+        .to_json(config, adapters);
     let per_step = flops["flops_per_step"].as_f64().unwrap_or(0.0);
-    let r4 = |x: f64| (x * 1e4).round() / 1e4;
     let mut breakdown = flops.as_object().cloned().unwrap_or_default();
     breakdown.remove("flops_per_step");
-    Ok(json!({
+    let shape = json!({
         "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
         "accum": args.accum, "world": dist.world.size, "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
-        "fp8_weights_one_layout": args.fp8_weights_one_layout,
+        "fp8_weights_one_layout": args.fp8_weights_one_layout, "dora": args.dora,
+        "nf4": precision.nf4.map(|n| json!({"block": n.block, "double": n.double})),
+        "trainable_params": model.num_lora_parameters(),
+        "total_params": model.config.num_parameters() + model.num_lora_parameters(),
+        "flops_per_step": per_step, "flops_breakdown": breakdown,
+        "warmup": args.warmup, "steps": args.steps,
+        "threads": args.device.effective_threads(args.threads),
+        "trace": args.trace.as_ref().map(|p| p.display().to_string()),
+        "phases_synchronised": cuda_index.is_some(),
+    });
+    let memory = json!({
         // Covered tensors: inputs kept by the linear layers (LoRA's A and B) and by SwiGLU.
-        "saved_act_bytes_per_layer": saved_bytes / config.num_hidden_layers.max(1),
+        "saved_act_bytes_per_layer": timed.saved_bytes / config.num_hidden_layers.max(1),
         // One decoder block run alone (see `block_memory`); null for a sharded model.
         "transient_peak_bytes_per_layer": block.map(|b| b.transient_fwd.max(b.transient_bwd)),
         "block_memory": block.map(|b| json!({
             "saved_bytes": b.saved, "transient_fwd_bytes": b.transient_fwd, "transient_bwd_bytes": b.transient_bwd,
         })),
+        "device_peak_allocated_mb": device_peaks.map(|(a, _)| mib(a as f64)),
+        "device_peak_reserved_mb": device_peaks.map(|(_, r)| mib(r as f64)),
+        "base_weight_bytes_per_layer": built.weight_bytes,
+        "peak_rss_mb": peak_rss.map(r1),
+        "planned_peak_mb": mib(plan.peak),
+        "planned_mb": plan.lines.iter().map(|l| (l.name.to_string(), json!(mib(l.bytes)))).collect::<serde_json::Map<_, _>>(),
+        "rss_before_build_mb": built.rss.0.map(r1), "rss_hwm_after_build_mb": built.rss.1.map(r1),
+        "heap_in_use_before_build_mb": r1(built.heap.0), "heap_in_use_after_build_mb": r1(built.heap.1),
+        "peak_heap_in_use_mb": r1(heap_peak), "peak_heap_resident_mb": r1(heap_resident_peak),
+    });
+    let run = json!({
         // Per optimizer step, counted on one extra step (`llora_model::profile`): LibTorch ops
         // dispatched, and host-device synchronisations (scalar reads + llora's host reads).
         "ops_per_step": counts.ops, "host_syncs_per_step": counts.host_syncs,
-        "device_peak_allocated_mb": device_peaks.map(|(a, _)| (a as f64 / (1 << 20) as f64 * 10.0).round() / 10.0),
-        "device_peak_reserved_mb": device_peaks.map(|(_, r)| (r as f64 / (1 << 20) as f64 * 10.0).round() / 10.0),
-        "trace": args.trace.as_ref().map(|p| p.display().to_string()),
-        "phases_synchronised": cuda_index.is_some(),
-        "fp8_gemms_scaled_mm": fp8_gemms.scaled_mm,
-        "fp8_gemms_emulated": fp8_gemms.emulated,
-        "fp8_gemms_fallback": fp8_gemms.fallback,
-        // Which FP8 GEMM the CPU runs, and the probe's seconds for one 128³ GEMM of each.
-        "fp8_cpu_gemm": (fp8_gemms.emulated + fp8_gemms.scaled_mm > 0 && cuda_index.is_none()).then(|| {
-            let (path, t_scaled, t_emulated) = llora_model::precision::scaled_mm::cpu_path();
-            json!({"path": path.name(), "scaled_mm_s": t_scaled, "emulated_s": t_emulated})
-        }),
-        // The FP8 quantiser route(s) each step took, and the last step's quantisations by route.
-        "fp8_quantiser_routes": quantiser.iter().map(|c| c.routes()).collect::<Vec<_>>(),
-        "fp8_quantisations": quantiser.last().map(|c| json!({"two_pass": c.two_pass, "f32": c.via_f32})),
-        // The CPU took the CUDA routes (LLORA_CUDA_ROUTES_ON_CPU=1): control flow, not kernels.
-        "cuda_routes_on_cpu": cuda_index.is_none() && llora_model::routes::on_cpu(),
-        "base_weight_bytes_per_layer": weight_bytes,
-        "threads": args.device.effective_threads(args.threads),
-        "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()), "attn_impl": llora_model::attention::kernels_used(),
+        "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()),
+        "attn_impl": llora_model::attention::kernels_used(),
         "rms_norm": if llora_model::norm::fused_kernels_used() { "cuda-fused" } else { "composite" },
-        "warmup": args.warmup, "steps": args.steps,
-        "step_s_median": r4(med), "step_s_min": r4(quantile(&step_s, 0.0)), "step_s_max": r4(quantile(&step_s, 1.0)),
-        "step_s_p25": r4(quantile(&step_s, 0.25)), "step_s_p75": r4(quantile(&step_s, 0.75)),
-        "fwd_s_median": r4(quantile(&fwd_s, 0.5)), "bwd_s_median": r4(quantile(&bwd_s, 0.5)), "opt_s_median": r4(quantile(&opt_s, 0.5)),
-        "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
-        "peak_rss_mb": peak_rss.map(|x| (x * 10.0).round() / 10.0),
-        "planned_peak_mb": (plan.peak / (1 << 20) as f64 * 10.0).round() / 10.0,
-        "planned_mb": plan.lines.iter().map(|l| (l.name.to_string(), json!((l.bytes / (1 << 20) as f64 * 10.0).round() / 10.0))).collect::<serde_json::Map<_, _>>(),
-        "rss_before_build_mb": rss_before_build.map(|x| (x * 10.0).round() / 10.0),
-        "rss_hwm_after_build_mb": rss_after_build.map(|x| (x * 10.0).round() / 10.0),
-        "heap_in_use_before_build_mb": (heap_before_build * 10.0).round() / 10.0,
-        "heap_in_use_after_build_mb": (heap_after_build * 10.0).round() / 10.0,
-        "peak_heap_in_use_mb": (heap_peak * 10.0).round() / 10.0,
-        "peak_heap_resident_mb": (heap_resident_peak * 10.0).round() / 10.0,
-        "dora": args.dora,
-        "nf4": precision.nf4.map(|n| json!({"block": n.block, "double": n.double})),
-        "trainable_params": model.num_lora_parameters(),
-        "total_params": model.config.num_parameters() + model.num_lora_parameters(),
-        "final_loss": (loss * 1e5).round() / 1e5,
-        "flops_per_step": per_step, "gflops_per_s": (per_step / med / 1e9 * 100.0).round() / 100.0,
-        "flops_breakdown": breakdown,
-        "cpu_util_median": (quantile(&util, 0.5) * 100.0).round() / 100.0,
-        "other_procs_cpu_cores": others.map(|x| (x * 100.0).round() / 100.0),
         "loadavg_start": la0, "loadavg_end": loadavg(),
-        "build_s": (build_s * 100.0).round() / 100.0,
-        "step_times": step_s.iter().map(|&x| r4(x)).collect::<Vec<_>>(),
+        "build_s": (built.build_s * 100.0).round() / 100.0,
         "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
             "cuda": llora_model::device::libtorch_cuda()},
-    }))
+    });
+    let tokens = (seqs * args.seq_len) as f64;
+    Ok(merged([shape, timed.to_json(tokens, per_step), memory, timed.fp8_json(cuda_index.is_some()), run]))
 }
 
 /// `llora bench` as the command line runs it: prints the record (rank 0 only under a

@@ -70,6 +70,7 @@ pub fn run_many(
             out.display()
         );
     }
+    crate::engine::train::prepare_base(config, dist.world.size)?;
     for i in 0..runs {
         let mut c = config.clone();
         c.run.seed = config.run.seed.wrapping_add(i as u64);

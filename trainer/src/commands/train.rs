@@ -20,6 +20,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
             let dist = dist::init(&config.dist, config.run.device.is_cuda())?;
+            train::prepare_base(&config, dist.world.size)?;
             let outcome = train::run(&config, &name, &dist, args.overwrite)?;
             dist.shutdown()?;
             (outcome, (config.eval.target_loss, config.schedule.max_steps))

@@ -13,6 +13,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use serde_json::{Map, Value, json};
 
+use crate::config::Config;
+use crate::engine::events::{Observer, RunEvent};
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -98,6 +101,12 @@ impl MlLogger {
         self.line("INTERVAL_START", key, Value::Null, as_map(metadata), Location::caller());
     }
 
+    /// An `INTERVAL_START` event stamped `time_ms`.
+    #[track_caller]
+    pub fn start_at(&mut self, key: &str, metadata: Value, time_ms: u64) {
+        self.line_at(time_ms, "INTERVAL_START", key, Value::Null, as_map(metadata), Location::caller());
+    }
+
     /// An `INTERVAL_END` event.
     #[track_caller]
     pub fn end(&mut self, key: &str, metadata: Value) {
@@ -119,31 +128,108 @@ fn as_map(v: Value) -> Map<String, Value> {
     }
 }
 
-/// The result log of one training run, which owns the order of the MLPerf events.
+/// The result log's keys that describe the run: the submission's (with `init_start`) and the
+/// hyperparameters (before `run_start`).
+pub struct MlperfKeys {
+    submission: Vec<(&'static str, Value)>,
+    hyperparameters: Vec<(&'static str, Value)>,
+}
+
+impl MlperfKeys {
+    /// The keys of a run of `config` named `name` on `nodes` nodes, accumulating `accumulation`
+    /// micro-batches per step.
+    pub fn of(config: &Config, nodes: usize, accumulation: usize, name: &str) -> Self {
+        Self {
+            submission: submission_keys(config, nodes),
+            hyperparameters: hyperparameters(config, accumulation, name),
+        }
+    }
+}
+
+/// The submission keys of the result log; `submission_platform` is `<nodes>x<mlperf.platform>`
+/// as the submissions write it.
+fn submission_keys(config: &Config, nodes: usize) -> Vec<(&'static str, Value)> {
+    vec![
+        ("submission_benchmark", json!("llama2_70b_lora")),
+        ("submission_org", json!(config.mlperf.org)),
+        ("submission_division", json!(config.mlperf.division.name())),
+        ("submission_status", json!("onprem")),
+        ("submission_platform", json!(format!("{nodes}x{}", config.mlperf.platform))),
+        ("seed", json!(config.run.seed)),
+    ]
+}
+
+/// A precision in the MLPerf checker's words (`bfloat16`, not `bf16`: the checker refuses it).
+fn mllog_precision(c: llora_model::precision::Compute) -> &'static str {
+    use llora_model::precision::Compute;
+    match c {
+        Compute::Fp32 => "fp32",
+        Compute::Bf16 => "bfloat16",
+        Compute::Fp8 => "fp8",
+    }
+}
+
+/// The hyperparameter keys of the result log, and what ran: the linear GEMMs in
+/// `precision.compute`; attention (QKᵀ, softmax, PV) and the gradient reduction in f32.
+fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'static str, Value)> {
+    let s = &config.schedule;
+    vec![
+        ("global_batch_size", json!(config.train.global_batch_size)),
+        ("micro_batch_size", json!(config.train.micro_batch_size)),
+        ("gradient_accumulation_steps", json!(accumulation)),
+        ("opt_base_learning_rate", json!(config.optim.lr)),
+        ("opt_adamw_weight_decay", json!(config.optim.weight_decay)),
+        ("opt_gradient_clip_norm", json!(config.optim.clip_grad_norm)),
+        ("opt_learning_rate_warmup_factor", json!(s.warmup_steps as f64 / s.max_steps as f64)),
+        ("opt_learning_rate_training_steps", json!(s.max_steps)),
+        ("lora_rank", json!(config.lora.rank)),
+        ("lora_alpha", json!(config.lora.alpha)),
+        ("target_accuracy", json!(config.eval.target_loss)),
+        ("lowest_numerical_precision_in_linear", json!(mllog_precision(config.precision.compute))),
+        // Attention runs in the activations' dtype: bf16 for bf16 and FP8 (softmax in f32
+        // inside the kernel).
+        ("lowest_numerical_precision_in_attn", json!(mllog_precision(config.precision.spec().activation_compute()))),
+        ("lowest_numerical_precision_in_comm", json!("fp32")),
+        ("tensor_parallelism", json!(1)),
+        ("pipeline_parallelism", json!(1)),
+        ("context_parallelism", json!(1)),
+        ("expert_parallelism", json!(1)),
+        ("config_filename", json!(name)),
+        // Not an MLPerf key: whether rows were packed. The benchmark's data is one sample per
+        // row (a "sample" of its schedule), which the MLPerf config keeps.
+        ("data_packing", json!(config.data.packing)),
+    ]
+}
+
+/// The result log of one training run: an [`Observer`] of its events, which owns the order
+/// of the MLPerf events.
 ///
 /// The rules' order is: `cache_clear`, `init_start`, submission and hyperparameter keys,
 /// `init_stop`, `run_start`, dataset sizes, then blocks (`block_start`, `train_loss`,
 /// `block_stop`, `eval_start`, `eval_accuracy`, `eval_stop`) and `run_stop`. A resumed run appends
 /// to the log of the interrupted one and so skips everything up to and including the dataset
-/// sizes. Ranks other than 0 hold no file: every call is a no-op there.
+/// sizes. Ranks other than 0 hold no file: nothing is written there.
 pub struct RunLog {
     out: Option<MlLogger>,
+    keys: MlperfKeys,
     resumed: bool,
     /// A `block_start` without its `block_stop`.
     in_block: bool,
-    /// `run_stop` was written: later calls write nothing.
+    /// `run_stop` was written: later events write nothing.
     stopped: bool,
+    /// The last step's loss: the block's `train_loss`.
+    last_loss: f64,
 }
 
 impl RunLog {
     /// Opens `path` on rank 0 (created, or appended to when `resumed`); nothing elsewhere.
-    pub fn open(path: &Path, main_rank: bool, resumed: bool) -> anyhow::Result<Self> {
+    pub fn open(path: &Path, main_rank: bool, resumed: bool, keys: MlperfKeys) -> anyhow::Result<Self> {
         let out = match (main_rank, resumed) {
             (false, _) => None,
             (true, false) => Some(MlLogger::create(path, false)?),
             (true, true) => Some(MlLogger::append(path, false)?),
         };
-        Ok(Self { out, resumed, in_block: false, stopped: false })
+        Ok(Self { out, keys, resumed, in_block: false, stopped: false, last_loss: f64::NAN })
     }
 
     fn fresh(&mut self) -> Option<&mut MlLogger> {
@@ -151,30 +237,30 @@ impl RunLog {
     }
 
     /// `cache_clear`, `init_start` and the submission keys.
-    pub fn init_start(&mut self, submission: &[(&str, Value)]) {
+    fn init_start(&mut self) {
+        let submission = std::mem::take(&mut self.keys.submission);
         if let Some(ml) = self.fresh() {
             ml.event("cache_clear", true);
             ml.start("init_start", json!(null));
             for (k, v) in submission {
-                ml.event(k, v.clone());
+                ml.event(k, v);
             }
         }
     }
 
-    /// The hyperparameter keys, `init_stop` and `run_start`: the clock starts. Returns the
-    /// run_start time (epoch ms) of a fresh run.
-    pub fn run_start(&mut self, hyperparameters: &[(&str, Value)]) -> Option<u64> {
-        let ml = self.fresh()?;
+    /// The hyperparameter keys, `init_stop` and `run_start` at `time_ms`: the clock starts.
+    fn run_start(&mut self, time_ms: u64) {
+        let hyperparameters = std::mem::take(&mut self.keys.hyperparameters);
+        let Some(ml) = self.fresh() else { return };
         for (k, v) in hyperparameters {
-            ml.event(k, v.clone());
+            ml.event(k, v);
         }
         ml.end("init_stop", json!(null));
-        ml.start("run_start", json!(null));
-        Some(now_ms())
+        ml.start_at("run_start", json!(null), time_ms);
     }
 
     /// The dataset sizes (logged after run_start: the rules forbid touching the data before).
-    pub fn datasets(&mut self, train: usize, eval: usize) {
+    fn datasets(&mut self, train: usize, eval: usize) {
         if let Some(ml) = self.fresh() {
             ml.event("train_samples", train);
             ml.event("eval_samples", eval);
@@ -182,7 +268,7 @@ impl RunLog {
     }
 
     /// A training block begins at `samples`.
-    pub fn block_start(&mut self, samples: usize) {
+    fn block_start(&mut self, samples: usize) {
         self.in_block = true;
         if let Some(ml) = self.out.as_mut() {
             ml.start("block_start", json!({"samples_count": samples}));
@@ -190,8 +276,9 @@ impl RunLog {
     }
 
     /// The block ends with its last training loss, and an evaluation starts.
-    pub fn eval_start(&mut self, samples: usize, train_loss: f64) {
+    fn eval_start(&mut self, samples: usize) {
         self.in_block = false;
+        let train_loss = self.last_loss;
         if let Some(ml) = self.out.as_mut() {
             ml.event_with("train_loss", train_loss, json!({"samples_count": samples}));
             ml.end("block_stop", json!({"samples_count": samples}));
@@ -200,23 +287,19 @@ impl RunLog {
     }
 
     /// The evaluation's result.
-    pub fn eval_stop(&mut self, samples: usize, eval_loss: f64) {
+    fn eval_stop(&mut self, samples: usize, eval_loss: f64) {
         if let Some(ml) = self.out.as_mut() {
             ml.event_with("eval_accuracy", eval_loss, json!({"samples_count": samples}));
             ml.end("eval_stop", json!({"samples_count": samples}));
         }
     }
 
-    /// The run ends (an open training block is closed first); only the first call writes, so
-    /// a failure after a `run_stop` does not add a second one.
-    pub fn run_stop(&mut self, samples: usize, status: &str) {
-        self.run_stop_at(samples, status, now_ms());
-    }
-
-    /// [`Self::run_stop`] stamped `time_ms`: the run's end, taken before its final outputs are
-    /// saved (they are written before `run_stop`, so that a log with a `run_stop` always has
-    /// them, and saving them does not count in the time to train).
-    pub fn run_stop_at(&mut self, samples: usize, status: &str, time_ms: u64) {
+    /// The run ends at `time_ms` (an open training block is closed first); only the first
+    /// call writes, so a failure after a `run_stop` does not add a second one. The time is the
+    /// training's end, taken before the final outputs are saved (they are written before
+    /// `run_stop`, so that a log with a `run_stop` always has them, and saving them does not
+    /// count in the time to train).
+    fn run_stop_at(&mut self, samples: usize, status: &str, time_ms: u64) {
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }
@@ -228,13 +311,88 @@ impl RunLog {
             ml.end_at("run_stop", json!({"samples_count": samples, "status": status}), time_ms);
         }
     }
+}
 
-    /// `r`, with an aborted `run_stop` written first when it is an error: whatever fails after
-    /// `run_start` ends the result log.
-    pub fn stop_on_error<T>(&mut self, samples: usize, r: anyhow::Result<T>) -> anyhow::Result<T> {
-        if r.is_err() {
-            self.run_stop(samples, "aborted");
+impl Observer for RunLog {
+    fn observe(&mut self, event: &RunEvent<'_>) {
+        match *event {
+            RunEvent::Init => self.init_start(),
+            RunEvent::Start { time_ms } => self.run_start(time_ms),
+            RunEvent::Data { train, eval } => self.datasets(train, eval),
+            RunEvent::Block { samples } => self.block_start(samples),
+            RunEvent::Step(report) => self.last_loss = report.loss,
+            RunEvent::EvalStart { samples } => self.eval_start(samples),
+            RunEvent::Eval { samples, eval_loss, .. } => self.eval_stop(samples, eval_loss),
+            RunEvent::Stop { samples, status, time_ms } => self.run_stop_at(samples, status.name(), time_ms),
+            RunEvent::Checkpoint { .. } | RunEvent::Interrupted => {}
         }
-        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::events::{RunStatus, StepReport};
+
+    /// The (event_type, key) of each line of a result log.
+    fn keys(path: &Path) -> Vec<(String, String)> {
+        let text = std::fs::read_to_string(path).unwrap();
+        let rows = text.lines().map(|l| serde_json::from_str::<Value>(l.strip_prefix(":::MLLOG ").unwrap()).unwrap());
+        rows.map(|r| (r["event_type"].as_str().unwrap().into(), r["key"].as_str().unwrap().into())).collect()
+    }
+
+    /// A run's events make the lines the MLPerf rules order (training_rules.adoc, "Logging"):
+    /// written out by hand here, not taken from the code; a resumed run appends from its next
+    /// block on; a second stop writes nothing.
+    #[test]
+    fn events_make_the_rules_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("result_0.txt");
+        let config = Config::load(None, &[]).unwrap();
+        let step = StepReport { step: 1, samples: 8, loss: 2.5, ..StepReport::default() };
+        let run = |resumed: bool| {
+            let mut log = RunLog::open(&path, true, resumed, MlperfKeys::of(&config, 1, 1, "t.toml")).unwrap();
+            for e in [
+                RunEvent::Init,
+                RunEvent::Start { time_ms: 5 },
+                RunEvent::Data { train: 10, eval: 2 },
+                RunEvent::Block { samples: 0 },
+                RunEvent::Step(&step),
+                RunEvent::EvalStart { samples: 8 },
+                RunEvent::Eval { step: 1, samples: 8, eval_loss: 2.0, target: 1.0 },
+                RunEvent::Block { samples: 8 },
+                RunEvent::Stop { samples: 8, status: RunStatus::Aborted, time_ms: 9 },
+                RunEvent::Stop { samples: 8, status: RunStatus::Aborted, time_ms: 9 },
+            ] {
+                log.observe(&e);
+            }
+        };
+        run(false);
+        let (p, s, e) = ("POINT_IN_TIME", "INTERVAL_START", "INTERVAL_END");
+        let mut want: Vec<(&str, &str)> = vec![(p, "cache_clear"), (s, "init_start")];
+        let submission = ["submission_benchmark", "submission_org", "submission_division", "submission_status"];
+        want.extend(submission.iter().chain(&["submission_platform", "seed"]).map(|k| (p, *k)));
+        let hyper = MlperfKeys::of(&config, 1, 1, "t.toml").hyperparameters;
+        want.extend(hyper.iter().map(|(k, _)| (p, *k)));
+        want.extend([(e, "init_stop"), (s, "run_start"), (p, "train_samples"), (p, "eval_samples")]);
+        let blocks = [
+            (s, "block_start"),
+            (p, "train_loss"),
+            (e, "block_stop"),
+            (s, "eval_start"),
+            (p, "eval_accuracy"),
+            (e, "eval_stop"),
+            (s, "block_start"),
+            (e, "block_stop"),
+            (e, "run_stop"),
+        ];
+        want.extend(blocks);
+        let own = |v: &[(&str, &str)]| v.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>();
+        assert_eq!(keys(&path), own(&want));
+        assert!(hyper.iter().any(|(k, _)| *k == "lora_rank") && hyper.len() > 10);
+        let before = want.len();
+        run(true);
+        want.extend(blocks);
+        assert_eq!(keys(&path), own(&want), "the resumed run appends {} lines", want.len() - before);
     }
 }

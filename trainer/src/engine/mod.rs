@@ -1,11 +1,13 @@
 //! The training engine, read top-down: `train.rs` is the run (setup, the loop, evaluation,
 //! checkpoints, the finish); `step.rs` one optimizer step (micro-batches, gradients, the
 //! all-reduce, clipping) and evaluation; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
-//! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `observe.rs`
-//! progress, metrics and signals; `mllog.rs` the MLPerf result log. The commands
+//! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `events.rs` what a
+//! run emits (start, step, eval, checkpoint, stop) and the `Observer`s that record it:
+//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress (and the stop signal). The commands
 //! (`crate::commands`) call it; it parses no arguments.
 
 pub mod checkpoints;
+pub mod events;
 pub mod mllog;
 pub mod observe;
 pub mod optim;

@@ -4,9 +4,11 @@
 
 use std::io::Write;
 
+use serde_json::json;
 use tracing::info;
 
 use crate::config::{Config, ProgressBar};
+use crate::engine::events::{Observer, RunEvent};
 
 /// `metrics.jsonl`: one JSON record per step and per evaluation, appended and flushed.
 pub struct Metrics {
@@ -65,11 +67,32 @@ impl Metrics {
     }
 
     /// Appends one record.
-    pub fn write(&mut self, record: serde_json::Value) {
+    fn write(&mut self, record: serde_json::Value) {
         self.remember(&record);
         // Metrics are for people; a full disk must not end the run (the result log reports it).
         if let Some(f) = self.file.as_mut() {
             let _ = writeln!(f, "{record}");
+        }
+    }
+}
+
+impl Observer for Metrics {
+    fn observe(&mut self, event: &RunEvent<'_>) {
+        match *event {
+            RunEvent::Step(r) => {
+                let mut record = json!({"step": r.step, "samples": r.samples, "loss": r.loss, "lr": r.lr,
+                    "grad_norm": r.grad_norm, "tokens_per_s": r.tokens_per_s, "step_s": r.step_s,
+                    "model_tflops_per_s": r.tflops, "mfu": r.mfu, "target_tokens": r.target_tokens});
+                if let Some(documents) = r.documents {
+                    // A sample of the schedule is a packed row: say how many documents the step took.
+                    record["documents"] = documents.into();
+                }
+                self.write(record);
+            }
+            RunEvent::Eval { step, samples, eval_loss, .. } => {
+                self.write(json!({"step": step, "samples": samples, "eval_loss": eval_loss}));
+            }
+            _ => {}
         }
     }
 }
@@ -141,6 +164,20 @@ impl Progress {
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
+        }
+    }
+}
+
+impl Observer for Progress {
+    fn observe(&mut self, event: &RunEvent<'_>) {
+        match *event {
+            RunEvent::Step(r) => self.step(r.step, r.samples, r.loss, r.lr, r.grad_norm, r.tokens_per_s),
+            RunEvent::Eval { samples, eval_loss, target, .. } => {
+                self.print(|| info!(samples, eval_loss = format!("{eval_loss:.4}"), target, "eval"))
+            }
+            RunEvent::Checkpoint { step, dir } => self.print(|| info!(step, dir = %dir.display(), "checkpoint saved")),
+            RunEvent::Interrupted | RunEvent::Stop { .. } => self.finish(),
+            _ => {}
         }
     }
 }

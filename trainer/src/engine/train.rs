@@ -3,8 +3,9 @@
 //!
 //! [`run`] reads top to bottom like nanoGPT's loop: set up, then step, maybe evaluate, maybe
 //! checkpoint, until the target or `max_steps`; then finish. The [`Trainer`] owns everything the
-//! loop touches; the step itself and evaluation are components in [`crate::engine::step`], the result
-//! log's event order is [`RunLog`]'s, and what is saved and restored is [`TrainState`].
+//! loop touches; the step itself and evaluation are components in [`crate::engine::step`]; what
+//! happened is emitted as [`RunEvent`]s to the run's records (the result log, whose event order
+//! is [`RunLog`]'s, metrics and progress); what is saved and restored is [`TrainState`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,12 +25,12 @@ use llora_model::checkpoint::{HfCheckpoint, save_hf_checkpoint};
 use llora_model::peft::save_peft_adapter;
 use llora_model::shard::Sharding;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
-use serde_json::{Value, json};
 use tracing::{debug_span, info};
 
 use crate::config::{Averaging, Config, Override, PretrainConfig, Trainable};
 use crate::dist::{Dist, ReduceOp};
-use crate::engine::mllog::{RunLog, now_ms};
+use crate::engine::events::{Observer, RunEvent, StepReport};
+use crate::engine::mllog::{MlperfKeys, RunLog, now_ms};
 use crate::engine::observe::{Metrics, Progress, StopSignal};
 use crate::engine::optim::{AdamW, lr_at};
 use crate::engine::resume::{self, Checkpoint, TrainState};
@@ -38,24 +39,7 @@ use crate::engine::step::{
     EvalBatching, MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload,
 };
 
-/// `run_stop`'s status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunStatus {
-    /// The eval loss reached the target.
-    Success,
-    /// `max_steps` ran out (or the run failed).
-    Aborted,
-}
-
-impl RunStatus {
-    /// The name the result log uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Success => "success",
-            Self::Aborted => "aborted",
-        }
-    }
-}
+pub use crate::engine::events::RunStatus;
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -211,10 +195,9 @@ pub struct Trainer<'a> {
     resumed: bool,
     eval_set: Arc<Vec<Sample>>,
     batches: Prefetched<StepBatch>,
-    log: RunLog,
+    /// The run's records, each an observer of its events.
+    records: Records,
     result_log: PathBuf,
-    metrics: Metrics,
-    bar: Progress,
     stop: StopSignal,
     /// Tokens and wall time since this process started training (for tokens/s).
     tokens_here: usize,
@@ -252,10 +235,15 @@ impl Trainer<'_> {
     pub fn train(&mut self) -> anyhow::Result<Outcome> {
         let outcome = self.steps();
         if let Err(e) = &outcome {
-            self.bar.finish();
-            if !e.is::<Interrupted>() {
-                self.log.run_stop(self.state.progress.samples, RunStatus::Aborted.name());
-            }
+            let event = match e.is::<Interrupted>() {
+                true => RunEvent::Interrupted,
+                false => RunEvent::Stop {
+                    samples: self.state.progress.samples,
+                    status: RunStatus::Aborted,
+                    time_ms: now_ms(),
+                },
+            };
+            self.records.emit(event);
         }
         outcome
     }
@@ -273,7 +261,6 @@ impl Trainer<'_> {
             if stop || self.checkpoint_due() {
                 let dir = self.checkpoint()?;
                 if stop {
-                    self.bar.finish();
                     let (step, run_dir) = (self.state.progress.step, self.config.run.dir.clone());
                     return Err(Interrupted { step, checkpoint: dir, run_dir }.into());
                 }
@@ -284,8 +271,9 @@ impl Trainer<'_> {
 }
 
 impl<'a> Trainer<'a> {
-    /// Everything before the first step (the ranks have agreed on `config`): device, result log up
-    /// to `run_start`, model and adapters, optimizer (or the checkpoint's state), warm-up, data.
+    /// Everything before the first step (the ranks have agreed on `config`), in the result
+    /// log's order: device, `init_start`, model and adapters, optimizer (or the checkpoint's
+    /// state), warm-up, every rank ready, `run_start`, data.
     pub fn setup(
         config: &'a Config,
         name: &str,
@@ -293,113 +281,29 @@ impl<'a> Trainer<'a> {
         resumed: Option<Checkpoint>,
         claim: run_dir::Claim,
     ) -> anyhow::Result<Self> {
-        let (world, comm) = (&dist.world, dist.comm.as_ref());
-        let device_spec = dist.device(config.run.device);
-        let device = device_spec
-            .init(config.run.threads)
-            .with_context(|| format!("cannot start on run.device = \"{}\" (rank {})", config.run.device, world.rank))?;
-        if dist.is_main() {
-            info!(
-                config = name,
-                backend = %device_spec.backend_name(),
-                device = %device_spec,
-                threads = device_spec.effective_threads(config.run.threads),
-                ranks = world.size,
-                collectives = comm.backend(),
-                "llora {} starting",
-                env!("CARGO_PKG_VERSION")
-            );
-        }
-        let config_toml = config.to_toml();
-        check_inputs(config, world.size, resumed.is_some())?;
-        let geometry = Geometry {
-            global: config.train.global_batch_size,
-            micro: config.train.micro_batch_size,
-            rank: world.rank,
-            world: world.size,
-        };
-        let per_step =
-            crate::plan::checked_product(&[("train.micro_batch_size", geometry.micro), ("ranks", geometry.world)])?;
-        anyhow::ensure!(
-            geometry.global.is_multiple_of(per_step),
-            "train.global_batch_size = {} must be a multiple of train.micro_batch_size × ranks = {} × {} = {per_step}",
-            geometry.global,
-            geometry.micro,
-            geometry.world,
-        );
-
-        let run_dir = &config.run.dir;
-        if dist.is_main() {
-            std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run.dir {}", run_dir.display()))?;
-        }
-        let result_log = run_dir.join(run_dir::RESULT_LOG);
+        let (device_spec, device) = start_device(config, name, dist)?;
+        check_inputs(config, dist.world.size)?;
+        let geometry = geometry(config, &dist.world)?;
         let fresh = resumed.is_none();
-        // A resumed run appends to its log; that log then tells the story of an interrupted run,
-        // which the MLPerf rules do not accept as a result (they time uninterrupted runs).
-        let mut log = RunLog::open(&result_log, dist.is_main(), !fresh)?;
-        log.init_start(&submission_keys(config, world.nodes()));
-
+        let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);
+        let mut records = Records::open(config, name, dist, geometry, (!fresh).then_some(start_step))?;
+        records.emit(RunEvent::Init);
         let spec = config.lora.spec();
         let train_device = device.clone().autodiff();
         train_device.seed(config.run.seed);
-        let sharding = dist.sharding(config.train.shard_frozen_weights);
-        let mut model = load_model(config, &spec, sharding, &train_device)?;
-        info!(
-            base_parameters = model.config.num_parameters(),
-            lora_parameters = model.num_lora_parameters(),
-            base_weight_mb = model.base_weight_bytes() >> 20,
-            frozen_weights = if model.is_sharded() { "sharded" } else { "replicated" },
-            "model ready"
-        );
-        let mut state = TrainState { progress: resume::Progress::default(), optim: AdamW::new(config.optim.clone()) };
-        match resumed {
-            Some(mut ckpt) => ckpt.restore(&mut model, &mut state, &device)?,
-            None => {
-                // Warm-up passes must not leave amaxes of random tokens in the scaling state.
-                let scales = model.fp8_scales();
-                warm_up(&model, config, &train_device)?;
-                model.set_fp8_scales(&scales)?;
-            }
-        }
+        let (model, mut state) = ready_model(config, &spec, dist, resumed, &device, &train_device)?;
         // Every rank is ready before the clock starts.
-        comm.barrier()?;
-        if let Some(start) = log.run_start(&hyperparameters(config, geometry.accumulation(), name)) {
-            state.progress.run_start_ms = start;
+        dist.comm.barrier()?;
+        if fresh {
+            state.progress.run_start_ms = now_ms();
         }
-
-        let data = log.stop_on_error(state.progress.samples, load_datasets(config, model.config.vocab_size))?;
-        log.datasets(data.train.len(), data.eval.len());
+        records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
+        let samples = state.progress.samples;
+        let data = records.stop_on_error(samples, load_datasets(config, model.config.vocab_size))?;
+        records.emit(RunEvent::Data { train: data.train.len(), eval: data.eval.len() });
         info!(train = data.train.len(), eval = data.eval.len(), "data ready");
-        // One global order for every rank; each takes its micro-batches of every global batch.
-        let position = state.progress.position;
-        let order = SampleOrder::new(data.train.len(), config.run.seed, true, position).with_context(|| {
-            let source = config.data.train.as_ref().map_or("data.synthetic".into(), |p| p.display().to_string());
-            let n = data.train.len();
-            match fresh {
-                true => format!("the training data ({source}: {n} samples)"),
-                false => format!(
-                    "the training data ({source}: {n} samples) does not fit the checkpoint's data position (epoch {}, \
-                     sample {}): was the file changed since the run started?",
-                    position.epoch, position.index
-                ),
-            }
-        });
-        let order = log.stop_on_error(state.progress.samples, order)?;
-        let order = match config.data.packing() {
-            None => RowOrder::Samples(order),
-            Some(packing) => {
-                let lengths = Arc::new(data.train.iter().map(|s| s.input_ids.len()).collect());
-                let packed = PackedOrder::new(order, lengths, packing, position.packed_rows);
-                RowOrder::Packed(log.stop_on_error(state.progress.samples, packed)?)
-            }
-        };
-        let padding = config.data.padding.padding(config.data.max_seq_len);
-        let batches = train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers);
-        let resumed_at = (!fresh).then_some(state.progress.step);
-        let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, dist.is_main());
-        let metrics = log.stop_on_error(state.progress.samples, metrics)?;
-        let bar = Progress::new(config, state.progress.step, dist.is_main());
-        log.block_start(state.progress.samples);
+        let batches = records.stop_on_error(samples, batches(config, &data, &state.progress, geometry, fresh))?;
+        records.emit(RunEvent::Block { samples });
         let base_name = config
             .model
             .path
@@ -415,14 +319,12 @@ impl<'a> Trainer<'a> {
             state,
             spec,
             base_name,
-            config_toml,
+            config_toml: config.to_toml(),
             resumed: !fresh,
             eval_set: data.eval,
             batches,
-            log,
-            result_log,
-            metrics,
-            bar,
+            records,
+            result_log: config.run.dir.join(run_dir::RESULT_LOG),
             stop: StopSignal::install()?,
             tokens_here: 0,
             t_train: Instant::now(),
@@ -494,16 +396,20 @@ impl<'a> Trainer<'a> {
         let tok_s = self.tokens_here as f64 / self.t_train.elapsed().as_secs_f64();
         // Model FLOPs of the whole global batch over the step's wall time, per rank.
         let tflops = flops / step_s / 1e12 / self.dist.world.size as f64;
-        self.bar.step(p.step, p.samples, s.loss, lr, s.grad_norm, tok_s);
-        let mfu = self.peak_tflops.map(|peak| tflops / peak);
-        let mut record = json!({"step": p.step, "samples": p.samples, "loss": s.loss, "lr": lr, "grad_norm": s.grad_norm,
-            "tokens_per_s": tok_s, "step_s": step_s, "model_tflops_per_s": tflops, "mfu": mfu,
-            "target_tokens": batch.target_tokens});
-        if config.data.packing {
-            // A sample of the schedule is a packed row: say how many documents the step took.
-            record["documents"] = batch.lengths.len().into();
-        }
-        self.metrics.write(record);
+        let report = StepReport {
+            step: p.step,
+            samples: p.samples,
+            loss: s.loss,
+            lr,
+            grad_norm: s.grad_norm,
+            tokens_per_s: tok_s,
+            step_s,
+            tflops,
+            mfu: self.peak_tflops.map(|peak| tflops / peak),
+            target_tokens: batch.target_tokens,
+            documents: config.data.packing.then_some(batch.lengths.len()),
+        };
+        self.records.emit(RunEvent::Step(&report));
         Ok(stop)
     }
 
@@ -520,8 +426,7 @@ impl<'a> Trainer<'a> {
     /// Evaluates on the whole eval set (sharded across ranks) and logs it; true at the target.
     fn evaluate(&mut self) -> anyhow::Result<bool> {
         let (config, samples) = (self.config, self.state.progress.samples);
-        let last_loss = self.metrics.train.last().map_or(f64::NAN, |(_, l)| *l);
-        self.log.eval_start(samples, last_loss);
+        self.records.emit(RunEvent::EvalStart { samples });
         let loss = {
             let _span = debug_span!("eval", samples).entered();
             let how = EvalBatching {
@@ -536,14 +441,12 @@ impl<'a> Trainer<'a> {
             Averaging::PerToken => loss.per_token,
             Averaging::PerSample => loss.per_sample,
         };
-        self.log.eval_stop(samples, eval_loss);
-        self.bar
-            .print(|| info!(samples, eval_loss = format!("{eval_loss:.4}"), target = config.eval.target_loss, "eval"));
-        self.metrics.write(json!({"step": self.state.progress.step, "samples": samples, "eval_loss": eval_loss}));
+        let (step, target) = (self.state.progress.step, config.eval.target_loss);
+        self.records.emit(RunEvent::Eval { step, samples, eval_loss, target });
         self.state.progress.last_eval = Some(eval_loss);
-        let reached = eval_loss <= config.eval.target_loss;
+        let reached = eval_loss <= target;
         if !reached {
-            self.log.block_start(samples);
+            self.records.emit(RunEvent::Block { samples });
         }
         Ok(reached)
     }
@@ -564,8 +467,7 @@ impl<'a> Trainer<'a> {
             let keep = self.config.run.keep_checkpoints;
             dir = resume::save(&self.config.run.dir, keep, &self.config_toml, &self.state, &mut self.model, adapter)?;
             self.claim.settle();
-            let step = self.state.progress.step;
-            self.bar.print(|| info!(step, dir = %dir.display(), "checkpoint saved"));
+            self.records.emit(RunEvent::Checkpoint { step: self.state.progress.step, dir: &dir });
         }
         self.dist.comm.barrier()?;
         Ok(dir)
@@ -623,11 +525,10 @@ impl<'a> Trainer<'a> {
     /// then draws the loss plot.
     fn finish(&mut self, status: RunStatus) -> anyhow::Result<Outcome> {
         self.verify_replicas()?;
-        self.bar.finish();
         let run_stop = now_ms();
         let samples = self.state.progress.samples;
         let saved = if self.dist.is_main() { Some(self.save_outputs()?) } else { None };
-        self.log.run_stop_at(samples, status.name(), run_stop);
+        self.records.emit(RunEvent::Stop { samples, status, time_ms: run_stop });
         let ttt = run_stop.saturating_sub(self.state.progress.run_start_ms) as f64 / 1000.0;
         let last_eval = self.state.progress.last_eval;
         let outcome = Outcome {
@@ -643,8 +544,8 @@ impl<'a> Trainer<'a> {
         let plot = run_dir.join(run_dir::PLOT);
         let curve = crate::plot::Curve {
             label: self.name.clone(),
-            train: self.metrics.train.clone(),
-            eval: self.metrics.eval.clone(),
+            train: self.records.metrics.train.clone(),
+            eval: self.records.metrics.eval.clone(),
         };
         if let Err(e) = crate::plot::loss_svg(&plot, &[curve], self.config.eval.target_loss) {
             tracing::warn!("cannot draw {}: {e:#}", plot.display());
@@ -674,100 +575,205 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// Fails before any work when inputs are absent (a 70B run should not load 140 GB first), and
-/// makes the demo's base when the config asks for it.
-fn check_inputs(config: &Config, world: usize, resumed: bool) -> anyhow::Result<()> {
-    let to_pretrain = match (&config.model.pretrain, &config.model.path) {
-        (Some(pt), Some(path)) if !resumed && !path.join("config.json").is_file() => Some((pt, path)),
-        _ => None,
-    };
-    if let Some((_, path)) = to_pretrain {
-        anyhow::ensure!(
-            world == 1,
-            "model.path = {} holds no checkpoint and [model.pretrain] would make one: pre-train it with a single \
-             process first (`llora train` without a launcher), then start the {world} ranks",
-            path.display()
-        );
-        // The pre-trained base is renamed into place at the end: find a clash before the work.
-        anyhow::ensure!(
-            crate::paths::is_free(path),
-            "model.path = {} exists but holds no config.json (not an HF checkpoint); [model.pretrain] makes a base \
-             only where nothing is: point model.path at a checkpoint or at a new directory",
-            path.display()
-        );
-    } else if let Some(p) = &config.model.path {
+/// The train command's first step: when `[model.pretrain]` asks for a base and `model.path`
+/// holds none yet, makes it (full fine-tuning of `model.preset`, a run of its own) before the
+/// run that needs it; nothing otherwise.
+pub fn prepare_base(config: &Config, world: usize) -> anyhow::Result<()> {
+    let (Some(pt), Some(path)) = (&config.model.pretrain, &config.model.path) else { return Ok(()) };
+    if path.join("config.json").is_file() {
+        return Ok(());
+    }
+    anyhow::ensure!(
+        world == 1,
+        "model.path = {} holds no checkpoint and [model.pretrain] would make one: pre-train it with a single \
+         process first (`llora train` without a launcher), then start the {world} ranks",
+        path.display()
+    );
+    // The pre-trained base is renamed into place at the end: find a clash before the work.
+    anyhow::ensure!(
+        crate::paths::is_free(path),
+        "model.path = {} exists but holds no config.json (not an HF checkpoint); [model.pretrain] makes a base \
+         only where nothing is: point model.path at a checkpoint or at a new directory",
+        path.display()
+    );
+    check_data_files(config)?;
+    // Before pre-training too: a base still to be made is planned from model.preset.
+    crate::plan::check_fits(config, world)?;
+    pretrain(config, pt, path)
+}
+
+/// Fails before any work when inputs are absent (a 70B run should not load 140 GB first) or
+/// the run cannot fit.
+fn check_inputs(config: &Config, world: usize) -> anyhow::Result<()> {
+    if let Some(p) = &config.model.path {
         anyhow::ensure!(
             p.is_dir(),
-            "model.path = {}: no such directory (download the HF checkpoint there, or set model.path)",
-            p.display()
+            "model.path = {}: no such directory (download the HF checkpoint there, or set model.path{})",
+            p.display(),
+            if config.model.pretrain.is_some() { "; `llora train` makes it from [model.pretrain]" } else { "" }
         );
     }
+    check_data_files(config)?;
+    crate::plan::check_fits(config, world)
+}
+
+fn check_data_files(config: &Config) -> anyhow::Result<()> {
     for (key, p) in [("data.train", &config.data.train), ("data.eval", &config.data.eval)] {
         if let Some(p) = p {
             anyhow::ensure!(p.is_file(), "{key} = {}: no such file", p.display());
         }
     }
-    // Before pre-training too: a base still to be made is planned from model.preset.
-    crate::plan::check_fits(config, world)?;
-    if let Some((pt, path)) = to_pretrain {
-        pretrain(config, pt, path)?;
-    }
     Ok(())
 }
 
-/// The submission keys of the result log; `submission_platform` is `<nodes>x<mlperf.platform>`
-/// as the submissions write it.
-fn submission_keys(config: &Config, nodes: usize) -> Vec<(&'static str, Value)> {
-    vec![
-        ("submission_benchmark", json!("llama2_70b_lora")),
-        ("submission_org", json!(config.mlperf.org)),
-        ("submission_division", json!(config.mlperf.division.name())),
-        ("submission_status", json!("onprem")),
-        ("submission_platform", json!(format!("{nodes}x{}", config.mlperf.platform))),
-        ("seed", json!(config.run.seed)),
-    ]
-}
-
-/// The hyperparameter keys of the result log, and what ran: the linear GEMMs in
-/// `precision.compute`; attention (QKᵀ, softmax, PV) and the gradient reduction in f32.
-/// A precision in the MLPerf checker's words (`bfloat16`, not `bf16`: the checker refuses it).
-fn mllog_precision(c: llora_model::precision::Compute) -> &'static str {
-    use llora_model::precision::Compute;
-    match c {
-        Compute::Fp32 => "fp32",
-        Compute::Bf16 => "bfloat16",
-        Compute::Fp8 => "fp8",
+/// Starts this rank's device and says what runs where (main rank).
+fn start_device(config: &Config, name: &str, dist: &Dist) -> anyhow::Result<(llora_model::device::DeviceSpec, Device)> {
+    let (world, comm) = (&dist.world, dist.comm.as_ref());
+    let device_spec = dist.device(config.run.device);
+    let device = device_spec
+        .init(config.run.threads)
+        .with_context(|| format!("cannot start on run.device = \"{}\" (rank {})", config.run.device, world.rank))?;
+    if dist.is_main() {
+        info!(
+            config = name,
+            backend = %device_spec.backend_name(),
+            device = %device_spec,
+            threads = device_spec.effective_threads(config.run.threads),
+            ranks = world.size,
+            collectives = comm.backend(),
+            "llora {} starting",
+            env!("CARGO_PKG_VERSION")
+        );
     }
+    Ok((device_spec, device))
 }
 
-fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'static str, Value)> {
-    let s = &config.schedule;
-    vec![
-        ("global_batch_size", json!(config.train.global_batch_size)),
-        ("micro_batch_size", json!(config.train.micro_batch_size)),
-        ("gradient_accumulation_steps", json!(accumulation)),
-        ("opt_base_learning_rate", json!(config.optim.lr)),
-        ("opt_adamw_weight_decay", json!(config.optim.weight_decay)),
-        ("opt_gradient_clip_norm", json!(config.optim.clip_grad_norm)),
-        ("opt_learning_rate_warmup_factor", json!(s.warmup_steps as f64 / s.max_steps as f64)),
-        ("opt_learning_rate_training_steps", json!(s.max_steps)),
-        ("lora_rank", json!(config.lora.rank)),
-        ("lora_alpha", json!(config.lora.alpha)),
-        ("target_accuracy", json!(config.eval.target_loss)),
-        ("lowest_numerical_precision_in_linear", json!(mllog_precision(config.precision.compute))),
-        // Attention runs in the activations' dtype: bf16 for bf16 and FP8 (softmax in f32
-        // inside the kernel).
-        ("lowest_numerical_precision_in_attn", json!(mllog_precision(config.precision.spec().activation_compute()))),
-        ("lowest_numerical_precision_in_comm", json!("fp32")),
-        ("tensor_parallelism", json!(1)),
-        ("pipeline_parallelism", json!(1)),
-        ("context_parallelism", json!(1)),
-        ("expert_parallelism", json!(1)),
-        ("config_filename", json!(name)),
-        // Not an MLPerf key: whether rows were packed. The benchmark's data is one sample per
-        // row (a "sample" of its schedule), which the MLPerf config keeps.
-        ("data_packing", json!(config.data.packing)),
-    ]
+/// How a global batch splits over the ranks and their micro-batches.
+fn geometry(config: &Config, world: &crate::dist::World) -> anyhow::Result<Geometry> {
+    let t = &config.train;
+    let g = Geometry { global: t.global_batch_size, micro: t.micro_batch_size, rank: world.rank, world: world.size };
+    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", g.micro), ("ranks", g.world)])?;
+    anyhow::ensure!(
+        g.global.is_multiple_of(per_step),
+        "train.global_batch_size = {} must be a multiple of train.micro_batch_size × ranks = {} × {} = {per_step}",
+        g.global,
+        g.micro,
+        g.world,
+    );
+    Ok(g)
+}
+
+/// The model with its adapters and the state training starts from: the checkpoint's, or fresh
+/// after the warm-up passes.
+fn ready_model(
+    config: &Config,
+    spec: &LoraSpec,
+    dist: &Dist,
+    resumed: Option<Checkpoint>,
+    device: &Device,
+    train_device: &Device,
+) -> anyhow::Result<(LlamaForCausalLM, TrainState)> {
+    let sharding = dist.sharding(config.train.shard_frozen_weights);
+    let mut model = load_model(config, spec, sharding, train_device)?;
+    info!(
+        base_parameters = model.config.num_parameters(),
+        lora_parameters = model.num_lora_parameters(),
+        base_weight_mb = model.base_weight_bytes() >> 20,
+        frozen_weights = if model.is_sharded() { "sharded" } else { "replicated" },
+        "model ready"
+    );
+    let mut state = TrainState { progress: resume::Progress::default(), optim: AdamW::new(config.optim.clone()) };
+    match resumed {
+        Some(mut ckpt) => ckpt.restore(&mut model, &mut state, device)?,
+        None => {
+            // Warm-up passes must not leave amaxes of random tokens in the scaling state.
+            let scales = model.fp8_scales();
+            warm_up(&model, config, train_device)?;
+            model.set_fp8_scales(&scales)?;
+        }
+    }
+    Ok((model, state))
+}
+
+/// The training stream from where `progress` stands: one global order for every rank, each
+/// taking its micro-batches of every global batch; packed into rows when the config packs.
+fn batches(
+    config: &Config,
+    data: &Datasets,
+    progress: &resume::Progress,
+    geometry: Geometry,
+    fresh: bool,
+) -> anyhow::Result<Prefetched<StepBatch>> {
+    let position = progress.position;
+    let order = SampleOrder::new(data.train.len(), config.run.seed, true, position).with_context(|| {
+        let source = config.data.train.as_ref().map_or("data.synthetic".into(), |p| p.display().to_string());
+        let n = data.train.len();
+        match fresh {
+            true => format!("the training data ({source}: {n} samples)"),
+            false => format!(
+                "the training data ({source}: {n} samples) does not fit the checkpoint's data position (epoch {}, \
+                 sample {}): was the file changed since the run started?",
+                position.epoch, position.index
+            ),
+        }
+    })?;
+    let order = match config.data.packing() {
+        None => RowOrder::Samples(order),
+        Some(packing) => {
+            let lengths = Arc::new(data.train.iter().map(|s| s.input_ids.len()).collect());
+            RowOrder::Packed(PackedOrder::new(order, lengths, packing, position.packed_rows)?)
+        }
+    };
+    let padding = config.data.padding.padding(config.data.max_seq_len);
+    Ok(train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers))
+}
+
+/// The run's records: the MLPerf result log, `metrics.jsonl` and the progress bar, each an
+/// [`Observer`] of the run's events (silent on ranks other than 0).
+struct Records {
+    log: RunLog,
+    metrics: Metrics,
+    bar: Progress,
+}
+
+impl Records {
+    /// Opens the records of a run in `config.run.dir`: fresh, or continuing a run resumed at
+    /// step `resumed_at` (the result log appended to, `metrics.jsonl` cut to that step).
+    fn open(
+        config: &Config,
+        name: &str,
+        dist: &Dist,
+        geometry: Geometry,
+        resumed_at: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let (run_dir, main) = (&config.run.dir, dist.is_main());
+        if main {
+            std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run.dir {}", run_dir.display()))?;
+        }
+        let keys = MlperfKeys::of(config, dist.world.nodes(), geometry.accumulation(), name);
+        // A resumed run appends to its log; that log then tells the story of an interrupted
+        // run, which the MLPerf rules do not accept as a result (they time uninterrupted runs).
+        let log = RunLog::open(&run_dir.join(run_dir::RESULT_LOG), main, resumed_at.is_some(), keys)?;
+        let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, main)?;
+        let bar = Progress::new(config, resumed_at.unwrap_or(0), main);
+        Ok(Self { log, metrics, bar })
+    }
+
+    /// Tells every record what happened.
+    fn emit(&mut self, event: RunEvent<'_>) {
+        self.log.observe(&event);
+        self.metrics.observe(&event);
+        self.bar.observe(&event);
+    }
+
+    /// `r`, with the run stopped (aborted) first when it is an error: whatever fails after
+    /// `run_start` ends the result log.
+    fn stop_on_error<T>(&mut self, samples: usize, r: anyhow::Result<T>) -> anyhow::Result<T> {
+        if r.is_err() {
+            self.emit(RunEvent::Stop { samples, status: RunStatus::Aborted, time_ms: now_ms() });
+        }
+        r
+    }
 }
 
 /// The training and evaluation sets.
