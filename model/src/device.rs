@@ -196,6 +196,14 @@ unsafe extern "C" {
     fn llora_torch_info_free(s: *mut std::ffi::c_char);
 }
 
+/// Holds LibTorch's CPU generator for a test. The generator is one per process and tests run
+/// on parallel threads: every test that seeds it (and expects the same draws twice), or draws
+/// from it while another may be seeding, holds this one lock; both crates' tests take it here.
+pub fn torch_rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The LibTorch version llora was built against, e.g. `"2.9.0"` (the library it links and
 /// loads must be that build: `torch_info.cpp`).
 pub fn libtorch_version() -> &'static str {

@@ -180,6 +180,7 @@ mod tests {
     /// backward to move the generator on); the same seed gives the same mask.
     #[test]
     fn drops_scales_and_backpropagates_the_same_mask() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         let x0 = Tensor::<2>::ones([64, 256], &device).mul_scalar(3.0);
         let values = |t: Tensor<2>| t.into_data().to_vec::<f32>().unwrap();

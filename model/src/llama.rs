@@ -304,7 +304,7 @@ impl DecoderLayer {
     fn shards(&self) -> Vec<&WeightShard> {
         self.linears()
             .into_iter()
-            .filter_map(|(_, l)| match l.quant.as_ref()?.stored.as_ref()? {
+            .filter_map(|(_, l)| match l.weight.stored()? {
                 FrozenWeight::Sharded(s) => Some(&**s),
                 FrozenWeight::Whole(_) => None,
             })
@@ -537,8 +537,9 @@ impl LlamaForCausalLM {
                 spec.compute.name()
             );
         }
+        let device = self.embed_tokens.device();
         for (_, linear) in self.named_linears_mut() {
-            linear.set_precision(spec);
+            linear.set_precision(spec, &device);
         }
         for layer in &mut self.layers {
             layer.mlp.storage = spec.activation_storage();

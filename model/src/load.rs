@@ -12,7 +12,7 @@ use crate::config::LlamaConfig;
 use crate::layout::BlockLinear;
 use crate::llama::{BlockWeights, BuildOptions, DecoderLayer, LlamaForCausalLM, RmsNorm};
 use crate::lora::{LoraLinear, LoraSpec};
-use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, tch_device};
+use crate::precision::{FrozenWeight, PrecisionSpec, StoredWeight, tch_device};
 use crate::shard::{Sharding, WeightShard};
 
 impl LlamaForCausalLM {
@@ -163,7 +163,7 @@ impl BlockWeights for Loader<'_, '_, '_> {
         let (mut linear, whole) = match self.stores {
             Some(spec) => {
                 let whole = self.weights.stored(&name, shape, spec)?;
-                (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec, self.device), Some((whole, spec)))
+                (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec), Some((whole, spec)))
             }
             None => (LoraLinear::new(self.weights.get(&name, shape)?, self.trainable), None),
         };
@@ -177,7 +177,7 @@ impl BlockWeights for Loader<'_, '_, '_> {
         if let (Some((whole, spec)), Some(s)) = (whole, self.sharding) {
             let adapter = linear.lora.take();
             let shard = FrozenWeight::Sharded(Arc::new(WeightShard::new(whole, s)));
-            linear = LoraLinear::from_stored(shard, spec, self.device);
+            linear = LoraLinear::from_stored(shard, spec);
             linear.lora = adapter;
         }
         Ok(linear)
@@ -242,7 +242,7 @@ impl<'a> WeightSource<'a> {
         };
         let values = data.into_vec::<f32>().map_err(|e| anyhow::anyhow!("tensor {name}: {e:?}"))?;
         tracing::debug!(tensor = name, ?dims, "model: converting a weight to its storage dtype");
-        let stored = LinearQuant::store_weight(spec, &values, dims, device).unwrap_or_else(|| {
+        let stored = StoredWeight::store(spec, &values, dims, device).unwrap_or_else(|| {
             let t = tch::Tensor::from_slice(&values).reshape([dims[0] as i64, dims[1] as i64]).to_device(device);
             StoredWeight::F32(TchTensor::new(t))
         });

@@ -22,23 +22,66 @@
 
 use std::sync::Arc;
 
-use burn::module::{Module, Param};
+use burn::module::{Ignored, Module, Param};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
 use crate::layout::BlockLinear;
-use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, quant_linear};
+use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, frozen_linear, quant_linear};
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
 #[derive(Module, Debug)]
 pub struct LoraLinear {
     /// Base weight, HF layout `[out, in]`; frozen unless full fine-tuning.
-    pub weight: Param<Tensor<2>>,
+    pub weight: BaseWeight,
     /// The adapter, when this module is a LoRA target.
     pub lora: Option<LoraAdapter>,
-    /// Reduced-precision state (`None`: plain f32 through Burn's linear). When it stores the
-    /// frozen weight, `weight` is an empty placeholder.
+    /// Precision and scaling state of the layer's GEMMs (`None`: plain f32 through Burn's
+    /// linear, on backends other than LibTorch).
     #[module(skip)]
     pub quant: Option<Arc<LinearQuant>>,
+}
+
+/// A linear layer's base weight, in the one place it lives.
+#[derive(Module, Debug)]
+pub enum BaseWeight {
+    /// A Burn parameter: f32, trainable under full fine-tuning, else frozen.
+    Param(Param<Tensor<2>>),
+    /// Frozen and stored outside Burn: bf16, FP8 codes, NF4, or this rank's shard of one.
+    Stored(Ignored<FrozenWeight>),
+}
+
+impl BaseWeight {
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Self::Param(p) => p.shape().dims(),
+            Self::Stored(w) => w.0.dims(),
+        }
+    }
+
+    /// The parameter, when the weight is one.
+    pub fn param(&self) -> Option<&Param<Tensor<2>>> {
+        match self {
+            Self::Param(p) => Some(p),
+            Self::Stored(_) => None,
+        }
+    }
+
+    /// The parameter, mutably, when the weight is one.
+    pub fn param_mut(&mut self) -> Option<&mut Param<Tensor<2>>> {
+        match self {
+            Self::Param(p) => Some(p),
+            Self::Stored(_) => None,
+        }
+    }
+
+    /// The stored weight, when the weight is one.
+    pub fn stored(&self) -> Option<&FrozenWeight> {
+        match self {
+            Self::Param(_) => None,
+            Self::Stored(w) => Some(&w.0),
+        }
+    }
 }
 
 /// The low-rank pair of a [`LoraLinear`].
@@ -269,19 +312,13 @@ impl LoraAdapter {
 impl LoraLinear {
     /// A frozen linear layer from a `[out, in]` weight; `trainable` unfreezes it (full FT).
     pub fn new(weight: Tensor<2>, trainable: bool) -> Self {
-        let weight = Param::from_tensor(weight).set_require_grad(trainable);
+        let weight = BaseWeight::Param(Param::from_tensor(weight).set_require_grad(trainable));
         Self { weight, lora: None, quant: None }
     }
 
-    /// A frozen layer whose weight is already stored in reduced precision or sharded
-    /// (`weight` is then an empty placeholder on `device`).
-    pub fn from_stored(stored: FrozenWeight, spec: &PrecisionSpec, device: &Device) -> Self {
-        let placeholder = Tensor::<2>::zeros([0, stored.dims()[1]], device);
-        Self {
-            weight: Param::from_tensor(placeholder).set_require_grad(false),
-            lora: None,
-            quant: Some(Arc::new(LinearQuant::new(*spec, Some(stored)))),
-        }
+    /// A frozen layer whose weight is already stored in reduced precision or sharded.
+    pub fn from_stored(stored: FrozenWeight, spec: &PrecisionSpec) -> Self {
+        Self { weight: BaseWeight::Stored(Ignored(stored)), lora: None, quant: Some(Arc::new(LinearQuant::new(*spec))) }
     }
 
     /// Attaches an adapter.
@@ -292,64 +329,55 @@ impl LoraLinear {
 
     /// `[out, in]` of the base weight.
     pub fn dims(&self) -> [usize; 2] {
-        match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
-            Some(stored) => stored.dims(),
-            None => self.weight.shape().dims(),
-        }
+        self.weight.dims()
     }
 
-    /// The base weight in f32 (dequantised when it is stored in reduced precision).
-    pub fn base_weight(&self) -> Tensor<2> {
-        match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
-            Some(stored) => {
-                let w = stored.whole().dequantize();
+    /// The base weight in f32 (dequantised when it is stored in reduced precision), on `device`.
+    pub fn base_weight(&self, device: &Device) -> Tensor<2> {
+        match &self.weight {
+            BaseWeight::Stored(stored) => {
+                let w = stored.0.whole().dequantize();
                 let values = Vec::<f32>::try_from(&w.flatten(0, -1)).expect("f32 weight");
-                Tensor::from_data(TensorData::new(values, self.dims()), &self.weight.device())
+                Tensor::from_data(TensorData::new(values, self.dims()), device)
             }
-            None => self.weight.val(),
+            BaseWeight::Param(p) => p.val(),
         }
     }
 
     /// Bytes the base weight occupies.
     pub fn base_weight_bytes(&self) -> usize {
-        match self.quant.as_ref().and_then(|q| q.stored.as_ref()) {
-            Some(stored) => stored.bytes(),
-            None => self.weight.shape().num_elements() * self.weight.val().dtype().size(),
+        match &self.weight {
+            BaseWeight::Stored(stored) => stored.0.bytes(),
+            BaseWeight::Param(p) => p.shape().num_elements() * p.val().dtype().size(),
         }
     }
 
     /// Switches the layer (and its adapter) to `spec`, through the LibTorch op of
     /// [`quant_linear`] (f32 included: one code path for every precision on LibTorch): frozen
-    /// base weights are stored in bf16 or FP8 when `spec` asks, dropping the f32 copy. On
+    /// base weights are stored in bf16 or FP8 when `spec` asks, dropping the f32 parameter. On
     /// other devices only plain f32 is possible, and the layer stays on Burn's linear.
-    pub fn set_precision(&mut self, spec: &PrecisionSpec) {
-        if crate::precision::tch_device(&self.weight.device()).is_none() {
+    pub fn set_precision(&mut self, spec: &PrecisionSpec, device: &Device) {
+        let Some(tch_device) = crate::precision::tch_device(device) else {
             assert!(spec.is_fp32(), "reduced precision needs a LibTorch device");
             self.quant = None;
             if let Some(a) = &mut self.lora {
                 a.quant = None;
             }
             return;
-        }
-        let frozen = !self.weight.is_require_grad();
-        let stored = if frozen && spec.stores_frozen_weights() && self.quant.as_ref().is_none_or(|q| q.stored.is_none())
-        {
-            let w = self.weight.val();
-            let values = w.to_data().convert::<f32>().into_vec::<f32>().expect("f32 weight");
-            let device = crate::precision::tch_device(&w.device()).expect("reduced precision needs a LibTorch device");
-            LinearQuant::store_weight(spec, &values, self.dims(), device).map(FrozenWeight::Whole)
-        } else {
-            self.quant.as_ref().and_then(|q| q.stored.clone())
         };
-        if stored.is_some() {
-            let device = self.weight.device();
-            let placeholder = Tensor::<2>::zeros([0, self.dims()[1]], &device);
-            self.weight = Param::initialized(self.weight.id, placeholder.set_require_grad(false));
+        if let BaseWeight::Param(p) = &self.weight
+            && !p.is_require_grad()
+            && spec.stores_frozen_weights()
+        {
+            let values = p.val().to_data().convert::<f32>().into_vec::<f32>().expect("f32 weight");
+            if let Some(stored) = StoredWeight::store(spec, &values, self.dims(), tch_device) {
+                self.weight = BaseWeight::Stored(Ignored(FrozenWeight::Whole(stored)));
+            }
         }
-        self.quant = Some(Arc::new(LinearQuant::new(*spec, stored)));
+        self.quant = Some(Arc::new(LinearQuant::new(*spec)));
         if let Some(a) = &mut self.lora {
             let adapters = spec.for_adapters();
-            a.quant = Some([Arc::new(LinearQuant::new(adapters, None)), Arc::new(LinearQuant::new(adapters, None))]);
+            a.quant = Some([Arc::new(LinearQuant::new(adapters)), Arc::new(LinearQuant::new(adapters))]);
         }
     }
 
@@ -374,9 +402,11 @@ impl LoraLinear {
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
     fn base(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        match &self.quant {
-            Some(q) => quant_linear(x, self.weight.val(), q, train),
-            None => linear_t(x, self.weight.val()),
+        match (&self.weight, &self.quant) {
+            (BaseWeight::Param(w), Some(q)) => quant_linear(x, w.val(), q, train),
+            (BaseWeight::Param(w), None) => linear_t(x, w.val()),
+            (BaseWeight::Stored(w), Some(q)) => frozen_linear(x, &w.0, q, train),
+            (BaseWeight::Stored(_), None) => unreachable!("a stored weight is built with its precision state"),
         }
     }
 
@@ -390,12 +420,14 @@ impl LoraLinear {
     pub fn dora_norm(&self, adapter: &LoraAdapter) -> Tensor<1> {
         let (a, b) = (adapter.a.val().detach(), adapter.b.val().detach());
         let [out, _] = self.dims();
-        let (w_sq, aw) = match &self.quant {
-            Some(q) => crate::precision::weight_row_terms(a.clone(), self.weight.val(), q),
-            None => {
-                let w = self.weight.val().detach();
+        let (w_sq, aw) = match (&self.weight, &self.quant) {
+            (BaseWeight::Param(w), Some(q)) => crate::precision::weight_row_terms(a.clone(), w.val(), q),
+            (BaseWeight::Stored(w), Some(q)) => crate::precision::stored_row_terms(a.clone(), &w.0, q),
+            (BaseWeight::Param(w), None) => {
+                let w = w.val().detach();
                 (w.clone().powi_scalar(2).sum_dim(1).reshape([out]), a.clone().matmul(w.transpose()))
             }
+            (BaseWeight::Stored(_), None) => unreachable!("a stored weight is built with its precision state"),
         };
         let s = adapter.scale;
         let cross = (aw.transpose() * b.clone()).sum_dim(1).reshape([out]);
@@ -475,6 +507,7 @@ mod tests {
     /// gradient of `Σy` is `Σ_tokens (x·W'ᵀ)/‖W'‖`; a fresh adapter's magnitude is `‖W‖`.
     #[test]
     fn dora_rescales_each_row_to_its_magnitude() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         device.seed(5);
         let (out, inp) = (24, 40);
@@ -492,7 +525,7 @@ mod tests {
             a.magnitude = Some(Param::from_tensor(Tensor::random([out], Distribution::Uniform(0.5, 2.0), &device)));
             if let Some(compute) = precision {
                 let fp8 = compute == Compute::Fp8;
-                layer.set_precision(&PrecisionSpec { compute, fp8_weights: fp8, ..PrecisionSpec::default() });
+                layer.set_precision(&PrecisionSpec { compute, fp8_weights: fp8, ..PrecisionSpec::default() }, &device);
             }
             layer
         };
@@ -501,7 +534,7 @@ mod tests {
         {
             let layer = with_state(precision);
             let a = layer.lora.as_ref().unwrap();
-            let dense = layer.base_weight() + a.b.val().matmul(a.a.val()).mul_scalar(a.scale);
+            let dense = layer.base_weight(&device) + a.b.val().matmul(a.a.val()).mul_scalar(a.scale);
             let norm = dense.clone().powi_scalar(2).sum_dim(1).sqrt().reshape([out]);
             // bf16: A·Wᵀ is a bf16 GEMM (A rounded), as PEFT's bf16 computes its whole norm.
             let err = rel(layer.dora_norm(a), norm.clone());

@@ -357,6 +357,7 @@ mod tests {
     /// the hidden states and the LM head, with prompt (-100) rows and a row without targets.
     #[test]
     fn target_rows_loss_matches_full_logits() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         device.seed(11);
         let (b, s, d, v) = (3, 9, 16, 40);

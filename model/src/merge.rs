@@ -351,6 +351,7 @@ mod tests {
     /// tensor is refused.
     #[test]
     fn merges_in_the_checkpoints_dtype_one_tensor_at_a_time() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch();
         device.seed(4);
         let config = LlamaConfig::preset("tiny").unwrap();

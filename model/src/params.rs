@@ -74,8 +74,11 @@ impl LlamaForCausalLM {
                         format!("{p}.post_attention_layernorm.weight"),
                         ParamMut::Vector(&mut post_attention_layernorm.weight),
                     ));
+                    // A stored frozen weight is no parameter: nothing trains or saves it as one.
                     for (kind, linear) in self_attn.linears_mut().into_iter().chain(mlp.linears_mut()) {
-                        out.push((format!("{}.weight", kind.path(l)), ParamMut::Matrix(&mut linear.weight)));
+                        if let Some(weight) = linear.weight.param_mut() {
+                            out.push((format!("{}.weight", kind.path(l)), ParamMut::Matrix(weight)));
+                        }
                     }
                 }
                 out.push(("model.norm.weight".to_string(), ParamMut::Vector(&mut self.norm.weight)));

@@ -86,7 +86,7 @@ fn sharded_and_single_file_load_the_same_weights() {
     let a = HfCheckpoint::open(one.path()).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     let b = HfCheckpoint::open(two.path()).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     // The o_proj weight was written as the constant 0.06 (the 6th tensor).
-    let o = a.layers[0].self_attn.o_proj.weight.val().into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let o = a.layers[0].self_attn.o_proj.base_weight(&device).into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
     assert!(o.iter().all(|&x| x == 0.06f32), "{o:?}");
     assert_eq!(a.head().into_data(), b.head().into_data());
 }

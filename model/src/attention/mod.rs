@@ -319,6 +319,7 @@ mod tests {
     /// causal and not, in `dtype` on `device` (the generic one in f32 on the same rounded
     /// inputs), within `tol` of the largest value.
     fn fused_matches_generic(device: &Device, dtype: burn::tensor::DType, tol: f32) {
+        let _rng = crate::device::torch_rng_lock();
         device.seed(7);
         let (b, h, kv, s, hd) = (2, 4, 2, 33, 16);
         let q0 = rand([b, h, s, hd], device).cast(dtype);
@@ -472,6 +473,7 @@ mod tests {
     }
 
     fn packed_rows_take_the_varlen_route(device: Device, dev: tch::Device) {
+        let _rng = crate::device::torch_rng_lock();
         device.seed(3);
         let packed = PackedRows::new(vec![vec![100, 3, 1, 150], vec![300], vec![7, 200]], 300).unwrap();
         let dtype = burn::tensor::DType::BF16;

@@ -195,6 +195,7 @@ mod tests {
     }
 
     fn fused_matches_composite(device: &Device) {
+        let _rng = crate::device::torch_rng_lock();
         device.seed(3);
         let (b, s, d) = (2, 5, 64);
         let x0 = Tensor::<3>::random([b, s, d], Distribution::Normal(0.0, 3.0), device);

@@ -1,17 +1,17 @@
-//! One linear layer in reduced precision: its state (spec, scales, the frozen weight when kept
-//! here), how a weight is stored, and the forward and backward GEMMs on LibTorch tensors that
-//! the autodiff node (`nodes.rs`) runs.
+//! One linear layer in reduced precision: its state (spec and scaling; the weight is the
+//! layer's, passed in as a [`LinearWeight`]), and the forward and backward GEMMs on LibTorch
+//! tensors that the autodiff nodes (`nodes.rs`) run.
 
 use std::sync::{Arc, Mutex};
 
 use burn::backend::libtorch::TchTensor;
 use tch::Kind;
 
+use super::bf16;
 use super::scaled_mm::{Fp8Operand, fp8_gemm};
 use super::scaling::{LinearScales, Role, scale_of};
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
-use super::{bf16, nf4};
 use crate::fp8::{Fp8Format, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;
 
@@ -27,24 +27,25 @@ pub struct LinearQuant {
     /// them only at the step's end, where the model reads all of them at once
     /// (`LlamaForCausalLM::settle_fp8_amaxes`), not once per GEMM.
     lazy: Mutex<[Vec<tch::Tensor>; 3]>,
-    /// The frozen weight, when it is kept here (reduced precision, or sharded) rather than in
-    /// the layer's parameter.
-    pub stored: Option<FrozenWeight>,
 }
 
-/// Elements converted at a time when storing a weight (16 MB of f32).
-const CONVERT_CHUNK: usize = 1 << 22;
+/// A linear layer's weight as its GEMMs read it.
+#[derive(Debug, Clone)]
+pub enum LinearWeight {
+    /// A parameter's tensor, cast or quantised at each use as the precision asks.
+    Param(TchTensor),
+    /// A frozen weight stored in reduced precision, or sharded (read while gathered).
+    Stored(FrozenWeight),
+}
 
-/// `max |x|` of host values, NaN if any is NaN (as [`amax_tch`]).
-fn host_amax(values: &[f32]) -> f32 {
-    let mut amax = 0.0f32;
-    for &x in values {
-        if x.is_nan() {
-            return f32::NAN;
+impl LinearWeight {
+    /// The stored weight, whole (a sharded one while gathered); `None` for a parameter.
+    fn stored(&self) -> Option<StoredWeight> {
+        match self {
+            Self::Param(_) => None,
+            Self::Stored(w) => Some(w.whole()),
         }
-        amax = amax.max(x.abs());
     }
-    amax
 }
 
 /// What a linear layer keeps of its input for the weight gradient.
@@ -71,9 +72,9 @@ impl SavedInput {
 }
 
 impl LinearQuant {
-    /// A fresh state; `stored` is the frozen weight in reduced precision, if any.
-    pub fn new(spec: PrecisionSpec, stored: Option<FrozenWeight>) -> Self {
-        Self { spec, scales: Mutex::new(LinearScales::new()), lazy: Mutex::new(Default::default()), stored }
+    /// A fresh state.
+    pub fn new(spec: PrecisionSpec) -> Self {
+        Self { spec, scales: Mutex::new(LinearScales::new()), lazy: Mutex::new(Default::default()) }
     }
 
     /// The scale to quantise `x` with as `role`, recording its amax in training. Once the
@@ -115,67 +116,6 @@ impl LinearQuant {
         }
     }
 
-    /// Stores a frozen `[out, in]` f32 weight, given as host values, as `spec` asks (bf16 for
-    /// bf16 compute, E4M3 with its exact amax for FP8 weights) on `device`; `None` when it
-    /// stays in f32. Rows are converted a few MB at a time, so the only full-size buffers are
-    /// `values` and the result (what loading a checkpoint can afford at 70B).
-    pub fn store_weight(
-        spec: &PrecisionSpec,
-        values: &[f32],
-        dims: [usize; 2],
-        device: tch::Device,
-    ) -> Option<StoredWeight> {
-        Self::store_weight_in_chunks(spec, values, dims, device, CONVERT_CHUNK)
-    }
-
-    /// [`Self::store_weight`] converting about `chunk` elements (whole rows) at a time.
-    pub(super) fn store_weight_in_chunks(
-        spec: &PrecisionSpec,
-        values: &[f32],
-        dims: [usize; 2],
-        device: tch::Device,
-        chunk: usize,
-    ) -> Option<StoredWeight> {
-        if let Some(nf4) = spec.nf4 {
-            let [out, inp] = dims;
-            assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
-            let q = nf4::Nf4::quantize(values, nf4.block, nf4.double);
-            return Some(StoredWeight::from_nf4(&q, dims, device));
-        }
-        let (kind, scale) = match spec.compute {
-            Compute::Bf16 => (Kind::BFloat16, 1.0),
-            Compute::Fp8 if spec.fp8_weights => {
-                let amax = host_amax(values);
-                let scale = crate::fp8::scale_for_amax(amax, Fp8Format::E4M3.max(), 0).unwrap_or(1.0);
-                (Fp8Format::E4M3.kind(), scale)
-            }
-            _ => return None,
-        };
-        let [out, inp] = dims;
-        assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
-        let stored = tch::Tensor::empty([out as i64, inp as i64], (kind, device));
-        let rows = (chunk / inp.max(1)).max(1);
-        for r0 in (0..out).step_by(rows) {
-            let n = rows.min(out - r0);
-            let src = tch::Tensor::from_slice(&values[r0 * inp..(r0 + n) * inp])
-                .reshape([n as i64, inp as i64])
-                .to_device(device);
-            let converted = match kind {
-                Kind::BFloat16 => src.to_kind(Kind::BFloat16),
-                _ => quantize_tch(&src, scale, Fp8Format::E4M3),
-            };
-            stored.narrow(0, r0 as i64, n as i64).copy_(&converted);
-        }
-        Some(match kind {
-            Kind::BFloat16 => StoredWeight::Bf16(TchTensor::new(stored)),
-            _ => {
-                let keep = device.is_cuda() && !spec.fp8_weights_one_layout;
-                let transposed = keep.then(|| TchTensor::new(stored.tr().contiguous()));
-                StoredWeight::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
-            }
-        })
-    }
-
     /// Ends a step: every amax recorded since the last update joins its history (amaxes still
     /// on the device are read here; the model reads all of its layers' at once before).
     pub fn update(&self) {
@@ -191,12 +131,13 @@ impl LinearQuant {
 
     /// `‖Wᵢ‖²` of each row of the weight as stored, accumulated in f32 (no f32 copy of a bf16
     /// weight; FP8 codes are dequantised).
-    pub(super) fn weight_row_sq(&self, w: &tch::Tensor) -> tch::Tensor {
+    pub(super) fn weight_row_sq(&self, w: &LinearWeight) -> tch::Tensor {
         let _no_grad = tch::no_grad_guard();
-        let w = match self.stored.as_ref().map(FrozenWeight::whole) {
-            Some(StoredWeight::Bf16(t)) => t.tensor.shallow_clone(),
-            Some(stored) => stored.dequantize(),
-            None => w.shallow_clone(),
+        let w = match (w, w.stored()) {
+            (_, Some(StoredWeight::Bf16(t))) => t.tensor.shallow_clone(),
+            (_, Some(stored)) => stored.dequantize(),
+            (LinearWeight::Param(w), None) => w.tensor.shallow_clone(),
+            (LinearWeight::Stored(_), None) => unreachable!("a stored weight has its whole"),
         };
         w.norm_scalaropt_dim_dtype(2.0, [1i64].as_slice(), false, Kind::Float).square()
     }
@@ -206,7 +147,7 @@ impl LinearQuant {
     ///
     /// # Shapes
     /// - a: `[r, in]`; w: `[out, in]`; output: `[r, out]`
-    pub(super) fn times_weight_t(&self, a: &tch::Tensor, w: &tch::Tensor) -> tch::Tensor {
+    pub(super) fn times_weight_t(&self, a: &tch::Tensor, w: &LinearWeight) -> tch::Tensor {
         let _no_grad = tch::no_grad_guard();
         self.gemm(a, &self.compute_weight(w).tr()).to_kind(Kind::Float)
     }
@@ -218,11 +159,12 @@ impl LinearQuant {
 
     /// The weight as an fp32 or bf16 GEMM uses it: f32, or bf16 (as stored, or an f32
     /// parameter cast).
-    fn compute_weight(&self, w: &tch::Tensor) -> tch::Tensor {
-        match self.stored.as_ref().map(FrozenWeight::whole) {
-            Some(StoredWeight::Bf16(t)) if self.spec.compute == Compute::Bf16 => t.tensor.shallow_clone(),
-            Some(stored) => stored.dequantize_to(self.operand_kind()),
-            None => w.to_kind(self.operand_kind()),
+    fn compute_weight(&self, w: &LinearWeight) -> tch::Tensor {
+        match (w, w.stored()) {
+            (_, Some(StoredWeight::Bf16(t))) if self.spec.compute == Compute::Bf16 => t.tensor.shallow_clone(),
+            (_, Some(stored)) => stored.dequantize_to(self.operand_kind()),
+            (LinearWeight::Param(w), None) => w.tensor.to_kind(self.operand_kind()),
+            (LinearWeight::Stored(_), None) => unreachable!("a stored weight has its whole"),
         }
     }
 
@@ -236,8 +178,8 @@ impl LinearQuant {
 
     /// The weight as FP8 GEMMs use it: the stored E4M3 codes, or the weight quantised with
     /// `scale` (the forward's, in backward) or, without one, its delayed scale.
-    fn fp8_weight(&self, w: &tch::Tensor, scale: Option<f32>, train: bool) -> Fp8Weight {
-        let whole = self.stored.as_ref().map(FrozenWeight::whole);
+    fn fp8_weight(&self, w: &LinearWeight, scale: Option<f32>, train: bool) -> Fp8Weight {
+        let whole = w.stored();
         let dequantized;
         let w = match &whole {
             Some(StoredWeight::Fp8 { codes, scale_inv, transposed }) => {
@@ -255,7 +197,10 @@ impl LinearQuant {
                 dequantized = nf4.dequantize();
                 &dequantized
             }
-            None => w,
+            None => match w {
+                LinearWeight::Param(w) => &w.tensor,
+                LinearWeight::Stored(_) => unreachable!("a stored weight has its whole"),
+            },
         };
         let s = scale.unwrap_or_else(|| self.scale_for(Role::Weight, w, train));
         Fp8Weight { codes: quantize_tch(w, s, Fp8Format::E4M3), transposed: None, scale_inv: 1.0 / s, scale: s }
@@ -263,7 +208,7 @@ impl LinearQuant {
 
     /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
     /// for the weight gradient. The output is in the activations' dtype.
-    pub(super) fn forward(&self, x_in: &TchTensor, w: &tch::Tensor, train: bool, keep_input: bool) -> LinearForward {
+    pub(super) fn forward(&self, x_in: &TchTensor, w: &LinearWeight, train: bool, keep_input: bool) -> LinearForward {
         // Kept inputs are clones of `x_in` (sharing its storage count), never fresh wrappers:
         // burn-tch writes in place into storage it believes unique.
         let x = &x_in.tensor;
@@ -338,7 +283,7 @@ impl LinearQuant {
     pub(super) fn backward(
         &self,
         g: &tch::Tensor,
-        w: &tch::Tensor,
+        w: &LinearWeight,
         st: &LinearState,
         want_dx: bool,
         want_dw: bool,
@@ -378,7 +323,11 @@ impl LinearQuant {
                     Some((q, s)) => dequantize_tch(q, 1.0 / s),
                     None => g2.to_kind(Kind::Float),
                 };
-                Some(gd.tr().matmul(&x).to_kind(w.kind()))
+                let kind = match w {
+                    LinearWeight::Param(w) => w.tensor.kind(),
+                    LinearWeight::Stored(_) => unreachable!("a stored weight is frozen: no gradient"),
+                };
+                Some(gd.tr().matmul(&x).to_kind(kind))
             }
             _ => None,
         };
@@ -409,8 +358,8 @@ pub(super) struct LinearForward {
 #[derive(Debug, Clone)]
 pub(super) struct LinearState {
     pub(super) quant: Arc<LinearQuant>,
-    /// The weight parameter (shares the model's storage; no copy).
-    pub(super) w: TchTensor,
+    /// The weight (a parameter shares the model's storage; no copy).
+    pub(super) w: LinearWeight,
     /// The saved input and the scale it was quantised with (weight gradient only).
     pub(super) saved: Option<(SavedInput, f32)>,
     pub(super) w_scale: f32,

@@ -27,9 +27,11 @@
 //! Everything here is a LibTorch backend extension (CPU and CUDA); other backends run fp32.
 //!
 //! Files, one concern each (each uses only files below it in this list): `nodes.rs` the ops as
-//! autodiff nodes (the quantised linear layer, DoRA's weight terms, SwiGLU); `linear.rs` one
-//! linear layer's state and GEMMs on LibTorch tensors; `scaling.rs` its delayed-scaling states;
-//! `weights.rs` frozen weights stored in bf16, FP8 or NF4 (`nf4.rs` the format); `scaled_mm.rs`
+//! autodiff nodes (the quantised linear layer of a parameter or of a stored frozen weight,
+//! DoRA's weight terms, SwiGLU); `linear.rs` one linear layer's precision and scaling state and
+//! its GEMMs on LibTorch tensors (the weight is the layer's: `lora.rs` `BaseWeight`, one enum,
+//! passed in as a `LinearWeight`); `scaling.rs` its delayed-scaling states; `weights.rs` frozen
+//! weights stored in bf16, FP8 or NF4, and converting one to its storage (`nf4.rs` the format); `scaled_mm.rs`
 //! the FP8 GEMM; `bf16.rs`, `blocked.rs` GEMM helpers; `spec.rs` what runs in which dtype.
 
 pub mod bf16;
@@ -42,8 +44,10 @@ mod scaling;
 mod spec;
 pub(crate) mod weights;
 
-pub use linear::LinearQuant;
-pub use nodes::{LowPrecisionBackend, quant_linear, swiglu, take_saved_bytes, weight_row_terms};
+pub use linear::{LinearQuant, LinearWeight};
+pub use nodes::{
+    LowPrecisionBackend, frozen_linear, quant_linear, stored_row_terms, swiglu, take_saved_bytes, weight_row_terms,
+};
 pub use scaling::{LinearScales, Role};
 
 pub use crate::shard::FrozenWeight;
@@ -120,6 +124,7 @@ mod tests {
     /// scalar emulation: E4M3 input and weight (scales from their first amax), E5M2 gradient.
     #[test]
     fn fp8_linear_matches_the_emulated_recipe() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         device.seed(3);
         let (n, k, m) = (6, 16, 8);
@@ -127,7 +132,7 @@ mod tests {
         let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
         let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
         for fp8_activations in [false, true] {
-            let quant = Arc::new(LinearQuant::new(fp8_spec(fp8_activations, false), None));
+            let quant = Arc::new(LinearQuant::new(fp8_spec(fp8_activations, false)));
             let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
             let _ = scaled_mm::take_gemm_counts();
             let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
@@ -160,6 +165,7 @@ mod tests {
     /// are the emulated recipe's, rounded once to bf16.
     #[test]
     fn fp8_linear_on_bf16_activations_writes_bf16() {
+        let _rng = crate::device::torch_rng_lock();
         use burn::tensor::DType;
         let device = Device::libtorch().autodiff();
         device.seed(4);
@@ -167,7 +173,7 @@ mod tests {
         let x0 = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.5), &device).cast(DType::BF16);
         let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
         let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device).cast(DType::BF16);
-        let quant = Arc::new(LinearQuant::new(fp8_spec(true, false), None));
+        let quant = Arc::new(LinearQuant::new(fp8_spec(true, false)));
         let x = x0.clone().require_grad();
         let y = quant_linear(x.clone().unsqueeze::<3>(), w0.clone(), &quant, true).squeeze::<2>();
         assert_eq!(y.dtype(), DType::BF16);
@@ -195,7 +201,7 @@ mod tests {
     #[test]
     fn the_next_step_uses_the_previous_amax() {
         let device = Device::libtorch().autodiff();
-        let quant = Arc::new(LinearQuant::new(fp8_spec(false, false), None));
+        let quant = Arc::new(LinearQuant::new(fp8_spec(false, false)));
         let w = Tensor::<2>::from_data(TensorData::new(vec![1.0f32], [1, 1]), &device);
         let run = |v: f32| {
             host(
@@ -223,6 +229,7 @@ mod tests {
     /// order of E4M3's resolution.
     #[test]
     fn swiglu_matches_composite_and_stores_fp8() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         device.seed(5);
         let shape = [2, 7, 24];
@@ -258,30 +265,31 @@ mod tests {
     /// the weight quantised with its exact amax; bf16 keeps 2 bytes.
     #[test]
     fn frozen_weights_are_stored_in_fp8() {
+        let _rng = crate::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         device.seed(9);
         let w = Tensor::<2>::random([12, 20], Distribution::Normal(0.0, 0.05), &device);
         let x = Tensor::<2>::random([3, 20], Distribution::Normal(0.0, 1.0), &device);
         let mut linear = LoraLinear::new(w.clone(), false);
         assert_eq!(linear.base_weight_bytes(), 12 * 20 * 4);
-        linear.set_precision(&fp8_spec(true, true));
+        linear.set_precision(&fp8_spec(true, true), &device);
         assert_eq!(linear.base_weight_bytes(), 12 * 20 + 4);
-        assert_eq!(linear.weight.shape().num_elements(), 0);
+        assert!(linear.weight.param().is_none(), "the f32 parameter is gone");
         assert_eq!(linear.dims(), [12, 20]);
         let (wh, xh) = (host(&w), host(&x));
         let wq = qdq(&wh, 448.0 / amax(&wh), Fp8Format::E4M3);
-        assert_eq!(host(&linear.base_weight()), wq);
+        assert_eq!(host(&linear.base_weight(&device)), wq);
         let y = linear.forward(x.clone().unsqueeze::<3>(), true).squeeze::<2>();
         let xq = qdq(&xh, 448.0 / amax(&xh), Fp8Format::E4M3);
         assert_close(&host(&y.inner()), &matmul_t(&xq, &wq, 3, 20, 12), "y");
 
         // Converted two rows at a time: the same codes and scale as in one piece.
         let spec = fp8_spec(true, true);
-        let chunked = LinearQuant::store_weight_in_chunks(&spec, &wh, [12, 20], tch::Device::Cpu, 40).unwrap();
+        let chunked = StoredWeight::store_in_chunks(&spec, &wh, [12, 20], tch::Device::Cpu, 40).unwrap();
         assert_eq!(Vec::<f32>::try_from(&chunked.dequantize().flatten(0, -1)).unwrap(), wq);
 
         let mut bf = LoraLinear::new(w, false);
-        bf.set_precision(&PrecisionSpec { compute: Compute::Bf16, ..Default::default() });
+        bf.set_precision(&PrecisionSpec { compute: Compute::Bf16, ..Default::default() }, &device);
         assert_eq!(bf.base_weight_bytes(), 12 * 20 * 2);
     }
 }

@@ -14,9 +14,10 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, LibTorch, back
 use burn::tensor::Tensor;
 use tch::Kind;
 
-use super::linear::{LinearQuant, LinearState};
+use super::linear::{LinearQuant, LinearState, LinearWeight};
 use super::spec::Storage;
 use crate::fp8::{Fp8Format, dequantize_with, quantize_current_on_device};
+use crate::shard::FrozenWeight;
 
 /// Bytes of activations the ops in this module saved for backward since the last
 /// [`take_saved_bytes`]; benchmarks read it to compare storage formats.
@@ -33,7 +34,7 @@ pub fn take_saved_bytes() -> usize {
 ///
 /// # Shapes
 /// - x: `[batch, seq, in]`
-/// - w: `[out, in]` (ignored, may be empty, when `quant` stores the weight)
+/// - w: `[out, in]`, a parameter (trainable or not)
 /// - output: `[batch, seq, out]`
 pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
     Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(
@@ -44,17 +45,43 @@ pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train:
     ))
 }
 
+/// [`quant_linear`] of a frozen weight stored in reduced precision or sharded: no gradient
+/// for the weight, none kept of the input.
+///
+/// # Shapes
+/// - x: `[batch, seq, in]`; w: `[out, in]`
+/// - output: `[batch, seq, out]`
+pub fn frozen_linear(x: Tensor<3>, w: &FrozenWeight, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::frozen_linear(
+        x.into_dispatch(),
+        w.clone(),
+        quant.clone(),
+        train,
+    ))
+}
+
 /// The frozen weight's part of DoRA's row norms (`LoraLinear::dora_norm`), without autodiff:
 /// `‖Wᵢ‖²` per row and `A·Wᵀ`, both f32, from the weight as `quant` stores it.
 ///
 /// # Shapes
-/// - a: `[r, in]`; w: `[out, in]` (ignored when `quant` stores the weight)
+/// - a: `[r, in]`; w: `[out, in]`, a parameter
 /// - output: `[out]` and `[r, out]`
 pub fn weight_row_terms(a: Tensor<2>, w: Tensor<2>, quant: &Arc<LinearQuant>) -> (Tensor<1>, Tensor<2>) {
     let w = w.detach();
     let row_sq = <Dispatch as LowPrecisionBackend>::weight_row_sq(w.clone().into_dispatch(), quant.clone());
     let aw =
         <Dispatch as LowPrecisionBackend>::times_weight_t(a.detach().into_dispatch(), w.into_dispatch(), quant.clone());
+    (Tensor::from_dispatch(row_sq), Tensor::from_dispatch(aw))
+}
+
+/// [`weight_row_terms`] of a stored (or sharded) frozen weight.
+///
+/// # Shapes
+/// As [`weight_row_terms`].
+pub fn stored_row_terms(a: Tensor<2>, w: &FrozenWeight, quant: &Arc<LinearQuant>) -> (Tensor<1>, Tensor<2>) {
+    let a = a.detach();
+    let row_sq = <Dispatch as LowPrecisionBackend>::stored_row_sq(a.clone().into_dispatch(), w.clone(), quant.clone());
+    let aw = <Dispatch as LowPrecisionBackend>::stored_times_weight_t(a.into_dispatch(), w.clone(), quant.clone());
     (Tensor::from_dispatch(row_sq), Tensor::from_dispatch(aw))
 }
 
@@ -78,17 +105,27 @@ pub trait LowPrecisionBackend: Backend {
         quant: Arc<LinearQuant>,
         train: bool,
     ) -> FloatTensor<Self>;
+    /// See [`frozen_linear`].
+    fn frozen_linear(x: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self>;
     /// See [`swiglu`].
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self>;
     /// `‖Wᵢ‖²` per row, f32, untracked (see [`weight_row_terms`]).
     fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
     /// `a·Wᵀ`, f32, untracked (see [`weight_row_terms`]).
     fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    /// `‖Wᵢ‖²` of a stored weight, f32, untracked, on `like`'s device (see [`stored_row_terms`]).
+    fn stored_row_sq(like: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    /// `a·Wᵀ` of a stored weight, f32, untracked (see [`stored_row_terms`]).
+    fn stored_times_weight_t(a: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
 }
 
 impl LowPrecisionBackend for LibTorch {
     fn quant_linear(x: TchTensor, w: TchTensor, quant: Arc<LinearQuant>, train: bool) -> TchTensor {
-        TchTensor::new(quant.forward(&x, &w.tensor, train, false).y)
+        TchTensor::new(quant.forward(&x, &LinearWeight::Param(w), train, false).y)
+    }
+
+    fn frozen_linear(x: TchTensor, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> TchTensor {
+        TchTensor::new(quant.forward(&x, &LinearWeight::Stored(w), train, false).y)
     }
 
     fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage) -> TchTensor {
@@ -96,11 +133,19 @@ impl LowPrecisionBackend for LibTorch {
     }
 
     fn weight_row_sq(w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
-        TchTensor::new(quant.weight_row_sq(&w.tensor))
+        TchTensor::new(quant.weight_row_sq(&LinearWeight::Param(w)))
     }
 
     fn times_weight_t(a: TchTensor, w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
-        TchTensor::new(quant.times_weight_t(&a.tensor, &w.tensor))
+        TchTensor::new(quant.times_weight_t(&a.tensor, &LinearWeight::Param(w)))
+    }
+
+    fn stored_row_sq(_like: TchTensor, w: FrozenWeight, quant: Arc<LinearQuant>) -> TchTensor {
+        TchTensor::new(quant.weight_row_sq(&LinearWeight::Stored(w)))
+    }
+
+    fn stored_times_weight_t(a: TchTensor, w: FrozenWeight, quant: Arc<LinearQuant>) -> TchTensor {
+        TchTensor::new(quant.times_weight_t(&a.tensor, &LinearWeight::Stored(w)))
     }
 }
 
@@ -114,12 +159,29 @@ impl Backward<LibTorch, 2> for QuantLinearBackward {
         let [node_x, node_w] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
         let st = ops.state;
-        let (dx, dw) = st.quant.backward(&grad.tensor, &st.w.tensor, &st, node_x.is_some(), node_w.is_some());
+        let (dx, dw) = st.quant.backward(&grad.tensor, &st.w, &st, node_x.is_some(), node_w.is_some());
         if let (Some(node), Some(dx)) = (node_x, dx) {
             grads.register::<LibTorch>(node.id, TchTensor::new(dx));
         }
         if let (Some(node), Some(dw)) = (node_w, dw) {
             grads.register::<LibTorch>(node.id, TchTensor::new(dw));
+        }
+    }
+}
+
+/// The backward of [`frozen_linear`]: the input's gradient only.
+#[derive(Debug)]
+struct FrozenLinearBackward;
+
+impl Backward<LibTorch, 1> for FrozenLinearBackward {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        let (Some(node), st) = (node_x, ops.state) else { return };
+        if let (Some(dx), _) = st.quant.backward(&grad.tensor, &st.w, &st, true, false) {
+            grads.register::<LibTorch>(node.id, TchTensor::new(dx));
         }
     }
 }
@@ -200,7 +262,8 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
             OpsKind::Tracked(prep) => {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
                 let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
-                let fwd = quant.forward(&x, &w.tensor, train, w_trainable);
+                let w = LinearWeight::Param(w);
+                let fwd = quant.forward(&x, &w, train, w_trainable);
                 if let Some((saved, _)) = &fwd.saved {
                     SAVED_BYTES.fetch_add(saved.bytes(), Ordering::Relaxed);
                 }
@@ -209,7 +272,23 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
             }
             OpsKind::UnTracked(prep) => {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
-                prep.finish(TchTensor::new(quant.forward(&x, &w.tensor, train, false).y))
+                prep.finish(TchTensor::new(quant.forward(&x, &LinearWeight::Param(w), train, false).y))
+            }
+        }
+    }
+
+    fn frozen_linear(x: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self> {
+        let w = LinearWeight::Stored(w);
+        match FrozenLinearBackward.prepare::<C>([x.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let x = x.into_primitive();
+                let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
+                let fwd = quant.forward(&x, &w, train, false);
+                let state = LinearState { quant, w, saved: None, w_scale: fwd.w_scale, x_size, x_kind };
+                prep.finish(state, TchTensor::new(fwd.y))
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(TchTensor::new(quant.forward(&x.into_primitive(), &w, train, false).y))
             }
         }
     }
@@ -220,6 +299,14 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
 
     fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
         Self::from_inner(LibTorch::times_weight_t(Self::inner(a), Self::inner(w), quant))
+    }
+
+    fn stored_row_sq(like: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+        Self::from_inner(LibTorch::stored_row_sq(Self::inner(like), w, quant))
+    }
+
+    fn stored_times_weight_t(a: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+        Self::from_inner(LibTorch::stored_times_weight_t(Self::inner(a), w, quant))
     }
 
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self> {

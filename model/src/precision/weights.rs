@@ -4,7 +4,24 @@
 use burn::backend::libtorch::TchTensor;
 use tch::Kind;
 
-use crate::fp8::dequantize_tch;
+use super::nf4;
+use super::spec::{Compute, PrecisionSpec};
+use crate::fp8::{Fp8Format, dequantize_tch, quantize_tch};
+
+/// Elements converted at a time when storing a weight (16 MB of f32).
+const CONVERT_CHUNK: usize = 1 << 22;
+
+/// `max |x|` of host values, NaN if any is NaN (as [`amax_tch`]).
+fn host_amax(values: &[f32]) -> f32 {
+    let mut amax = 0.0f32;
+    for &x in values {
+        if x.is_nan() {
+            return f32::NAN;
+        }
+        amax = amax.max(x.abs());
+    }
+    amax
+}
 
 /// A frozen weight held outside Burn's parameter: in reduced precision, or (sharded) in f32.
 #[derive(Debug, Clone)]
@@ -100,6 +117,62 @@ impl Nf4Scales {
 }
 
 impl StoredWeight {
+    /// Stores a frozen `[out, in]` f32 weight, given as host values, as `spec` asks (bf16 for
+    /// bf16 compute, E4M3 with its exact amax for FP8 weights) on `device`; `None` when it
+    /// stays in f32. Rows are converted a few MB at a time, so the only full-size buffers are
+    /// `values` and the result (what loading a checkpoint can afford at 70B).
+    pub fn store(spec: &PrecisionSpec, values: &[f32], dims: [usize; 2], device: tch::Device) -> Option<Self> {
+        Self::store_in_chunks(spec, values, dims, device, CONVERT_CHUNK)
+    }
+
+    /// [`Self::store`] converting about `chunk` elements (whole rows) at a time.
+    pub(super) fn store_in_chunks(
+        spec: &PrecisionSpec,
+        values: &[f32],
+        dims: [usize; 2],
+        device: tch::Device,
+        chunk: usize,
+    ) -> Option<Self> {
+        if let Some(nf4) = spec.nf4 {
+            let [out, inp] = dims;
+            assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
+            let q = nf4::Nf4::quantize(values, nf4.block, nf4.double);
+            return Some(Self::from_nf4(&q, dims, device));
+        }
+        let (kind, scale) = match spec.compute {
+            Compute::Bf16 => (Kind::BFloat16, 1.0),
+            Compute::Fp8 if spec.fp8_weights => {
+                let amax = host_amax(values);
+                let scale = crate::fp8::scale_for_amax(amax, Fp8Format::E4M3.max(), 0).unwrap_or(1.0);
+                (Fp8Format::E4M3.kind(), scale)
+            }
+            _ => return None,
+        };
+        let [out, inp] = dims;
+        assert_eq!(values.len(), out * inp, "store_weight: {} values for {dims:?}", values.len());
+        let stored = tch::Tensor::empty([out as i64, inp as i64], (kind, device));
+        let rows = (chunk / inp.max(1)).max(1);
+        for r0 in (0..out).step_by(rows) {
+            let n = rows.min(out - r0);
+            let src = tch::Tensor::from_slice(&values[r0 * inp..(r0 + n) * inp])
+                .reshape([n as i64, inp as i64])
+                .to_device(device);
+            let converted = match kind {
+                Kind::BFloat16 => src.to_kind(Kind::BFloat16),
+                _ => quantize_tch(&src, scale, Fp8Format::E4M3),
+            };
+            stored.narrow(0, r0 as i64, n as i64).copy_(&converted);
+        }
+        Some(match kind {
+            Kind::BFloat16 => Self::Bf16(TchTensor::new(stored)),
+            _ => {
+                let keep = device.is_cuda() && !spec.fp8_weights_one_layout;
+                let transposed = keep.then(|| TchTensor::new(stored.tr().contiguous()));
+                Self::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
+            }
+        })
+    }
+
     /// `nf4` on `device`.
     pub fn from_nf4(nf4: &super::nf4::Nf4, dims: [usize; 2], device: tch::Device) -> Self {
         let up = |t: tch::Tensor| TchTensor::new(t.to_device(device));
