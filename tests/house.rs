@@ -268,14 +268,12 @@ fn at(c: &[char], i: usize) -> char {
     c.get(i).copied().unwrap_or('\0')
 }
 
-/// Every function of `text` (its code before `#[cfg(test)]`) longer than `max` lines: name,
-/// first line (1-based) and length.
-fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
-    let code = blank_literals(text.split("#[cfg(test)]").next().unwrap_or_default());
+/// Each function of `code` (literals and comments blanked): its name and the byte range from
+/// `fn` to its closing brace. Declarations without a body are left out.
+fn function_spans(code: &str) -> Vec<(String, std::ops::Range<usize>)> {
     let fn_re = Regex::new(r"\bfn\s+([A-Za-z_][A-Za-z0-9_]*)").unwrap();
-    let line_of = |at: usize| code[..at].matches('\n').count() + 1;
     let mut out = Vec::new();
-    for m in fn_re.captures_iter(&code) {
+    for m in fn_re.captures_iter(code) {
         let start = m.get(0).unwrap().start();
         let after = &code[start..];
         let (Some(open), semi) = (after.find('{'), after.find(';')) else { continue };
@@ -283,7 +281,7 @@ fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
             continue; // a declaration without a body (a trait's, an extern's)
         }
         let mut depth = 0usize;
-        let mut end = start + open;
+        let mut end = code.len();
         for (k, ch) in after[open..].char_indices() {
             match ch {
                 '{' => depth += 1,
@@ -291,16 +289,81 @@ fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
                 _ => {}
             }
             if depth == 0 {
-                end = start + open + k;
+                end = start + open + k + 1;
                 break;
             }
         }
-        let lines = line_of(end) - line_of(start) + 1;
+        out.push((m[1].to_string(), start..end));
+    }
+    out
+}
+
+/// Every function of `text` (its code before `#[cfg(test)]`) longer than `max` lines: name,
+/// first line (1-based) and length.
+fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
+    let code = blank_literals(text.split("#[cfg(test)]").next().unwrap_or_default());
+    let line_of = |at: usize| code[..at].matches('\n').count() + 1;
+    let mut out = Vec::new();
+    for (name, span) in function_spans(&code) {
+        let lines = line_of(span.end - 1) - line_of(span.start) + 1;
         if lines > max {
-            out.push((m[1].to_string(), line_of(start), lines));
+            out.push((name, line_of(span.start), lines));
         }
     }
     out
+}
+
+/// The test functions of `text` (all of it, or its `#[cfg(test)]` part when `src`) that seed
+/// LibTorch's generator (`.seed(`) without holding `torch_rng_lock()`.
+fn unlocked_seeds(text: &str, src: bool) -> Vec<String> {
+    let tests = if src { text.split_once("#[cfg(test)]").map_or("", |(_, t)| t) } else { text };
+    let code = blank_literals(tests);
+    let spans = function_spans(&code);
+    let body = |r: &std::ops::Range<usize>| &code[r.clone()];
+    // A helper that seeds counts through the test that calls it: the lock must be held there.
+    let outermost = |r: &std::ops::Range<usize>| !spans.iter().any(|(_, o)| o.start < r.start && r.end <= o.end);
+    spans
+        .iter()
+        .filter(|(_, r)| outermost(r) && body(r).contains(".seed(") && !body(r).contains("torch_rng_lock()"))
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+#[test]
+fn every_test_that_seeds_torch_holds_the_lock() {
+    let mut found = Vec::new();
+    let mut files: Vec<(PathBuf, bool)> = Vec::new();
+    for krate in ["model", "data", "trainer"] {
+        files.extend(rust_files(&common_root().join(krate).join("src")).into_iter().map(|p| (p, true)));
+        let tests = common_root().join(krate).join("tests");
+        if tests.is_dir() {
+            files.extend(rust_files(&tests).into_iter().map(|p| (p, false)));
+        }
+    }
+    files.extend(rust_files(&common_root().join("tests")).into_iter().map(|p| (p, false)));
+    for (path, src) in files {
+        for name in unlocked_seeds(&std::fs::read_to_string(&path).unwrap(), src) {
+            found.push(format!("{} fn {name}", path.display()));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "tests that seed LibTorch's generator without llora_model::device::torch_rng_lock():\n{}",
+        found.join("\n")
+    );
+}
+
+/// Positive control: a test module's function that seeds without the lock is found, one that
+/// holds it is not, nor is library code (before `#[cfg(test)]`) or a helper called by a test
+/// that holds the lock.
+#[test]
+fn the_seed_check_finds_an_unlocked_seed() {
+    let text = "pub fn lib(d: &D) { d.seed(1) }\n#[cfg(test)]\nmod tests {\n\
+                fn bad() { device.seed(3); }\n\
+                fn good() { let _rng = crate::device::torch_rng_lock(); device.seed(3); }\n\
+                fn outer() { let _g = torch_rng_lock(); fn inner(d: &D) { d.seed(2) } }\n}\n";
+    assert_eq!(unlocked_seeds(text, true), ["bad"]);
+    assert_eq!(unlocked_seeds("fn t() { x.seed(1); }", false), ["t"]);
 }
 
 /// The Rust files under `dir`.

@@ -33,15 +33,56 @@ fn python() -> PathBuf {
     py
 }
 
-/// Generates (once per build dir) a fixture with the peer's fixture maker and returns its directory.
+/// What made a fixture: the peer's scripts (`scripts/peer/*.py`, which import each other), the
+/// arguments, and every package of the venv by name and version (its `*.dist-info`
+/// directories), hashed. A fixture is cached under this key, so a changed script, argument or
+/// package (transformers, PEFT, torch) makes it again instead of comparing with stale values.
+fn fixture_key(args: &[&str]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut scripts: Vec<PathBuf> = std::fs::read_dir(repo_root().join("scripts/peer"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "py"))
+        .collect();
+    scripts.sort();
+    for script in scripts {
+        h.update(script.file_name().unwrap().as_encoded_bytes());
+        h.update(std::fs::read(&script).unwrap());
+    }
+    for arg in args {
+        h.update(arg.as_bytes());
+        h.update([0]);
+    }
+    let mut packages: Vec<String> = std::fs::read_dir(repo_root().join(".venv/lib"))
+        .unwrap()
+        .flat_map(|py| std::fs::read_dir(py.unwrap().path().join("site-packages")).into_iter().flatten())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".dist-info"))
+        .collect();
+    packages.sort();
+    assert!(packages.iter().any(|p| p.starts_with("peft-")), "no PEFT in the venv: run ./scripts/setup.sh --parity");
+    h.update(packages.join("\n"));
+    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Generates (once per key, [`fixture_key`]) a fixture with the peer's fixture maker and
+/// returns its directory.
 fn fixture(name: &str, args: &[&str]) -> PathBuf {
     let script = repo_root().join("scripts/peer/fixtures.py");
     // Tests run in parallel and share fixtures: generate each one once.
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("parity").join(name);
+    let parity = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("parity");
+    let dir = parity.join(format!("{name}-{}", fixture_key(args)));
     let done = dir.join("expected.json");
     if !done.is_file() {
+        // Fixtures of this name made by other scripts, arguments or packages are stale.
+        for old in std::fs::read_dir(&parity).into_iter().flatten().flatten() {
+            if old.file_name().to_string_lossy().strip_prefix(name).is_some_and(|rest| rest.len() == 17) {
+                let _ = std::fs::remove_dir_all(old.path());
+            }
+        }
         let _ = std::fs::remove_dir_all(&dir);
         let out = Command::new(python())
             .arg(&script)
@@ -398,6 +439,7 @@ fn adapter_and_merged_export_load_in_hf(base: &Path) {
 }
 
 fn adapter_and_merged_export_load_in_hf_with(base: &Path, spec: llora_model::LoraSpec) {
+    let _rng = llora_model::device::torch_rng_lock();
     let base = base.to_path_buf();
     let device = Device::libtorch();
     device.seed(3);
@@ -680,6 +722,7 @@ fn adapted_in_layer(model: &llora_model::LlamaForCausalLM, l: usize) -> Vec<Stri
 /// PEFT loads that adapter onto the same base with the same logits.
 #[test]
 fn mlperf_targets_on_separate_projections_adapt_q_k_v_and_o() {
+    let _rng = llora_model::device::torch_rng_lock();
     let base = gqa_fixture();
     let targets = mlperf_config_targets();
     assert_eq!(targets, ["qkv_proj", "o_proj"], "the config this test is about");

@@ -294,7 +294,7 @@ fn llama3_chat_demo_reaches_the_target_and_answers_held_out_conversations() {
     assert!(last["min_prefix"].as_u64().unwrap() >= 24, "an answer misses its topic's abstract:\n{stdout}");
 }
 
-/// The resume test: a run killed with SIGKILL at a random step and resumed from its
+/// The resume test: a run SIGKILLed after a step chosen by the seed and resumed from its
 /// last checkpoint ends with bitwise the same adapters as an uninterrupted run (CPU, one thread).
 #[test]
 fn sigkilled_run_resumes_to_the_same_adapters() {
@@ -363,30 +363,32 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     let out = llora(&strs(&extra(short_run_args(&config, &whole))));
     assert!(whole.join("adapter/adapter_model.safetensors").is_file(), "{}", text(&out).1);
 
-    // A step in 2..=10 from the clock, printed on failure so that a failure can be replayed.
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    let kill_at = 2 + (nanos % 9) as u64;
+    // The run SIGKILLs itself after step 2..=10 (LLORA_FAULT_KILL_AT_STEP), before that step's
+    // checkpoint: the step comes from LLORA_TEST_SEED, else the clock, and every failure names
+    // the seed to replay it with.
+    let seed: u64 = std::env::var("LLORA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        u64::from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos())
+    });
+    let kill_at = 2 + seed % 9;
+    let replay = format!("kill after step {kill_at}; replay with LLORA_TEST_SEED={seed}");
     let mut args = extra(short_run_args(&config, &killed));
     args.extend(["--set".into(), "run.checkpoint_every=1".into()]);
-    let mut child =
-        common::llora_command(&common::root(), &strs(&args)).stderr(std::process::Stdio::null()).spawn().unwrap();
-    let started = std::time::Instant::now();
-    while checkpoint_step(&killed).is_none_or(|s| s < kill_at) {
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before step {kill_at}");
-        assert!(started.elapsed().as_secs() < 300, "no checkpoint of step {kill_at} after 5 minutes");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    let status = common::llora_command(&common::root(), &strs(&args))
+        .env("LLORA_FAULT_KILL_AT_STEP", kill_at.to_string())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9), "the run was not SIGKILLed ({status}); {replay}");
     let at = checkpoint_step(&killed).unwrap();
-    assert!(at < 12, "killed at step {kill_at}, but the run had already finished");
+    assert_eq!(at, kill_at - 1, "the last checkpoint is the step before the kill; {replay}");
 
     let out = llora(&["train", "--resume", killed.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
-    assert!(stdout.contains("samples: 96"), "resumed from step {at}:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("samples: 96"), "resumed from step {at} ({replay}):\n{stdout}\n{stderr}");
     let a = std::fs::read(whole.join("adapter/adapter_model.safetensors")).unwrap();
     let b = std::fs::read(killed.join("adapter/adapter_model.safetensors")).unwrap();
-    assert!(a == b, "adapters differ after a SIGKILL at step {at} (aimed at {kill_at}) and resume ({sets:?})");
+    assert!(a == b, "adapters differ after a SIGKILL after step {kill_at} and resume ({sets:?}; {replay})");
     // The resumed run continued the same metrics file: steps 1..=12 once each, also those the
     // killed run made after its checkpoint (made again by the resumed run).
     let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
@@ -396,7 +398,7 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
         .filter(|r| r.get("loss").is_some())
         .map(|r| r["step"].as_u64().unwrap())
         .collect();
-    assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "killed at step {at}");
+    assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "{replay}");
     dir
 }
 

@@ -165,8 +165,8 @@ fn flex_device(_threads: usize) -> anyhow::Result<Device> {
 ///
 /// The price: jemalloc merges adjacent freed extents only when it purges them, so with purging
 /// off a step whose tensors change sizes (FP8: dequantised weights, quantised copies) can map
-/// more than its live peak: the FP8 70B layer at s1024 peaks at 5.7 GB RSS for 4.5 GB of
-/// tensors, 4.7 GB with purging on, but its step takes 25 s instead of 20 (page faults).
+/// more than its live peak; purging on maps less but pays page faults every step
+/// (docs/performance.md, M12).
 /// A `MALLOC_CONF` that sets a decay (e.g. `MALLOC_CONF=dirty_decay_ms:1000`) is left in
 /// effect, for users who prefer the smaller RSS.
 fn keep_freed_memory() {
@@ -251,7 +251,7 @@ pub fn libtorch_summary() -> String {
 
 /// Returns the allocator's freed pages to the kernel now (all arenas). Loading interleaves
 /// long-lived stored weights with short-lived f32 buffers, which would otherwise stay
-/// resident (measured with glibc: 1 GB of a 2 GB heap, free but resident).
+/// resident (docs/performance.md, M13).
 pub fn release_free_memory() {
     #[cfg(target_os = "linux")]
     // SAFETY: `arena.<MALLCTL_ARENAS_ALL>.purge` takes no argument and only returns free pages.

@@ -4,15 +4,14 @@
 //! keeps the f32 mask for backward. Here `x · mask / (1 − p)` is one LibTorch kernel and the
 //! mask is not kept at all: backward redraws it from the seed it was drawn with (a mask is a
 //! byte per element: 64 MB per adapter of a 70B block at 8192 tokens, 7% of the block's saved
-//! activations with the MLPerf job's two adapters). Measured against keeping the mask (small
-//! s1024, 2 threads, alternating runs): the same loss to the last digit (the same bits), 28 MB
-//! less peak RSS, backward 1.30 → 1.34 s, step time equal within noise. Each mask's seed is
+//! activations with the MLPerf job's two adapters). Against keeping the mask: the same bits,
+//! less peak RSS, the same step time within noise (docs/performance.md, M7). Each mask's seed is
 //! one draw from LibTorch's CPU generator, which `Device::seed` seeds, so runs stay
 //! reproducible and resumable (the trainer reseeds per step, and per block when it recomputes).
 //!
 //! On CPU the mask bits come from ChaCha8 (rand_chacha), not from torch's `bernoulli_`: torch
 //! draws its CPU Bernoulli masks one element at a time through a Mersenne Twister on one
-//! thread (4% of a tiny step, ~0.25 s of a `small` one in perf), while ChaCha8 fills the words
+//! thread (a visible share of a step in perf: docs/performance.md, M7), while ChaCha8 fills the words
 //! at memory speed. On CUDA the mask is `bernoulli_` on the device after seeding the device's
 //! generator with the mask's seed (a host-made mask would cost a PCIe copy each way); that
 //! path is compiled but untested (no GPU here).

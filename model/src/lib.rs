@@ -11,6 +11,7 @@ pub mod layout;
 pub mod llama;
 pub mod load;
 pub mod lora;
+pub mod lora_spec;
 pub mod loss;
 pub mod merge;
 pub mod norm;

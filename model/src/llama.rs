@@ -331,8 +331,7 @@ impl DecoderLayer {
     /// Frees the block's gathered weights. On the CPU the freed buffers stay with the
     /// allocator, which hands them to the next block's gather of the same size (jemalloc,
     /// purging off: device.rs); returning them to the kernel after every block, as glibc's
-    /// malloc needed, cost 18% of a sharded `small` step on 2 ranks (3.65 → 2.97 s) for 47 MB
-    /// less peak RSS.
+    /// malloc needed, cost far more step time than the RSS it saved (docs/performance.md, M8).
     pub(crate) fn release(&self) {
         self.shards().into_iter().for_each(WeightShard::release);
     }

@@ -58,7 +58,7 @@ impl LlamaForCausalLM {
         }
         // A frozen table is cast to the activations' dtype as soon as it is read, and its f32
         // buffer returned to the kernel: otherwise the allocator keeps the two f32 tables'
-        // pages resident through training (small preset, bf16: 187 MB above the live peak).
+        // pages resident through training (docs/performance.md, M10).
         let table_dtype =
             opts.precision.as_ref().filter(|_| !trainable).map(|p| p.activation_dtype()).filter(|&t| t != DType::F32);
         let mut table = |name: &str| -> anyhow::Result<Param<Tensor<2>>> {

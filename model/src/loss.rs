@@ -188,7 +188,7 @@ pub trait FusedLossBackend: Backend {
 /// Bytes of logits one chunk of [`lce_forward`] materialises (262 rows at a 32k vocabulary):
 /// chosen under glibc's mmap threshold, when llora used glibc's malloc, so the buffer was reused
 /// memory rather than fresh pages faulted in every step (`llora plan` counts one chunk). Each chunk's GEMMs repack the whole
-/// LM head, so chunks must not be much smaller (16 MB chunks made tiny s512 8% slower).
+/// LM head, so chunks must not be much smaller (docs/performance.md, M11).
 const LCE_CHUNK_BYTES: usize = (32 << 20) - (64 << 10);
 
 /// Elements of a bf16 LM head converted to f32 at a time where bf16 GEMMs run through f32

@@ -4,7 +4,7 @@
 //! own dtype unless another is asked for.
 //!
 //! Why streamed: building the model and saving it held the whole model in f32 several times
-//! over (2.4 GB peak for a 271 MB bf16 checkpoint; over 1 TB at 70B) and wrote f32. Here the
+//! over (docs/performance.md, M6; over 1 TB at 70B) and wrote f32. Here the
 //! peak is the largest tensor in f32 twice (the weight and its update) plus the mapped pages
 //! being copied; the output keeps the base's shard layout, `config.json` (its `torch_dtype`
 //! changed only when another dtype is asked for) and tokenizer files.

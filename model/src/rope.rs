@@ -124,9 +124,9 @@ pub fn rope_tables_at(
 /// The RoPE tables of the longest sequence seen so far, on one device in one dtype, shared by
 /// a model and its clones.
 ///
-/// Why: the tables are computed on the host (2·seq·head_dim sines and cosines) and uploaded; at
-/// 8192 tokens that took 18 ms per micro-batch on the first GPU node, with the device idle, and
-/// the upload from pageable memory is a host-device synchronisation. Each position's row depends
+/// Why: the tables are computed on the host (2·seq·head_dim sines and cosines) and uploaded,
+/// with the device idle meanwhile (docs/performance.md, M9), and the upload from pageable
+/// memory is a host-device synchronisation. Each position's row depends
 /// on that position alone, so a shorter sequence reads the first rows of the longer tables.
 #[derive(Debug, Clone, Default)]
 pub struct RopeCache(std::sync::Arc<std::sync::Mutex<Option<RopeTables>>>);

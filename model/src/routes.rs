@@ -169,14 +169,17 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
 /// Runs a first-use check, a panic counted as a failure with its message: a check must never
 /// leave its route "being checked" for the rest of the process, nor take the process down.
 pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
-    std::panic::catch_unwind(AssertUnwindSafe(check)).unwrap_or_else(|payload| {
-        let msg = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "a panic without a message".into());
-        Err(format!("the check panicked: {msg}"))
-    })
+    std::panic::catch_unwind(AssertUnwindSafe(check))
+        .unwrap_or_else(|payload| Err(format!("the check panicked: {}", panic_message(&payload))))
+}
+
+/// The message a caught panic carried.
+pub fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 #[cfg(test)]

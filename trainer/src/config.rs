@@ -6,18 +6,18 @@
 //! same checks as the file. [`Config::validate`] then checks ranges and cross-field rules once,
 //! at start-up, and reports every problem with the key, the value and what is allowed.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 use llora_data::batch::Padding;
 pub use llora_data::parquet_io::OnBadRow;
+use llora_model::LoraSpec;
 use llora_model::device::DeviceSpec;
 pub use llora_model::fp8::AmaxAlgo;
 use llora_model::fp8::AmaxSpec;
 pub use llora_model::precision::Compute;
 use llora_model::precision::PrecisionSpec;
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// The embedded default config (`configs/tiny-cpu.toml`): tiny Llama, synthetic data, CPU.
 pub const TINY_CPU_TOML: &str = include_str!("../../configs/tiny-cpu.toml");
@@ -103,7 +103,7 @@ pub struct Config {
     /// Base model: where its weights come from.
     pub model: ModelConfig,
     /// Low-rank adapters.
-    pub lora: LoraConfig,
+    pub lora: LoraSpec,
     /// Training and evaluation data.
     pub data: DataConfig,
     /// AdamW on the trainable parameters.
@@ -254,120 +254,11 @@ impl Default for PretrainConfig {
 /// Architecture presets `model.preset` accepts (the model crate's list).
 pub const MODEL_PRESETS: &[&str] = llora_model::config::PRESETS;
 
-/// `[lora]`: adapters `y = x·Wᵀ + (alpha/rank)·B(A(dropout(x)))`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LoraConfig {
-    /// Adapter rank r.
-    pub rank: usize,
-    /// Scaling numerator: the update is multiplied by alpha / rank.
-    pub alpha: f64,
-    /// Dropout probability on the adapter input.
-    pub dropout: f64,
-    /// Module names that get adapters (a list, or one comma-separated string on the CLI).
-    #[serde(deserialize_with = "string_or_list")]
-    pub targets: Vec<String>,
-    /// rsLoRA: scale the update by alpha / sqrt(rank) (PEFT's `use_rslora`).
-    pub rslora: bool,
-    /// Ranks of some modules, PEFT's `rank_pattern`: a key is a regular expression matching the
-    /// end of a module's name (`q_proj`, `layers.0.self_attn.q_proj`, `layers\.[0-3]\..*`).
-    pub rank_pattern: BTreeMap<String, usize>,
-    /// Alphas of some modules, PEFT's `alpha_pattern` (keys as `rank_pattern`).
-    pub alpha_pattern: BTreeMap<String, f64>,
-    /// Only these decoder layers get adapters (PEFT's `layers_to_transform`); unset: all.
-    pub layers_to_transform: Option<Vec<usize>>,
-    /// DoRA: a trainable magnitude per output row of each adapted weight (PEFT's `use_dora`).
-    pub dora: bool,
-}
-
-impl Default for LoraConfig {
-    /// The model crate's defaults (the MLPerf reference's), written once there.
-    fn default() -> Self {
-        let llora_model::LoraSpec { rank, alpha, dropout, targets, rslora, dora, .. } =
-            llora_model::LoraSpec::default();
-        Self {
-            rank,
-            alpha,
-            dropout,
-            targets,
-            rslora,
-            rank_pattern: BTreeMap::new(),
-            alpha_pattern: BTreeMap::new(),
-            layers_to_transform: None,
-            dora,
-        }
-    }
-}
-
-impl LoraConfig {
-    /// The adapters these settings build.
-    pub fn spec(&self) -> llora_model::LoraSpec {
-        let Self { rank, alpha, dropout, targets, rslora, rank_pattern, alpha_pattern, layers_to_transform, dora } =
-            self.clone();
-        llora_model::LoraSpec {
-            rank,
-            alpha,
-            dropout,
-            targets,
-            rslora,
-            rank_pattern: rank_pattern.into_iter().collect(),
-            alpha_pattern: alpha_pattern.into_iter().collect(),
-            layers: layers_to_transform,
-            dora,
-        }
-    }
-
-    /// Records what is wrong with these adapter settings.
-    pub fn check(&self, p: &mut Problems<'_>) {
-        let one_of = |v: &str, set: &[&str]| set.contains(&v);
-        let l = self;
-        p.check(l.rank >= 1, "lora.rank", &l.rank, "must be at least 1");
-        p.check(l.alpha.is_finite() && l.alpha > 0.0, "lora.alpha", &l.alpha, "must be a finite number > 0");
-        p.check((0.0..1.0).contains(&l.dropout), "lora.dropout", &l.dropout, "must be in [0, 1)");
-        p.check(
-            !l.targets.is_empty(),
-            "lora.targets",
-            &l.targets,
-            &format!("must name at least one of {}", quoted(LORA_TARGETS)),
-        );
-        for t in &l.targets {
-            p.check(
-                one_of(t, LORA_TARGETS),
-                "lora.targets",
-                t,
-                &format!("each must be one of {}", quoted(LORA_TARGETS)),
-            );
-        }
-        let mut sorted = l.targets.clone();
-        sorted.sort();
-        sorted.dedup();
-        p.check(sorted.len() == l.targets.len(), "lora.targets", &l.targets, "must not repeat a module");
-        let fused = l.targets.iter().any(|t| t == "qkv_proj");
-        let separate = l.targets.iter().any(|t| matches!(t.as_str(), "q_proj" | "k_proj" | "v_proj"));
-        p.check(
-            !(fused && separate),
-            "lora.targets",
-            &l.targets,
-            "qkv_proj (fused checkpoints) and q_proj/k_proj/v_proj (separate) exclude each other",
-        );
-        for (key, r) in &l.rank_pattern {
-            let ok = llora_model::patterns::check_keys(&[(key.clone(), ())]);
-            p.check(ok.is_ok(), "lora.rank_pattern", key, ok.err().as_deref().unwrap_or(""));
-            p.check(*r >= 1, &format!("lora.rank_pattern.{key}"), r, "must be at least 1");
-        }
-        for (key, a) in &l.alpha_pattern {
-            let ok = llora_model::patterns::check_keys(&[(key.clone(), ())]);
-            p.check(ok.is_ok(), "lora.alpha_pattern", key, ok.err().as_deref().unwrap_or(""));
-            p.check(a.is_finite() && *a > 0.0, &format!("lora.alpha_pattern.{key}"), a, "must be a finite number > 0");
-        }
-        if let Some(layers) = &l.layers_to_transform {
-            p.check(
-                !layers.is_empty(),
-                "lora.layers_to_transform",
-                layers,
-                "must list at least one layer (or be unset)",
-            );
-        }
+/// Records what is wrong with the `[lora]` section: the model crate's spec, written as it is
+/// (one definition, one check: [`LoraSpec::problems`]).
+pub fn check_lora(l: &LoraSpec, p: &mut Problems<'_>) {
+    for problem in l.problems() {
+        p.push(&format!("lora.{}", problem.key), &problem.value, &problem.allowed);
     }
 }
 
@@ -1024,7 +915,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), Vec<String>> {
         let mut p = Problems::new(&config_key);
         self.model.check(&mut p, &self.data);
-        self.lora.check(&mut p);
+        check_lora(&self.lora, &mut p);
         self.data.check(&mut p);
         self.optim.check(&mut p);
         self.schedule.check(&mut p);
@@ -1070,8 +961,13 @@ impl<'a> Problems<'a> {
     /// Records that `key` = `value` is not `allowed`, unless `ok`.
     pub fn check(&mut self, ok: bool, key: &str, value: &dyn fmt::Debug, allowed: &str) {
         if !ok {
-            self.list.push(format!("{} = {value:?}: {allowed}", (self.name)(key)));
+            self.push(key, &format!("{value:?}"), allowed);
         }
+    }
+
+    /// Records that `key` = `value` (already formatted) is not `allowed`.
+    pub fn push(&mut self, key: &str, value: &str, allowed: &str) {
+        self.list.push(format!("{} = {value}: {allowed}", (self.name)(key)));
     }
 
     /// `Ok` when nothing was recorded, else every problem.
@@ -1137,21 +1033,6 @@ fn apply_override(table: &mut toml::Table, o: &Override) -> Result<(), String> {
     }
     cur.insert(last.to_string(), o.value.clone());
     Ok(())
-}
-
-fn string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum OneOrMany {
-        One(String),
-        Many(Vec<String>),
-    }
-    match OneOrMany::deserialize(d)
-        .map_err(|_| serde::de::Error::custom("expected a list of module names or one comma-separated string"))?
-    {
-        OneOrMany::One(s) => Ok(s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect()),
-        OneOrMany::Many(v) => Ok(v),
-    }
 }
 
 /// Every rank publishes its resolved config; each compares it with rank 0's, and all learn
@@ -1343,7 +1224,7 @@ mod tests {
             ],
         )
         .unwrap();
-        let spec = c.lora.spec();
+        let spec = c.lora.clone();
         assert_eq!(spec.module_spec("model.layers.0.self_attn.q_proj").unwrap().rank, 4);
         assert_eq!(spec.module_spec("model.layers.0.self_attn.o_proj").unwrap().alpha, 8.0);
         assert!(spec.adapts("model.layers.0.self_attn.q_proj") && !spec.adapts("model.layers.1.self_attn.q_proj"));
@@ -1395,10 +1276,12 @@ mod tests {
     /// `lora.rslora` reaches the adapters: α/√r instead of α/r (#40 item 1).
     #[test]
     fn rslora_sets_the_adapter_scale() {
-        let plain = Config::load(None, &[]).unwrap().lora.spec();
+        let plain = Config::load(None, &[]).unwrap().lora.clone();
         let ov = |s: &str| s.parse::<Override>().unwrap();
-        let rs =
-            Config::load(None, &[ov("lora.rslora=true"), ov("lora.rank=16"), ov("lora.alpha=32")]).unwrap().lora.spec();
+        let rs = Config::load(None, &[ov("lora.rslora=true"), ov("lora.rank=16"), ov("lora.alpha=32")])
+            .unwrap()
+            .lora
+            .clone();
         assert_eq!((plain.rslora, rs.rslora), (false, true));
         assert_eq!(rs.scale(), 8.0);
         assert_eq!(plain.scale(), plain.alpha / plain.rank as f64);

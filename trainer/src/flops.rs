@@ -184,7 +184,7 @@ mod tests {
     fn counts_a_models_adapters() {
         use burn::tensor::Device;
         // Drawing A uses LibTorch's one generator, which seeded tests rely on.
-        let _rng = crate::TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _rng = llora_model::device::torch_rng_lock();
         let c = LlamaConfig::preset("tiny").unwrap();
         let targets = ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec();
         let spec = llora_model::LoraSpec { rank: 16, alpha: 32.0, dropout: 0.0, targets, ..Default::default() };

@@ -12,9 +12,3 @@ pub mod output;
 pub mod paths;
 pub mod plan;
 pub mod plot;
-
-/// LibTorch's CPU generator is one per process, and tests run on parallel threads: every test
-/// that draws from it (building a model draws A) holds this lock, so that a test that seeds it
-/// and expects the same masks twice is not disturbed.
-#[cfg(test)]
-pub(crate) static TORCH_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -11,10 +11,9 @@ use tracing_subscriber::EnvFilter;
 /// and `free` resolve to it) for every CPU tensor: jemalloc.
 ///
 /// LibTorch's CPU allocator is plain `malloc`. With glibc's, training either unmapped its large
-/// activations and faulted them back in every step (15% of a `small` step in `clear_page`) or,
-/// told to keep freed memory, left it fragmented between the long-lived saved activations: the
-/// RSS of a step grew 1.5-3.5x what its tensors occupied (`small` s1024 FP8: 1584 MB above the
-/// model for 453 MB of tensors). jemalloc (the usual fix for CPU training, through
+/// activations and faulted them back in every step or, told to keep freed memory, left it
+/// fragmented between the long-lived saved activations, the RSS of a step growing well past
+/// what its tensors occupied (docs/performance.md, M14). jemalloc (the usual fix for CPU training, through
 /// `LD_PRELOAD` in PyTorch's guides) with purging off is as fast or faster and keeps the RSS
 /// within a few percent of the tensors' peak, which is what makes `llora plan` checkable.
 #[cfg(target_os = "linux")]

@@ -12,8 +12,7 @@ use llora_model::precision::{Compute, PrecisionSpec};
 use serde_json::{Value, json};
 
 /// CPU: the process's resident memory before the model exists (LibTorch's libraries, the
-/// allocator, the thread pools), measured with `llora bench` on LibTorch 2.9 (x86-64, 1-2
-/// threads: 365-367 MB).
+/// allocator, the thread pools), measured with `llora bench` (docs/performance.md, M15).
 const CPU_RUNTIME_BYTES: f64 = 366.0 * MB;
 /// CUDA: the context, cuBLAS/cuDNN workspaces and NCCL buffers a rank holds on its device
 /// (NVIDIA's usual 1-2 GB; not measured here: no GPU on this project's machines).
@@ -21,12 +20,11 @@ const CUDA_RUNTIME_BYTES: f64 = 2.0 * GB;
 /// CUDA: what the caching allocator holds beyond live tensors at the peak (a margin, untested).
 const CUDA_FRAGMENTATION: f64 = 0.05;
 /// CPU: the packing buffers one thread's f32 GEMMs hold, which MKL's memory manager keeps
-/// after the first GEMM (measured with jemalloc's statistics over llora's GEMM shapes, d 256
-/// to 8192, 1-2 threads: 5-20 MB per thread on one thread, at most 36 MB per thread on two).
-/// bf16 GEMMs (oneDNN) keep none.
+/// after the first GEMM: the most measured per thread (docs/performance.md, M15). bf16 GEMMs
+/// (oneDNN) keep none.
 const CPU_F32_GEMM_WORKSPACE: f64 = 36.0 * MB;
-/// CPU: the same when only the rank-r adapter GEMMs run in f32 (at most 20.4 MB per thread,
-/// for the `[r, d]` weight gradient at d 8192).
+/// CPU: the same when only the rank-r adapter GEMMs run in f32 (the `[r, d]` weight gradient
+/// at d 8192 is the largest: docs/performance.md, M15).
 const CPU_ADAPTER_GEMM_WORKSPACE: f64 = 21.0 * MB;
 /// Elements of a weight one CPU GEMM converts to f32 at a time: `_scaled_mm` on FP8 codes
 /// (`precision/scaled_mm.rs`) and bf16 GEMMs routed through f32 (`precision/bf16.rs`).
@@ -285,9 +283,7 @@ pub fn per_token(list: &[Kept]) -> f64 {
 }
 
 /// The bytes an allocation of `bytes` occupies. CPU: jemalloc's size classes, four per
-/// doubling, so a tensor takes up to 25% more than its bytes (the `small` preset's bf16 MLP
-/// weights, 5.5 MiB, take 6 MiB: 12 MB of its 15 MB heap above the weights' bytes after
-/// loading). CUDA: the caching allocator's 512-byte rounding (its larger block rounding is in
+/// doubling, so a tensor takes up to 25% more than its bytes (docs/performance.md, M16). CUDA: the caching allocator's 512-byte rounding (its larger block rounding is in
 /// the fragmentation margin).
 fn allocated(bytes: f64, target: Target) -> f64 {
     if bytes <= 0.0 {
@@ -658,7 +654,7 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
     };
     Ok(Shape {
         model,
-        lora: config.lora.spec(),
+        lora: config.lora.clone(),
         precision: config.precision_spec(),
         micro_batch: config.train.micro_batch_size,
         seq_len: config.data.max_seq_len,
@@ -830,6 +826,8 @@ mod tests {
     /// has as many LoRA parameters as [`lora_params`] says.
     #[test]
     fn adapter_count_is_the_built_models() {
+        // Building draws A from LibTorch's generator.
+        let _rng = llora_model::device::torch_rng_lock();
         let device = burn::tensor::Device::default();
         for (fused, targets) in [
             (false, &["qkv_proj", "o_proj"][..]),

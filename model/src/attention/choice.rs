@@ -89,7 +89,7 @@ enum Check {
 }
 
 /// Distinct sequence lengths cuDNN SDPA is kept for. It builds and caches an execution graph per
-/// shape (the first GPU run's check took 2.8 s for cuDNN, 19 ms for flash attention), so a run
+/// shape, which costs far more than a flash attention call (docs/performance.md, M1), so a run
 /// whose batches take many lengths (`data.padding = "longest"`) spends its time building graphs:
 /// past this many lengths the problem moves to the next candidate (flash attention), which
 /// takes any length as it comes. Fixed-length jobs (MLPerf's 8192 tokens) keep cuDNN.

@@ -1,8 +1,8 @@
 //! RMSNorm on CUDA through LibTorch's fused kernels (`_fused_rms_norm` and its backward): one
 //! kernel each way, where the composite makes about seven passes over the activations forward
-//! and fifteen backward, with f32 temporaries of the whole `[tokens, d]` (the first H100 traces,
-//! issue #37, counted RMSNorm's f32 statistics among the ~22 ms of casts and elementwise work
-//! of a 70B-layer bf16 step). The kernel is checked against an f64 reference on the first
+//! and fifteen backward, with f32 temporaries of the whole `[tokens, d]` (the first H100 traces
+//! counted RMSNorm's f32 statistics among a bf16 step's casts and elementwise work:
+//! docs/performance.md, M5). The kernel is checked against an f64 reference on the first
 //! problem of each device and dtype ([`usable`]); where it is missing or fails, the composite
 //! runs.
 //!

@@ -3,8 +3,7 @@
 //! torch runs a bf16 GEMM on oneDNN only where the CPU has bf16 support in oneDNN's sense
 //! (x86: AVX-512 core or newer, bf16 native with AVX512-BF16 and AMX; arm64: the BF16
 //! extension). Elsewhere (an AVX2-only x86 such as many AMD EPYC cloud cores) it falls back to
-//! reference loops measured here at 0.5-0.8 GFLOP/s for the `g · W` and `x · W` layouts
-//! against 98 for f32: a bf16 step of the `small` preset took 300 s instead of 5. There the
+//! reference loops two orders of magnitude slower than f32 (docs/performance.md, M2). There the
 //! bf16 GEMMs run as f32 GEMMs on the bf16 operands, rounded back to bf16: the products of
 //! bf16 values are exact in f32, so this is a bf16 GEMM with f32 accumulation up to
 //! summation order, and activations stay bf16 between the GEMMs.

@@ -1,10 +1,9 @@
 //! GEMMs whose second operand is handed to the CPU kernel one column block at a time.
 //!
 //! Two of torch's CPU paths convert their operands to f32 before multiplying: `_scaled_mm` on a
-//! CPU without FP8 units (measured: 2.0 GB of temporaries for one `[1024, 8192] x [8192,
-//! 28672]` call, whose FP8 weight is 235 MB) and llora's own bf16 route on CPUs without bf16
-//! GEMMs (`bf16.rs`; whole f32 copies of a 70B MLP weight, 0.94 GB each, also left the
-//! allocator fragmented). Cut into column blocks, each output column is still one whole dot
+//! CPU without FP8 units (temporaries many times the FP8 weight: docs/performance.md, M4) and
+//! llora's own bf16 route on CPUs without bf16 GEMMs (`bf16.rs`; whole f32 copies of a 70B MLP
+//! weight, 0.94 GB each, also left the allocator fragmented). Cut into column blocks, each output column is still one whole dot
 //! product; only the temporaries shrink to one block.
 
 use tch::{Kind, Tensor};

@@ -62,8 +62,8 @@ impl CpuPath {
 /// The CPU path and the probe's seconds for one 128³ GEMM: (path, `_scaled_mm`, emulated).
 static CPU_PROBE: OnceLock<(CpuPath, f64, f64)> = OnceLock::new();
 
-/// The CPU's FP8 GEMM path, measured once per process (best of 3 on a 128³ problem: ~0.1 ms
-/// each on an AVX2 CPU, ~80 ms for `_scaled_mm` on an AMX one).
+/// The CPU's FP8 GEMM path, measured once per process (best of 3 on a 128³ problem): which of
+/// the two is faster differs by CPU (docs/performance.md, M3).
 pub fn cpu_path() -> (CpuPath, f64, f64) {
     *CPU_PROBE.get_or_init(|| {
         let _guard = tch::no_grad_guard();

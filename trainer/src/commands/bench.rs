@@ -99,7 +99,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
 /// Checks the flags with the validations of the config keys they stand for (`lora.rank` for
 /// `--lora-r`, ...), plus the bench's own counts and the preset's context length.
 fn validate(args: &BenchArgs) -> anyhow::Result<()> {
-    use crate::config::{LoraConfig, OptimConfig, Problems, check_threads};
+    use crate::config::{OptimConfig, Problems, check_lora, check_threads};
     let flag = |key: &str| {
         let name = match key {
             "lora.rank" => "--lora-r",
@@ -116,8 +116,14 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut p = Problems::new(&flag);
     let targets = args.targets.split(',').map(|t| t.trim().to_string()).collect();
-    LoraConfig { rank: args.lora_r, alpha: args.lora_alpha, dropout: args.lora_dropout, targets, ..Default::default() }
-        .check(&mut p);
+    let spec = LoraSpec {
+        rank: args.lora_r,
+        alpha: args.lora_alpha,
+        dropout: args.lora_dropout,
+        targets,
+        ..Default::default()
+    };
+    check_lora(&spec, &mut p);
     let optim = OptimConfig {
         lr: args.lr,
         weight_decay: args.weight_decay,

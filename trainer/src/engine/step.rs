@@ -455,7 +455,7 @@ mod tests {
     /// and in bf16 over an NF4 base (#40: QLoRA, its weights decoded again in the recompute).
     #[test]
     fn recomputed_blocks_give_the_plain_gradients() {
-        let _rng = crate::TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _rng = llora_model::device::torch_rng_lock();
         use llora_model::precision::{Compute, PrecisionSpec};
         let device = Device::libtorch().autodiff();
         let nf4 = Some(llora_model::precision::Nf4Spec::default());
@@ -518,7 +518,7 @@ mod tests {
     /// A global batch whose labels are all -100 gives loss 0 and gradient norm 0, not 0/0.
     #[test]
     fn batch_without_targets_is_finite() {
-        let _rng = crate::TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let _rng = llora_model::device::torch_rng_lock();
         let device = Device::libtorch().autodiff();
         device.seed(1);
         let config = LlamaConfig::preset("demo").unwrap();

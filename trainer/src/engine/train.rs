@@ -255,6 +255,7 @@ impl Trainer<'_> {
                 break RunStatus::Aborted;
             }
             let stop = self.step()?;
+            kill_point(self.state.progress.step);
             if self.eval_due() && self.evaluate()? {
                 break RunStatus::Success;
             }
@@ -267,6 +268,20 @@ impl Trainer<'_> {
             }
         };
         self.finish(status)
+    }
+}
+
+/// Fault injection for the resume tests: with `LLORA_FAULT_KILL_AT_STEP=N` the process
+/// SIGKILLs itself once step N has run (its metrics written, its checkpoint not), as a lost
+/// node dies: a kill point chosen by step, so a failing test replays exactly.
+fn kill_point(step: usize) {
+    static AT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let at = *AT.get_or_init(|| std::env::var("LLORA_FAULT_KILL_AT_STEP").ok()?.parse().ok());
+    if at == Some(step) {
+        // SAFETY: getpid and kill have no preconditions; SIGKILL ends the process here.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
     }
 }
 
@@ -288,7 +303,7 @@ impl<'a> Trainer<'a> {
         let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);
         let mut records = Records::open(config, name, dist, geometry, (!fresh).then_some(start_step))?;
         records.emit(RunEvent::Init);
-        let spec = config.lora.spec();
+        let spec = config.lora.clone();
         let train_device = device.clone().autodiff();
         train_device.seed(config.run.seed);
         let (model, mut state) = ready_model(config, &spec, dist, resumed, &device, &train_device)?;
