@@ -7,6 +7,7 @@ pub mod device;
 pub mod dropout;
 pub mod fp8;
 pub mod generate;
+pub mod kernels;
 pub mod layout;
 pub mod llama;
 pub mod load;

@@ -1,0 +1,135 @@
+// FP8 quantisation in one pass over the input: each element scaled, clamped to the format's
+// largest finite value (NaN kept) and rounded to nearest-even into E4M3 or E5M2 codes, the
+// codes written row-major and, when asked, transposed; the absolute maximum of the input
+// (NaN if it holds one) folded into a device scalar with one atomic per block.
+//
+// The reference it must equal bit for bit is llora's LibTorch route (model/src/fp8.rs,
+// `quantize_via_f32`): float(x) * scale, clamp to [-max, max], cast. Compiled at run time by
+// NVRTC (model/src/kernels/mod.rs); standalone: only cuda_fp8.h / cuda_bf16.h from the CUDA
+// headers beside the torch wheel.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace {
+
+// Threads per block (the launch code uses the same number).
+constexpr int kThreads = 256;
+// Side of the square tile the transposing kernel moves through shared memory.
+constexpr int kTile = 32;
+
+// float(x) for the input dtypes the launch code allows.
+__device__ __forceinline__ float load(const float* x, long i) { return x[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* x, long i) { return __bfloat162float(x[i]); }
+
+// One code: x * scale clamped to [-limit, limit] (NaN stays NaN), rounded to nearest-even.
+__device__ __forceinline__ unsigned char encode(float v, float scale, float limit, bool e5m2) {
+    float s = v * scale;
+    if (!isnan(s)) {
+        s = fminf(fmaxf(s, -limit), limit);
+    }
+    __nv_fp8_interpretation_t kind = e5m2 ? __NV_E5M2 : __NV_E4M3;
+    return static_cast<unsigned char>(__nv_cvt_float_to_fp8(s, __NV_SATFINITE, kind));
+}
+
+// |v| as an ordered integer: for non-negative floats the bit patterns order as the values do,
+// and every NaN with its sign cleared orders above +inf, so a max over them is NaN-propagating.
+__device__ __forceinline__ unsigned int abs_bits(float v) {
+    return __float_as_uint(v) & 0x7fffffffu;
+}
+
+// The block's largest abs_bits, folded into *amax_bits by one atomicMax.
+__device__ void fold_amax(unsigned int mine, unsigned int* amax_bits) {
+    __shared__ unsigned int warp_max[kThreads / 32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        mine = max(mine, __shfl_down_sync(0xffffffffu, mine, offset));
+    }
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) {
+        warp_max[warp] = mine;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        mine = lane < blockDim.x / 32 ? warp_max[lane] : 0u;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            mine = max(mine, __shfl_down_sync(0xffffffffu, mine, offset));
+        }
+        if (lane == 0) {
+            atomicMax(amax_bits, mine);
+        }
+    }
+}
+
+// Row-major codes of n elements, grid-stride; amax_bits may be null.
+template <typename T>
+__device__ void quantize(const T* x, unsigned char* out, unsigned int* amax_bits, long n, float scale, float limit,
+                         bool e5m2) {
+    unsigned int mine = 0u;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float v = load(x, i);
+        mine = max(mine, abs_bits(v));
+        out[i] = encode(v, scale, limit, e5m2);
+    }
+    if (amax_bits != nullptr) {
+        fold_amax(mine, amax_bits);
+    }
+}
+
+// Codes of a [rows, cols] row-major input, row-major into `out` and transposed ([cols, rows]
+// row-major) into `out_t`, through a shared tile so both writes are coalesced; one block per
+// kTile x kTile tile, kThreads threads.
+template <typename T>
+__device__ void quantize_transpose(const T* x, unsigned char* out, unsigned char* out_t, unsigned int* amax_bits,
+                                   long rows, long cols, float scale, float limit, bool e5m2) {
+    __shared__ unsigned char tile[kTile][kTile + 1];
+    long r0 = blockIdx.y * (long)kTile, c0 = blockIdx.x * (long)kTile;
+    unsigned int mine = 0u;
+    for (int k = threadIdx.x; k < kTile * kTile; k += blockDim.x) {
+        int r = k / kTile, c = k % kTile;
+        if (r0 + r < rows && c0 + c < cols) {
+            long i = (r0 + r) * cols + (c0 + c);
+            float v = load(x, i);
+            mine = max(mine, abs_bits(v));
+            unsigned char code = encode(v, scale, limit, e5m2);
+            out[i] = code;
+            tile[r][c] = code;
+        }
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < kTile * kTile; k += blockDim.x) {
+        int c = k / kTile, r = k % kTile;
+        if (r0 + r < rows && c0 + c < cols) {
+            out_t[(c0 + c) * rows + (r0 + r)] = tile[r][c];
+        }
+    }
+    if (amax_bits != nullptr) {
+        fold_amax(mine, amax_bits);
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void llora_fp8_quantize_f32(const float* x, unsigned char* out, unsigned int* amax_bits,
+                                                  long n, float scale, float limit, int e5m2) {
+    quantize(x, out, amax_bits, n, scale, limit, e5m2 != 0);
+}
+
+extern "C" __global__ void llora_fp8_quantize_bf16(const __nv_bfloat16* x, unsigned char* out,
+                                                   unsigned int* amax_bits, long n, float scale, float limit,
+                                                   int e5m2) {
+    quantize(x, out, amax_bits, n, scale, limit, e5m2 != 0);
+}
+
+extern "C" __global__ void llora_fp8_quantize_transpose_f32(const float* x, unsigned char* out,
+                                                            unsigned char* out_t, unsigned int* amax_bits,
+                                                            long rows, long cols, float scale, float limit,
+                                                            int e5m2) {
+    quantize_transpose(x, out, out_t, amax_bits, rows, cols, scale, limit, e5m2 != 0);
+}
+
+extern "C" __global__ void llora_fp8_quantize_transpose_bf16(const __nv_bfloat16* x, unsigned char* out,
+                                                             unsigned char* out_t, unsigned int* amax_bits,
+                                                             long rows, long cols, float scale, float limit,
+                                                             int e5m2) {
+    quantize_transpose(x, out, out_t, amax_bits, rows, cols, scale, limit, e5m2 != 0);
+}

@@ -1,0 +1,328 @@
+//! Launching `fp8_quantize.cu`: FP8 codes of a bf16 or f32 tensor, optionally its transpose,
+//! and its amax, in one read of the input ([`quantize`]). The argument checks ([`check`]) run
+//! anywhere; launching needs CUDA tensors and is untested on a GPU until the bundle's CUDA test
+//! (`a_launch_equals_the_libtorch_route`) ran on one.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys};
+
+use super::nvrtc::{KernelError, Source, compile};
+use crate::fp8::Fp8Format;
+
+/// The kernels' source.
+pub const SOURCE: Source = Source {
+    name: "fp8_quantize.cu",
+    text: include_str!("fp8_quantize.cu"),
+    kernels: &[
+        "llora_fp8_quantize_f32",
+        "llora_fp8_quantize_bf16",
+        "llora_fp8_quantize_transpose_f32",
+        "llora_fp8_quantize_transpose_bf16",
+    ],
+};
+
+/// Threads per block and the transpose tile's side, as the source has them.
+const THREADS: u32 = 256;
+const TILE: i64 = 32;
+/// Most blocks of the grid-stride kernel (enough to fill any current GPU several times over).
+const MAX_BLOCKS: i64 = 65535;
+
+/// What one quantisation reads and writes.
+#[derive(Debug)]
+pub struct QuantizeArgs<'a> {
+    /// The input: f32 or bf16, contiguous.
+    pub x: &'a tch::Tensor,
+    /// The codes, `x`'s shape, in `format`'s dtype, contiguous.
+    pub out: &'a tch::Tensor,
+    /// The codes transposed (`x` 2-D `[rows, cols]`: `[cols, rows]`), when asked.
+    pub out_t: Option<&'a tch::Tensor>,
+    /// A one-element f32 tensor the amax of `x` is folded into (max with what it holds, which
+    /// must be ≥ 0: zero it first for this tensor's amax alone).
+    pub amax: Option<&'a tch::Tensor>,
+    /// The scale (finite, > 0).
+    pub scale: f32,
+    /// E4M3 or E5M2.
+    pub format: Fp8Format,
+}
+
+/// The kernel a valid [`QuantizeArgs`] launches, and its problem size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    /// The kernel's name in [`SOURCE`].
+    pub kernel: &'static str,
+    /// `[rows, cols]` for the transposing kernel, `[1, n]` otherwise.
+    pub dims: [i64; 2],
+}
+
+/// Checks what the kernel will read and write: dtypes, shapes, contiguity, scale; all on one
+/// device. Runs on any device (the CPU tests check it); [`quantize`] also needs CUDA.
+pub fn check(a: &QuantizeArgs<'_>) -> Result<Launch, KernelError> {
+    let refuse = |what: String| KernelError::Arguments { kernel: "fp8_quantize", what };
+    let fail = |what: String| Err(refuse(what));
+    let bf16 = match a.x.kind() {
+        tch::Kind::BFloat16 => true,
+        tch::Kind::Float => false,
+        other => return fail(format!("x is {other:?}: f32 or bf16 only")),
+    };
+    let contiguous = |name: &str, t: &tch::Tensor| -> Result<(), KernelError> {
+        if t.is_contiguous() {
+            Ok(())
+        } else {
+            Err(refuse(format!("{name} is not contiguous (strides {:?})", t.stride())))
+        }
+    };
+    contiguous("x", a.x)?;
+    contiguous("out", a.out)?;
+    if a.out.kind() != a.format.kind() || a.out.size() != a.x.size() {
+        return fail(format!(
+            "out is {:?} {:?}: want {:?} {:?} (x's shape, the format's codes)",
+            a.out.kind(),
+            a.out.size(),
+            a.format.kind(),
+            a.x.size()
+        ));
+    }
+    if !(a.scale.is_finite() && a.scale > 0.0) {
+        return fail(format!("scale {} is not a finite number > 0", a.scale));
+    }
+    if let Some(amax) = a.amax
+        && (amax.kind() != tch::Kind::Float || amax.numel() != 1 || amax.device() != a.x.device())
+    {
+        return fail(format!(
+            "amax is {:?} {:?} on {:?}: want one f32 on x's device",
+            amax.kind(),
+            amax.size(),
+            amax.device()
+        ));
+    }
+    if a.out.device() != a.x.device() {
+        return fail(format!("out is on {:?}, x on {:?}", a.out.device(), a.x.device()));
+    }
+    let suffix = if bf16 { "bf16" } else { "f32" };
+    let Some(out_t) = a.out_t else {
+        let kernel = if bf16 { "llora_fp8_quantize_bf16" } else { "llora_fp8_quantize_f32" };
+        return Ok(Launch { kernel, dims: [1, a.x.numel() as i64] });
+    };
+    let [rows, cols] = a.x.size()[..] else { return fail(format!("a transpose needs a 2-D x, not {:?}", a.x.size())) };
+    contiguous("out_t", out_t)?;
+    if out_t.kind() != a.format.kind() || out_t.size() != [cols, rows] || out_t.device() != a.x.device() {
+        return fail(format!(
+            "out_t is {:?} {:?}: want {:?} [{cols}, {rows}] on x's device",
+            out_t.kind(),
+            out_t.size(),
+            a.format.kind()
+        ));
+    }
+    let kernel =
+        if suffix == "bf16" { "llora_fp8_quantize_transpose_bf16" } else { "llora_fp8_quantize_transpose_f32" };
+    Ok(Launch { kernel, dims: [rows, cols] })
+}
+
+/// A source loaded on one device: its functions by name.
+struct Loaded {
+    functions: HashMap<&'static str, usize>,
+}
+
+/// What loading gave on each CUDA device, by index.
+type PerDevice = HashMap<usize, Result<Arc<Loaded>, KernelError>>;
+
+/// The loaded kernels per CUDA device index, loaded on first use (compiling outside the lock:
+/// a compile may take seconds and nothing in it takes this lock).
+fn loaded(index: usize) -> Result<Arc<Loaded>, KernelError> {
+    static LOADED: Mutex<Option<PerDevice>> = Mutex::new(None);
+    if let Some(found) = LOADED.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().get(&index) {
+        return found.clone();
+    }
+    let made = load(index).map(Arc::new);
+    if let Err(e) = &made {
+        tracing::warn!(device = index, "our FP8 quantise kernel is off on this device (the LibTorch route runs): {e}");
+    }
+    let mut table = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    table.get_or_insert_default().entry(index).or_insert(made).clone()
+}
+
+/// Compiles [`SOURCE`] for device `index`'s architecture and loads it in the device's primary
+/// context (LibTorch's), made current on this thread.
+fn load(index: usize) -> Result<Loaded, KernelError> {
+    let driver = |e: cudarc::driver::DriverError| KernelError::Driver(format!("{e:?}"));
+    let attempt = || -> Result<Loaded, KernelError> {
+        result::init().map_err(driver)?;
+        let dev = result::device::get(index as i32).map_err(driver)?;
+        // SAFETY: a valid device handle; attributes are plain integers.
+        let (major, minor) = unsafe {
+            let attr = |a| result::device::get_attribute(dev, a).map_err(driver);
+            (
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            )
+        };
+        let ptx = compile(&SOURCE, &format!("compute_{major}{minor}"))?;
+        let ptx = CString::new(ptx).map_err(|e| KernelError::Driver(e.to_string()))?;
+        // SAFETY: the primary context is retained for the process (never released, as
+        // LibTorch keeps it); the PTX is a NUL-terminated image NVRTC made.
+        let module = unsafe {
+            let ctx = result::primary_ctx::retain(dev).map_err(driver)?;
+            result::ctx::set_current(ctx).map_err(driver)?;
+            result::module::load_data(ptx.as_ptr() as *const c_void).map_err(driver)?
+        };
+        let mut functions = HashMap::new();
+        for name in SOURCE.kernels {
+            // SAFETY: `module` was just loaded and is never unloaded.
+            let f = unsafe { result::module::get_function(module, CString::new(*name).expect("no NUL")) };
+            functions.insert(*name, f.map_err(driver)? as usize);
+        }
+        Ok(Loaded { functions })
+    };
+    std::panic::catch_unwind(attempt).unwrap_or_else(|p| Err(KernelError::Driver(crate::routes::panic_message(&p))))
+}
+
+/// `a / b` rounded up (`a` ≥ 0, `b` > 0).
+fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+/// A kernel parameter: the address of its value, as `cuLaunchKernel` takes each.
+fn arg<T>(value: &mut T) -> *mut c_void {
+    value as *mut T as *mut c_void
+}
+
+/// The raw device address of a tensor's data.
+fn address(t: &tch::Tensor) -> u64 {
+    t.data_ptr() as u64
+}
+
+/// Quantises as `a` says on its CUDA device, on the device's default stream (LibTorch's
+/// current stream: llora never sets another), without waiting for it.
+pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
+    let launch = check(a)?;
+    let tch::Device::Cuda(index) = a.x.device() else {
+        return Err(KernelError::Arguments {
+            kernel: launch.kernel,
+            what: format!("x is on {:?}: CUDA only", a.x.device()),
+        });
+    };
+    let [rows, cols] = launch.dims;
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    let f = *loaded(index)?.functions.get(launch.kernel).expect("every kernel is looked up") as sys::CUfunction;
+    let (mut x, mut out) = (address(a.x), address(a.out));
+    let mut out_t = a.out_t.map_or(0, address);
+    let mut amax = a.amax.map_or(0, address);
+    let (mut scale, mut max, mut e5m2) = (a.scale, a.format.max(), i32::from(a.format == Fp8Format::E5M2));
+    let (mut rows, mut cols, mut n) = (rows, cols, rows * cols);
+    let (grid, mut params): ((u32, u32, u32), Vec<*mut c_void>) = if a.out_t.is_some() {
+        let grid = (ceil_div(cols, TILE) as u32, ceil_div(rows, TILE) as u32, 1);
+        let p = vec![arg(&mut x), arg(&mut out), arg(&mut out_t), arg(&mut amax), arg(&mut rows), arg(&mut cols)];
+        (grid, p)
+    } else {
+        let blocks = ceil_div(n, i64::from(THREADS)).min(MAX_BLOCKS) as u32;
+        ((blocks, 1, 1), vec![arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut n)])
+    };
+    params.extend([arg(&mut scale), arg(&mut max), arg(&mut e5m2)]);
+    // SAFETY: the arguments match the kernel's signature in order and type (checked above:
+    // dtypes, shapes, contiguity, one device), and the tensors outlive the launch's enqueue;
+    // LibTorch's later ops on them are ordered after it on the same stream.
+    unsafe { result::launch_kernel(f, grid, (THREADS, 1, 1), 0, std::ptr::null_mut(), &mut params) }
+        .map_err(|e| KernelError::Driver(format!("{}: {e:?}", launch.kernel)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Kind, Tensor};
+
+    fn args<'a>(x: &'a Tensor, out: &'a Tensor) -> QuantizeArgs<'a> {
+        QuantizeArgs { x, out, out_t: None, amax: None, scale: 2.0, format: Fp8Format::E4M3 }
+    }
+
+    /// Valid arguments pick the kernel by dtype and transpose; each wrong argument is refused
+    /// naming it: dtype, shape, contiguity, the transpose's shape, the amax, the scale.
+    #[test]
+    fn the_launch_checks_name_each_wrong_argument() {
+        let cpu = (Kind::Float, tch::Device::Cpu);
+        let x = Tensor::zeros([3, 5], cpu);
+        let codes = |shape: &[i64]| Tensor::zeros(shape, (Fp8Format::E4M3.kind(), tch::Device::Cpu));
+        let (out, out_t) = (codes(&[3, 5]), codes(&[5, 3]));
+        assert_eq!(check(&args(&x, &out)).unwrap(), Launch { kernel: "llora_fp8_quantize_f32", dims: [1, 15] });
+        let xb = x.to_kind(Kind::BFloat16);
+        let t = check(&QuantizeArgs { out_t: Some(&out_t), ..args(&xb, &out) }).unwrap();
+        assert_eq!(t, Launch { kernel: "llora_fp8_quantize_transpose_bf16", dims: [3, 5] });
+        let refused = |a: QuantizeArgs<'_>, word: &str| match check(&a) {
+            Err(KernelError::Arguments { what, .. }) => assert!(what.contains(word), "{what}"),
+            other => panic!("expected a refusal naming {word}, got {other:?}"),
+        };
+        let half = x.to_kind(Kind::Half);
+        refused(args(&half, &out), "x is Half");
+        refused(args(&x, &codes(&[15])), "out is");
+        refused(args(&x, &Tensor::zeros([3, 5], cpu)), "out is Float");
+        let strided = Tensor::zeros([5, 3], cpu).tr();
+        refused(args(&strided, &out), "x is not contiguous");
+        refused(QuantizeArgs { out_t: Some(&out), ..args(&x, &out) }, "out_t is");
+        let flat = Tensor::zeros([15], cpu);
+        refused(QuantizeArgs { out_t: Some(&out_t), ..args(&flat, &codes(&[15])) }, "2-D");
+        let wide = Tensor::zeros([2], cpu);
+        refused(QuantizeArgs { amax: Some(&wide), ..args(&x, &out) }, "amax");
+        refused(QuantizeArgs { scale: 0.0, ..args(&x, &out) }, "scale");
+        refused(QuantizeArgs { scale: f32::NAN, ..args(&x, &out) }, "scale");
+        // CPU tensors pass the checks but never reach a launch.
+        match quantize(&args(&x, &out)) {
+            Err(KernelError::Arguments { what, .. }) => assert!(what.contains("CUDA only"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The kernel against LibTorch's route (`quantize_via_f32`'s arithmetic: scale in f32,
+    /// clamp, cast) bit for bit, codes, transpose and amax, over edge values (NaN, ±inf, past
+    /// the clamp, denormals, zeros) at odd sizes, both formats, both input dtypes.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn a_launch_equals_the_libtorch_route() {
+        assert!(tch::Cuda::is_available(), "this test needs a CUDA device");
+        let dev = tch::Device::Cuda(0);
+        for (rows, cols) in [(1, 1), (7, 33), (129, 65), (1000, 3)] {
+            let x = Tensor::randn([rows, cols], (Kind::Float, dev)) * 300.0;
+            let edges = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e6, -1e6, 1e-40, -1e-45, 0.0];
+            let flat = x.view([-1]);
+            for (i, v) in edges.iter().enumerate().take((rows * cols) as usize) {
+                let _ = flat.get(i as i64).fill_(*v);
+            }
+            for kind in [Kind::Float, Kind::BFloat16] {
+                for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                    let xk = x.to_kind(kind);
+                    let scale = 0.75f32;
+                    let want = (xk.to_kind(Kind::Float) * f64::from(scale))
+                        .clamp(-f64::from(format.max()), f64::from(format.max()))
+                        .to_kind(format.kind());
+                    let out = Tensor::empty([rows, cols], (format.kind(), dev));
+                    let out_t = Tensor::empty([cols, rows], (format.kind(), dev));
+                    let amax = Tensor::zeros([1], (Kind::Float, dev));
+                    quantize(&QuantizeArgs {
+                        x: &xk,
+                        out: &out,
+                        out_t: Some(&out_t),
+                        amax: Some(&amax),
+                        scale,
+                        format,
+                    })
+                    .unwrap();
+                    let bits = |t: &Tensor| {
+                        Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8).view([-1]).to_device(tch::Device::Cpu)).unwrap()
+                    };
+                    let what = format!("{rows}x{cols} {kind:?} {format:?}");
+                    assert_eq!(bits(&out), bits(&want), "codes, {what}");
+                    assert_eq!(bits(&out_t), bits(&want.tr().contiguous()), "transposed codes, {what}");
+                    let want_amax = xk.to_kind(Kind::Float).abs().max().double_value(&[]);
+                    let got = amax.double_value(&[0]);
+                    assert!(
+                        got == want_amax || (got.is_nan() && want_amax.is_nan()),
+                        "amax {got} vs {want_amax}, {what}"
+                    );
+                }
+            }
+        }
+    }
+}

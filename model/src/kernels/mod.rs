@@ -1,0 +1,47 @@
+//! CUDA kernels of our own, compiled at run time with NVRTC (issue #50): fusions LibTorch's op
+//! set cannot express without temporaries (FP8 quantisation with its amax and transpose in
+//! one read). Each kernel's CUDA C source sits beside the Rust that launches it
+//! (`fp8_quantize.cu` + `fp8_quantize.rs`) and stands alone: it compiles with
+//! `--gpu-architecture=compute_90 -default-device -std=c++17` and `-I` of the NVIDIA include
+//! folders beside the torch wheel, nothing else.
+//!
+//! NVRTC and the driver come from the machine (cudarc, loaded dynamically): `libnvrtc` from
+//! the torch wheel's NVIDIA packages (`<site-packages>/nvidia/*/lib`, found from where
+//! LibTorch was loaded, or `LLORA_NVIDIA_ROOT`), `libcuda` from the driver. So llora builds on
+//! a machine without CUDA, CI compiles every kernel on the CPU (`tests` below), and a GPU node
+//! compiles each once per process. Launching is CUDA-only and untested on a GPU until the
+//! bundle's CUDA tests ran there (docs/gpu.md).
+
+pub mod fp8_quantize;
+pub mod nvrtc;
+
+pub use nvrtc::{KernelError, Source, compile, nvidia_root};
+
+/// Every kernel source llora compiles.
+pub const SOURCES: &[Source] = &[fp8_quantize::SOURCE];
+
+/// The virtual architectures CI compiles every source for (Hopper, Blackwell).
+pub const CI_ARCHES: &[&str] = &["compute_90", "compute_100"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What CI holds every kernel to: each source compiles with NVRTC for Hopper and Blackwell
+    /// on a machine without a GPU, and its PTX defines every kernel the launch code looks up.
+    #[test]
+    fn every_kernel_compiles_with_nvrtc_for_each_architecture() {
+        for source in SOURCES {
+            for arch in CI_ARCHES {
+                let ptx = compile(source, arch).unwrap_or_else(|e| panic!("{e}"));
+                for kernel in source.kernels {
+                    assert!(
+                        ptx.contains(&format!(".entry {kernel}(")),
+                        "{}: no kernel {kernel} for {arch}",
+                        source.name
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! NVRTC for our kernels: finding the torch wheel's NVIDIA packages (the library, the headers),
+//! loading the library once per process, and compiling a source to PTX.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// A CUDA C source of this folder and the kernels it defines (`extern "C"` names).
+#[derive(Debug, Clone, Copy)]
+pub struct Source {
+    /// The file name, for logs and NVRTC's diagnostics.
+    pub name: &'static str,
+    /// Its text.
+    pub text: &'static str,
+    /// The kernels the launch code looks up in it.
+    pub kernels: &'static [&'static str],
+}
+
+/// Why a kernel of ours cannot run (the caller takes the LibTorch route and logs this).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    /// No NVRTC library was found or loaded.
+    #[error("NVRTC is not available: {0}")]
+    NoNvrtc(String),
+    /// NVRTC refused a source.
+    #[error("NVRTC cannot compile {file} for {arch}: {log}")]
+    Compile {
+        /// The source's file name.
+        file: &'static str,
+        /// The architecture asked for.
+        arch: String,
+        /// NVRTC's log (or its error).
+        log: String,
+    },
+    /// The tensors handed to a launch are not what the kernel reads and writes.
+    #[error("{kernel}: {what}")]
+    Arguments {
+        /// The kernel.
+        kernel: &'static str,
+        /// What is wrong, naming the argument.
+        what: String,
+    },
+    /// The driver refused to load or launch a kernel.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+}
+
+/// The `nvidia` folder of the torch wheel LibTorch was loaded from (`LLORA_NVIDIA_ROOT`
+/// overrides): `<site-packages>/torch/lib/libtorch_cpu.so` gives `<site-packages>/nvidia`.
+pub fn nvidia_root() -> Option<PathBuf> {
+    if let Some(root) = std::env::var_os("LLORA_NVIDIA_ROOT") {
+        return Some(PathBuf::from(root));
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let lib = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.ends_with("/libtorch_cpu.so"))?;
+    let site = Path::new(lib).parent()?.parent()?.parent()?;
+    Some(site.join("nvidia")).filter(|p| p.is_dir())
+}
+
+/// The folders of `root/*/<sub>`, sorted (`include` for headers, `lib` for libraries).
+fn package_dirs(root: &Path, sub: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join(sub))
+        .filter(|p| p.is_dir())
+        .collect();
+    out.sort();
+    out
+}
+
+/// The NVRTC library under `root` (`*/lib/libnvrtc.so.<major>`, the newest major).
+fn nvrtc_library(root: &Path) -> Option<PathBuf> {
+    let is_nvrtc = |p: &PathBuf| {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        name.strip_prefix("libnvrtc.so.").is_some_and(|v| v.chars().all(|c| c.is_ascii_digit()))
+    };
+    let libs = package_dirs(root, "lib").into_iter().flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten());
+    libs.map(|e| e.path()).filter(is_nvrtc).max()
+}
+
+/// Loads NVRTC once per process: the wheel's library opened by path into the global namespace,
+/// where cudarc's own lookup by name (`libnvrtc.so.13`, `.so.12`) then finds it.
+fn load_nvrtc() -> Result<&'static Path, KernelError> {
+    static LOADED: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        let root = nvidia_root().ok_or("no torch wheel's `nvidia` folder found (set LLORA_NVIDIA_ROOT)")?;
+        let path = nvrtc_library(&root).ok_or_else(|| format!("no libnvrtc.so.* under {}/*/lib", root.display()))?;
+        let flags = libc::RTLD_NOW | libc::RTLD_GLOBAL;
+        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+        // SAFETY: dlopen of a library path; the handle is kept for the process's life.
+        let handle = unsafe { libc::dlopen(c_path.as_ptr(), flags) };
+        if handle.is_null() {
+            return Err(format!("cannot load {}", path.display()));
+        }
+        Ok(path)
+    });
+    loaded.as_deref().map_err(|e| KernelError::NoNvrtc(e.clone()))
+}
+
+/// PTX of `source` for the virtual architecture `arch` (`compute_90`), with the include
+/// folders of the torch wheel's NVIDIA packages. Errors carry NVRTC's log.
+pub fn compile(source: &Source, arch: &str) -> Result<String, KernelError> {
+    load_nvrtc()?;
+    let root = nvidia_root().ok_or_else(|| KernelError::NoNvrtc("no NVIDIA package folder".into()))?;
+    let includes = package_dirs(&root, "include").into_iter().map(|p| p.display().to_string()).collect();
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "-default-device".into(), "-std=c++17".into()],
+        include_paths: includes,
+        name: Some(source.name.into()),
+        ..Default::default()
+    };
+    let error = |log: String| KernelError::Compile { file: source.name, arch: arch.into(), log };
+    // cudarc panics where a library symbol is missing: that is an error here, not a crash.
+    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source.text, opts));
+    match compiled {
+        Ok(Ok(ptx)) => Ok(ptx.to_src()),
+        Ok(Err(cudarc::nvrtc::CompileError::CompileError { log, .. })) => Err(error(log.to_string_lossy().into())),
+        Ok(Err(e)) => Err(error(format!("{e:?}"))),
+        Err(panic) => Err(error(crate::routes::panic_message(&panic))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source with an error fails with NVRTC's log naming it (the check above can fail).
+    #[test]
+    fn a_broken_source_fails_with_the_log() {
+        let broken =
+            Source { name: "broken.cu", text: "extern \"C\" __global__ void k() { undeclared(); }", kernels: &[] };
+        match compile(&broken, "compute_90") {
+            Err(KernelError::Compile { file: "broken.cu", log, .. }) => assert!(log.contains("undeclared"), "{log}"),
+            other => panic!("expected a compile error, got {other:?}"),
+        }
+    }
+}
