@@ -57,6 +57,7 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     };
     let gemm = selftest_checks("gemm");
     named(&gemm, "FP8 two-pass quantiser and one-pass amax");
+    named(&gemm, "FP8 quantise kernel (ours, NVRTC)");
     let norm = selftest_checks("norm");
     named(&norm, "RMSNorm fused kernels BFloat16");
     named(&norm, "RMSNorm fused kernels Float");
@@ -71,7 +72,8 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     }
 }
 
-/// A short FP8 bench on the CPU: with the switch, every step takes the two-pass quantiser,
+/// A short FP8 bench on the CPU: with the switch, every step takes our quantise kernel (its
+/// CPU stand-in) for delayed scaling and the two-pass quantiser for current scaling,
 /// the norm the fused route and attention cuDNN's route, and the JSON says so; without it,
 /// the f32 quantiser. Under `RUST_LOG=debug` the log names each place before it starts (a
 /// hang's last line says where it is): every decoder layer built, every weight converted, the
@@ -99,8 +101,10 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(ok, "{stderr}");
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["cuda_routes_on_cpu"], true, "{r}");
-    assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["two-pass"], ["two-pass"]]), "{r}");
+    // Delayed scaling on our kernel (its CPU stand-in), current scaling on the two-pass route.
+    assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["kernel", "two-pass"], ["kernel", "two-pass"]]), "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
+    assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
     assert!(r["attn_impl"].as_array().unwrap().iter().any(|k| k == "cuda-cudnn"), "{r}");
     let layers = 4; // the tiny preset's
@@ -115,6 +119,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
         ["step phase: forward", "step phase: backward", "step phase: all-reduce and optimizer"].map(place);
     assert!(built[0] < converted && converted < check && check < fwd && fwd < bwd && bwd < opt, "order:\n{stderr}");
     assert!(stderr.contains("FP8 two-pass quantiser and one-pass amax: checked against its reference, taken"));
+    assert!(stderr.contains("FP8 quantise kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
 
     let (ok, stdout, stderr) = llora_within(240, &[], &args);
     assert!(ok, "{stderr}");

@@ -12,123 +12,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// An 8-bit floating-point format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Fp8Format {
-    /// 4 exponent bits (bias 7), 3 mantissa bits, max 448, no infinity (torch `float8_e4m3fn`).
-    E4M3,
-    /// 5 exponent bits (bias 15), 2 mantissa bits, max 57344, ±∞ (torch `float8_e5m2`).
-    E5M2,
-}
-
-impl Fp8Format {
-    /// Largest finite magnitude.
-    pub fn max(self) -> f32 {
-        match self {
-            Self::E4M3 => 448.0,
-            Self::E5M2 => 57344.0,
-        }
-    }
-
-    /// Mantissa (fraction) bits.
-    fn mantissa_bits(self) -> i32 {
-        match self {
-            Self::E4M3 => 3,
-            Self::E5M2 => 2,
-        }
-    }
-
-    /// Exponent bias.
-    fn bias(self) -> i32 {
-        match self {
-            Self::E4M3 => 7,
-            Self::E5M2 => 15,
-        }
-    }
-
-    /// The code a value past the range (or an infinity) becomes: NaN for E4M3, which has no
-    /// infinity, and infinity for E5M2 (sign bit not included).
-    fn overflow_code(self) -> u8 {
-        match self {
-            Self::E4M3 => 0x7F,
-            Self::E5M2 => 0x7C,
-        }
-    }
-
-    /// The LibTorch dtype of this format.
-    pub fn kind(self) -> tch::Kind {
-        match self {
-            Self::E4M3 => tch::Kind::Float8e4m3fn,
-            Self::E5M2 => tch::Kind::Float8e5m2,
-        }
-    }
-
-    /// `x` rounded to the nearest code, ties to even, without saturation (torch's cast).
-    pub fn encode(self, x: f32) -> u8 {
-        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
-        if x.is_nan() {
-            return sign | 0x7F;
-        }
-        if x.is_infinite() {
-            return sign | self.overflow_code();
-        }
-        // f64 holds every f32 (subnormals included) as a normal number, so its exponent field
-        // is floor(log2 |x|) and scaling by powers of two is exact.
-        let a = f64::from(x.abs());
-        if a == 0.0 {
-            return sign;
-        }
-        let m = self.mantissa_bits();
-        let emin = 1 - self.bias();
-        let exp = |v: f64| ((v.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-        let quantum = 2f64.powi(exp(a).max(emin) - m);
-        let r = (a / quantum).round_ties_even() * quantum;
-        if r > f64::from(self.max()) {
-            return sign | self.overflow_code();
-        }
-        if r == 0.0 {
-            return sign;
-        }
-        let code = if exp(r) < emin {
-            (r / 2f64.powi(emin - m)) as u8
-        } else {
-            let e = exp(r);
-            let mantissa = (r / 2f64.powi(e - m)) as u8 - (1 << m);
-            (((e + self.bias()) as u8) << m) | mantissa
-        };
-        sign | code
-    }
-
-    /// The value of a code (NaN codes give NaN).
-    pub fn decode(self, code: u8) -> f32 {
-        let m = self.mantissa_bits();
-        let e = i32::from((code & 0x7F) >> m);
-        let mantissa = i32::from(code & ((1 << m) - 1));
-        let sign: f32 = if code & 0x80 != 0 { -1.0 } else { 1.0 };
-        match self {
-            Self::E4M3 if e == 15 && mantissa == 7 => return f32::NAN,
-            Self::E5M2 if e == 31 => return if mantissa == 0 { sign * f32::INFINITY } else { f32::NAN },
-            _ => {}
-        }
-        let v = if e == 0 {
-            f64::from(mantissa) * 2f64.powi(1 - self.bias() - m)
-        } else {
-            f64::from((1 << m) + mantissa) * 2f64.powi(e - self.bias() - m)
-        };
-        sign * v as f32
-    }
-
-    /// Saturating per-tensor quantisation of a slice: `encode(clamp(x·scale, ±max))`.
-    pub fn quantize_slice(self, xs: &[f32], scale: f32) -> Vec<u8> {
-        let max = self.max();
-        xs.iter().map(|&x| self.encode((x * scale).clamp(-max, max))).collect()
-    }
-
-    /// Inverse of [`Self::quantize_slice`]: `decode(q) · scale_inv`.
-    pub fn dequantize_slice(self, qs: &[u8], scale_inv: f32) -> Vec<f32> {
-        qs.iter().map(|&q| self.decode(q) * scale_inv).collect()
-    }
-}
+pub use crate::fp8_format::Fp8Format;
+use crate::kernels::KernelError;
+use crate::kernels::fp8_quantize::{self, QuantizeArgs};
 
 /// Saturating quantisation on a LibTorch tensor: `clamp(x·scale, ±max)` cast to the 1-byte
 /// dtype of `format` (NaN stays NaN).
@@ -138,19 +24,89 @@ impl Fp8Format {
 /// the CPU the faster: its two-pass route runs through temporaries and scalar cast loops). Both
 /// give the same codes. Each call is counted by route ([`take_quantiser_counts`]).
 pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
+    if kernel_route(x)
+        && let Ok(q) = quantize_kernel(x, scale, format)
+    {
+        count(Route::Kernel);
+        return q;
+    }
     if two_pass_route(x)
         && let Ok(q) = quantize_clamped(x, scale, format)
     {
-        count(true);
+        count(Route::TwoPass);
         return q;
     }
-    count(false);
+    count(Route::ViaF32);
     quantize_via_f32(x, scale, format)
+}
+
+/// [`quantize_tch`] on our kernel (`kernels/fp8_quantize.cu`): one read of x, no temporary.
+fn quantize_kernel(x: &tch::Tensor, scale: f32, format: Fp8Format) -> Result<tch::Tensor, KernelError> {
+    let x = x.contiguous();
+    let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
+    fp8_quantize::quantize(&QuantizeArgs { x: &x, out: &out, out_t: None, amax: None, scale, format })?;
+    Ok(out)
+}
+
+/// What our quantise kernel's first-use check is called, in logs and in `llora selftest`.
+pub const KERNEL_CHECK: &str = "FP8 quantise kernel (ours, NVRTC)";
+
+/// The verdict of [`check_kernel`] per device.
+static KERNEL: crate::routes::Verdicts<tch::Device> =
+    crate::routes::Verdicts::new(KERNEL_CHECK, "the LibTorch quantiser runs");
+
+/// Whether `x` takes our quantise kernel: f32 or bf16 on a device taking the CUDA routes (with
+/// `LLORA_CUDA_FUSED_ROUTES` on) where the kernel passed [`check_kernel`] (once per device).
+fn kernel_route(x: &tch::Tensor) -> bool {
+    let device = x.device();
+    matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16)
+        && crate::routes::takes_cuda_routes(device)
+        && crate::routes::fused_routes()
+        && KERNEL.passed(device, || check_kernel(device))
+}
+
+/// [`check_kernel`] on `device` once per process, its result kept (`llora selftest`).
+pub fn kernel(device: tch::Device) -> Result<(), String> {
+    KERNEL.check(device, || check_kernel(device))
+}
+
+/// Checks our quantise kernel against the f32 route bit for bit on `device`: codes, their
+/// transpose and the amax of bf16 and f32 inputs holding values past the clamp bound, NaN,
+/// ±∞ and zeros of both signs, in both formats, at a size that is no multiple of a block.
+/// Calls the kernel and the f32 route directly, never [`quantize_tch`] (no route re-entered).
+pub fn check_kernel(device: tch::Device) -> Result<(), String> {
+    let _guard = tch::no_grad_guard();
+    let mut xs: Vec<f32> = (0..4096).map(|i| ((i * 7919) % 4001) as f32 / 50.0 - 40.0).collect();
+    xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30, 0.0, -0.0]);
+    let host = tch::Tensor::from_slice(&xs).view([11, 373]);
+    let bits =
+        |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).view([-1]).to_device(tch::Device::Cpu));
+    for kind in [tch::Kind::BFloat16, tch::Kind::Float] {
+        let x = host.to_kind(kind).to_device(device);
+        for (format, scale) in [(Fp8Format::E4M3, 3.7f32), (Fp8Format::E5M2, 1.0 / 64.0)] {
+            let what = format!("{kind:?} {format:?}");
+            let (out, out_t) = (x.empty_like().to_kind(format.kind()), x.tr().contiguous().to_kind(format.kind()));
+            let amax = tch::Tensor::zeros([1], (tch::Kind::Float, device));
+            let args = QuantizeArgs { x: &x, out: &out, out_t: Some(&out_t), amax: Some(&amax), scale, format };
+            fp8_quantize::quantize(&args).map_err(|e| format!("{what}: {e}"))?;
+            let want = quantize_via_f32(&x, scale, format);
+            if bits(&out).ok() != bits(&want).ok() || bits(&out_t).ok() != bits(&want.tr().contiguous()).ok() {
+                return Err(format!("{what}: codes differ from the f32 route"));
+            }
+            let (got, reference) = (amax.double_value(&[0]), amax_abs_max(&x).double_value(&[]));
+            if got.to_bits() != reference.to_bits() && !(got.is_nan() && reference.is_nan()) {
+                return Err(format!("{what}: amax {got} against {reference}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// FP8 quantisations since the last [`take_quantiser_counts`], by route.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QuantiserCounts {
+    /// On our kernel (one read, no temporary).
+    pub kernel: usize,
     /// Through the two-pass route (clamp in the input's dtype, one multiply stored as FP8).
     pub two_pass: usize,
     /// Through an f32 copy (cast, scale, clamp, cast).
@@ -161,6 +117,9 @@ impl QuantiserCounts {
     /// The routes taken, by name (`llora bench` reports them per step).
     pub fn routes(self) -> Vec<&'static str> {
         let mut out = Vec::new();
+        if self.kernel > 0 {
+            out.push("kernel");
+        }
         if self.two_pass > 0 {
             out.push("two-pass");
         }
@@ -173,16 +132,25 @@ impl QuantiserCounts {
 
 thread_local! {
     /// This thread's quantisations (a step's forward and backward run on the thread calling them).
-    static QUANTISED: std::cell::Cell<QuantiserCounts> = const { std::cell::Cell::new(QuantiserCounts { two_pass: 0, via_f32: 0 }) };
+    static QUANTISED: std::cell::Cell<QuantiserCounts> =
+        const { std::cell::Cell::new(QuantiserCounts { kernel: 0, two_pass: 0, via_f32: 0 }) };
 }
 
-fn count(two_pass: bool) {
+/// The quantisers, as [`QuantiserCounts`] counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Kernel,
+    TwoPass,
+    ViaF32,
+}
+
+fn count(route: Route) {
     QUANTISED.with(|c| {
         let mut n = c.get();
-        if two_pass {
-            n.two_pass += 1
-        } else {
-            n.via_f32 += 1
+        match route {
+            Route::Kernel => n.kernel += 1,
+            Route::TwoPass => n.two_pass += 1,
+            Route::ViaF32 => n.via_f32 += 1,
         }
         c.set(n);
     });
@@ -302,11 +270,11 @@ pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::T
     let (scale, scale_inv) = current_scale(x, format);
     let codes = match two_pass_route(x).then(|| quantize_clamped_by(x, &scale, &scale_inv, format)) {
         Some(Ok(codes)) => {
-            count(true);
+            count(Route::TwoPass);
             codes
         }
         _ => {
-            count(false);
+            count(Route::ViaF32);
             quantize_via_f32_by(x, &scale, format)
         }
     };
@@ -722,8 +690,9 @@ mod tests {
     /// The CUDA route logic on the CPU (`LLORA_CUDA_ROUTES_ON_CPU`): the first quantisation
     /// runs the routes' check, which quantises and takes the amax itself and so asks for the
     /// verdict being made (the second GPU run's self-deadlock: a lock held across the check).
-    /// It ends within the time limit, passes, and later quantisations take the two-pass route
-    /// and the ∞-norm amax, counted, with the f32 route's codes (current scaling too).
+    /// It ends within the time limit, passes, and later quantisations take our kernel's route
+    /// (delayed scaling, its CPU stand-in here), the two-pass route (current scaling) and the
+    /// ∞-norm amax, counted, with the f32 route's codes.
     #[test]
     fn the_cuda_routes_check_runs_once_on_the_cpu_without_deadlock() {
         crate::routes::tests::on_cpu_within(60, "FP8 routes' first use", || {
@@ -741,10 +710,12 @@ mod tests {
             assert_eq!(bits(&current), bits(&quantize_via_f32_by(&x, &scale, Fp8Format::E5M2)));
             assert_eq!(
                 counts,
-                QuantiserCounts { two_pass: 2, via_f32: 0 },
-                "the check's own quantisations are not counted"
+                QuantiserCounts { kernel: 1, two_pass: 1, via_f32: 0 },
+                "the checks' own quantisations are not counted"
             );
-            assert_eq!(counts.routes(), ["two-pass"]);
+            assert_eq!(counts.routes(), ["kernel", "two-pass"]);
+            // Delayed scaling took our kernel (its CPU stand-in), which passed its own check.
+            assert_eq!(kernel(tch::Device::Cpu), Ok(()));
             assert_eq!(amax_on_device(&x).double_value(&[]), amax_norm(&x).double_value(&[]));
         });
     }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod device;
 pub mod dropout;
 pub mod fp8;
+pub mod fp8_format;
 pub mod generate;
 pub mod kernels;
 pub mod layout;

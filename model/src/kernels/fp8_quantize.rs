@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys};
 
 use super::nvrtc::{KernelError, Source, compile};
-use crate::fp8::Fp8Format;
+use crate::fp8_format::Fp8Format;
 
 /// The kernels' source.
 pub const SOURCE: Source = Source {
@@ -179,6 +179,24 @@ fn load(index: usize) -> Result<Loaded, KernelError> {
     std::panic::catch_unwind(attempt).unwrap_or_else(|p| Err(KernelError::Driver(crate::routes::panic_message(&p))))
 }
 
+/// What the kernel computes, in LibTorch ops: on the CPU under `LLORA_CUDA_ROUTES_ON_CPU=1`
+/// it stands in for the kernel, so that the route's control flow (first-use check, verdict,
+/// counting) runs in CI; the arithmetic is the LibTorch route's (scale in f32, clamp, cast).
+fn stand_in(a: &QuantizeArgs<'_>) {
+    let _no_grad = tch::no_grad_guard();
+    let limit = f64::from(a.format.max());
+    let codes = (a.x.to_kind(tch::Kind::Float) * f64::from(a.scale)).clamp(-limit, limit).to_kind(a.format.kind());
+    a.out.shallow_clone().copy_(&codes);
+    if let Some(out_t) = a.out_t {
+        out_t.shallow_clone().copy_(&codes.tr());
+    }
+    if let Some(amax) = a.amax {
+        let mine = a.x.to_kind(tch::Kind::Float).abs().max().reshape(amax.size());
+        let folded = amax.maximum(&mine);
+        amax.shallow_clone().copy_(&folded);
+    }
+}
+
 /// `a / b` rounded up (`a` ≥ 0, `b` > 0).
 fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
@@ -199,6 +217,10 @@ fn address(t: &tch::Tensor) -> u64 {
 pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
     let launch = check(a)?;
     let tch::Device::Cuda(index) = a.x.device() else {
+        if crate::routes::stands_in(a.x.device()) {
+            stand_in(a);
+            return Ok(());
+        }
         return Err(KernelError::Arguments {
             kernel: launch.kernel,
             what: format!("x is on {:?}: CUDA only", a.x.device()),

@@ -426,7 +426,7 @@ struct Timed {
     saved_bytes: usize,
     /// FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
     fp8_gemms: llora_model::precision::scaled_mm::GemmCounts,
-    /// FP8 quantisations of each step, by route (two-pass or through f32).
+    /// FP8 quantisations of each step, by route (our kernel, two-pass, or through f32).
     quantiser: Vec<llora_model::fp8::QuantiserCounts>,
 }
 
@@ -520,7 +520,7 @@ impl Timed {
             }),
             // The FP8 quantiser route(s) each step took, and the last step's quantisations by route.
             "fp8_quantiser_routes": self.quantiser.iter().map(|c| c.routes()).collect::<Vec<_>>(),
-            "fp8_quantisations": self.quantiser.last().map(|c| json!({"two_pass": c.two_pass, "f32": c.via_f32})),
+            "fp8_quantisations": self.quantiser.last().map(|c| json!({"kernel": c.kernel, "two_pass": c.two_pass, "f32": c.via_f32})),
             // The CPU took the CUDA routes (LLORA_CUDA_ROUTES_ON_CPU=1): control flow, not kernels.
             "cuda_routes_on_cpu": !cuda && llora_model::routes::on_cpu(),
         })

@@ -66,6 +66,10 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
             let result = llora_model::fp8::cuda_routes(dev)
                 .map(|()| "codes and amaxes equal the f32 route's, bit for bit".to_string());
             checks.push(Check::new(llora_model::fp8::CUDA_ROUTES_CHECK, false, result));
+            // Delayed scaling falls back to the routes above without it.
+            let result = llora_model::fp8::kernel(dev)
+                .map(|()| "codes, transpose and amax equal the f32 route's, bit for bit".to_string());
+            checks.push(Check::new(llora_model::fp8::KERNEL_CHECK, false, result));
         }
     }
     if only("attention") {
