@@ -40,6 +40,23 @@ pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tens
     quantize_via_f32(x, scale, format)
 }
 
+/// [`quantize_tch`] and `x`'s amax (a 0-dim f32 tensor, as [`amax_on_device`]): in one read
+/// of `x` on our kernel where it runs, else the amax and then the quantiser's route.
+pub fn quantize_and_amax(x: &tch::Tensor, scale: f32, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
+    if kernel_route(x) && x.numel() > 0 {
+        let x = x.contiguous();
+        let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
+        let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
+        let args = QuantizeArgs { x: &x, out: &out, out_t: None, amax: Some(&amax), scale, format };
+        if fp8_quantize::quantize(&args).is_ok() {
+            count(Route::Kernel);
+            return (out, amax.reshape([] as [i64; 0]));
+        }
+    }
+    let amax = amax_on_device(x);
+    (quantize_tch(x, scale, format), amax)
+}
+
 /// [`quantize_tch`] on our kernel (`kernels/fp8_quantize.cu`): one read of x, no temporary.
 fn quantize_kernel(x: &tch::Tensor, scale: f32, format: Fp8Format) -> Result<tch::Tensor, KernelError> {
     let x = x.contiguous();

@@ -77,19 +77,27 @@ impl LinearQuant {
         Self { spec, scales: Mutex::new(LinearScales::new()), lazy: Mutex::new(Default::default()) }
     }
 
-    /// The scale to quantise `x` with as `role`, recording its amax in training. Once the
-    /// role has a scale (every use after its first), the amax stays on the device until
+    /// `x` quantised to `format` as `role` with its delayed scale, and that scale; its amax
+    /// recorded in training. Once the role has a scale (every use after its first), the amax
+    /// is taken in the same pass as the codes where our kernel runs
+    /// ([`crate::fp8::quantize_and_amax`]) and stays on the device until
     /// [`Self::take_lazy_amaxes`]: quantising waits for nothing. The first use, and evaluation
-    /// of a never-trained layer, read the amax now ([`scale_of`]).
-    fn scale_for(&self, role: Role, x: &tch::Tensor, train: bool) -> f32 {
-        let mut st = self.scales.lock().unwrap();
-        let state = st.get_mut(role);
-        if train && state.initialized && x.numel() > 0 {
-            let amax = crate::fp8::amax_on_device(x);
+    /// of a never-trained layer, read the amax first ([`scale_of`]). No lock is held while
+    /// quantising (its first use runs the routes' checks).
+    fn quantize_delayed(&self, role: Role, x: &tch::Tensor, format: Fp8Format, train: bool) -> (tch::Tensor, f32) {
+        let (ready, scale) = {
+            let st = self.scales.lock().unwrap();
+            let state = st.get(role);
+            (train && state.initialized && x.numel() > 0, state.scale)
+        };
+        if ready {
+            let (codes, amax) = crate::fp8::quantize_and_amax(x, scale, format);
             self.lazy.lock().unwrap()[role as usize].push(amax);
-            return state.scale;
+            return (codes, scale);
         }
-        scale_of(state, amax_tch(x), &self.spec.amax, train)
+        let amax = amax_tch(x);
+        let scale = scale_of(self.scales.lock().unwrap().get_mut(role), amax, &self.spec.amax, train);
+        (quantize_tch(x, scale, format), scale)
     }
 
     /// The amaxes recorded on the device since the last call, one 0-dim f32 tensor per role
@@ -202,8 +210,11 @@ impl LinearQuant {
                 LinearWeight::Stored(_) => unreachable!("a stored weight has its whole"),
             },
         };
-        let s = scale.unwrap_or_else(|| self.scale_for(Role::Weight, w, train));
-        Fp8Weight { codes: quantize_tch(w, s, Fp8Format::E4M3), transposed: None, scale_inv: 1.0 / s, scale: s }
+        let (codes, s) = match scale {
+            Some(s) => (quantize_tch(w, s, Fp8Format::E4M3), s),
+            None => self.quantize_delayed(Role::Weight, w, Fp8Format::E4M3, train),
+        };
+        Fp8Weight { codes, transposed: None, scale_inv: 1.0 / s, scale: s }
     }
 
     /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
@@ -218,8 +229,7 @@ impl LinearQuant {
         let fp8_store = self.spec.fp8_activations;
         let (y, saved, w_scale) = match self.spec.compute {
             Compute::Fp8 => {
-                let s = self.scale_for(Role::Input, &x2, train);
-                let q = quantize_tch(&x2, s, Fp8Format::E4M3);
+                let (q, s) = self.quantize_delayed(Role::Input, &x2, Fp8Format::E4M3, train);
                 let wq = self.fp8_weight(w, None, train);
                 // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
                 let y = fp8_gemm(
@@ -293,8 +303,7 @@ impl LinearQuant {
         let (dx, fp8_grad) = match self.spec.compute {
             Compute::Fp32 | Compute::Bf16 => (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), None),
             Compute::Fp8 => {
-                let s = self.scale_for(Role::Grad, &g2, true);
-                let q = quantize_tch(&g2, s, Fp8Format::E5M2);
+                let (q, s) = self.quantize_delayed(Role::Grad, &g2, Fp8Format::E5M2, true);
                 // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
                 let dx = want_dx.then(|| {
                     let wq = self.fp8_weight(w, Some(st.w_scale), true);

@@ -161,6 +161,43 @@ mod tests {
         }
     }
 
+    /// Delayed scaling on our kernel's route (its CPU stand-in, the switch on for this thread):
+    /// three training steps give the LibTorch routes' outputs, gradients and next scales bit
+    /// for bit, the amaxes taken in the codes' pass and recorded, the kernel counted.
+    #[test]
+    fn delayed_scaling_on_the_kernel_route_equals_the_libtorch_routes() {
+        let _rng = crate::device::torch_rng_lock();
+        let device = Device::libtorch().autodiff();
+        device.seed(6);
+        let (n, k, m) = (9, 24, 16);
+        let x0 = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.5), &device);
+        let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
+        let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
+        let run = |on: bool| {
+            let _switch = crate::routes::on_cpu_for_this_thread(on);
+            let quant = Arc::new(LinearQuant::new(fp8_spec(true, false)));
+            let _ = crate::fp8::take_quantiser_counts();
+            let mut last = Vec::new();
+            for _ in 0..3 {
+                let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
+                let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
+                let grads = (y.clone() * g0.clone()).sum().backward();
+                last = [host(&y.inner()), host(&x.grad(&grads).unwrap()), host(&w.grad(&grads).unwrap())].concat();
+                quant.update();
+            }
+            let s = quant.scales.lock().unwrap();
+            last.extend([s.input.scale, s.weight.scale, s.grad.scale]);
+            (last.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), crate::fp8::take_quantiser_counts())
+        };
+        let (plain, plain_counts) = run(false);
+        let (kernel, kernel_counts) = run(true);
+        assert_eq!(plain_counts.kernel, 0);
+        // Each step quantises x and W forward, the gradient and W again backward, all on the
+        // kernel (the saved input is kept as its FP8 codes); the first with scales read first.
+        assert_eq!(kernel_counts.kernel, 12, "{kernel_counts:?}");
+        assert!(kernel == plain, "outputs, gradients or scales differ on the kernel's route");
+    }
+
     /// On bf16 activations (as training in FP8 runs them) the FP8 GEMMs write bf16: y and dx
     /// are the emulated recipe's, rounded once to bf16.
     #[test]

@@ -33,6 +33,15 @@ impl Role {
 
 impl LinearScales {
     /// The state of `role`.
+    pub fn get(&self, role: Role) -> &DelayedScaling {
+        match role {
+            Role::Input => &self.input,
+            Role::Weight => &self.weight,
+            Role::Grad => &self.grad,
+        }
+    }
+
+    /// The state of `role`, mutably.
     pub fn get_mut(&mut self, role: Role) -> &mut DelayedScaling {
         match role {
             Role::Input => &mut self.input,
