@@ -66,7 +66,11 @@ impl Sample {
             return Err(format!("{n} tokens: a sample needs at least 2"));
         }
         if n > max_seq_len {
-            return Err(format!("{n} tokens is longer than max_seq_len {max_seq_len}"));
+            return Err(format!(
+                "{n} tokens is longer than max_seq_len {max_seq_len}: raise it (data.max_seq_len, or the \
+                 command's --max-seq-len, up to the model's max_position_embeddings), or drop such rows \
+                 (data.on_bad_row = \"skip\")"
+            ));
         }
         if let Some((i, id)) = self.input_ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
             return Err(format!("input_ids[{i}] = {id} is outside the vocabulary [0, {vocab})"));

@@ -260,7 +260,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cases: Vec<(Sample, &str)> = vec![
             (sample(&[1, 2, 3], &[-100, 2]), "input_ids has 3 tokens but labels has 2"),
-            (sample(&[1; 17], &[1; 17]), "longer than max_seq_len 16"),
+            (sample(&[1; 17], &[1; 17]), "longer than max_seq_len 16: raise it (data.max_seq_len"),
             (sample(&[1, 100], &[-100, 100]), "input_ids[1] = 100 is outside the vocabulary"),
             (sample(&[1, 2, 3], &[-100, -100, -100]), "no target token"),
             (sample(&[1, 2], &[-100, -7]), "labels[1] = -7"),

@@ -201,6 +201,15 @@ impl ModuleSelection {
                 }
             }
         }
+        if let (ModulePattern::Names(_), Some(layers)) = (&self.targets, &self.layers) {
+            let n = config.num_hidden_layers;
+            let outside: Vec<usize> = layers.iter().copied().filter(|&l| l >= n).collect();
+            ensure!(
+                outside.is_empty(),
+                "layers_to_transform = {layers:?} names layer(s) {outside:?}, but this model has {n} (0..{n}): \
+                 an adapter for another model, or a wrong layer index"
+            );
+        }
         ensure!(!out.is_empty(), "target_modules (less exclude_modules) selects no module of this model");
         Ok(out)
     }
@@ -612,6 +621,17 @@ mod tests {
             sel(r#"".*\\.1\\.self_attn\\.(q|k)_proj""#, "null").unwrap(),
             [l(1, "self_attn.q_proj"), l(1, "self_attn.k_proj")]
         );
+        // A layer past the model's is named as such (#48 item 17), not blamed on the targets.
+        let with_layers = |layers: &str| {
+            let v = format!(
+                r#"{{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "layers_to_transform": {layers}}}"#
+            );
+            parse_config(&serde_json::from_str(&v).unwrap()).and_then(|c| c.select.modules(&llama(2, false)))
+        };
+        let err = with_layers("[1, 5]").unwrap_err().to_string();
+        assert!(err.contains("layers_to_transform") && err.contains("[5]") && err.contains("0..2"), "{err}");
+        assert!(!err.contains("target_modules"), "{err}");
+        assert_eq!(with_layers("[1]").unwrap(), [l(1, "self_attn.q_proj")]);
         // A regex must match the whole name: "q_proj" alone matches nothing.
         assert!(sel(r#""q_proj""#, "null").unwrap_err().to_string().contains("selects no module"));
         assert_eq!(sel(r#""all-linear""#, r#"".*mlp.*""#).unwrap().len(), 8);

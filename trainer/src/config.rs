@@ -826,6 +826,23 @@ pub struct Override {
     pub value: toml::Value,
 }
 
+/// Why a `--set` value TOML refused is no bare word to take as a string: a list or table
+/// whose strings lost their quotes (shells strip them), or an integer out of range.
+fn not_a_word(key: &str, raw: &str) -> Option<String> {
+    if raw.starts_with('[') || raw.starts_with('{') {
+        let example = if key == "lora.targets" { r#"["q_proj", "v_proj"]"# } else { r#"["a", "b"]"# };
+        return Some(format!(
+            "{raw} is not a TOML list or table: its strings need quotes, which the shell strips unless the whole \
+             argument is quoted, e.g. --set '{key}={example}'"
+        ));
+    }
+    let digits = raw.strip_prefix(['+', '-']).unwrap_or(raw);
+    if !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit() || c == '_') {
+        return Some(format!("{raw} is out of range for an integer (at most {})", i64::MAX));
+    }
+    None
+}
+
 impl std::str::FromStr for Override {
     type Err = String;
 
@@ -836,11 +853,18 @@ impl std::str::FromStr for Override {
             return Err(format!("--set {s:?}: the key must be dotted names like optim.lr"));
         }
         // A bare word such as `cuda:0` or `runs/x` is not TOML; taking it as a string saves
-        // users from quoting inside shell quotes.
-        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+        // users from quoting inside shell quotes. A list, a table or a number that is not TOML
+        // is not a word: taken as a string it would be wrong in a way that names nothing.
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}")).ok().and_then(|mut t| t.remove("v"));
+        let value = match parsed {
+            Some(value) => value,
+            None => {
+                if let Some(why) = not_a_word(key, raw.trim()) {
+                    return Err(format!("--set {s:?}: {why}"));
+                }
+                toml::Value::String(raw.to_string())
+            }
+        };
         Ok(Self { key: key.to_string(), value })
     }
 }
@@ -1169,6 +1193,25 @@ mod tests {
         assert!(err.contains("`optim.lr` is a value"), "{err}");
         let err = load_str("", &[ov("run.device=tpu")]).unwrap_err().to_string();
         assert!(err.contains("`run.device`") && err.contains("tpu"), "{err}");
+    }
+
+    /// A list whose strings the shell unquoted, and an integer past i64, are refused naming
+    /// the fix (#48 items 21 and 27), where taken as strings they were split into wrong module
+    /// names or reported as "invalid type: string"; quoted lists and bare words still work.
+    #[test]
+    fn overrides_that_are_no_words_say_how_to_write_them() {
+        let err = "lora.targets=[q_proj,v_proj]".parse::<Override>().unwrap_err();
+        assert!(err.contains(r#"--set 'lora.targets=["q_proj", "v_proj"]'"#) && err.contains("shell"), "{err}");
+        let err = "data.synthetic={topics=3".parse::<Override>().unwrap_err();
+        assert!(err.contains("not a TOML list or table"), "{err}");
+        let err = "train.micro_batch_size=99999999999999999999".parse::<Override>().unwrap_err();
+        assert!(err.contains("out of range for an integer") && err.contains("9223372036854775807"), "{err}");
+        let c = load_str(
+            "[model]\npreset = \"tiny\"\n",
+            &[ov(r#"lora.targets=["q_proj", "v_proj"]"#), ov("run.dir=runs/x")],
+        );
+        let c = c.unwrap();
+        assert_eq!((c.lora.targets.len(), c.run.dir.to_str()), (2, Some("runs/x")));
     }
 
     #[test]

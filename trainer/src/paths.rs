@@ -49,6 +49,19 @@ pub fn ensure_new_output(flag: &str, out: &Path, overwrite: Option<bool>) -> any
     Ok(())
 }
 
+/// Refuses a file output `out` (`flag`) whose folder does not exist: a typo in the folder
+/// would otherwise create a tree somewhere unexpected, silently.
+pub fn ensure_folder_exists(flag: &str, out: &Path) -> anyhow::Result<()> {
+    let folder = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    anyhow::ensure!(
+        folder.is_dir(),
+        "{flag} {}: the folder {} does not exist; create it first (llora makes no folders for one file)",
+        out.display(),
+        folder.display()
+    );
+    Ok(())
+}
+
 /// Refuses an `--overwrite` of the directory `out` (`flag`) when it holds entries other than
 /// `names`, the ones the command writes: replacing the directory would delete them.
 pub fn ensure_only_own_files(flag: &str, out: &Path, names: &[&str]) -> anyhow::Result<()> {
@@ -112,6 +125,19 @@ pub fn write_dir_atomic(out: &Path, fill: impl FnOnce(&Path) -> anyhow::Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file output into a missing folder is refused naming the folder (#48 item 24); into
+    /// an existing one, or the working directory, it is not.
+    #[test]
+    fn a_file_output_needs_its_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("no/such/loss.svg");
+        let err = ensure_folder_exists("--out", &missing).unwrap_err().to_string();
+        assert!(err.contains("--out") && err.contains("no/such") && err.contains("does not exist"), "{err}");
+        assert!(!dir.path().join("no").exists(), "nothing created");
+        ensure_folder_exists("--out", &dir.path().join("loss.svg")).unwrap();
+        ensure_folder_exists("--out", Path::new("loss.svg")).unwrap();
+    }
 
     /// The same file by another spelling (relative, `./`, through a symlink) is caught; a
     /// file beside it is not.

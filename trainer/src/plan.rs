@@ -784,12 +784,11 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
                 );
             }
             None => {
+                let sharded = if s.world > 1 { " with sharded frozen weights" } else { "" };
                 let _ = writeln!(
                     o,
-                    "no recipe fits: every block recomputed{} still needs more; use more ranks, FP8 weights \
-                     (precision.compute = \"fp8\", precision.fp8_weights = true, in one layout: \
-                     precision.fp8_weights_one_layout = true) or shorter sequences",
-                    if s.world > 1 { " with sharded frozen weights" } else { "" }
+                    "no recipe fits: every block recomputed{sharded} still needs more; {}",
+                    no_fit_advice(s)
                 );
             }
         }
@@ -797,9 +796,42 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
     o
 }
 
+/// What else could make `s` fit when no recipe does: only the changes it has not made.
+fn no_fit_advice(s: &Shape) -> String {
+    let p = &s.precision;
+    let mut ways = vec!["use more ranks".to_string()];
+    if !(p.compute == Compute::Fp8 && p.fp8_weights) {
+        ways.push(
+            "FP8 weights (precision.compute = \"fp8\", precision.fp8_weights = true, in one layout: \
+             precision.fp8_weights_one_layout = true)"
+                .into(),
+        );
+    } else if !p.fp8_weights_one_layout {
+        ways.push("FP8 weights in one layout (precision.fp8_weights_one_layout = true)".into());
+    }
+    ways.push("shorter sequences".into());
+    let last = ways.pop().unwrap_or_default();
+    format!("{} or {last}", ways.join(", "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// When nothing fits, the advice names only changes the run has not made (#48 item 16):
+    /// FP8 weights when it has none, one layout when it keeps two, neither when it has both.
+    #[test]
+    fn advice_when_nothing_fits_names_only_what_is_left() {
+        let mut s = mlperf(1, 0, false);
+        s.precision = PrecisionSpec { compute: Compute::Bf16, ..Default::default() };
+        assert!(no_fit_advice(&s).contains("precision.fp8_weights = true"), "{}", no_fit_advice(&s));
+        s = mlperf(1, 0, false);
+        let two = no_fit_advice(&s);
+        assert!(two.contains("one layout") && !two.contains("precision.compute"), "{two}");
+        s.precision.fp8_weights_one_layout = true;
+        let done = no_fit_advice(&s);
+        assert!(!done.contains("fp8") && done == "use more ranks or shorter sequences", "{done}");
+    }
 
     /// Per-module ranks and layer selection change the adapter count as worked out by hand: on
     /// the 70B shape (d 8192, k/v width 1024, 80 layers), q/k/v/o at r 16, v_proj at r 4 and

@@ -135,6 +135,7 @@ fn synth_chat(a: &SynthArgs, synth: &Synth) -> anyhow::Result<()> {
 fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_not_an_input("--out", &a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
     crate::paths::ensure_new_output("--out", &a.out, Some(a.overwrite))?;
+    crate::paths::ensure_folder_exists("--out", &a.out)?;
     let tok = llora_data::tokenizer::load_tokenizer(&a.tokenizer)?;
     if a.format != DataFormat::Chat {
         // The tokenizer's fault, said once (not as every row's).

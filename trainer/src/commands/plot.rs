@@ -22,6 +22,7 @@ pub fn run(args: &crate::cli::PlotArgs) -> anyhow::Result<()> {
         crate::paths::ensure_not_an_input("--out", &args.out, &[(spec.as_str(), &dir.join("metrics.jsonl"))])?;
     }
     crate::paths::ensure_new_output("--out", &args.out, Some(args.overwrite))?;
+    crate::paths::ensure_folder_exists("--out", &args.out)?;
     anyhow::ensure!(!args.out.is_dir(), "--out {} is a directory: name the SVG file to write", args.out.display());
     let mut curves = Vec::new();
     for (label, dir) in runs {

@@ -22,6 +22,10 @@ use sha2::{Digest, Sha256};
 /// The folder of a run directory holding the checkpoints of a run in progress.
 pub const RESUME: &str = "resume";
 
+/// Where `--overwrite` keeps the outputs it replaces until the new run has saved something
+/// (`engine/run_dir.rs`).
+pub const REPLACED: &str = ".replaced";
+
 /// The file that closes a checkpoint directory: without it the checkpoint is incomplete.
 pub const MANIFEST: &str = "manifest.json";
 /// Manifest format version.
@@ -253,12 +257,24 @@ pub fn newest_usable<T>(path: &Path, open: impl Fn(&Path) -> anyhow::Result<T>) 
         true => vec![path.to_path_buf()],
         false => list(path).into_iter().map(|(_, d)| d).collect(),
     };
-    ensure!(
-        !candidates.is_empty(),
-        "{}: no checkpoint ({}/{STEP_PREFIX}*); was run.checkpoint_every set, or the run interrupted?",
-        path.display(),
-        root(path).display()
-    );
+    if candidates.is_empty() {
+        let replaced = path.join(REPLACED);
+        if !list(&replaced).is_empty() {
+            anyhow::bail!(
+                "{}: no checkpoint of its own, but the earlier run it replaced is in {} (an --overwrite moved it \
+                 there, and the new run stopped before saving anything): `llora train --resume {}` continues \
+                 that run, or start the new one again",
+                path.display(),
+                replaced.display(),
+                replaced.display()
+            );
+        }
+        anyhow::bail!(
+            "{}: no checkpoint ({}/{STEP_PREFIX}*); was run.checkpoint_every set, or the run interrupted?",
+            path.display(),
+            root(path).display()
+        );
+    }
     let mut damaged = Vec::new();
     for dir in candidates {
         match verify(&dir).and_then(|()| open(&dir)) {
@@ -280,6 +296,22 @@ pub fn newest_usable<T>(path: &Path, open: impl Fn(&Path) -> anyhow::Result<T>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run directory whose checkpoints an `--overwrite` moved into `.replaced` says where
+    /// they are and how to continue them (#48 item 25); one with none says there are none.
+    #[test]
+    fn no_checkpoint_points_at_the_replaced_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(run.join(REPLACED).join(RESUME).join(format!("{STEP_PREFIX}00000002"))).unwrap();
+        let err = newest_intact(&run).unwrap_err().to_string();
+        let replaced = run.join(REPLACED).display().to_string();
+        assert!(err.contains(&format!("llora train --resume {replaced}")), "{err}");
+        let empty = dir.path().join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let err = newest_intact(&empty).unwrap_err().to_string();
+        assert!(err.contains("no checkpoint") && !err.contains(REPLACED), "{err}");
+    }
 
     fn save_files(run: &Path, step: usize, keep: usize, content: &str) -> PathBuf {
         save(run, step, keep, |d| {

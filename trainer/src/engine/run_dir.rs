@@ -35,7 +35,7 @@ use anyhow::Context;
 use tracing::{info, warn};
 
 use crate::dist::Collective;
-use crate::engine::checkpoints::RESUME;
+use crate::engine::checkpoints::{REPLACED, RESUME};
 
 /// The MLPerf result log of a run.
 pub const RESULT_LOG: &str = "result_0.txt";
@@ -47,9 +47,6 @@ pub const PLOT: &str = "loss.svg";
 pub const ADAPTER: &str = "adapter";
 /// The weights of a finished full fine-tuning run (HF format).
 pub const FULL_CHECKPOINT: &str = "checkpoint";
-
-/// Where `--overwrite` keeps the outputs it replaces until the new run has saved something.
-const REPLACED: &str = ".replaced";
 
 /// The file a live run locks in its directory (see the module doc).
 pub const LOCK: &str = ".llora-run.lock";
