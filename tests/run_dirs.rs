@@ -144,6 +144,24 @@ fn an_interrupted_run_is_refused_then_resumed() {
 /// A checkpoint that cannot be written (the file-size limit stands in for a full disk: writes
 /// fail with EFBIG) stops the run with an error naming the file, and leaves no temporary file
 /// or half-written checkpoint behind (#29; `.tmp-PID` files and `.resume.tmp/` stayed).
+/// A run refused while its model is built (a pattern key that sets nothing) leaves no outputs
+/// (#48 item 23): the corrected rerun takes the same run.dir, not `DIR-2`.
+#[test]
+fn a_run_refused_at_model_load_leaves_its_run_dir_free() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let out = llora(&strs(&run_args(&config, &run, &[r#"lora.rank_pattern={"no_such_module"=4}"#])));
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no_such_module"), "{stderr}");
+    let left = if run.exists() { snapshot(&run) } else { BTreeMap::new() };
+    assert!(left.is_empty(), "outputs left: {:?}", left.keys().collect::<Vec<_>>());
+    // The short run ends below its target (exit 1), its adapters saved where it was asked.
+    let out = llora(&strs(&run_args(&config, &run, &[])));
+    assert!(run.join("adapter").is_dir() && !dir.path().join("run-2").exists(), "{}", text(&out).1);
+}
+
 #[test]
 fn a_failed_checkpoint_write_leaves_no_temporary_files() {
     let dir = tempfile::tempdir().unwrap();

@@ -306,7 +306,17 @@ impl<'a> Trainer<'a> {
         let spec = config.lora.clone();
         let train_device = device.clone().autodiff();
         train_device.seed(config.run.seed);
-        let (model, mut state) = ready_model(config, &spec, dist, resumed, &device, &train_device)?;
+        let (model, mut state) = match ready_model(config, &spec, dist, resumed, &device, &train_device) {
+            Ok(ready) => ready,
+            Err(e) => {
+                // Nothing ran: a fresh run leaves no outputs, so that the corrected rerun
+                // takes this run.dir rather than the next free one.
+                if fresh {
+                    records.discard(config, dist.is_main());
+                }
+                return Err(e);
+            }
+        };
         // Every rank is ready before the clock starts.
         dist.comm.barrier()?;
         if fresh {
@@ -772,6 +782,16 @@ impl Records {
         let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, main)?;
         let bar = Progress::new(config, resumed_at.unwrap_or(0), main);
         Ok(Self { log, metrics, bar })
+    }
+
+    /// Removes what a fresh run's records wrote (rank 0), when it failed before `run_start`.
+    fn discard(self, config: &Config, main: bool) {
+        drop(self);
+        if main {
+            for name in [run_dir::RESULT_LOG, run_dir::METRICS] {
+                let _ = std::fs::remove_file(config.run.dir.join(name));
+            }
+        }
     }
 
     /// Tells every record what happened.
