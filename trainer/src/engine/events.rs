@@ -64,10 +64,13 @@ pub enum RunEvent<'a> {
     },
     /// The datasets are read.
     Data {
-        /// Training samples.
+        /// Training samples, in the schedule's unit: documents, or packed rows when rows are
+        /// packed (the training set packed in its file order).
         train: usize,
-        /// Evaluation samples.
+        /// Evaluation samples, in the same unit (evaluation packs in order: exact).
         eval: usize,
+        /// The documents (train, eval) when rows are packed.
+        packed_documents: Option<(usize, usize)>,
     },
     /// A training block begins (after set-up, and after each evaluation short of the target).
     Block {

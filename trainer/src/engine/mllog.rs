@@ -259,11 +259,18 @@ impl RunLog {
         ml.start_at("run_start", json!(null), time_ms);
     }
 
-    /// The dataset sizes (logged after run_start: the rules forbid touching the data before).
-    fn datasets(&mut self, train: usize, eval: usize) {
+    /// The dataset sizes (logged after run_start: the rules forbid touching the data before),
+    /// in the unit of `samples_count` and `global_batch_size`: packed rows when rows are packed
+    /// (said by `samples_unit`, with the documents beside: keys of llora's, not MLPerf's).
+    fn datasets(&mut self, train: usize, eval: usize, packed_documents: Option<(usize, usize)>) {
         if let Some(ml) = self.fresh() {
             ml.event("train_samples", train);
             ml.event("eval_samples", eval);
+            if let Some((train_documents, eval_documents)) = packed_documents {
+                ml.event("samples_unit", "packed_rows");
+                ml.event("train_documents", train_documents);
+                ml.event("eval_documents", eval_documents);
+            }
         }
     }
 
@@ -318,7 +325,7 @@ impl Observer for RunLog {
         match *event {
             RunEvent::Init => self.init_start(),
             RunEvent::Start { time_ms } => self.run_start(time_ms),
-            RunEvent::Data { train, eval } => self.datasets(train, eval),
+            RunEvent::Data { train, eval, packed_documents } => self.datasets(train, eval, packed_documents),
             RunEvent::Block { samples } => self.block_start(samples),
             RunEvent::Step(report) => self.last_loss = report.loss,
             RunEvent::EvalStart { samples } => self.eval_start(samples),
@@ -341,6 +348,25 @@ mod tests {
         rows.map(|r| (r["event_type"].as_str().unwrap().into(), r["key"].as_str().unwrap().into())).collect()
     }
 
+    /// A packed run says its unit once, beside the dataset sizes (#48 item 8): `train_samples`
+    /// and `eval_samples` in packed rows, as `samples_count`, the documents as llora's keys.
+    #[test]
+    fn a_packed_run_names_its_sample_unit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("result_0.txt");
+        let config = Config::load(None, &[]).unwrap();
+        let mut log = RunLog::open(&path, true, false, MlperfKeys::of(&config, 1, 1, "t.toml")).unwrap();
+        log.observe(&RunEvent::Data { train: 7, eval: 2, packed_documents: Some((30, 5)) });
+        let text = std::fs::read_to_string(&path).unwrap();
+        let rows: Vec<Value> =
+            text.lines().map(|l| serde_json::from_str(l.strip_prefix(":::MLLOG ").unwrap()).unwrap()).collect();
+        let value = |key: &str| rows.iter().find(|r| r["key"] == key).map(|r| r["value"].clone());
+        assert_eq!(value("train_samples"), Some(json!(7)));
+        assert_eq!(value("eval_samples"), Some(json!(2)));
+        assert_eq!(value("samples_unit"), Some(json!("packed_rows")));
+        assert_eq!((value("train_documents"), value("eval_documents")), (Some(json!(30)), Some(json!(5))));
+    }
+
     /// A run's events make the lines the MLPerf rules order (training_rules.adoc, "Logging"):
     /// written out by hand here, not taken from the code; a resumed run appends from its next
     /// block on; a second stop writes nothing.
@@ -355,7 +381,7 @@ mod tests {
             for e in [
                 RunEvent::Init,
                 RunEvent::Start { time_ms: 5 },
-                RunEvent::Data { train: 10, eval: 2 },
+                RunEvent::Data { train: 10, eval: 2, packed_documents: None },
                 RunEvent::Block { samples: 0 },
                 RunEvent::Step(&step),
                 RunEvent::EvalStart { samples: 8 },

@@ -325,7 +325,7 @@ impl<'a> Trainer<'a> {
         records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
         let samples = state.progress.samples;
         let data = records.stop_on_error(samples, load_datasets(config, model.config.vocab_size))?;
-        records.emit(RunEvent::Data { train: data.train.len(), eval: data.eval.len() });
+        records.emit(data_event(config, &data));
         info!(train = data.train.len(), eval = data.eval.len(), "data ready");
         let batches = records.stop_on_error(samples, batches(config, &data, &state.progress, geometry, fresh))?;
         records.emit(RunEvent::Block { samples });
@@ -720,6 +720,18 @@ fn ready_model(
     Ok((model, state))
 }
 
+/// The datasets' sizes in the schedule's unit: documents, or packed rows (the training set
+/// packed in file order; the shuffled epochs' rows differ by a few).
+fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> {
+    let (train, eval) = (data.train.len(), data.eval.len());
+    let Some(packing) = config.data.packing() else { return RunEvent::Data { train, eval, packed_documents: None } };
+    let rows = |set: &[Sample]| {
+        let lengths: Vec<usize> = set.iter().map(|s| s.input_ids.len()).collect();
+        llora_data::packing::stats(&lengths, packing).rows
+    };
+    RunEvent::Data { train: rows(&data.train), eval: rows(&data.eval), packed_documents: Some((train, eval)) }
+}
+
 /// The training stream from where `progress` stands: one global order for every rank, each
 /// taking its micro-batches of every global batch; packed into rows when the config packs.
 fn batches(
@@ -901,6 +913,8 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
     c.optim.lr = pt.lr;
     c.schedule = crate::config::ScheduleConfig { max_steps: pt.steps, warmup_steps: 0 };
     c.eval.target_loss = pt.target_loss;
+    // Not an MLPerf run: its log is no result to check (the run after it is).
+    c.mlperf.check = false;
     if let Some(syn) = c.data.synthetic.as_mut() {
         syn.seed = pt.corpus_seed;
     }
