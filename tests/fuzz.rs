@@ -64,6 +64,8 @@ fn hostile_value() -> impl Strategy<Value = String> {
         "[0-9]{12,22}",
         "-?[0-9]{1,4}\\.[0-9]{1,4}(e-?[0-9]{1,3})?",
         "[a-z_:/]{1,10}",
+        // A list whose strings a shell unquoted.
+        "\\[[a-z_]{1,6}(,[a-z_]{1,6}){0,2}\\]",
     ]
 }
 
@@ -86,7 +88,8 @@ fn config_keys() -> Vec<String> {
 }
 
 /// Any override of any config key: parsing never panics; what it accepts shows back as the
-/// same config; a negative count is never accepted.
+/// same config; a negative count is never accepted; an integer past i64 and a list whose
+/// strings lost their quotes are refused naming the fix.
 #[test]
 fn config_overrides() {
     let keys = config_keys();
@@ -96,7 +99,15 @@ fn config_overrides() {
     let accepted = Accepted::default();
     proptest!(runner(400), |(key in prop::sample::select(keys.clone()), value in hostile_value(), garbage in prop::bool::weighted(0.05))| {
         let key = if garbage { format!("{key}.x") } else { key };
-        let Ok(o) = format!("{key}={value}").parse::<Override>() else { return Ok(()) };
+        let parsed = format!("{key}={value}").parse::<Override>();
+        // An integer past i64 and an unquoted list are refused saying how to write them (#48).
+        if value.len() >= 20 && value.bytes().all(|b| b.is_ascii_digit()) {
+            prop_assert!(parsed.as_ref().is_err_and(|e| e.contains("out of range")), "{key}={value}: {parsed:?}");
+        }
+        if value.starts_with('[') && value.contains(|c: char| c.is_ascii_lowercase()) {
+            prop_assert!(parsed.as_ref().is_err_and(|e| e.contains("quotes")), "{key}={value}: {parsed:?}");
+        }
+        let Ok(o) = parsed else { return Ok(()) };
         let parsed = Config::load(None, &[o]);
         if let Ok(c) = &parsed {
             accepted.one();
