@@ -305,6 +305,15 @@ fn injected_disk_full(len: usize) -> Option<std::io::Error> {
 
 /// f32 tensors as a safetensors file in memory (names sorted, as safetensors requires).
 pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::Result<Vec<u8>> {
+    safetensors_bytes_with(tensors, None)
+}
+
+/// [`safetensors_bytes`] with the header's `__metadata__` (string pairs every reader ignores
+/// but can read: PEFT and transformers leave them alone).
+pub fn safetensors_bytes_with(
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    metadata: Option<HashMap<String, String>>,
+) -> anyhow::Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
@@ -313,7 +322,7 @@ pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::
         .iter()
         .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    Ok(safetensors::serialize(views, None)?)
+    Ok(safetensors::serialize(views, metadata)?)
 }
 
 /// Tensors by name as (shape, f32 values).

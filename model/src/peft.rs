@@ -15,7 +15,7 @@ use anyhow::{Context, bail, ensure};
 use burn::tensor::{Device, Tensor};
 use serde_json::Value;
 
-use crate::checkpoint::{Shard, safetensors_bytes, tensor_f32, write_atomic};
+use crate::checkpoint::{Shard, safetensors_bytes_with, tensor_f32, write_atomic};
 use crate::config::LlamaConfig;
 use crate::layout::BlockLinear;
 use crate::llama::LlamaForCausalLM;
@@ -422,8 +422,25 @@ pub fn save_peft_adapter(
         "alpha_pattern": spec.alpha_pattern.iter().map(|(k, a)| (k.clone(), Value::from(*a))).collect::<serde_json::Map<_, _>>(),
     });
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    write_atomic(&dir.join("adapter_model.safetensors"), &safetensors_bytes(&tensors)?)?;
+    let metadata = nf4_base(model).map(|b| HashMap::from([(BASE_QUANTIZATION.to_string(), b)]));
+    write_atomic(&dir.join("adapter_model.safetensors"), &safetensors_bytes_with(&tensors, metadata)?)?;
     write_atomic(&dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
+}
+
+/// The adapter file's metadata key (llora's) saying the base it was trained on was quantised:
+/// `nf4 block 64`. `export --merged` reads it.
+pub const BASE_QUANTIZATION: &str = "llora.base_quantization";
+
+/// `nf4 block B` when the model's frozen linear weights are NF4 (QLoRA).
+fn nf4_base(model: &LlamaForCausalLM) -> Option<String> {
+    let block = model.named_linears().into_iter().find_map(|(_, l)| l.weight.stored()?.nf4_block())?;
+    Some(format!("nf4 block {block}"))
+}
+
+/// What the adapter in `dir` says of its base's quantisation ([`BASE_QUANTIZATION`]), if anything.
+pub fn base_quantization(dir: &Path) -> anyhow::Result<Option<String>> {
+    let shard = Shard::open(&dir.join("adapter_model.safetensors"))?;
+    Ok(shard.meta.metadata().as_ref().and_then(|m| m.get(BASE_QUANTIZATION).cloned()))
 }
 
 /// A PEFT adapter file's tensors by PEFT name without the adapter name
@@ -522,6 +539,29 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An adapter trained on an NF4 base says so in its file's metadata (#48 item 10), which
+    /// `export --merged` reads; one trained on a full-precision base says nothing.
+    #[test]
+    fn an_adapter_records_an_nf4_base() {
+        use crate::precision::{Compute, Nf4Spec, PrecisionSpec};
+        let _rng = crate::device::torch_rng_lock();
+        let device = burn::tensor::Device::default();
+        let config = LlamaConfig::preset("tiny").unwrap();
+        let spec = LoraSpec { rank: 2, ..LoraSpec::default() };
+        let nf4 = PrecisionSpec {
+            compute: Compute::Bf16,
+            nf4: Some(Nf4Spec { block: 64, double: true }),
+            ..PrecisionSpec::default()
+        };
+        for (precision, want) in [(Some(nf4), Some("nf4 block 64")), (None, None)] {
+            let opts = crate::BuildOptions { lora: Some(&spec), precision, ..Default::default() };
+            let model = LlamaForCausalLM::random(&config, &opts, &device).unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            save_peft_adapter(&model, &spec, dir.path(), "base").unwrap();
+            assert_eq!(base_quantization(dir.path()).unwrap().as_deref(), want);
+        }
+    }
 
     fn config(extra: &str) -> anyhow::Result<PeftConfig> {
         let text = format!(

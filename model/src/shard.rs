@@ -245,6 +245,18 @@ impl FrozenWeight {
         }
     }
 
+    /// The NF4 block size, when the weight is NF4 (QLoRA).
+    pub fn nf4_block(&self) -> Option<usize> {
+        match self {
+            Self::Whole(StoredWeight::Nf4 { block, .. }) => Some(*block),
+            Self::Sharded(s) => match s.kind {
+                ShardKind::Nf4(_, block) => Some(block),
+                _ => None,
+            },
+            Self::Whole(_) => None,
+        }
+    }
+
     /// Bytes this rank holds (outside a gather).
     pub fn bytes(&self) -> usize {
         match self {

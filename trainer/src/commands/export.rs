@@ -21,6 +21,17 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
     });
     let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
     let spec = llora_model::peft::read_peft_config(&args.adapter)?.spec;
+    // An adapter trained on a quantised base (QLoRA) learned to correct that base, not the
+    // full-precision one it is folded into here: the merged model is not the one trained.
+    let trained_on = llora_model::peft::base_quantization(&args.adapter)?;
+    if let Some(q) = &trained_on {
+        tracing::warn!(
+            adapter = %args.adapter.display(),
+            "the adapter was trained on a quantised base ({q}); it is merged into the full-precision --model, \
+             a model that differs from the one trained by the base's rounding: its loss differs a little (README, \
+             QLoRA), so check it with `llora eval` before serving it"
+        );
+    }
     let mut done = None;
     // Written beside --out and renamed into place whole: a failure leaves nothing behind.
     crate::paths::write_dir_atomic(&args.out, |tmp| {
@@ -36,7 +47,7 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
     crate::outln!(
         "{}",
         json!({"out": args.out.display().to_string(), "merged_modules": done.merged_modules, "tensors": done.tensors,
-               "bytes": done.bytes, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,
+               "bytes": done.bytes, "adapter_trained_on_quantised_base": trained_on, "largest_tensor_f32_mb": ckpt.largest_tensor_elements() as f64 * 4.0 / (1 << 20) as f64,
                "peak_rss_mb": crate::engine::observe::peak_rss_mb()})
     );
     Ok(())
