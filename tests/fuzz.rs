@@ -324,14 +324,18 @@ fn adapter_config_json() {
 }
 
 /// Runs the binary with `args` and a deadline: it must end by itself, with llora's error exit
-/// (1), clap's usage exit (2) or success, and without a panic or C++ frames.
-fn run_bounded(dir: &Path, args: &[String]) -> Result<i32, String> {
+/// (1), clap's usage exit (2) or success, and without a panic or C++ frames. With
+/// `closed_stdout` its standard output is a pipe whose reader is gone (`llora ... | head -c0`):
+/// every write fails with EPIPE, which must end nothing badly either.
+fn run_bounded(dir: &Path, args: &[String], closed_stdout: bool) -> Result<i32, String> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let stdout = if closed_stdout { std::process::Stdio::piped() } else { std::process::Stdio::null() };
     let mut child = common::llora_command(dir, &args)
-        .stdout(std::process::Stdio::null())
+        .stdout(stdout)
         .stderr(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| e.to_string())?;
+    drop(child.stdout.take());
     let start = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
@@ -353,8 +357,9 @@ fn run_bounded(dir: &Path, args: &[String]) -> Result<i32, String> {
 }
 
 /// Every command with hostile flag values (numbers past every edge, non-numbers, paths that do
-/// not exist): each ends within a minute, exit 0, 1 or 2, no panic; `--threads`, `--workers`,
-/// `--batch-size` of 0 or absurd sizes are never accepted.
+/// not exist), its standard output now and then a closed pipe: each ends within a minute,
+/// exit 0, 1 or 2, no panic; `--threads`, `--workers`, `--batch-size` of 0 or absurd sizes are
+/// never accepted.
 #[test]
 fn command_flags() {
     let dir = tempfile::tempdir().unwrap();
@@ -388,7 +393,7 @@ fn command_flags() {
     ];
     let keys = config_keys();
     // A failing case reruns while shrinking, each up to the deadline: a few are enough.
-    proptest!(Runner { max_shrink_iters: 8, ..runner(40) }, |(t in 0..templates.len(), value in hostile_value(), key in prop::sample::select(keys))| {
+    proptest!(Runner { max_shrink_iters: 8, ..runner(40) }, |(t in 0..templates.len(), value in hostile_value(), key in prop::sample::select(keys), closed in prop::bool::weighted(0.3))| {
         let (flag, base) = &templates[t];
         let mut args: Vec<String> = base.split_whitespace().map(String::from).collect();
         let v = value.trim_matches('"').to_string();
@@ -401,7 +406,7 @@ fn command_flags() {
         };
         if *flag == "--set" { args.extend(["--set".into(), format!("{key}={value}")]); } else { args.extend([flag.to_string(), v.clone()]); }
         eprintln!("fuzz: llora {}", args.join(" "));
-        let code = run_bounded(dir.path(), &args);
+        let code = run_bounded(dir.path(), &args, closed);
         prop_assert!(code.is_ok(), "{}", code.unwrap_err());
         if ["--threads", "--batch-size", "--max-new-tokens"].contains(flag) && (v == "0" || v.len() > 10) {
             prop_assert!(code.unwrap() != 0, "{args:?} accepted");
