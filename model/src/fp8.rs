@@ -82,6 +82,19 @@ fn kernel_route(x: &tch::Tensor) -> bool {
         && KERNEL.passed(device, || check_kernel(device))
 }
 
+/// The values the first-use checks quantise (4103 f32s on the host): 4096 spread over
+/// ±40 at a step no power of two divides, then NaN, ±∞, ±1e30 (past any clamp) and ±0.
+fn check_values() -> tch::Tensor {
+    let mut xs: Vec<f32> = (0..4096).map(|i| ((i * 7919) % 4001) as f32 / 50.0 - 40.0).collect();
+    xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30, 0.0, -0.0]);
+    tch::Tensor::from_slice(&xs)
+}
+
+/// The bytes of a tensor (FP8 codes) on the host, for bit-for-bit comparisons.
+fn bits(t: &tch::Tensor) -> Result<Vec<u8>, tch::TchError> {
+    Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).reshape([-1]).to_device(tch::Device::Cpu))
+}
+
 /// [`check_kernel`] on `device` once per process, its result kept (`llora selftest`).
 pub fn kernel(device: tch::Device) -> Result<(), String> {
     KERNEL.check(device, || check_kernel(device))
@@ -93,11 +106,7 @@ pub fn kernel(device: tch::Device) -> Result<(), String> {
 /// Calls the kernel and the f32 route directly, never [`quantize_tch`] (no route re-entered).
 pub fn check_kernel(device: tch::Device) -> Result<(), String> {
     let _guard = tch::no_grad_guard();
-    let mut xs: Vec<f32> = (0..4096).map(|i| ((i * 7919) % 4001) as f32 / 50.0 - 40.0).collect();
-    xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30, 0.0, -0.0]);
-    let host = tch::Tensor::from_slice(&xs).view([11, 373]);
-    let bits =
-        |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).view([-1]).to_device(tch::Device::Cpu));
+    let host = check_values().view([11, 373]);
     for kind in [tch::Kind::BFloat16, tch::Kind::Float] {
         let x = host.to_kind(kind).to_device(device);
         for (format, scale) in [(Fp8Format::E4M3, 3.7f32), (Fp8Format::E5M2, 1.0 / 64.0)] {
@@ -211,10 +220,7 @@ pub fn cuda_routes(device: tch::Device) -> Result<(), String> {
 /// formats; and the ∞-norm amax against `abs().max()` (NaN and ∞ included).
 pub fn check_cuda_routes(device: tch::Device) -> Result<(), String> {
     let _guard = tch::no_grad_guard();
-    let mut xs: Vec<f32> = (0..4096).map(|i| ((i * 7919) % 4001) as f32 / 50.0 - 40.0).collect();
-    xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30, 0.0, -0.0]);
-    let host = tch::Tensor::from_slice(&xs);
-    let bits = |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).to_device(tch::Device::Cpu));
+    let host = check_values();
     for kind in [tch::Kind::BFloat16, tch::Kind::Float] {
         let x = host.to_kind(kind).to_device(device);
         for (format, scale) in [(Fp8Format::E4M3, 3.7f32), (Fp8Format::E5M2, 1.0 / 64.0)] {
