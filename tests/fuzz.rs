@@ -1,5 +1,6 @@
-//! Fuzz harness (#29): proptest over config values, the file parsers (HF config.json,
-//! safetensors headers and index, parquet, adapter_config.json) and every command's flags,
+//! Fuzz harness (#29, #48): proptest over config values, the file parsers (HF config.json,
+//! safetensors headers and index, parquet, adapter_config.json), every command's flags (now
+//! and then with standard output a closed pipe), LoRA pattern keys and repeated signals,
 //! asserting no panic, no hang past a bound, and no success on input that is invalid by
 //! construction. Cases run from a fixed seed so that CI is repeatable; `LLORA_FUZZ_SEED=N`
 //! and `LLORA_FUZZ_CASES=N` explore further (a failure prints the input it found).
@@ -410,6 +411,131 @@ fn command_flags() {
         prop_assert!(code.is_ok(), "{}", code.unwrap_err());
         if ["--threads", "--batch-size", "--max-new-tokens"].contains(flag) && (v == "0" || v.len() > 10) {
             prop_assert!(code.unwrap() != 0, "{args:?} accepted");
+        }
+    });
+}
+
+/// Pattern keys a hostile (or careless) user writes: module names in other cases, typos,
+/// suffixes that end no name at a dot, layer paths past the model, regular expressions good
+/// and broken, empty keys.
+fn pattern_key() -> impl Strategy<Value = String> {
+    prop_oneof![
+        prop::sample::select(vec![
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "qkv_proj"
+        ])
+        .prop_map(String::from),
+        Just("Q_PROJ".to_string()),
+        Just("v_prj".to_string()),
+        Just("proj".to_string()),
+        Just("_proj".to_string()),
+        Just(String::new()),
+        Just(".*".to_string()),
+        Just("[".to_string()),
+        Just("self_attn.q_proj".to_string()),
+        Just(r"layers\.[0-1]\..*".to_string()),
+        Just(r"layers\.[5-9]\..*".to_string()),
+        (0usize..4, prop::sample::select(vec!["self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"]))
+            .prop_map(|(l, m)| format!("layers.{l}.{m}")),
+        "[a-z_.]{1,12}",
+    ]
+}
+
+/// PEFT's rule for a pattern key, written here from its `get_pattern_key`
+/// (`re.match(rf"(.*\.)?({key})$", name)`), independently of `patterns.rs`.
+fn peft_key_matches(key: &str, name: &str) -> bool {
+    regex::Regex::new(&format!(r"^(?:.*\.)?(?:{key})$")).is_ok_and(|r| r.is_match(name))
+}
+
+/// `rank_pattern` / `alpha_pattern` with hostile keys and values, built on a 2-layer `demo`
+/// (d 128, KV width 64): never a panic; a model that builds has every key matching an adapted
+/// module by PEFT's rule, each adapter's rank what the matching key says (or `lora.rank`), no
+/// rank above its module's smaller dimension, and finite positive scales (#48: pattern keys).
+#[test]
+#[allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
+fn pattern_keys() {
+    use burn::tensor::Device;
+    use llora_model::LoraSpec;
+    use llora_model::llama::{BuildOptions, LlamaForCausalLM};
+    let config = LlamaConfig { num_hidden_layers: 2, ..LlamaConfig::demo() };
+    let device = Device::libtorch();
+    let build = |spec: &LoraSpec| {
+        let problems = spec.problems();
+        if !problems.is_empty() {
+            return Err(anyhow::anyhow!("{problems:?}"));
+        }
+        LlamaForCausalLM::random(&config, &BuildOptions { lora: Some(spec), ..Default::default() }, &device)
+    };
+    let base =
+        LoraSpec { rank: 4, targets: vec!["q_proj".into(), "v_proj".into(), "up_proj".into()], ..LoraSpec::default() };
+    // Positive control: keys that each match an adapted module are accepted and applied.
+    let control = LoraSpec {
+        rank_pattern: vec![("v_proj".into(), 8)],
+        alpha_pattern: vec![("layers.1.mlp.up_proj".into(), 3.0)],
+        ..base.clone()
+    };
+    let model = build(&control).expect("the control spec");
+    let v0 = model.layers[0].linear(llora_model::layout::BlockLinear::V).unwrap();
+    assert_eq!(v0.lora.as_ref().unwrap().a.val().dims(), [8, 128]);
+    let ranks = prop_oneof![Just(0usize), Just(1), Just(8), Just(64), Just(65), Just(129), Just(100_000), 1usize..200];
+    let alphas = prop_oneof![Just(0.0f64), Just(-1.0), Just(f64::NAN), Just(f64::INFINITY), Just(1e300), 0.5f64..64.0];
+    let accepted = Accepted::default();
+    let cases =
+        (prop::collection::vec((pattern_key(), ranks), 0..3), prop::collection::vec((pattern_key(), alphas), 0..3));
+    proptest!(runner(200), |((rank_pattern, alpha_pattern) in cases)| {
+        let spec = LoraSpec { rank_pattern: rank_pattern.clone(), alpha_pattern: alpha_pattern.clone(), ..base.clone() };
+        let Ok(model) = build(&spec) else { return Ok(()) };
+        accepted.one();
+        let mut adapted = Vec::new();
+        for (l, layer) in model.layers.iter().enumerate() {
+            for (kind, linear) in layer.linears() {
+                let Some(adapter) = &linear.lora else { continue };
+                let name = kind.path(l);
+                let [r, inp] = adapter.a.val().dims();
+                let out = adapter.b.val().dims()[0];
+                let want = rank_pattern.iter().find(|(k, _)| peft_key_matches(k, &name)).map_or(base.rank, |(_, r)| *r);
+                prop_assert_eq!(r, want, "{} got rank {}, its key says {}", name, r, want);
+                prop_assert!(r <= out.min(inp), "{name}: rank {r} on {out} x {inp}");
+                prop_assert!(adapter.scale.is_finite() && adapter.scale > 0.0, "{name}: scale {}", adapter.scale);
+                adapted.push(name);
+            }
+        }
+        for (key, _) in rank_pattern.iter().map(|(k, _)| (k, ())).chain(alpha_pattern.iter().map(|(k, _)| (k, ()))) {
+            prop_assert!(adapted.iter().any(|m| peft_key_matches(key, m)), "key {key:?} sets nothing and was accepted");
+        }
+    });
+    accepted.assert_some("pattern keys");
+}
+
+/// Training sent SIGINT or SIGTERM one to three times, at random gaps after its second step
+/// (so that later signals land in the step, the checkpoint write or the exit): never a silent
+/// loss. One or two signals end 130 with a checkpoint and the resume hint; a third may take
+/// the hard exit, 131, saying the checkpoint was not written (#48: signals twice).
+#[test]
+fn repeated_signals() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
+    let n = std::sync::atomic::AtomicUsize::new(0);
+    let gaps = prop::collection::vec(0u64..400, 0..3);
+    proptest!(Runner { max_shrink_iters: 2, ..runner(5) }, |(signal in prop::sample::select(vec!["INT", "TERM"]), gaps in gaps)| {
+        let run = dir.path().join(format!("run-{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+        let mut args = common::short_run_args(&config, &run);
+        args.extend(["--set".into(), "schedule.max_steps=1000".into()]);
+        let gaps: Vec<Duration> = gaps.iter().map(|&ms| Duration::from_millis(ms)).collect();
+        eprintln!("fuzz: SIG{signal} then {} more after {gaps:?}", gaps.len());
+        let out = common::signals_after_steps(&args, &run, signal, &gaps);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let checkpoint = common::newest_checkpoint(&run).is_some();
+        match out.status.code() {
+            Some(130) => prop_assert!(checkpoint && stderr.contains("llora train --resume"), "130 without a checkpoint: {stderr}"),
+            Some(131) => prop_assert!(gaps.len() == 2 && stderr.contains("without the checkpoint"), "131: {stderr}"),
+            other => prop_assert!(false, "exit {other:?} after {} signals: {stderr}", gaps.len() + 1),
         }
     });
 }

@@ -164,15 +164,24 @@ pub fn signal_after_two_steps(args: &[String], run_dir: &Path, signal: &str) -> 
 /// [`signal_after_two_steps`] with the signal sent `times` times in a row (as `timeout` and
 /// launchers do: the child, then its group).
 pub fn signals_after_two_steps(args: &[String], run_dir: &Path, signal: &str, times: usize) -> Output {
+    signals_after_steps(args, run_dir, signal, &vec![std::time::Duration::ZERO; times.saturating_sub(1)])
+}
+
+/// Starts `llora ARGS`, sends `signal` once its metrics show two steps and again after each
+/// of `gaps` (so that a later one lands in the step, the checkpoint write or the exit), and
+/// returns how it ended.
+pub fn signals_after_steps(args: &[String], run_dir: &Path, signal: &str, gaps: &[std::time::Duration]) -> Output {
     let child = llora_command(&root(), &strs(args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let started = std::time::Instant::now();
     while !std::fs::read_to_string(run_dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
         assert!(started.elapsed().as_secs() < 300, "no step after 5 minutes");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    for _ in 0..times {
-        let kill = Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
-        assert!(kill.success());
+    let pid = child.id().to_string();
+    for gap in std::iter::once(&std::time::Duration::ZERO).chain(gaps) {
+        std::thread::sleep(*gap);
+        // The process may be gone by a later signal: that is one way for it to end.
+        let _ = Command::new("kill").args([&format!("-{signal}"), &pid]).stderr(std::process::Stdio::null()).status();
     }
     child.wait_with_output().unwrap()
 }
