@@ -27,6 +27,7 @@ pub mod recompute;
 pub mod rope;
 pub mod routes;
 pub mod shard;
+pub mod spec_problem;
 
 pub use config::LlamaConfig;
 pub use llama::{BuildOptions, LlamaForCausalLM};

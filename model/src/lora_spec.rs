@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::layout::BlockLinear;
+pub use crate::spec_problem::SpecProblem;
+use crate::spec_problem::SpecProblems;
 
 /// How to build adapters: the `[lora]` section of a config as written (TOML keys are the
 /// field names, `layers` is `layers_to_transform`), and what a PEFT adapter config becomes.
@@ -60,28 +62,13 @@ impl Default for LoraSpec {
 /// Module names a LoRA target may be: the Llama projections, `qkv_proj` on fused-QKV checkpoints.
 pub const TARGET_MODULES: &[&str] = &BlockLinear::NAMES;
 
-/// One thing wrong with a [`LoraSpec`]: its key (as the `[lora]` section names it), the value
-/// (debug-formatted) and what is allowed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SpecProblem {
-    /// `rank`, `targets`, `rank_pattern.<key>`, ...
-    pub key: String,
-    /// The value given.
-    pub value: String,
-    /// What it must be.
-    pub allowed: String,
-}
-
 impl LoraSpec {
     /// Everything wrong with these settings, each naming its key: the one check of a spec,
     /// which the config's `[lora]` section reports with its own key names.
     pub fn problems(&self) -> Vec<SpecProblem> {
-        let mut out = Vec::new();
-        let mut check = |ok: bool, key: &str, value: &dyn std::fmt::Debug, allowed: &str| {
-            if !ok {
-                out.push(SpecProblem { key: key.into(), value: format!("{value:?}"), allowed: allowed.into() });
-            }
-        };
+        let mut out = SpecProblems::default();
+        let mut check =
+            |ok: bool, key: &str, value: &dyn std::fmt::Debug, allowed: &str| out.check(ok, key, value, allowed);
         let quoted = TARGET_MODULES.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
         check(self.rank >= 1, "rank", &self.rank, "must be at least 1");
         check(self.alpha.is_finite() && self.alpha > 0.0, "alpha", &self.alpha, "must be a finite number > 0");
@@ -113,7 +100,7 @@ impl LoraSpec {
         if let Some(layers) = &self.layers {
             check(!layers.is_empty(), "layers_to_transform", layers, "must list at least one layer (or be unset)");
         }
-        out
+        out.0
     }
 
     /// The factor of the update `B·A·x`: α/r, or α/√r with rsLoRA.

@@ -14,7 +14,6 @@ pub use llora_data::parquet_io::OnBadRow;
 use llora_model::LoraSpec;
 use llora_model::device::DeviceSpec;
 pub use llora_model::fp8::AmaxAlgo;
-use llora_model::fp8::AmaxSpec;
 pub use llora_model::precision::Compute;
 use llora_model::precision::PrecisionSpec;
 use serde::{Deserialize, Serialize};
@@ -114,8 +113,9 @@ pub struct Config {
     pub train: TrainConfig,
     /// Evaluation cadence, metric and stopping target.
     pub eval: EvalConfig,
-    /// Numerical precision.
-    pub precision: PrecisionConfig,
+    /// Numerical precision: the model crate's spec as the `[precision]` section writes it
+    /// (its `nf4` is `[model]`'s: read the whole with [`Config::precision_spec`]).
+    pub precision: PrecisionSpec,
     /// Device, threads, seed, output directory.
     pub run: RunConfig,
     /// MLPerf submission metadata for the `:::MLLOG` result log.
@@ -568,92 +568,39 @@ impl EvalConfig {
     }
 }
 
-/// `[precision]`: dtypes of compute and storage.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PrecisionConfig {
-    /// Linear-layer GEMM inputs: `"fp32"`, `"bf16"` or `"fp8"` (E4M3 forward, E5M2
-    /// gradients, delayed scaling: Transformer Engine's hybrid recipe).
-    pub compute: Compute,
-    /// Keep activations saved for backward (linear inputs, SwiGLU inputs) as FP8 + scale.
-    pub fp8_activations: bool,
-    /// Keep frozen base weights as FP8 + scale (needs `compute = "fp8"`).
-    pub fp8_weights: bool,
-    /// With `fp8_weights` on CUDA: keep each weight in one layout and transpose it for every
-    /// input-gradient GEMM rather than keeping the transpose too (half the weights' memory:
-    /// what lets the whole 70B train on one 141 GB GPU; `llora plan` says when it is needed).
-    pub fp8_weights_one_layout: bool,
-    /// Delayed scaling: amaxes of this many past steps set each scale (1..=1024).
-    pub amax_history_len: usize,
-    /// How the history becomes one amax: `"max"` or `"most_recent"`.
-    pub amax_compute_algo: AmaxAlgo,
-    /// Scale = fp8_max / amax / 2^margin.
-    pub amax_margin: i32,
-}
-
-impl Default for PrecisionConfig {
-    fn default() -> Self {
-        let amax = AmaxSpec::default();
-        Self {
-            compute: Compute::Fp32,
-            fp8_activations: false,
-            fp8_weights: false,
-            fp8_weights_one_layout: false,
-            amax_history_len: amax.history_len,
-            amax_compute_algo: amax.algo,
-            amax_margin: amax.margin,
-        }
+/// Records what is wrong with a precision (the model crate's one check,
+/// [`PrecisionSpec::problems`]), and reduced precision on a device that cannot run it.
+pub fn check_precision(spec: &PrecisionSpec, p: &mut Problems<'_>, device: &DeviceSpec) {
+    for problem in spec.problems() {
+        p.push(&problem.key, &problem.value, &problem.allowed);
     }
+    let reduced = spec.compute != Compute::Fp32 || spec.fp8_activations;
+    p.check(
+        !reduced || *device != DeviceSpec::Flex,
+        "precision.compute",
+        &spec.compute,
+        "bf16/fp8 compute and fp8_activations need a LibTorch device (run.device = \"cpu\" or \"cuda:N\")",
+    );
 }
 
-impl PrecisionConfig {
-    /// Records what is wrong with these precision settings (reduced precision needs a LibTorch `device`).
-    pub fn check(&self, p: &mut Problems<'_>, device: &DeviceSpec) {
-        let pr = self;
-        p.check(
-            (1..=1024).contains(&pr.amax_history_len),
-            "precision.amax_history_len",
-            &pr.amax_history_len,
-            "must be in 1..=1024",
-        );
-        p.check((0..=16).contains(&pr.amax_margin), "precision.amax_margin", &pr.amax_margin, "must be in 0..=16");
-        p.check(
-            !pr.fp8_weights || pr.compute == Compute::Fp8,
-            "precision.fp8_weights",
-            &pr.fp8_weights,
-            "needs precision.compute = \"fp8\"",
-        );
-        p.check(
-            !pr.fp8_weights_one_layout || pr.fp8_weights,
-            "precision.fp8_weights_one_layout",
-            &pr.fp8_weights_one_layout,
-            "needs precision.fp8_weights = true",
-        );
-        let reduced = pr.compute != Compute::Fp32 || pr.fp8_activations;
-        p.check(
-            !reduced || *device != DeviceSpec::Flex,
-            "precision.compute",
-            &pr.compute,
-            "bf16/fp8 compute and fp8_activations need a LibTorch device (run.device = \"cpu\" or \"cuda:N\")",
-        );
-    }
-}
+/// The command flags that set precision keys, for reporting [`PrecisionSpec::problems`] of a
+/// precision asked for by flags (`llora bench`, `eval`, `generate`) in the flags' names. A key
+/// before any key it begins (`fp8_weights_one_layout` before `fp8_weights`).
+const PRECISION_FLAGS: [(&str, &str); 6] = [
+    ("precision.fp8_weights_one_layout", "--fp8-weights-one-layout"),
+    ("precision.fp8_weights", "--fp8-weights"),
+    ("precision.fp8_activations", "--fp8-activations"),
+    ("precision.compute", "--precision"),
+    ("model.quant_block_size", "--quant-block-size"),
+    ("model.quantize", "--quantize"),
+];
 
-impl PrecisionConfig {
-    /// The model-side spec (the config must have been validated).
-    pub fn spec(&self) -> PrecisionSpec {
-        PrecisionSpec {
-            compute: self.compute,
-            fp8_activations: self.fp8_activations,
-            fp8_weights: self.fp8_weights,
-            fp8_weights_one_layout: self.fp8_weights_one_layout,
-            amax: AmaxSpec {
-                history_len: self.amax_history_len,
-                algo: self.amax_compute_algo,
-                margin: self.amax_margin,
-            },
-            nf4: None,
-        }
+/// Records what is wrong with the precision some command flags ask for, each problem and
+/// what it needs named by the flags ([`PrecisionSpec::problems`] is the one check).
+pub fn check_precision_flags(spec: &PrecisionSpec, p: &mut Problems<'_>) {
+    let flags = |text: &str| PRECISION_FLAGS.iter().fold(text.to_string(), |t, (key, flag)| t.replace(key, flag));
+    for problem in spec.problems() {
+        p.push(&flags(&problem.key), &problem.value, &flags(&problem.allowed));
     }
 }
 
@@ -920,7 +867,7 @@ impl Config {
 
     /// The model's precision: `[precision]`, with the base stored as `model.quantize` says.
     pub fn precision_spec(&self) -> PrecisionSpec {
-        PrecisionSpec { nf4: self.model.nf4(), ..self.precision.spec() }
+        PrecisionSpec { nf4: self.model.nf4(), ..self.precision }
     }
 
     /// Evaluations skipped before the first one that counts (MLPerf: floor(0.125·GBS + 2)).
@@ -945,15 +892,7 @@ impl Config {
         self.schedule.check(&mut p);
         self.train.check(&mut p);
         self.eval.check(&mut p);
-        self.precision.check(&mut p, &self.run.device);
-        if let Err(e) = self.precision_spec().validate_nf4() {
-            // The key that must change, its value as the config spells it.
-            if self.precision.compute == llora_model::precision::Compute::Fp8 {
-                p.check(false, "precision.compute", &self.precision.compute.name(), &e);
-            } else {
-                p.check(false, "model.quant_block_size", &self.model.quant_block_size, &e);
-            }
-        }
+        check_precision(&self.precision_spec(), &mut p, &self.run.device);
         if self.model.quantize == Quantize::Nf4 {
             let m = &self.model;
             let why = "model.quantize = \"nf4\" stores frozen weights: it needs model.trainable = \"lora\"";

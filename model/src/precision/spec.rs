@@ -3,7 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::fp8::AmaxSpec;
+use crate::fp8::{AmaxAlgo, AmaxSpec};
+use crate::spec_problem::{SpecProblem, SpecProblems};
 
 /// The number format of the linear layers' GEMM inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -29,8 +30,11 @@ impl Compute {
     }
 }
 
-/// Which precision a model trains in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Which precision a model trains in: a config's `[precision]` section as written (serde,
+/// through [`Section`]: the delayed-scaling settings are its flat `amax_*` keys); `nf4` is not
+/// read from that section but from `[model]` (`model.quantize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(from = "Section", into = "Section")]
 pub struct PrecisionSpec {
     /// GEMM input format of the linear layers (base and LoRA).
     pub compute: Compute,
@@ -75,48 +79,114 @@ impl Default for Nf4Spec {
     }
 }
 
+/// The `[precision]` section's shape: [`PrecisionSpec`]'s fields with [`AmaxSpec`]'s under
+/// Transformer Engine's flat names. A private wire form because serde's `flatten` cannot be
+/// combined with `deny_unknown_fields` (a misspelt key must be refused, not ignored).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Section {
+    /// Linear-layer GEMM inputs: `"fp32"`, `"bf16"` or `"fp8"` (E4M3 forward, E5M2
+    /// gradients, delayed scaling: Transformer Engine's hybrid recipe).
+    compute: Compute,
+    /// Keep activations saved for backward (linear inputs, SwiGLU inputs) as FP8 + scale.
+    fp8_activations: bool,
+    /// Keep frozen base weights as FP8 + scale (needs `compute = "fp8"`).
+    fp8_weights: bool,
+    /// With `fp8_weights` on CUDA: one layout per weight, transposed for every input-gradient GEMM.
+    fp8_weights_one_layout: bool,
+    /// Delayed scaling: amaxes of this many past steps set each scale (1..=1024).
+    amax_history_len: usize,
+    /// How the history becomes one amax: `"max"` or `"most_recent"`.
+    amax_compute_algo: AmaxAlgo,
+    /// Scale = fp8_max / amax / 2^margin (0..=16).
+    amax_margin: i32,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        PrecisionSpec::default().into()
+    }
+}
+
+impl From<Section> for PrecisionSpec {
+    fn from(s: Section) -> Self {
+        let amax = AmaxSpec { history_len: s.amax_history_len, algo: s.amax_compute_algo, margin: s.amax_margin };
+        let (fp8_activations, fp8_weights) = (s.fp8_activations, s.fp8_weights);
+        Self {
+            compute: s.compute,
+            fp8_activations,
+            fp8_weights,
+            fp8_weights_one_layout: s.fp8_weights_one_layout,
+            amax,
+            nf4: None,
+        }
+    }
+}
+
+impl From<PrecisionSpec> for Section {
+    fn from(p: PrecisionSpec) -> Self {
+        Self {
+            compute: p.compute,
+            fp8_activations: p.fp8_activations,
+            fp8_weights: p.fp8_weights,
+            fp8_weights_one_layout: p.fp8_weights_one_layout,
+            amax_history_len: p.amax.history_len,
+            amax_compute_algo: p.amax.algo,
+            amax_margin: p.amax.margin,
+        }
+    }
+}
+
 impl PrecisionSpec {
+    /// Everything wrong with this precision, each problem named by its config key
+    /// (`precision.*`, and `model.quant_block_size` / `precision.compute` for the NF4 base):
+    /// the one check of a precision, which the config and every command's flags report.
+    pub fn problems(&self) -> Vec<SpecProblem> {
+        let mut p = SpecProblems::default();
+        let a = &self.amax;
+        p.check(
+            (1..=1024).contains(&a.history_len),
+            "precision.amax_history_len",
+            &a.history_len,
+            "must be in 1..=1024",
+        );
+        p.check((0..=16).contains(&a.margin), "precision.amax_margin", &a.margin, "must be in 0..=16");
+        let fp8 = self.compute == Compute::Fp8;
+        p.check(
+            !self.fp8_weights || fp8,
+            "precision.fp8_weights",
+            &self.fp8_weights,
+            "needs precision.compute = \"fp8\"",
+        );
+        let why = "needs precision.fp8_weights = true";
+        p.check(
+            !self.fp8_weights_one_layout || self.fp8_weights,
+            "precision.fp8_weights_one_layout",
+            &self.fp8_weights_one_layout,
+            why,
+        );
+        if let Some(nf4) = self.nf4 {
+            let why = "model.quantize = \"nf4\" needs precision.compute = \"fp32\" or \"bf16\": FP8 GEMMs over an NF4 \
+                       base are not supported (the weight would be dequantised and quantised again every GEMM)";
+            p.check(!fp8, "precision.compute", &self.compute.name(), why);
+            let ok = nf4.block.is_power_of_two() && (32..=4096).contains(&nf4.block);
+            let why = "must be a power of two in 32..=4096 (bitsandbytes' sizes) for model.quantize = \"nf4\"";
+            p.check(ok, "model.quant_block_size", &nf4.block, why);
+        }
+        p.0
+    }
+
+    /// [`Self::problems`] as one message (`key = value: allowed`, joined), for callers that
+    /// have no key names of their own (the model's loader).
+    pub fn validate(&self) -> Result<(), String> {
+        let problems = self.problems();
+        let text: Vec<String> = problems.iter().map(|p| format!("{} = {}: {}", p.key, p.value, p.allowed)).collect();
+        if text.is_empty() { Ok(()) } else { Err(text.join("; ")) }
+    }
+
     /// Whether this is plain f32 (no extension op needed around the linear layers).
     pub fn is_fp32(&self) -> bool {
         self.compute == Compute::Fp32 && !self.fp8_activations && self.nf4.is_none()
-    }
-
-    /// Checks the combination; the message names the offending keys.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.fp8_weights && self.compute != Compute::Fp8 {
-            return Err(format!(
-                "precision.fp8_weights = true needs precision.compute = \"fp8\" (it is {:?})",
-                self.compute.name()
-            ));
-        }
-        self.validate_nf4()?;
-        if !(1..=1024).contains(&self.amax.history_len) {
-            return Err(format!("precision.amax_history_len must be in 1..=1024, got {}", self.amax.history_len));
-        }
-        if !(0..=16).contains(&self.amax.margin) {
-            return Err(format!("precision.amax_margin must be in 0..=16, got {}", self.amax.margin));
-        }
-        Ok(())
-    }
-
-    /// Checks the NF4 storage against the rest: its block size, and no FP8 compute over it.
-    pub fn validate_nf4(&self) -> Result<(), String> {
-        if let Some(nf4) = self.nf4 {
-            if self.compute == Compute::Fp8 {
-                return Err("model.quantize = \"nf4\" needs precision.compute = \"fp32\" or \"bf16\": FP8 GEMMs \
-                            over an NF4 base are not supported (the weight would be dequantised and quantised again \
-                            every GEMM)"
-                    .into());
-            }
-            if !nf4.block.is_power_of_two() || !(32..=4096).contains(&nf4.block) {
-                return Err(format!(
-                    "model.quant_block_size must be a power of two in 32..=4096 (bitsandbytes' sizes) for \
-                     model.quantize = \"nf4\", got {}",
-                    nf4.block
-                ));
-            }
-        }
-        Ok(())
     }
 
     /// The format the activations (and attention) compute in: fp32, or bf16 for bf16 and FP8.
@@ -172,4 +242,42 @@ pub enum Storage {
     Bf16,
     /// E4M3 + per-tensor scale (1 byte).
     Fp8,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `[precision]` section as a user writes it (Transformer Engine's flat `amax_*`
+    /// names) reads into the spec, prints back the same, and refuses a misspelt key.
+    #[test]
+    fn the_section_reads_and_writes_flat_amax_keys() {
+        let text =
+            "compute = \"fp8\"\nfp8_weights = true\namax_history_len = 16\namax_compute_algo = \"most_recent\"\n";
+        let spec: PrecisionSpec = toml::from_str(text).unwrap();
+        let amax = AmaxSpec { history_len: 16, algo: AmaxAlgo::MostRecent, margin: 0 };
+        assert_eq!(spec, PrecisionSpec { compute: Compute::Fp8, fp8_weights: true, amax, ..Default::default() });
+        assert_eq!(toml::from_str::<PrecisionSpec>(&toml::to_string(&spec).unwrap()).unwrap(), spec);
+        let err = toml::from_str::<PrecisionSpec>("amax_marg = 2").unwrap_err().to_string();
+        assert!(err.contains("unknown field `amax_marg`") && err.contains("amax_margin"), "{err}");
+        assert_eq!(toml::from_str::<PrecisionSpec>("").unwrap(), PrecisionSpec::default());
+    }
+
+    /// Each rule of the one check names its key: hand-built bad specs, one problem each.
+    #[test]
+    fn problems_name_their_keys() {
+        let keys = |s: PrecisionSpec| s.problems().into_iter().map(|p| p.key).collect::<Vec<_>>();
+        assert_eq!(keys(PrecisionSpec::default()), Vec::<String>::new());
+        let d = PrecisionSpec::default();
+        let amax = |history_len, margin| AmaxSpec { history_len, margin, ..AmaxSpec::default() };
+        assert_eq!(keys(PrecisionSpec { amax: amax(0, 0), ..d }), ["precision.amax_history_len"]);
+        assert_eq!(keys(PrecisionSpec { amax: amax(1024, 17), ..d }), ["precision.amax_margin"]);
+        assert_eq!(keys(PrecisionSpec { fp8_weights: true, compute: Compute::Bf16, ..d }), ["precision.fp8_weights"]);
+        assert_eq!(keys(PrecisionSpec { fp8_weights_one_layout: true, ..d }), ["precision.fp8_weights_one_layout"]);
+        let nf4 = |block| Some(Nf4Spec { block, double: true });
+        assert_eq!(keys(PrecisionSpec { nf4: nf4(64), compute: Compute::Fp8, ..d }), ["precision.compute"]);
+        assert_eq!(keys(PrecisionSpec { nf4: nf4(96), compute: Compute::Bf16, ..d }), ["model.quant_block_size"]);
+        assert_eq!(keys(PrecisionSpec { nf4: nf4(8192), ..d }), ["model.quant_block_size"]);
+        assert!(PrecisionSpec { nf4: nf4(4096), ..d }.validate().is_ok());
+    }
 }

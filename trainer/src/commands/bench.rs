@@ -148,36 +148,21 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     if let Some(trace) = &args.trace {
         p.check(!trace.exists(), "--trace", trace, "already exists: llora never writes over a file");
     }
-    p.check(
-        !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
-        "--fp8-weights",
-        &args.fp8_weights,
-        "needs --precision fp8",
-    );
-    p.check(
-        !args.fp8_weights_one_layout || args.fp8_weights,
-        "--fp8-weights-one-layout",
-        &args.fp8_weights_one_layout,
-        "needs --fp8-weights",
-    );
-    if let Err(e) = precision_spec(args)?.validate_nf4() {
-        p.check(false, "--quantize", &args.quantize.quantize, &e);
-    }
+    crate::config::check_precision_flags(&precision_spec(args)?, &mut p);
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
 }
 
 /// The precision `--precision`, `--fp8-activations`, `--fp8-weights` (`--fp8-weights-one-layout`)
 /// and `--quantize` ask for.
 fn precision_spec(args: &BenchArgs) -> anyhow::Result<llora_model::precision::PrecisionSpec> {
-    let spec = crate::config::PrecisionConfig {
+    Ok(llora_model::precision::PrecisionSpec {
         compute: args.precision,
         fp8_activations: args.fp8_activations,
         fp8_weights: args.fp8_weights,
         fp8_weights_one_layout: args.fp8_weights_one_layout,
+        nf4: args.quantize.nf4()?,
         ..Default::default()
-    }
-    .spec();
-    Ok(llora_model::precision::PrecisionSpec { nf4: args.quantize.nf4()?, ..spec })
+    })
 }
 
 /// The largest [`llora_model::device::heap_bytes`] (in use, and allocator-resident) seen by a

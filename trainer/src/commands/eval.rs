@@ -19,14 +19,9 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         nf4: args.quantize.nf4()?,
         ..Default::default()
     };
-    spec.validate_nf4().map_err(|e| anyhow::anyhow!("--quantize nf4: {e}"))?;
-    anyhow::ensure!(
-        !args.fp8_weights || args.precision == llora_model::precision::Compute::Fp8,
-        "--fp8-weights needs --precision fp8 (it is {})",
-        args.precision.name()
-    );
     let flag = |key: &str| format!("`{key}`");
     let mut p = crate::config::Problems::new(&flag);
+    crate::config::check_precision_flags(&spec, &mut p);
     crate::config::check_threads(&mut p, "--threads", args.threads);
     crate::config::check_workers(&mut p, "--workers", args.workers);
     p.check(args.batch_size >= 1, "--batch-size", &args.batch_size, "must be at least 1");

@@ -57,7 +57,10 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let device = a.device.init(a.threads)?;
     let spec =
         llora_model::precision::PrecisionSpec { compute: a.precision, nf4: a.quantize.nf4()?, ..Default::default() };
-    spec.validate_nf4().map_err(|e| anyhow::anyhow!("--quantize nf4: {e}"))?;
+    let flag = |key: &str| format!("`{key}`");
+    let mut p = crate::config::Problems::new(&flag);
+    crate::config::check_precision_flags(&spec, &mut p);
+    p.finish().map_err(|problems| anyhow::anyhow!("invalid llora generate flags:\n  - {}", problems.join("\n  - ")))?;
     // An NF4 base is quantised one tensor at a time as it loads (never whole in f32).
     let build = BuildOptions { precision: spec.nf4.map(|_| spec), ..Default::default() };
     let mut model = ckpt.load_model(&build, &device)?;

@@ -188,7 +188,7 @@ fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'s
         ("lowest_numerical_precision_in_linear", json!(mllog_precision(config.precision.compute))),
         // Attention runs in the activations' dtype: bf16 for bf16 and FP8 (softmax in f32
         // inside the kernel).
-        ("lowest_numerical_precision_in_attn", json!(mllog_precision(config.precision.spec().activation_compute()))),
+        ("lowest_numerical_precision_in_attn", json!(mllog_precision(config.precision.activation_compute()))),
         ("lowest_numerical_precision_in_comm", json!("fp32")),
         ("tensor_parallelism", json!(1)),
         ("pipeline_parallelism", json!(1)),
