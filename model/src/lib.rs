@@ -26,6 +26,7 @@ pub mod profile;
 pub mod recompute;
 pub mod rope;
 pub mod routes;
+pub mod saved;
 pub mod shard;
 pub mod spec_problem;
 

@@ -16,6 +16,7 @@ use crate::lora::{LoraLinear, LoraSpec};
 pub use crate::norm::RmsNorm;
 use crate::packing::PackedRows;
 pub use crate::rope::{apply_rope, rope_tables, rope_tables_at};
+use crate::saved::Saved;
 
 use crate::dropout::BlockSeeds;
 use crate::precision::{Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
@@ -85,6 +86,24 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// What attention keeps for backward per token: q and k after RoPE, v (K/V at their own
+    /// head count), its output, and the f32 log-sum-exp per query head (the fused kernels).
+    pub fn saved_per_token(c: &LlamaConfig, spec: &PrecisionSpec) -> Vec<Saved> {
+        let (e, qd, kvd) = (
+            spec.activation_bytes(),
+            (c.num_attention_heads * c.head_dim) as f64,
+            (c.num_key_value_heads * c.head_dim) as f64,
+        );
+        let why = "fused attention backward (K/V at their own head count)";
+        vec![
+            Saved::new("q after RoPE", e * qd, why),
+            Saved::new("k after RoPE", e * kvd, why),
+            Saved::new("v", e * kvd, why),
+            Saved::new("attention output", e * qd, why),
+            Saved::new("attention log-sum-exp", 4.0 * c.num_attention_heads as f64, "fused attention backward"),
+        ]
+    }
+
     /// Loads the attention of decoder layer `layer`: q, k and v (or the fused qkv, as the
     /// checkpoint's layout has it), then o.
     fn load(c: &LlamaConfig, layer: usize, weights: &mut dyn BlockWeights) -> anyhow::Result<Self> {
@@ -199,6 +218,14 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    /// What the MLP keeps for backward per token: the fused SwiGLU's gate and up, in the
+    /// saved activations' storage (its linears' adapters are listed by
+    /// [`DecoderLayer::saved_per_token`]).
+    pub fn saved_per_token(c: &LlamaConfig, spec: &PrecisionSpec) -> Vec<Saved> {
+        let bytes = c.intermediate_size as f64 * spec.saved_activation_bytes();
+        vec![Saved::new("SwiGLU gate", bytes, "SwiGLU backward"), Saved::new("SwiGLU up", bytes, "SwiGLU backward")]
+    }
+
     /// Loads the MLP of decoder layer `layer`: gate, up, down.
     fn load(layer: usize, weights: &mut dyn BlockWeights) -> anyhow::Result<Self> {
         Ok(Self {
@@ -243,6 +270,22 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// What a middle decoder block keeps for backward per token (block 0's input needs no
+    /// gradient), one entry per tensor, each declared by the module that keeps it: the two
+    /// norms, attention, the MLP, then each adapter in forward order.
+    pub fn saved_per_token(c: &LlamaConfig, lora: &LoraSpec, spec: &PrecisionSpec) -> Vec<Saved> {
+        let d = c.hidden_size;
+        let mut out = Vec::from(RmsNorm::saved_per_token("block input", d, spec));
+        out.extend(RmsNorm::saved_per_token("residual after attention", d, spec));
+        out.extend(Attention::saved_per_token(c, spec));
+        out.extend(Mlp::saved_per_token(c, spec));
+        let mut shared = Vec::new();
+        for kind in lora.adapted_kinds(c.fused_qkv) {
+            out.extend(crate::lora::LoraAdapter::saved_per_token(kind, c, lora, spec, &mut shared));
+        }
+        out
+    }
+
     /// # Shapes
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`

@@ -25,7 +25,10 @@ use std::sync::Arc;
 use burn::module::{Ignored, Module, Param};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
+use crate::config::LlamaConfig;
+use crate::layout::{BlockLinear, LinearInput};
 use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, frozen_linear, quant_linear};
+use crate::saved::Saved;
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
 #[derive(Module, Debug)]
@@ -106,6 +109,51 @@ pub struct LoraAdapter {
 pub use crate::lora_spec::{LoraSpec, TARGET_MODULES};
 
 impl LoraAdapter {
+    /// What the adapter on linear `kind` keeps for backward per token: its input for A's
+    /// gradient (the dropped-out input, one per adapter, with dropout (the mask is redrawn
+    /// from its seed, model/src/dropout.rs); an FP8 copy with `fp8_activations`; otherwise the
+    /// activation itself, once for all adapters reading it, listed by the first: `shared`
+    /// holds the inputs already listed; the attention output is kept by attention already),
+    /// its bottleneck for B's gradient, and DoRA's ([`Self::dora_saved_per_token`]).
+    pub fn saved_per_token(
+        kind: BlockLinear,
+        c: &LlamaConfig,
+        lora: &LoraSpec,
+        spec: &PrecisionSpec,
+        shared: &mut Vec<LinearInput>,
+    ) -> Vec<Saved> {
+        let (name, input, n_in) = (kind.name(), kind.input(), kind.shape(c)[1] as f64);
+        let input_name = format!("{name} adapter input");
+        let mut out = Vec::new();
+        if lora.dropout > 0.0 {
+            let why = "LoRA A gradient (the dropped-out input, one per adapter)";
+            out.push(Saved::new(input_name, n_in * spec.saved_activation_bytes(), why));
+        } else if spec.fp8_activations {
+            out.push(Saved::new(input_name, n_in, "LoRA A gradient (FP8 copy)"));
+        } else if !shared.contains(&input) && input != LinearInput::AttnOut {
+            shared.push(input);
+            out.push(Saved::new(input_name, n_in * spec.activation_bytes(), "LoRA A gradient"));
+        }
+        let bottleneck = lora.rank as f64 * spec.adapter_bottleneck_bytes();
+        out.push(Saved::new(format!("{name} adapter bottleneck"), bottleneck, "LoRA B gradient"));
+        out.extend(Self::dora_saved_per_token(kind, c, lora, spec));
+        out
+    }
+
+    /// What DoRA adds per token on linear `kind`: the product with m/‖W'‖ keeps its other
+    /// factor for the magnitude's gradient, x·Wᵀ + s·B·A·x in the adapter output's dtype (with
+    /// dropout the dropped input's two parts apart); `None` without DoRA.
+    pub fn dora_saved_per_token(
+        kind: BlockLinear,
+        c: &LlamaConfig,
+        lora: &LoraSpec,
+        spec: &PrecisionSpec,
+    ) -> Option<Saved> {
+        let parts = if lora.dropout > 0.0 { 2.0 } else { 1.0 };
+        let bytes = parts * kind.shape(c)[0] as f64 * spec.adapter_output_bytes();
+        lora.dora.then(|| Saved::new(format!("{} DoRA rescale input", kind.name()), bytes, "DoRA magnitude gradient"))
+    }
+
     /// A fresh adapter for a `[out, in]` weight: A ~ Kaiming-uniform(a=√5), B = 0 (PEFT).
     pub fn new(d_in: usize, d_out: usize, spec: &LoraSpec, device: &Device) -> Self {
         // kaiming_uniform_(a=√5) on A [r, in]: fan_in = in, gain = √(2/(1+a²)) = √(1/3),

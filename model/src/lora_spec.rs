@@ -171,6 +171,15 @@ impl LoraSpec {
         self.targets(short) && layer_ok
     }
 
+    /// The adapted linears of a block, in forward order, as the model builds them: a target
+    /// names every linear whose rows it overlaps (`qkv_proj` on separate projections adapts q,
+    /// k and v; `q_proj` on a fused checkpoint, refused at load, counts as the fused one).
+    pub fn adapted_kinds(&self, fused_qkv: bool) -> Vec<BlockLinear> {
+        let targets: Vec<BlockLinear> = self.targets.iter().filter_map(|t| BlockLinear::from_name(t)).collect();
+        let overlaps = |k: &BlockLinear| targets.iter().any(|t| t.parts().iter().any(|p| k.parts().contains(p)));
+        BlockLinear::of(fused_qkv).iter().copied().filter(overlaps).collect()
+    }
+
     /// Whether module `name` (e.g. `q_proj`) is a target.
     pub fn targets(&self, name: &str) -> bool {
         self.targets.iter().any(|t| t == name)

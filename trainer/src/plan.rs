@@ -9,6 +9,7 @@
 use llora_model::LlamaConfig;
 use llora_model::layout::{BlockLinear, LinearInput};
 use llora_model::precision::{Compute, PrecisionSpec};
+pub use llora_model::saved::Saved;
 use serde_json::{Value, json};
 
 /// CPU: the process's resident memory before the model exists (LibTorch's libraries, the
@@ -76,17 +77,6 @@ pub struct Shape {
     pub native_bf16_gemm: bool,
 }
 
-/// One tensor (or group) in a per-token-per-block list, with its bytes per token.
-#[derive(Debug, Clone)]
-pub struct Kept {
-    /// What it is.
-    pub name: String,
-    /// Bytes per token.
-    pub bytes: f64,
-    /// Which backward reads it.
-    pub why: &'static str,
-}
-
 /// One line of a rank's memory budget.
 #[derive(Debug, Clone)]
 pub struct Line {
@@ -105,35 +95,6 @@ pub struct Budget {
     pub lines: Vec<Line>,
     /// Their sum: the predicted peak (CPU: RSS; CUDA: device memory).
     pub peak: f64,
-}
-
-/// The adapted linears of a block, in forward order, as the model builds them: a target names
-/// every linear whose rows it overlaps (`qkv_proj` on separate projections adapts q, k and v;
-/// `q_proj` on a fused checkpoint is refused at load, counted here as the fused adapter).
-fn adapted(s: &Shape) -> Vec<BlockLinear> {
-    let targets: Vec<BlockLinear> = s.lora.targets.iter().filter_map(|t| BlockLinear::from_name(t)).collect();
-    let overlaps = |k: &BlockLinear| targets.iter().any(|t| t.parts().iter().any(|p| k.parts().contains(p)));
-    BlockLinear::of(s.model.fused_qkv).iter().copied().filter(overlaps).collect()
-}
-
-/// Bytes per element of the activations between the GEMMs (f32, or bf16 for bf16 and FP8).
-fn act_elem(p: &PrecisionSpec) -> f64 {
-    p.activation_dtype().size() as f64
-}
-
-/// Bytes per element of a tensor saved for a GEMM's weight gradient (and of SwiGLU's inputs).
-fn saved_elem(p: &PrecisionSpec) -> f64 {
-    if p.fp8_activations { 1.0 } else { act_elem(p) }
-}
-
-/// Bytes per element of an adapter's rank-wide bottleneck (A's output, B's saved input): the
-/// adapter GEMMs' output dtype (f32 for fp32 and bf16 compute, bf16 for FP8), or FP8.
-fn bottleneck_elem(p: &PrecisionSpec) -> f64 {
-    match (p.fp8_activations, p.for_adapters().compute) {
-        (true, _) => 1.0,
-        (false, Compute::Bf16) => 2.0,
-        _ => 4.0,
-    }
 }
 
 /// Bytes per element of a frozen linear weight as stored.
@@ -172,9 +133,9 @@ fn widths(s: &Shape) -> Widths {
         qd: f(c.num_attention_heads * c.head_dim),
         kvd: f(c.num_key_value_heads * c.head_dim),
         i: f(c.intermediate_size),
-        e: act_elem(&s.precision),
-        a: saved_elem(&s.precision),
-        b: bottleneck_elem(&s.precision),
+        e: s.precision.activation_bytes(),
+        a: s.precision.saved_activation_bytes(),
+        b: s.precision.adapter_bottleneck_bytes(),
         r: s.lora.rank as f64,
     }
 }
@@ -182,64 +143,8 @@ fn widths(s: &Shape) -> Widths {
 /// What llora keeps for backward per token of one decoder block (a middle block: block 0's
 /// input needs no gradient), op by op as the code does it, one entry per tensor (the
 /// allocator rounds each one up on its own: [`allocated`]).
-pub fn kept_per_token(s: &Shape) -> Vec<Kept> {
-    let Widths { d, h, qd, kvd, i, e, a, b, r } = widths(s);
-    let k = |name: &str, bytes, why| Kept { name: name.into(), bytes, why };
-    let norm_in = "fused RMSNorm backward (its input as it came, model/src/norm.rs)";
-    let mut out = vec![k("block input", e * d, norm_in), k("residual after attention", e * d, norm_in)];
-    for norm in ["attention", "MLP"] {
-        out.push(Kept { name: format!("{norm} norm 1/rms"), bytes: 4.0, why: "RMSNorm backward" });
-    }
-    let attn = "fused attention backward (K/V at their own head count)";
-    out.extend([
-        k("q after RoPE", e * qd, attn),
-        k("k after RoPE", e * kvd, attn),
-        k("v", e * kvd, attn),
-        k("attention output", e * qd, attn),
-        k("attention log-sum-exp", 4.0 * h, "fused attention backward"),
-        k("SwiGLU gate", i * a, "SwiGLU backward"),
-        k("SwiGLU up", i * a, "SwiGLU backward"),
-    ]);
-    let mut shared = Vec::new();
-    for kind in adapted(s) {
-        let (name, input, n) = (kind.name(), kind.input(), kind.shape(&s.model)[1] as f64);
-        if s.lora.dropout > 0.0 {
-            // The mask is redrawn from its seed in backward (model/src/dropout.rs).
-            out.push(Kept {
-                name: format!("{name} adapter input"),
-                bytes: n * a,
-                why: "LoRA A gradient (the dropped-out input, one per adapter)",
-            });
-        } else if s.precision.fp8_activations {
-            out.push(Kept { name: format!("{name} adapter input"), bytes: n * a, why: "LoRA A gradient (FP8 copy)" });
-        } else if !shared.contains(&input) && input != LinearInput::AttnOut {
-            // Without dropout the input is the activation itself, kept once for all its
-            // adapters (the attention output is kept by attention already).
-            shared.push(input);
-            out.push(Kept { name: format!("{name} adapter input"), bytes: n * e, why: "LoRA A gradient" });
-        }
-        out.push(Kept { name: format!("{name} adapter bottleneck"), bytes: r * b, why: "LoRA B gradient" });
-        out.extend(dora_kept(s, kind));
-    }
-    out
-}
-
-/// What DoRA adds per token for adapted module `name`: the product with m/‖W'‖ keeps its other
-/// factor for the magnitude's gradient, in the adapter output's dtype (f32, bf16 under FP8:
-/// `PrecisionSpec::for_adapters`): x·Wᵀ + s·B·A·x, or with dropout the dropped input's two
-/// parts apart (model/src/lora.rs).
-fn dora_kept(s: &Shape, kind: BlockLinear) -> Option<Kept> {
-    if !s.lora.dora {
-        return None;
-    }
-    let (name, n_out) = (kind.name(), kind.shape(&s.model)[0] as f64);
-    let width = if s.precision.compute == llora_model::precision::Compute::Fp8 { 2.0 } else { 4.0 };
-    let parts = if s.lora.dropout > 0.0 { 2.0 } else { 1.0 };
-    Some(Kept {
-        name: format!("{name} DoRA rescale input"),
-        bytes: parts * n_out * width,
-        why: "DoRA magnitude gradient",
-    })
+pub fn kept_per_token(s: &Shape) -> Vec<Saved> {
+    llora_model::llama::DecoderLayer::saved_per_token(&s.model, &s.lora, &s.precision)
 }
 
 /// The least a LoRA backward of one block must keep per token with the same numerics (the
@@ -248,37 +153,37 @@ fn dora_kept(s: &Shape, kind: BlockLinear) -> Option<Kept> {
 /// once: dropout masks are redrawn from a per-block seed, K/V stay at their head count, the
 /// attention output doubles as o_proj's adapter input, and nothing cheap to recompute from
 /// the kept tensors (norm outputs) is stored.
-pub fn minimum_per_token(s: &Shape) -> Vec<Kept> {
+pub fn minimum_per_token(s: &Shape) -> Vec<Saved> {
     let Widths { d, h, qd, kvd, i, e, a, b, r } = widths(s);
     let mut out = vec![
-        Kept { name: "block input + 1/rms".into(), bytes: e * d + 4.0, why: "RMSNorm before attention" },
-        Kept { name: "residual after attention + 1/rms".into(), bytes: e * d + 4.0, why: "RMSNorm before the MLP" },
-        Kept {
+        Saved { name: "block input + 1/rms".into(), bytes: e * d + 4.0, why: "RMSNorm before attention" },
+        Saved { name: "residual after attention + 1/rms".into(), bytes: e * d + 4.0, why: "RMSNorm before the MLP" },
+        Saved {
             name: "q, k, v after RoPE, attention output, log-sum-exp".into(),
             bytes: e * (2.0 * qd + 2.0 * kvd) + 4.0 * h,
             why: "attention backward; the output is also o_proj's adapter input",
         },
-        Kept { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
+        Saved { name: "SwiGLU gate and up".into(), bytes: 2.0 * i * a, why: "SwiGLU backward" },
     ];
     let mut inputs = Vec::new();
-    for kind in adapted(s) {
+    for kind in s.lora.adapted_kinds(s.model.fused_qkv) {
         let (input, [_, n_in]) = (kind.input(), kind.shape(&s.model));
         if input != LinearInput::AttnOut && !inputs.contains(&input) {
             inputs.push(input);
-            out.push(Kept {
+            out.push(Saved {
                 name: format!("{} (adapter input, once)", input.name()),
                 bytes: n_in as f64 * a,
                 why: "LoRA A gradients (masks redrawn from the seed)",
             });
         }
-        out.push(Kept { name: format!("{} adapter bottleneck", kind.name()), bytes: r * b, why: "LoRA B gradient" });
-        out.extend(dora_kept(s, kind));
+        out.push(Saved { name: format!("{} adapter bottleneck", kind.name()), bytes: r * b, why: "LoRA B gradient" });
+        out.extend(llora_model::LoraAdapter::dora_saved_per_token(kind, &s.model, &s.lora, &s.precision));
     }
     out
 }
 
 /// Total bytes per token of a list.
-pub fn per_token(list: &[Kept]) -> f64 {
+pub fn per_token(list: &[Saved]) -> f64 {
     list.iter().map(|k| k.bytes).sum()
 }
 
@@ -312,7 +217,7 @@ fn lora_params(s: &Shape) -> f64 {
     let c = &s.model;
     let mut total = 0usize;
     for l in 0..c.num_hidden_layers {
-        for kind in adapted(s) {
+        for kind in s.lora.adapted_kinds(s.model.fused_qkv) {
             let ([n_out, n_in], module) = (kind.shape(c), kind.path(l));
             if s.lora.layers.as_ref().is_some_and(|ls| !ls.contains(&l)) {
                 continue;
@@ -416,7 +321,7 @@ fn nf4_dequantised(s: &Shape) -> Option<Line> {
 fn tables_and_norms(s: &Shape) -> Line {
     let c = &s.model;
     let (d, v, l) = (c.hidden_size as f64, c.vocab_size as f64, c.num_hidden_layers);
-    let e = act_elem(&s.precision);
+    let e = s.precision.activation_bytes();
     // A tied LM head is the embedding table itself (Llama 3.2 1B/3B).
     let tables = if c.tie_word_embeddings { 1.0 } else { 2.0 };
     Line {
@@ -433,7 +338,7 @@ fn tables_and_norms(s: &Shape) -> Line {
 /// gradient), each recomputed block's input, and the recomputed block being backpropagated.
 fn saved_activations(s: &Shape) -> Line {
     let l = s.model.num_hidden_layers;
-    let (t, e, d) = (tokens(s), act_elem(&s.precision), s.model.hidden_size as f64);
+    let (t, e, d) = (tokens(s), s.precision.activation_bytes(), s.model.hidden_size as f64);
     let alloc = |bytes: f64| allocated(bytes, s.target);
     let kept: f64 = kept_per_token(s).iter().map(|k| alloc(k.bytes * t)).sum();
     let n = s.recompute_layers.min(l);
@@ -454,7 +359,7 @@ fn target_rows(s: &Shape) -> f64 {
 
 /// The final norm's input and its output, and the loss's dh rows.
 fn final_norm_and_loss(s: &Shape) -> Line {
-    let (t, e, d) = (tokens(s), act_elem(&s.precision), s.model.hidden_size as f64);
+    let (t, e, d) = (tokens(s), s.precision.activation_bytes(), s.model.hidden_size as f64);
     let rows = target_rows(s);
     let bytes = 2.0 * allocated(e * d * t, s.target) + allocated(e * d * rows, s.target);
     Line { name: "final norm and loss", bytes, note: format!("{rows} target rows kept for backward") }
@@ -462,13 +367,13 @@ fn final_norm_and_loss(s: &Shape) -> Line {
 
 /// Whether bf16 GEMMs are routed through f32 (a CPU without native bf16).
 fn upcast_gemms(s: &Shape) -> bool {
-    act_elem(&s.precision) < 4.0 && !s.native_bf16_gemm
+    s.precision.activation_bytes() < 4.0 && !s.native_bf16_gemm
 }
 
 /// The loss's transients: one chunk of f32 logits (and the chunk's bf16 GEMM output it is
 /// upcast from), and the LM head's f32 column block when bf16 GEMMs go through f32.
 fn loss_transients(s: &Shape) -> (f64, f64) {
-    let (e, d, v) = (act_elem(&s.precision), s.model.hidden_size as f64, s.model.vocab_size as f64);
+    let (e, d, v) = (s.precision.activation_bytes(), s.model.hidden_size as f64, s.model.vocab_size as f64);
     let alloc = |bytes: f64| allocated(bytes, s.target);
     let chunk = LCE_CHUNK_BYTES.min(target_rows(s) * v * 4.0);
     let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
@@ -483,12 +388,12 @@ fn loss_transients(s: &Shape) -> (f64, f64) {
 /// the residual-stream gradient. The loss's transients are gone when backward starts.
 fn workspace(s: &Shape) -> Line {
     let p = &s.precision;
-    let (t, e) = (tokens(s), act_elem(p));
+    let (t, e) = (tokens(s), p.activation_bytes());
     let (d, i) = (s.model.hidden_size as f64, s.model.intermediate_size as f64);
     let alloc = |bytes: f64| allocated(bytes, s.target);
     let (chunk, table) = loss_transients(s);
     let loss = chunk + table;
-    let fp8_kept = if saved_elem(p) < e { 2.0 * alloc(e * t * i) + alloc(4.0 * t * i) } else { 0.0 };
+    let fp8_kept = if p.saved_activation_bytes() < e { 2.0 * alloc(e * t * i) + alloc(4.0 * t * i) } else { 0.0 };
     let swiglu = 4.0 * alloc(e * t * i) + fp8_kept;
     let gemm = gemm_workspace(s);
     let backward = swiglu.max(gemm) + 2.0 * alloc(t * d * e);
@@ -505,7 +410,7 @@ fn workspace(s: &Shape) -> Line {
 /// The MLP GEMM's operands and their copies in backward, by compute precision.
 fn gemm_workspace(s: &Shape) -> f64 {
     let p = &s.precision;
-    let (t, e) = (tokens(s), act_elem(p));
+    let (t, e) = (tokens(s), p.activation_bytes());
     let (d, i) = (s.model.hidden_size as f64, s.model.intermediate_size as f64);
     let alloc = |bytes: f64| allocated(bytes, s.target);
     let (_, largest) = block_linears(&s.model);
@@ -514,7 +419,8 @@ fn gemm_workspace(s: &Shape) -> f64 {
     let block = largest.min(CPU_GEMM_BLOCK_ELEMENTS);
     let cpu_fp8 = if s.target == Target::Cpu { alloc(t * i * 4.0) + 3.0 * alloc(block * 4.0) } else { 0.0 };
     // The f32 upcast of the widest adapter input (f32 adapters on bf16 activations).
-    let widest_adapter = adapted(s).iter().map(|k| k.shape(&s.model)[1]).max().unwrap_or(0) as f64;
+    let widest_adapter =
+        s.lora.adapted_kinds(s.model.fused_qkv).iter().map(|k| k.shape(&s.model)[1]).max().unwrap_or(0) as f64;
     let upcast = if p.compute == Compute::Bf16 { alloc(widest_adapter * t * 4.0) } else { 0.0 };
     match p.compute {
         // `_scaled_mm`'s operands: the input's and gradient's FP8 codes, the weight's codes
@@ -599,7 +505,7 @@ pub fn to_json(s: &Shape, device_bytes: Option<f64>) -> Value {
     let kept = kept_per_token(s);
     let min = minimum_per_token(s);
     let list =
-        |l: &[Kept]| l.iter().map(|k| json!({"tensor": k.name, "bytes": k.bytes, "why": k.why})).collect::<Vec<_>>();
+        |l: &[Saved]| l.iter().map(|k| json!({"tensor": k.name, "bytes": k.bytes, "why": k.why})).collect::<Vec<_>>();
     let mut out = json!({
         "world": s.world, "micro_batch": s.micro_batch, "seq_len": s.seq_len,
         "recompute_layers": s.recompute_layers, "shard_frozen_weights": s.shard_frozen_weights,

@@ -20,6 +20,9 @@ use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, LibTorch, backe
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Tensor};
 
+use crate::precision::PrecisionSpec;
+use crate::saved::Saved;
+
 /// Root-mean-square layer norm `w · x / √(mean(x²) + ε)` (no mean subtraction, no bias).
 #[derive(Module, Debug)]
 pub struct RmsNorm {
@@ -31,6 +34,16 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
+    /// What the fused norm keeps for backward per token: its input as it came (`input` names
+    /// it) and one f32 1/rms.
+    pub fn saved_per_token(input: &str, d: usize, spec: &PrecisionSpec) -> [Saved; 2] {
+        let why = "fused RMSNorm backward (its input as it came, model/src/norm)";
+        [
+            Saved::new(input, spec.activation_bytes() * d as f64, why),
+            Saved::new(format!("{input}: 1/rms"), 4.0, "RMSNorm backward"),
+        ]
+    }
+
     /// Normalises over the last dimension.
     ///
     /// # Shapes

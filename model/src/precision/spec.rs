@@ -217,6 +217,29 @@ impl PrecisionSpec {
         PrecisionSpec { compute, fp8_weights: false, nf4: None, ..*self }
     }
 
+    /// Bytes per element of the activations between the GEMMs (4 for f32; 2 for bf16 and FP8).
+    pub fn activation_bytes(&self) -> f64 {
+        self.activation_dtype().size() as f64
+    }
+
+    /// Bytes per element of a tensor saved for a GEMM's weight gradient or SwiGLU's backward:
+    /// 1 with `fp8_activations`, else as the activations.
+    pub fn saved_activation_bytes(&self) -> f64 {
+        if self.fp8_activations { 1.0 } else { self.activation_bytes() }
+    }
+
+    /// Bytes per element of an adapter's output and rank-wide bottleneck as computed: the
+    /// adapter GEMMs' dtype ([`Self::for_adapters`]: f32, or bf16 under FP8).
+    pub fn adapter_output_bytes(&self) -> f64 {
+        if self.for_adapters().compute == Compute::Bf16 { 2.0 } else { 4.0 }
+    }
+
+    /// Bytes per element of an adapter's bottleneck as kept for B's gradient: FP8 with
+    /// `fp8_activations`, else [`Self::adapter_output_bytes`].
+    pub fn adapter_bottleneck_bytes(&self) -> f64 {
+        if self.fp8_activations { 1.0 } else { self.adapter_output_bytes() }
+    }
+
     /// Whether frozen base weights are kept in reduced precision (bf16, FP8 + scale, or NF4).
     pub fn stores_frozen_weights(&self) -> bool {
         self.compute == Compute::Bf16 || (self.compute == Compute::Fp8 && self.fp8_weights) || self.nf4.is_some()
