@@ -5,60 +5,13 @@
 //
 // The reference it must equal bit for bit is llora's LibTorch route (model/src/fp8.rs,
 // `quantize_via_f32`): float(x) * scale, clamp to [-max, max], cast. Compiled at run time by
-// NVRTC (model/src/kernels/mod.rs); standalone: only cuda_fp8.h / cuda_bf16.h from the CUDA
-// headers beside the torch wheel.
-
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
+// NVRTC (model/src/kernels/mod.rs) after fp8_device.cuh (its helpers: load, encode, abs_bits,
+// fold_amax); only cuda_fp8.h / cuda_bf16.h from the CUDA headers beside the torch wheel.
 
 namespace {
 
-// Threads per block (the launch code uses the same number).
-constexpr int kThreads = 256;
 // Side of the square tile the transposing kernel moves through shared memory.
 constexpr int kTile = 32;
-
-// float(x) for the input dtypes the launch code allows.
-__device__ __forceinline__ float load(const float* x, long i) { return x[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* x, long i) { return __bfloat162float(x[i]); }
-
-// One code: x * scale clamped to [-limit, limit] (NaN stays NaN), rounded to nearest-even.
-__device__ __forceinline__ unsigned char encode(float v, float scale, float limit, bool e5m2) {
-    float s = v * scale;
-    if (!isnan(s)) {
-        s = fminf(fmaxf(s, -limit), limit);
-    }
-    __nv_fp8_interpretation_t kind = e5m2 ? __NV_E5M2 : __NV_E4M3;
-    return static_cast<unsigned char>(__nv_cvt_float_to_fp8(s, __NV_SATFINITE, kind));
-}
-
-// |v| as an ordered integer: for non-negative floats the bit patterns order as the values do,
-// and every NaN with its sign cleared orders above +inf, so a max over them is NaN-propagating.
-__device__ __forceinline__ unsigned int abs_bits(float v) {
-    return __float_as_uint(v) & 0x7fffffffu;
-}
-
-// The block's largest abs_bits, folded into *amax_bits by one atomicMax.
-__device__ void fold_amax(unsigned int mine, unsigned int* amax_bits) {
-    __shared__ unsigned int warp_max[kThreads / 32];
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        mine = max(mine, __shfl_down_sync(0xffffffffu, mine, offset));
-    }
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane == 0) {
-        warp_max[warp] = mine;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        mine = lane < blockDim.x / 32 ? warp_max[lane] : 0u;
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            mine = max(mine, __shfl_down_sync(0xffffffffu, mine, offset));
-        }
-        if (lane == 0) {
-            atomicMax(amax_bits, mine);
-        }
-    }
-}
 
 // Row-major codes of n elements, grid-stride; amax_bits may be null.
 template <typename T>

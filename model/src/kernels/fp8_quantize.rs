@@ -3,19 +3,16 @@
 //! anywhere; launching needs CUDA tensors and is untested on a GPU until the bundle's CUDA test
 //! (`a_launch_equals_the_libtorch_route`) ran on one.
 
-use std::collections::HashMap;
-use std::ffi::{CString, c_void};
-use std::sync::{Arc, Mutex};
+use std::ffi::c_void;
 
-use cudarc::driver::{result, sys};
-
-use super::nvrtc::{KernelError, Source, compile};
+use super::launch::{address, arg, ceil_div, cuda_index, launch as launch_kernel};
+use super::nvrtc::{KernelError, Source};
 use crate::fp8_format::Fp8Format;
 
 /// The kernels' source.
 pub const SOURCE: Source = Source {
     name: "fp8_quantize.cu",
-    text: include_str!("fp8_quantize.cu"),
+    text: concat!(include_str!("fp8_device.cuh"), include_str!("fp8_quantize.cu")),
     kernels: &[
         "llora_fp8_quantize_f32",
         "llora_fp8_quantize_bf16",
@@ -121,64 +118,6 @@ pub fn check(a: &QuantizeArgs<'_>) -> Result<Launch, KernelError> {
     Ok(Launch { kernel, dims: [rows, cols] })
 }
 
-/// A source loaded on one device: its functions by name.
-struct Loaded {
-    functions: HashMap<&'static str, usize>,
-}
-
-/// What loading gave on each CUDA device, by index.
-type PerDevice = HashMap<usize, Result<Arc<Loaded>, KernelError>>;
-
-/// The loaded kernels per CUDA device index, loaded on first use (compiling outside the lock:
-/// a compile may take seconds and nothing in it takes this lock).
-fn loaded(index: usize) -> Result<Arc<Loaded>, KernelError> {
-    static LOADED: Mutex<Option<PerDevice>> = Mutex::new(None);
-    if let Some(found) = LOADED.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_default().get(&index) {
-        return found.clone();
-    }
-    let made = load(index).map(Arc::new);
-    if let Err(e) = &made {
-        tracing::warn!(device = index, "our FP8 quantise kernel is off on this device (the LibTorch route runs): {e}");
-    }
-    let mut table = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-    table.get_or_insert_default().entry(index).or_insert(made).clone()
-}
-
-/// Compiles [`SOURCE`] for device `index`'s architecture and loads it in the device's primary
-/// context (LibTorch's), made current on this thread.
-fn load(index: usize) -> Result<Loaded, KernelError> {
-    let driver = |e: cudarc::driver::DriverError| KernelError::Driver(format!("{e:?}"));
-    let attempt = || -> Result<Loaded, KernelError> {
-        result::init().map_err(driver)?;
-        let dev = result::device::get(index as i32).map_err(driver)?;
-        // SAFETY: a valid device handle; attributes are plain integers.
-        let (major, minor) = unsafe {
-            let attr = |a| result::device::get_attribute(dev, a).map_err(driver);
-            (
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-            )
-        };
-        let ptx = compile(&SOURCE, &format!("compute_{major}{minor}"))?;
-        let ptx = CString::new(ptx).map_err(|e| KernelError::Driver(e.to_string()))?;
-        // SAFETY: the primary context is retained for the process (never released, as
-        // LibTorch keeps it); the PTX is a NUL-terminated image NVRTC made.
-        let module = unsafe {
-            let ctx = result::primary_ctx::retain(dev).map_err(driver)?;
-            result::ctx::set_current(ctx).map_err(driver)?;
-            result::module::load_data(ptx.as_ptr() as *const c_void).map_err(driver)?
-        };
-        let mut functions = HashMap::new();
-        for name in SOURCE.kernels {
-            // SAFETY: `module` was just loaded and is never unloaded.
-            let f = unsafe { result::module::get_function(module, CString::new(*name).expect("no NUL")) };
-            functions.insert(*name, f.map_err(driver)? as usize);
-        }
-        Ok(Loaded { functions })
-    };
-    std::panic::catch_unwind(attempt).unwrap_or_else(|p| Err(KernelError::Driver(crate::routes::panic_message(&p))))
-}
-
 /// What the kernel computes, in LibTorch ops: on the CPU under `LLORA_CUDA_ROUTES_ON_CPU=1`
 /// it stands in for the kernel, so that the route's control flow (first-use check, verdict,
 /// counting) runs in CI; the arithmetic is the LibTorch route's (scale in f32, clamp, cast).
@@ -197,43 +136,20 @@ fn stand_in(a: &QuantizeArgs<'_>) {
     }
 }
 
-/// `a / b` rounded up (`a` ≥ 0, `b` > 0).
-fn ceil_div(a: i64, b: i64) -> i64 {
-    (a + b - 1) / b
-}
-
-/// A kernel parameter: the address of its value, as `cuLaunchKernel` takes each.
-fn arg<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
-}
-
-/// The raw device address of a tensor's data.
-fn address(t: &tch::Tensor) -> u64 {
-    t.data_ptr() as u64
-}
-
 /// Quantises as `a` says on its CUDA device, on the device's default stream (LibTorch's
 /// current stream: llora never sets another), without waiting for it.
 pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
     let launch = check(a)?;
-    let tch::Device::Cuda(index) = a.x.device() else {
-        if crate::routes::stands_in(a.x.device()) {
-            stand_in(a);
-            return Ok(());
-        }
-        return Err(KernelError::Arguments {
-            kernel: launch.kernel,
-            what: format!("x is on {:?}: CUDA only", a.x.device()),
-        });
+    let Some(index) = cuda_index(a.x, launch.kernel)? else {
+        stand_in(a);
+        return Ok(());
     };
     let [rows, cols] = launch.dims;
     if rows * cols == 0 {
         return Ok(());
     }
-    let f = *loaded(index)?.functions.get(launch.kernel).expect("every kernel is looked up") as sys::CUfunction;
-    let (mut x, mut out) = (address(a.x), address(a.out));
-    let mut out_t = a.out_t.map_or(0, address);
-    let mut amax = a.amax.map_or(0, address);
+    let (mut x, mut out, mut out_t, mut amax) =
+        (address(Some(a.x)), address(Some(a.out)), address(a.out_t), address(a.amax));
     let (mut scale, mut max, mut e5m2) = (a.scale, a.format.max(), i32::from(a.format == Fp8Format::E5M2));
     let (mut rows, mut cols, mut n) = (rows, cols, rows * cols);
     let (grid, mut params): ((u32, u32, u32), Vec<*mut c_void>) = if a.out_t.is_some() {
@@ -246,10 +162,8 @@ pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
     };
     params.extend([arg(&mut scale), arg(&mut max), arg(&mut e5m2)]);
     // SAFETY: the arguments match the kernel's signature in order and type (checked above:
-    // dtypes, shapes, contiguity, one device), and the tensors outlive the launch's enqueue;
-    // LibTorch's later ops on them are ordered after it on the same stream.
-    unsafe { result::launch_kernel(f, grid, (THREADS, 1, 1), 0, std::ptr::null_mut(), &mut params) }
-        .map_err(|e| KernelError::Driver(format!("{}: {e:?}", launch.kernel)))
+    // dtypes, shapes, contiguity, one device), and the tensors outlive the launch's enqueue.
+    unsafe { launch_kernel(&SOURCE, index, launch.kernel, grid, THREADS, &mut params) }
 }
 
 #[cfg(test)]
