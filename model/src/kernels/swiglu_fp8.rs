@@ -341,8 +341,8 @@ mod tests {
             for (i, v) in [0.0, 1e4, -1e4, 1e-30].iter().enumerate().take(flat.numel()) {
                 let _ = flat.get(i as i64).fill_(*v);
             }
-            let _ = want.gate.shallow_clone().copy_(&mine.gate);
-            let _ = want.up.shallow_clone().copy_(&mine.up);
+            want.gate.shallow_clone().copy_(&mine.gate);
+            want.up.shallow_clone().copy_(&mine.up);
             let scale = Tensor::from_slice(&[0.5f32]).to_device(dev);
             let (hq, hq_want) = (Tensor::zeros(shape, (Kind::Int8, dev)), Tensor::zeros(shape, (Kind::Int8, dev)));
             let (hq, hq_want) = (hq.view_dtype(Fp8Format::E4M3.kind()), hq_want.view_dtype(Fp8Format::E4M3.kind()));
