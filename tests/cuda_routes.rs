@@ -58,6 +58,7 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     let gemm = selftest_checks("gemm");
     named(&gemm, "FP8 two-pass quantiser and one-pass amax");
     named(&gemm, "FP8 quantise kernel (ours, NVRTC)");
+    named(&gemm, "FP8 SwiGLU kernel (ours, NVRTC)");
     let norm = selftest_checks("norm");
     named(&norm, "RMSNorm fused kernels BFloat16");
     named(&norm, "RMSNorm fused kernels Float");
@@ -101,8 +102,10 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(ok, "{stderr}");
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["cuda_routes_on_cpu"], true, "{r}");
-    // Delayed scaling on our kernel (its CPU stand-in), current scaling on the two-pass route.
+    // Delayed scaling on our kernel (its CPU stand-in), current scaling on the two-pass route,
+    // except SwiGLU's FP8-kept inputs: our SwiGLU kernel quantises them itself.
     assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["kernel", "two-pass"], ["kernel", "two-pass"]]), "{r}");
+    assert_eq!(r["swiglu"], "kernel", "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
@@ -120,6 +123,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(built[0] < converted && converted < check && check < fwd && fwd < bwd && bwd < opt, "order:\n{stderr}");
     assert!(stderr.contains("FP8 two-pass quantiser and one-pass amax: checked against its reference, taken"));
     assert!(stderr.contains("FP8 quantise kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
+    assert!(stderr.contains("FP8 SwiGLU kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
 
     let (ok, stdout, stderr) = llora_within(240, &[], &args);
     assert!(ok, "{stderr}");
@@ -127,6 +131,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["cuda_routes_on_cpu"], false, "{r}");
     assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["f32"], ["f32"]]), "{r}");
     assert_eq!(r["rms_norm"], "composite", "{r}");
+    assert_eq!(r["swiglu"], "libtorch", "{r}");
 }
 
 /// A value of the switch other than 1 or 0 is reported, not silently taken for either.

@@ -16,12 +16,13 @@ pub mod checks;
 pub mod fp8_quantize;
 pub mod launch;
 pub mod nvrtc;
+pub mod rmsnorm_fp8;
 pub mod swiglu_fp8;
 
 pub use nvrtc::{KernelError, Source, compile, nvidia_root};
 
 /// Every kernel source llora compiles.
-pub const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE];
+pub const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE];
 
 /// The virtual architectures CI compiles every source for (Hopper, Blackwell).
 pub const CI_ARCHES: &[&str] = &["compute_90", "compute_100"];

@@ -6,7 +6,7 @@
 ///
 /// # Shapes
 /// - x: `[.., d]` (any float dtype); output: `[.., 1]`, f32
-pub(super) fn inv_rms(x: &tch::Tensor, eps: f64) -> tch::Tensor {
+pub(crate) fn inv_rms(x: &tch::Tensor, eps: f64) -> tch::Tensor {
     let x = x.to_kind(tch::Kind::Float);
     (x.square().mean_dim(-1, true, tch::Kind::Float) + eps).rsqrt()
 }
@@ -16,7 +16,7 @@ pub(super) fn inv_rms(x: &tch::Tensor, eps: f64) -> tch::Tensor {
 ///
 /// # Shapes
 /// - x: `[.., d]`; r: `[.., 1]` f32; w: `[d]`; output: as x, in x's dtype
-pub(super) fn normalised(x: &tch::Tensor, r: &tch::Tensor) -> tch::Tensor {
+pub(crate) fn normalised(x: &tch::Tensor, r: &tch::Tensor) -> tch::Tensor {
     (x.to_kind(tch::Kind::Float) * r).to_kind(x.kind())
 }
 

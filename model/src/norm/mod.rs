@@ -5,7 +5,7 @@
 //! per token per norm instead of 32-48. On CUDA the node's forward and backward are LibTorch's
 //! fused kernels (`cuda.rs`, one kernel each way); elsewhere a handful of LibTorch ops.
 
-mod composite;
+pub(crate) mod composite;
 mod cuda;
 
 pub use cuda::{used as fused_kernels_used, verify as verify_fused_kernels};

@@ -42,6 +42,7 @@ mod nodes;
 pub mod scaled_mm;
 mod scaling;
 mod spec;
+pub mod swiglu;
 pub(crate) mod weights;
 
 pub use linear::{LinearQuant, LinearWeight};

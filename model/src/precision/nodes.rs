@@ -226,6 +226,33 @@ impl Kept {
 #[derive(Debug)]
 struct SwigluBackward;
 
+/// SwiGLU's backward on our kernel (`swiglu.rs`), reading gate's and up's E4M3 codes
+/// directly: `None` where they are not both codes, the route is not taken, or it fails
+/// (logged; the LibTorch ops run).
+fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tensor, tch::Tensor)> {
+    let (Kept::Fp8(gate, gate_inv), Kept::Fp8(up, up_inv)) = kept else { return None };
+    if !super::swiglu::takes_kernel(grad, Storage::Fp8) {
+        return None;
+    }
+    let scale_inv = tch::Tensor::stack(&[gate_inv.tensor.reshape([]), up_inv.tensor.reshape([])], 0);
+    super::swiglu::backward(&gate.tensor, &up.tensor, &scale_inv, grad)
+        .inspect_err(|e| tracing::warn!("our FP8 SwiGLU backward failed, LibTorch's runs: {e}"))
+        .ok()
+}
+
+/// SwiGLU's forward on our kernel, keeping gate and up as its E4M3 codes: `None` where the
+/// route is not taken or fails (logged; the LibTorch ops run).
+fn kernel_forward(gate: &TchTensor, up: &TchTensor, storage: Storage) -> Option<(TchTensor, (Kept, Kept))> {
+    if !super::swiglu::takes_kernel(&gate.tensor, storage) {
+        return None;
+    }
+    let f = super::swiglu::forward(&gate.tensor, &up.tensor)
+        .inspect_err(|e| tracing::warn!("our FP8 SwiGLU forward failed, LibTorch's runs: {e}"))
+        .ok()?;
+    let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(TchTensor::new(codes), TchTensor::new(f.scale_inv.get(i)));
+    Some((TchTensor::new(f.h), (keep(f.gate_codes, 0), keep(f.up_codes, 1))))
+}
+
 impl Backward<LibTorch, 2> for SwigluBackward {
     type State = (Kept, Kept);
 
@@ -236,6 +263,15 @@ impl Backward<LibTorch, 2> for SwigluBackward {
         // `silu(gate) * up`: torch's `silu_backward` kernel (f32 math inside, one pass). At most
         // three `[tokens, I]` tensors live at once besides the kept inputs (at 70B and 8192
         // tokens each is 0.47 GB in bf16).
+        if let Some((grad_gate, grad_up)) = kernel_backward(&ops.state, &grad.tensor) {
+            if let Some(node) = node_up {
+                grads.register::<LibTorch>(node.id, TchTensor::new(grad_up));
+            }
+            if let Some(node) = node_gate {
+                grads.register::<LibTorch>(node.id, TchTensor::new(grad_gate));
+            }
+            return;
+        }
         let kind = grad.tensor.kind();
         let gate = ops.state.0.get(kind);
         if let Some(node) = node_up {
@@ -314,8 +350,12 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
         match SwigluBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let (gate, up) = (gate.into_primitive(), up.into_primitive());
-                let out = TchTensor::new(gate.tensor.silu() * &up.tensor);
-                let state = (Kept::keep(gate, storage), Kept::keep(up, storage));
+                let (out, state) = kernel_forward(&gate, &up, storage).unwrap_or_else(|| {
+                    (
+                        TchTensor::new(gate.tensor.silu() * &up.tensor),
+                        (Kept::keep(gate, storage), Kept::keep(up, storage)),
+                    )
+                });
                 SAVED_BYTES.fetch_add(state.0.bytes() + state.1.bytes(), Ordering::Relaxed);
                 prep.finish(state, out)
             }

@@ -1,0 +1,251 @@
+//! Launching `rmsnorm_fp8.cu`: RMSNorm's forward writing its bf16 output, the rows' f32
+//! 1/rms and, when asked, the output's FP8 codes for the next GEMMs ([`forward`]). The
+//! argument checks run anywhere; launching needs CUDA tensors and is untested on a GPU until
+//! the bundle's CUDA test (`a_launch_equals_the_libtorch_route`) ran on one.
+
+use super::checks::Expect;
+use super::launch::{address, arg, cuda_index, launch};
+use super::nvrtc::{KernelError, Source};
+use crate::fp8_format::Fp8Format;
+
+/// The kernel's source (after the shared device helpers).
+pub const SOURCE: Source = Source {
+    name: "rmsnorm_fp8.cu",
+    text: concat!(include_str!("fp8_device.cuh"), include_str!("rmsnorm_fp8.cu")),
+    kernels: &["llora_rmsnorm_fp8_forward_bf16"],
+};
+
+/// Threads per block (one block per row), as the source has them.
+const THREADS: u32 = 256;
+
+/// The output's FP8 codes, for the GEMMs that read the norm's output.
+#[derive(Debug)]
+pub struct YCodes<'a> {
+    /// y's codes (`format`'s dtype, y's shape).
+    pub codes: &'a tch::Tensor,
+    /// The delayed scale, one f32 on the device.
+    pub scale: &'a tch::Tensor,
+    /// One f32 y's amax is folded into (max with what it holds, ≥ 0).
+    pub amax: &'a tch::Tensor,
+    /// E4M3 (forward GEMM inputs) or E5M2.
+    pub format: Fp8Format,
+}
+
+/// What the forward reads and writes, all contiguous on one device.
+///
+/// # Shapes
+/// - x, y: `[rows, d]` bf16; w: `[d]` bf16; inv_rms: `[rows, 1]` f32
+#[derive(Debug)]
+pub struct ForwardArgs<'a> {
+    /// The input.
+    pub x: &'a tch::Tensor,
+    /// The gain.
+    pub w: &'a tch::Tensor,
+    /// The output, written.
+    pub y: &'a tch::Tensor,
+    /// 1/rms per row, written (what the norm's backward keeps).
+    pub inv_rms: &'a tch::Tensor,
+    /// ε inside the square root (finite, ≥ 0).
+    pub eps: f64,
+    /// The output's codes, when the next GEMMs run in FP8.
+    pub y_codes: Option<YCodes<'a>>,
+}
+
+/// Checks the arguments: dtypes, shapes, contiguity, one device, ε, rows within a grid.
+pub fn check(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
+    let kernel = "llora_rmsnorm_fp8_forward_bf16";
+    let refuse = |what: String| Err(KernelError::Arguments { kernel, what });
+    let [rows, d] = a.x.size()[..] else { return refuse(format!("x is {:?}: want [rows, d]", a.x.size())) };
+    let shape = [rows, d];
+    let e = Expect { kernel, device: a.x.device(), shape: &shape };
+    let (bf16, f32) = (tch::Kind::BFloat16, tch::Kind::Float);
+    e.tensor("x", a.x, bf16, None)?;
+    e.tensor("w", a.w, bf16, Some(&[d]))?;
+    e.tensor("y", a.y, bf16, None)?;
+    e.tensor("inv_rms", a.inv_rms, f32, Some(&[rows, 1]))?;
+    if let Some(c) = &a.y_codes {
+        e.tensor("y codes", c.codes, c.format.kind(), None)?;
+        e.tensor("y scale", c.scale, f32, Some(&[1]))?;
+        e.tensor("y amax", c.amax, f32, Some(&[1]))?;
+    }
+    if !(a.eps.is_finite() && a.eps >= 0.0) {
+        return refuse(format!("eps {} is not a finite number >= 0", a.eps));
+    }
+    if rows > i64::from(i32::MAX) {
+        return refuse(format!("{rows} rows: at most {} (one block per row)", i32::MAX));
+    }
+    Ok(())
+}
+
+/// The forward on x's CUDA device, on the default stream, without waiting.
+pub fn forward(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
+    check(a)?;
+    let Some(index) = cuda_index(a.x, SOURCE.kernels[0])? else {
+        stand_in(a);
+        return Ok(());
+    };
+    let [rows, mut cols] = [a.x.size()[0], a.x.size()[1]];
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    let (mut x, mut w, mut y, mut r) =
+        (address(Some(a.x)), address(Some(a.w)), address(Some(a.y)), address(Some(a.inv_rms)));
+    let codes = a.y_codes.as_ref();
+    let (mut yq, mut ys, mut ya) =
+        (address(codes.map(|c| c.codes)), address(codes.map(|c| c.scale)), address(codes.map(|c| c.amax)));
+    let (mut eps, mut limit) = (a.eps as f32, codes.map_or(1.0, |c| c.format.max()));
+    let mut e5m2 = i32::from(codes.is_some_and(|c| c.format == Fp8Format::E5M2));
+    let mut p = [
+        arg(&mut x),
+        arg(&mut w),
+        arg(&mut y),
+        arg(&mut r),
+        arg(&mut yq),
+        arg(&mut ys),
+        arg(&mut ya),
+        arg(&mut cols),
+        arg(&mut eps),
+        arg(&mut limit),
+        arg(&mut e5m2),
+    ];
+    // SAFETY: the kernel's parameters in order and type, checked above; one block per row.
+    unsafe { launch(&SOURCE, index, SOURCE.kernels[0], (rows as u32, 1, 1), THREADS, &mut p) }
+}
+
+/// The LibTorch route (the norm's composite, model/src/norm/composite.rs, and the codes as
+/// `quantize_via_f32` makes them): the reference the CUDA test holds the kernel to, and the
+/// CPU stand-in under `LLORA_CUDA_ROUTES_ON_CPU=1`.
+pub fn stand_in(a: &ForwardArgs<'_>) {
+    use crate::norm::composite::{inv_rms, normalised};
+    let _no_grad = tch::no_grad_guard();
+    let r = inv_rms(a.x, a.eps);
+    let y = normalised(a.x, &r) * a.w;
+    a.inv_rms.shallow_clone().copy_(&r);
+    a.y.shallow_clone().copy_(&y);
+    if let Some(c) = &a.y_codes {
+        c.codes.shallow_clone().copy_(&codes_of(&y, c));
+        let folded = c.amax.maximum(&y.to_kind(tch::Kind::Float).abs().max().reshape([1]));
+        c.amax.shallow_clone().copy_(&folded);
+    }
+}
+
+/// y's codes at `c`'s scale as LibTorch's route makes them: float(y) · scale, clamped, cast.
+fn codes_of(y: &tch::Tensor, c: &YCodes<'_>) -> tch::Tensor {
+    let limit = f64::from(c.format.max());
+    (y.to_kind(tch::Kind::Float) * c.scale).clamp(-limit, limit).to_kind(c.format.kind())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Kind, Tensor};
+
+    struct Problem {
+        x: Tensor,
+        w: Tensor,
+        y: Tensor,
+        r: Tensor,
+    }
+
+    impl Problem {
+        fn new([rows, d]: [i64; 2], dev: tch::Device) -> Self {
+            let f = (Kind::Float, dev);
+            Self {
+                x: (Tensor::randn([rows, d], f) * 2.0).to_kind(Kind::BFloat16),
+                w: (Tensor::randn([d], f) * 0.1 + 1.0).to_kind(Kind::BFloat16),
+                y: Tensor::zeros([rows, d], (Kind::BFloat16, dev)),
+                r: Tensor::zeros([rows, 1], f),
+            }
+        }
+
+        fn args(&self) -> ForwardArgs<'_> {
+            ForwardArgs { x: &self.x, w: &self.w, y: &self.y, inv_rms: &self.r, eps: 1e-5, y_codes: None }
+        }
+    }
+
+    fn refused(got: Result<(), KernelError>, word: &str) {
+        match got {
+            Err(KernelError::Arguments { what, .. }) => assert!(what.contains(word), "{what}"),
+            other => panic!("expected a refusal naming {word}, got {other:?}"),
+        }
+    }
+
+    /// Each wrong argument is refused naming it; valid CPU arguments never launch.
+    #[test]
+    fn the_launch_checks_name_each_wrong_argument() {
+        let p = Problem::new([3, 8], tch::Device::Cpu);
+        assert!(check(&p.args()).is_ok());
+        let flat = p.x.view([-1]);
+        refused(check(&ForwardArgs { x: &flat, ..p.args() }), "want [rows, d]");
+        let f32 = p.x.to_kind(Kind::Float);
+        refused(check(&ForwardArgs { x: &f32, ..p.args() }), "x is Float");
+        refused(check(&ForwardArgs { w: &p.x, ..p.args() }), "w is BFloat16 [3, 8]");
+        refused(check(&ForwardArgs { inv_rms: &p.r.view([3]), ..p.args() }), "inv_rms");
+        let strided = Tensor::zeros([8, 3], (Kind::BFloat16, tch::Device::Cpu)).tr();
+        refused(check(&ForwardArgs { y: &strided, ..p.args() }), "y is not contiguous");
+        refused(check(&ForwardArgs { eps: f64::NAN, ..p.args() }), "eps");
+        let codes = Tensor::zeros([3, 8], (Fp8Format::E4M3.kind(), tch::Device::Cpu));
+        let c = YCodes { codes: &codes, scale: &p.r, amax: &p.r, format: Fp8Format::E4M3 };
+        refused(check(&ForwardArgs { y_codes: Some(c), ..p.args() }), "y scale");
+        refused(forward(&p.args()), "CUDA only");
+    }
+
+    /// With the CPU standing in for CUDA: the route writes HF's LlamaRMSNorm output exactly
+    /// (written here in plain ops), its 1/rms, codes that decode to y within E4M3's half-ulp
+    /// and y's amax.
+    #[test]
+    fn the_cpu_stand_in_writes_what_the_norm_computes() {
+        let _on = crate::routes::on_cpu_for_this_thread(true);
+        let p = Problem::new([5, 24], tch::Device::Cpu);
+        let (codes, scale, amax) = (
+            Tensor::zeros([5, 24], (Fp8Format::E4M3.kind(), tch::Device::Cpu)),
+            Tensor::from_slice(&[4.0f32]),
+            Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
+        );
+        let c = YCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
+        forward(&ForwardArgs { y_codes: Some(c), ..p.args() }).unwrap();
+        // HF's LlamaRMSNorm in plain ops: (x.float() * rsqrt(mean(x²) + eps)).to(bf16) * w.
+        let xf = p.x.to_kind(Kind::Float);
+        let r = (xf.square().mean_dim(-1, true, Kind::Float) + 1e-5).rsqrt();
+        let y = (&xf * &r).to_kind(Kind::BFloat16) * &p.w;
+        assert_eq!((&y - &p.y).abs().max().double_value(&[]), 0.0);
+        assert!(((&r - &p.r) / &r).abs().max().double_value(&[]) < 1e-6);
+        let decoded = codes.to_kind(Kind::Float) * 0.25;
+        let yf = y.to_kind(Kind::Float);
+        assert!((&decoded - &yf).abs().max().double_value(&[]) <= yf.abs().max().double_value(&[]) * 2f64.powi(-4));
+        assert_eq!(amax.double_value(&[0]), yf.abs().max().double_value(&[]));
+    }
+
+    /// The kernel against the LibTorch route on a GPU: inv_rms within 1e-6 relative, y within
+    /// one bf16 ulp, the codes bit for bit those of the kernel's own y, the amax exact, at
+    /// odd widths and a zero row (1/rms = 1/√ε).
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn a_launch_equals_the_libtorch_route() {
+        assert!(tch::Cuda::is_available(), "this test needs a CUDA device");
+        let dev = tch::Device::Cuda(0);
+        for shape in [[1, 1], [7, 33], [64, 8192], [3, 1000]] {
+            let (mine, want) = (Problem::new(shape, dev), Problem::new(shape, dev));
+            let _ = mine.x.get(0).zero_();
+            want.x.shallow_clone().copy_(&mine.x);
+            want.w.shallow_clone().copy_(&mine.w);
+            let scale = Tensor::from_slice(&[8.0f32]).to_device(dev);
+            let codes = Tensor::zeros(shape, (Kind::Float, dev)).to_kind(Fp8Format::E4M3.kind());
+            let amax = Tensor::zeros([1], (Kind::Float, dev));
+            let c = YCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
+            forward(&ForwardArgs { y_codes: Some(c), ..mine.args() }).unwrap();
+            stand_in(&want.args());
+            let rel = ((&mine.r - &want.r) / &want.r).abs().max().double_value(&[]);
+            assert!(rel < 1e-6, "inv_rms off by {rel}, {shape:?}");
+            let (y, y_want) = (mine.y.to_kind(Kind::Float), want.y.to_kind(Kind::Float));
+            let off = ((&y - &y_want).abs() - y_want.abs() * 2f64.powi(-7)).max().double_value(&[]);
+            assert!(off <= 1e-30, "y, {shape:?}");
+            let bits = |t: &Tensor| {
+                Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8).view([-1]).to_device(tch::Device::Cpu)).unwrap()
+            };
+            let c = YCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
+            assert_eq!(bits(&codes), bits(&codes_of(&mine.y, &c)), "codes, {shape:?}");
+            assert_eq!(amax.double_value(&[0]), y.abs().max().double_value(&[]), "amax, {shape:?}");
+        }
+    }
+}
