@@ -19,7 +19,9 @@ pub use crate::rope::{apply_rope, rope_tables, rope_tables_at};
 use crate::saved::Saved;
 
 use crate::dropout::BlockSeeds;
-use crate::precision::{Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
+use crate::precision::{
+    Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, sharing_input_codes, swiglu, tch_device,
+};
 use crate::shard::{Sharding, WeightShard};
 
 /// Where a forward's tokens are: RoPE's tables at their positions and, for packed rows, where
@@ -191,8 +193,9 @@ impl Attention {
                     fused.narrow(2, (h + kv) * hd, kv * hd),
                 )
             }
+            // One input, quantised once for the three FP8 GEMMs.
             (None, Some(q), Some(k), Some(v)) => {
-                (q.forward(x.clone(), train), k.forward(x.clone(), train), v.forward(x, train))
+                sharing_input_codes(|| (q.forward(x.clone(), train), k.forward(x.clone(), train), v.forward(x, train)))
             }
             _ => unreachable!("the loader builds either qkv_proj or all of q/k/v_proj"),
         };
@@ -246,8 +249,8 @@ impl Mlp {
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
     pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let gate = self.gate_proj.forward(x.clone(), train);
-        let up = self.up_proj.forward(x, train);
+        let (gate, up) =
+            sharing_input_codes(|| (self.gate_proj.forward(x.clone(), train), self.up_proj.forward(x, train)));
         // The fused op keeps only gate and up for backward (Burn's composite keeps four
         // tensors of this size); it is a LibTorch extension.
         let hidden =

@@ -1,7 +1,7 @@
 //! Launching `swiglu_fp8.cu`: SwiGLU's forward writing bf16 h, down_proj's FP8 input and
 //! gate/up kept as E4M3 codes ([`forward`]), and its backward reading those codes
 //! ([`backward`]). The argument checks run anywhere; launching needs CUDA tensors and is
-//! untested on a GPU until the bundle's CUDA test (`precision::swiglu`'s
+//! untested on a GPU until the bundle's CUDA test (`precision::swiglu_route`'s
 //! `launches_equal_the_libtorch_route`, against the LibTorch route held there) ran on one.
 
 use super::checks::Expect;
@@ -113,7 +113,7 @@ fn blocks(n: i64) -> (u32, u32, u32) {
 /// The forward on the gate's CUDA device (two launches: the amaxes, then the pass), on the
 /// default stream, without waiting: `Ok(true)`. `Ok(false)` where the CPU stands in for CUDA
 /// (`LLORA_CUDA_ROUTES_ON_CPU=1`): nothing was written, the caller runs its LibTorch route
-/// (`precision/swiglu.rs`, which holds the reference).
+/// (`precision/swiglu_route.rs`, which holds the reference).
 pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
     check_forward(a)?;
     let Some(index) = cuda_index(a.gate, "llora_swiglu_fp8_forward_bf16")? else { return Ok(false) };

@@ -15,6 +15,100 @@ use super::weights::StoredWeight;
 use crate::fp8::{Fp8Format, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;
 
+/// One quantisation per shared input (#50 item 2): q, k and v (and gate and up) read one
+/// input, and their input scales, made from the same amax history, are equal, so within
+/// [`sharing_input_codes`] the input's codes and amax are made once and reused by every
+/// projection asking at the same scale and format. Bitwise the same as quantising each time.
+mod shared_input {
+    use std::cell::{Cell, RefCell};
+
+    use crate::fp8::Fp8Format;
+
+    /// The input last quantised in the current scope, its codes and amax.
+    struct Last {
+        /// The input itself (kept alive for the scope: its address cannot be reused meanwhile).
+        x: tch::Tensor,
+        /// Its version counter when quantised (an in-place change since misses).
+        version: i64,
+        scale: u32,
+        format: Fp8Format,
+        codes: tch::Tensor,
+        amax: tch::Tensor,
+    }
+
+    thread_local! {
+        /// Whether this thread is inside [`super::sharing_input_codes`].
+        static ON: Cell<bool> = const { Cell::new(false) };
+        static LAST: RefCell<Option<Last>> = const { RefCell::new(None) };
+    }
+
+    impl Last {
+        fn is(&self, x: &tch::Tensor, scale: f32, format: Fp8Format) -> bool {
+            self.x.data_ptr() == x.data_ptr()
+                && self.x.size() == x.size()
+                && self.x.stride() == x.stride()
+                && self.x.kind() == x.kind()
+                && self.x.device() == x.device()
+                && self.version == x.internal_version()
+                && self.scale == scale.to_bits()
+                && self.format == format
+        }
+    }
+
+    /// [`crate::fp8::quantize_and_amax`], reusing the scope's last result for the same input at
+    /// the same scale and format. No borrow is held while quantising.
+    pub(super) fn quantize_and_amax(x: &tch::Tensor, scale: f32, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
+        if !ON.with(Cell::get) {
+            return crate::fp8::quantize_and_amax(x, scale, format);
+        }
+        let hit = LAST.with(|l| {
+            l.borrow()
+                .as_ref()
+                .filter(|last| last.is(x, scale, format))
+                .map(|last| (last.codes.shallow_clone(), last.amax.shallow_clone()))
+        });
+        if let Some(found) = hit {
+            return found;
+        }
+        let (codes, amax) = crate::fp8::quantize_and_amax(x, scale, format);
+        let last = Last {
+            x: x.shallow_clone(),
+            version: x.internal_version(),
+            scale: scale.to_bits(),
+            format,
+            codes: codes.shallow_clone(),
+            amax: amax.shallow_clone(),
+        };
+        LAST.with(|l| *l.borrow_mut() = Some(last));
+        (codes, amax)
+    }
+
+    /// Turns sharing on for this thread until dropped, then restores what was before and lets
+    /// go of the kept input.
+    pub(super) struct Scope(bool);
+
+    impl Scope {
+        pub(super) fn enter() -> Self {
+            Self(ON.with(|on| on.replace(true)))
+        }
+    }
+
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            ON.with(|on| on.set(self.0));
+            LAST.with(|l| l.borrow_mut().take());
+        }
+    }
+}
+
+/// Runs `f` (the projections reading one input: q/k/v, gate/up) with forward-GEMM inputs
+/// quantised once per input, scale and format on this thread (see `shared_input`); the
+/// input and its codes are let go when `f` returns.
+pub fn sharing_input_codes<T>(f: impl FnOnce() -> T) -> T {
+    let _scope = shared_input::Scope::enter();
+    f()
+}
+
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
 /// nodes of its uses (which record amaxes into it).
 #[derive(Debug)]
@@ -91,7 +185,11 @@ impl LinearQuant {
             (train && state.initialized && x.numel() > 0, state.scale)
         };
         if ready {
-            let (codes, amax) = crate::fp8::quantize_and_amax(x, scale, format);
+            let (codes, amax) = if role == Role::Input {
+                shared_input::quantize_and_amax(x, scale, format)
+            } else {
+                crate::fp8::quantize_and_amax(x, scale, format)
+            };
             self.lazy.lock().unwrap()[role as usize].push(amax);
             return (codes, scale);
         }

@@ -42,10 +42,10 @@ mod nodes;
 pub mod scaled_mm;
 mod scaling;
 mod spec;
-pub mod swiglu;
+pub mod swiglu_route;
 pub(crate) mod weights;
 
-pub use linear::{LinearQuant, LinearWeight};
+pub use linear::{LinearQuant, LinearWeight, sharing_input_codes};
 pub use nodes::{
     LowPrecisionBackend, frozen_linear, quant_linear, stored_row_terms, swiglu, take_saved_bytes, weight_row_terms,
 };
@@ -197,6 +197,67 @@ mod tests {
         // kernel (the saved input is kept as its FP8 codes); the first with scales read first.
         assert_eq!(kernel_counts.kernel, 12, "{kernel_counts:?}");
         assert!(kernel == plain, "outputs, gradients or scales differ on the kernel's route");
+    }
+
+    /// Three projections of one input (q, k, v) inside `sharing_input_codes` quantise the
+    /// input once per step where outside they quantise it three times, and give the same
+    /// outputs, gradients and next scales bit for bit over three steps (the scales, made from
+    /// one amax history, stay equal); a changed input in the scope is quantised anew.
+    #[test]
+    fn projections_of_one_input_share_its_codes() {
+        let _rng = crate::device::torch_rng_lock();
+        let device = Device::libtorch().autodiff();
+        device.seed(8);
+        let (n, k, m) = (9, 24, 16);
+        let x0 = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.5), &device);
+        let ws: Vec<_> = (0..3).map(|_| Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device)).collect();
+        let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
+        let run = |share: bool| {
+            let quants: Vec<_> = (0..3).map(|_| Arc::new(LinearQuant::new(fp8_spec(true, false)))).collect();
+            let mut out = Vec::new();
+            let mut counts = Vec::new();
+            for _ in 0..3 {
+                let x = x0.clone().require_grad();
+                let _ = crate::fp8::take_quantiser_counts();
+                let project = || -> Vec<Tensor<2>> {
+                    quants
+                        .iter()
+                        .zip(&ws)
+                        .map(|(q, w)| quant_linear(x.clone().unsqueeze::<3>(), w.clone(), q, true).squeeze::<2>())
+                        .collect()
+                };
+                let ys = if share { sharing_input_codes(project) } else { project() };
+                let c = crate::fp8::take_quantiser_counts();
+                counts.push(c.kernel + c.two_pass + c.via_f32);
+                let loss = ys
+                    .iter()
+                    .fold(Tensor::<2>::zeros([n, m], &device).sum(), |acc, y| acc + (y.clone() * g0.clone()).sum());
+                let grads = loss.backward();
+                out = ys
+                    .iter()
+                    .map(|y| host(&y.clone().inner()))
+                    .chain([host(&x.grad(&grads).unwrap())])
+                    .collect::<Vec<_>>()
+                    .concat();
+                quants.iter().for_each(|q| q.update());
+            }
+            out.extend(quants.iter().map(|q| q.scales.lock().unwrap().input.scale));
+            (out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), counts)
+        };
+        let (apart, apart_counts) = run(false);
+        let (shared, shared_counts) = run(true);
+        assert!(shared == apart, "sharing the input's codes changed outputs, gradients or scales");
+        // Forward quantisations after the first step (which reads each amax first, makes each
+        // scale then and shares nothing): x for each projection and each one's W (a
+        // parameter) apart; x once shared.
+        assert_eq!((&apart_counts[1..], &shared_counts[1..]), (&[6, 6][..], &[4, 4][..]));
+        // A different input in the scope is not mistaken for the last one.
+        let q = Arc::new(LinearQuant::new(fp8_spec(true, false)));
+        let y = |x: Tensor<2>| host(&quant_linear(x.unsqueeze::<3>(), ws[0].clone(), &q, true).squeeze::<2>().inner());
+        let _ = y(x0.clone());
+        q.update();
+        let (a, b) = sharing_input_codes(|| (y(x0.clone()), y(x0.clone() * 2.0)));
+        assert_ne!(a, b);
     }
 
     /// On bf16 activations (as training in FP8 runs them) the FP8 GEMMs write bf16: y and dx

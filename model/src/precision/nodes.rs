@@ -226,16 +226,16 @@ impl Kept {
 #[derive(Debug)]
 struct SwigluBackward;
 
-/// SwiGLU's backward on our kernel (`swiglu.rs`), reading gate's and up's E4M3 codes
+/// SwiGLU's backward on our kernel (`swiglu_route.rs`), reading gate's and up's E4M3 codes
 /// directly: `None` where they are not both codes, the route is not taken, or it fails
 /// (logged; the LibTorch ops run).
 fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tensor, tch::Tensor)> {
     let (Kept::Fp8(gate, gate_inv), Kept::Fp8(up, up_inv)) = kept else { return None };
-    if !super::swiglu::takes_kernel(grad, Storage::Fp8) {
+    if !super::swiglu_route::takes_kernel(grad, Storage::Fp8) {
         return None;
     }
     let scale_inv = tch::Tensor::stack(&[gate_inv.tensor.reshape([]), up_inv.tensor.reshape([])], 0);
-    super::swiglu::backward(&gate.tensor, &up.tensor, &scale_inv, grad)
+    super::swiglu_route::backward(&gate.tensor, &up.tensor, &scale_inv, grad)
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU backward failed, LibTorch's runs: {e}"))
         .ok()
 }
@@ -243,10 +243,10 @@ fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tens
 /// SwiGLU's forward on our kernel, keeping gate and up as its E4M3 codes: `None` where the
 /// route is not taken or fails (logged; the LibTorch ops run).
 fn kernel_forward(gate: &TchTensor, up: &TchTensor, storage: Storage) -> Option<(TchTensor, (Kept, Kept))> {
-    if !super::swiglu::takes_kernel(&gate.tensor, storage) {
+    if !super::swiglu_route::takes_kernel(&gate.tensor, storage) {
         return None;
     }
-    let f = super::swiglu::forward(&gate.tensor, &up.tensor)
+    let f = super::swiglu_route::forward(&gate.tensor, &up.tensor)
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU forward failed, LibTorch's runs: {e}"))
         .ok()?;
     let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(TchTensor::new(codes), TchTensor::new(f.scale_inv.get(i)));

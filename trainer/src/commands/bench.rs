@@ -625,7 +625,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "attn_impl": llora_model::attention::kernels_used(),
         "rms_norm": if llora_model::norm::fused_kernels_used() { "cuda-fused" } else { "composite" },
         // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
-        "swiglu": if llora_model::precision::swiglu::used() { "kernel" } else { "libtorch" },
+        "swiglu": if llora_model::precision::swiglu_route::used() { "kernel" } else { "libtorch" },
         "loadavg_start": la0, "loadavg_end": loadavg(),
         "build_s": (built.build_s * 100.0).round() / 100.0,
         "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),

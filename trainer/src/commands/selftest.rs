@@ -71,10 +71,10 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
                 .map(|()| "codes, transpose and amax equal the f32 route's, bit for bit".to_string());
             checks.push(Check::new(llora_model::fp8::KERNEL_CHECK, false, result));
             // FP8-kept SwiGLU falls back to LibTorch's ops without it.
-            let result = llora_model::precision::swiglu::verdict(dev).map(|()| {
+            let result = llora_model::precision::swiglu_route::verdict(dev).map(|()| {
                 "codes and scales equal the LibTorch route's bit for bit, h and gradients within a bf16 ulp".to_string()
             });
-            checks.push(Check::new(llora_model::precision::swiglu::CHECK, false, result));
+            checks.push(Check::new(llora_model::precision::swiglu_route::CHECK, false, result));
         }
     }
     if only("attention") {
