@@ -73,8 +73,8 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     }
 }
 
-/// A short FP8 bench on the CPU: with the switch, every step takes our quantise kernel (its
-/// CPU stand-in) for delayed scaling and the two-pass quantiser for current scaling,
+/// A short FP8 bench on the CPU: with the switch, every step takes our quantise kernels (their
+/// CPU stand-ins) for delayed and current scaling and our SwiGLU kernel,
 /// the norm the fused route and attention cuDNN's route, and the JSON says so; without it,
 /// the f32 quantiser. Under `RUST_LOG=debug` the log names each place before it starts (a
 /// hang's last line says where it is): every decoder layer built, every weight converted, the
@@ -102,9 +102,10 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(ok, "{stderr}");
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["cuda_routes_on_cpu"], true, "{r}");
-    // Delayed scaling on our kernel (its CPU stand-in), current scaling on the two-pass route,
-    // except SwiGLU's FP8-kept inputs: our SwiGLU kernel quantises them itself.
-    assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["kernel", "two-pass"], ["kernel", "two-pass"]]), "{r}");
+    // Delayed and current scaling on our quantise kernels (their CPU stand-ins), SwiGLU's
+    // FP8-kept inputs on our SwiGLU kernel: no quantisation left on LibTorch's routes.
+    assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["kernel"], ["kernel"]]), "{r}");
+    assert_eq!(r["fp8_quantisations"]["two_pass"], 0, "{r}");
     assert_eq!(r["swiglu"], "kernel", "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");

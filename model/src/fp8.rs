@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::fp8_format::Fp8Format;
 use crate::kernels::KernelError;
-use crate::kernels::fp8_quantize::{self, QuantizeArgs};
+use crate::kernels::fp8_quantize::{self, CurrentArgs, QuantizeArgs};
 
 /// Saturating quantisation on a LibTorch tensor: `clamp(x·scale, ±max)` cast to the 1-byte
 /// dtype of `format` (NaN stays NaN).
@@ -92,7 +92,7 @@ fn check_values() -> tch::Tensor {
 
 /// The bytes of a tensor (FP8 codes) on the host, for bit-for-bit comparisons.
 fn bits(t: &tch::Tensor) -> Result<Vec<u8>, tch::TchError> {
-    Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).reshape([-1]).to_device(tch::Device::Cpu))
+    Vec::<u8>::try_from(&t.reshape([-1]).view_dtype(tch::Kind::Uint8).to_device(tch::Device::Cpu))
 }
 
 /// [`check_kernel`] on `device` once per process, its result kept (`llora selftest`).
@@ -123,6 +123,26 @@ pub fn check_kernel(device: tch::Device) -> Result<(), String> {
             if got.to_bits() != reference.to_bits() && !(got.is_nan() && reference.is_nan()) {
                 return Err(format!("{what}: amax {got} against {reference}"));
             }
+            check_current_kernel(&x, format).map_err(|e| format!("{what}, current scaling: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Current scaling on our kernels against the f32 route with the scale computed as
+/// [`current_scale`] does: codes and inverse scale bit for bit, on x as given, on x without
+/// its NaN (a finite amax: scale ≠ 1) and on zeros (scale 1).
+fn check_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(), String> {
+    let finite = x.nan_to_num(0.0, 0.0, 0.0);
+    for x in [x.shallow_clone(), finite.shallow_clone(), finite.zeros_like()] {
+        let (codes, scale_inv) = quantize_current_kernel(&x, format).map_err(|e| e.to_string())?;
+        let (scale, want_inv) = current_scale(&x, format);
+        let want = quantize_via_f32_by(&x, &scale, format);
+        if bits(&codes).ok() != bits(&want).ok() || bits(&scale_inv).ok() != bits(&want_inv).ok() {
+            return Err(format!(
+                "codes or inverse scale differ from the f32 route (amax {})",
+                amax_abs_max(&x).double_value(&[])
+            ));
         }
     }
     Ok(())
@@ -290,6 +310,15 @@ pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
 /// the device. Returns the codes and `1 / scale` as a 0-dim f32 tensor on `x`'s device: the
 /// same f32 arithmetic as [`Fp8Tensor::quantize_current`], so the same codes.
 pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
+    if kernel_route(x) && x.numel() > 0 {
+        match quantize_current_kernel(x, format) {
+            Ok(done) => {
+                count(Route::Kernel);
+                return done;
+            }
+            Err(e) => tracing::warn!("our current-scaling kernel failed, the LibTorch route runs: {e}"),
+        }
+    }
     let (scale, scale_inv) = current_scale(x, format);
     let codes = match two_pass_route(x).then(|| quantize_clamped_by(x, &scale, &scale_inv, format)) {
         Some(Ok(codes)) => {
@@ -302,6 +331,17 @@ pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::T
         }
     };
     (codes, scale_inv)
+}
+
+/// [`quantize_current_on_device`] on our kernels (`kernels/fp8_quantize.cu`): an amax pass,
+/// then one pass writing the codes at the scale computed on the device.
+fn quantize_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(tch::Tensor, tch::Tensor), KernelError> {
+    let x = x.contiguous();
+    let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
+    let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
+    let scale_inv = tch::Tensor::zeros([] as [i64; 0], (tch::Kind::Float, x.device()));
+    fp8_quantize::quantize_current(&CurrentArgs { x: &x, out: &out, amax: &amax, scale_inv: &scale_inv, format })?;
+    Ok((out, scale_inv))
 }
 
 /// `(max / amax(x), its inverse)` as 0-dim f32 tensors on x's device, read by nobody; 1 where
@@ -714,8 +754,8 @@ mod tests {
     /// runs the routes' check, which quantises and takes the amax itself and so asks for the
     /// verdict being made (the second GPU run's self-deadlock: a lock held across the check).
     /// It ends within the time limit, passes, and later quantisations take our kernel's route
-    /// (delayed scaling, its CPU stand-in here), the two-pass route (current scaling) and the
-    /// ∞-norm amax, counted, with the f32 route's codes.
+    /// (delayed and current scaling, its CPU stand-in here) and the ∞-norm amax, counted, with
+    /// the f32 route's codes.
     #[test]
     fn the_cuda_routes_check_runs_once_on_the_cpu_without_deadlock() {
         crate::routes::tests::on_cpu_within(60, "FP8 routes' first use", || {
@@ -733,11 +773,11 @@ mod tests {
             assert_eq!(bits(&current), bits(&quantize_via_f32_by(&x, &scale, Fp8Format::E5M2)));
             assert_eq!(
                 counts,
-                QuantiserCounts { kernel: 1, two_pass: 1, via_f32: 0 },
+                QuantiserCounts { kernel: 2, two_pass: 0, via_f32: 0 },
                 "the checks' own quantisations are not counted"
             );
-            assert_eq!(counts.routes(), ["kernel", "two-pass"]);
-            // Delayed scaling took our kernel (its CPU stand-in), which passed its own check.
+            assert_eq!(counts.routes(), ["kernel"]);
+            // Both took our kernels (their CPU stand-ins), which passed their own check.
             assert_eq!(kernel(tch::Device::Cpu), Ok(()));
             assert_eq!(amax_on_device(&x).double_value(&[]), amax_norm(&x).double_value(&[]));
         });

@@ -1,7 +1,8 @@
 // FP8 quantisation in one pass over the input: each element scaled, clamped to the format's
 // largest finite value (NaN kept) and rounded to nearest-even into E4M3 or E5M2 codes, the
 // codes written row-major and, when asked, transposed; the absolute maximum of the input
-// (NaN if it holds one) folded into a device scalar with one atomic per block.
+// (NaN if it holds one) folded into a device scalar with one atomic per block. Current scaling
+// in two passes (amax, then codes at fp8_max / amax computed on the device: nothing read back).
 //
 // The reference it must equal bit for bit is llora's LibTorch route (model/src/fp8.rs,
 // `quantize_via_f32`): float(x) * scale, clamp to [-max, max], cast. Compiled at run time by
@@ -85,4 +86,48 @@ extern "C" __global__ void llora_fp8_quantize_transpose_bf16(const __nv_bfloat16
                                                              long rows, long cols, float scale, float limit,
                                                              int e5m2) {
     quantize_transpose(x, out, out_t, amax_bits, rows, cols, scale, limit, e5m2 != 0);
+}
+
+// Current scaling, pass 1: *amax_bits |= amax(x) as ordered bits (zero it first).
+template <typename T>
+__device__ void amax_only(const T* x, unsigned int* amax_bits, long n) {
+    unsigned int mine = 0u;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        mine = max(mine, abs_bits(load(x, i)));
+    }
+    fold_amax(mine, amax_bits);
+}
+
+// Current scaling, pass 2: codes at limit / amax (current_scale), the inverse scale written by
+// thread 0 of block 0 (model/src/fp8.rs `current_scale`: 1 where the amax is 0 or not finite).
+template <typename T>
+__device__ void quantize_current(const T* x, unsigned char* out, const unsigned int* amax_bits, float* scale_inv,
+                                 long n, float limit, bool e5m2) {
+    float scale = current_scale(*amax_bits, limit);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *scale_inv = 1.0f / scale;
+    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        out[i] = encode(load(x, i), scale, limit, e5m2);
+    }
+}
+
+extern "C" __global__ void llora_fp8_amax_f32(const float* x, unsigned int* amax_bits, long n) {
+    amax_only(x, amax_bits, n);
+}
+
+extern "C" __global__ void llora_fp8_amax_bf16(const __nv_bfloat16* x, unsigned int* amax_bits, long n) {
+    amax_only(x, amax_bits, n);
+}
+
+extern "C" __global__ void llora_fp8_quantize_current_f32(const float* x, unsigned char* out,
+                                                          const unsigned int* amax_bits, float* scale_inv, long n,
+                                                          float limit, int e5m2) {
+    quantize_current(x, out, amax_bits, scale_inv, n, limit, e5m2 != 0);
+}
+
+extern "C" __global__ void llora_fp8_quantize_current_bf16(const __nv_bfloat16* x, unsigned char* out,
+                                                           const unsigned int* amax_bits, float* scale_inv, long n,
+                                                           float limit, int e5m2) {
+    quantize_current(x, out, amax_bits, scale_inv, n, limit, e5m2 != 0);
 }

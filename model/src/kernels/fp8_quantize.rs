@@ -18,6 +18,10 @@ pub const SOURCE: Source = Source {
         "llora_fp8_quantize_bf16",
         "llora_fp8_quantize_transpose_f32",
         "llora_fp8_quantize_transpose_bf16",
+        "llora_fp8_amax_f32",
+        "llora_fp8_amax_bf16",
+        "llora_fp8_quantize_current_f32",
+        "llora_fp8_quantize_current_bf16",
     ],
 };
 
@@ -118,6 +122,85 @@ pub fn check(a: &QuantizeArgs<'_>) -> Result<Launch, KernelError> {
     Ok(Launch { kernel, dims: [rows, cols] })
 }
 
+/// What current scaling reads and writes: the codes at `fp8_max / amax(x)` (1 where the amax
+/// is zero or not finite), the scale computed on the device.
+#[derive(Debug)]
+pub struct CurrentArgs<'a> {
+    /// The input: f32 or bf16, contiguous.
+    pub x: &'a tch::Tensor,
+    /// The codes, `x`'s shape, in `format`'s dtype, contiguous.
+    pub out: &'a tch::Tensor,
+    /// One f32: x's amax, written (a scratch the passes share).
+    pub amax: &'a tch::Tensor,
+    /// One f32: `1 / scale`, written.
+    pub scale_inv: &'a tch::Tensor,
+    /// E4M3 or E5M2.
+    pub format: Fp8Format,
+}
+
+/// Checks current scaling's arguments: those of [`check`] for x and out, and the two scalars.
+pub fn check_current(a: &CurrentArgs<'_>) -> Result<&'static str, KernelError> {
+    let plain = QuantizeArgs { x: a.x, out: a.out, out_t: None, amax: Some(a.amax), scale: 1.0, format: a.format };
+    let kernel = if check(&plain)?.kernel.ends_with("bf16") {
+        "llora_fp8_quantize_current_bf16"
+    } else {
+        "llora_fp8_quantize_current_f32"
+    };
+    let e = super::checks::Expect { kernel, device: a.x.device(), shape: &[1] };
+    e.tensor("amax", a.amax, tch::Kind::Float, None)?;
+    let inv = a.scale_inv;
+    if inv.kind() != tch::Kind::Float || inv.numel() != 1 || inv.device() != a.x.device() {
+        let what =
+            format!("scale_inv is {:?} {:?} on {:?}: want one f32 on x's device", inv.kind(), inv.size(), inv.device());
+        return Err(KernelError::Arguments { kernel, what });
+    }
+    Ok(kernel)
+}
+
+/// Current scaling on x's CUDA device in two launches (the amax, then the codes), on the
+/// default stream, nothing read back.
+pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<(), KernelError> {
+    let kernel = check_current(a)?;
+    let Some(index) = cuda_index(a.x, kernel)? else {
+        stand_in_current(a);
+        return Ok(());
+    };
+    let _ = a.amax.shallow_clone().zero_();
+    let mut n = a.x.numel() as i64;
+    if n == 0 {
+        let _ = a.scale_inv.shallow_clone().fill_(1.0);
+        return Ok(());
+    }
+    let blocks = (ceil_div(n, i64::from(THREADS)).min(MAX_BLOCKS) as u32, 1, 1);
+    let (mut x, mut out, mut amax, mut inv) =
+        (address(Some(a.x)), address(Some(a.out)), address(Some(a.amax)), address(Some(a.scale_inv)));
+    let amax_kernel = if kernel.ends_with("bf16") { "llora_fp8_amax_bf16" } else { "llora_fp8_amax_f32" };
+    // SAFETY: (x, amax bits, n) as the amax kernel takes them; checked above.
+    unsafe {
+        launch_kernel(&SOURCE, index, amax_kernel, blocks, THREADS, &mut [arg(&mut x), arg(&mut amax), arg(&mut n)])?
+    };
+    let (mut limit, mut e5m2) = (a.format.max(), i32::from(a.format == Fp8Format::E5M2));
+    let mut p =
+        [arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut inv), arg(&mut n), arg(&mut limit), arg(&mut e5m2)];
+    // SAFETY: the current-scaling kernel's parameters in order and type; checked above.
+    unsafe { launch_kernel(&SOURCE, index, kernel, blocks, THREADS, &mut p) }
+}
+
+/// Current scaling in LibTorch ops (the CPU stand-in): the amax, `max / amax` in f32 (1 where
+/// that is not finite or zero), the codes through f32.
+fn stand_in_current(a: &CurrentArgs<'_>) {
+    let _no_grad = tch::no_grad_guard();
+    let amax = a.x.to_kind(tch::Kind::Float).abs().max();
+    let mut scale = amax.full_like(f64::from(a.format.max())) / &amax;
+    let _ = scale.nan_to_num_(1.0, 1.0, 1.0);
+    let _ = scale.g_add_(&scale.eq(0.0));
+    a.amax.shallow_clone().copy_(&amax.reshape([1]));
+    a.scale_inv.shallow_clone().copy_(&scale.reciprocal().reshape(a.scale_inv.size()));
+    let limit = f64::from(a.format.max());
+    let codes = (a.x.to_kind(tch::Kind::Float) * &scale).clamp(-limit, limit).to_kind(a.format.kind());
+    a.out.shallow_clone().copy_(&codes);
+}
+
 /// What the kernel computes, in LibTorch ops: on the CPU under `LLORA_CUDA_ROUTES_ON_CPU=1`
 /// it stands in for the kernel, so that the route's control flow (first-use check, verdict,
 /// counting) runs in CI; the arithmetic is the LibTorch route's (scale in f32, clamp, cast).
@@ -175,6 +258,13 @@ mod tests {
         QuantizeArgs { x, out, out_t: None, amax: None, scale: 2.0, format: Fp8Format::E4M3 }
     }
 
+    fn refused_current(a: CurrentArgs<'_>, word: &str) {
+        match check_current(&a) {
+            Err(KernelError::Arguments { what, .. }) => assert!(what.contains(word), "{what}"),
+            other => panic!("expected a refusal naming {word}, got {other:?}"),
+        }
+    }
+
     /// Valid arguments pick the kernel by dtype and transpose; each wrong argument is refused
     /// naming it: dtype, shape, contiguity, the transpose's shape, the amax, the scale.
     #[test]
@@ -204,6 +294,11 @@ mod tests {
         refused(QuantizeArgs { amax: Some(&wide), ..args(&x, &out) }, "amax");
         refused(QuantizeArgs { scale: 0.0, ..args(&x, &out) }, "scale");
         refused(QuantizeArgs { scale: f32::NAN, ..args(&x, &out) }, "scale");
+        let one = Tensor::zeros([1], cpu);
+        let current = |amax, scale_inv| CurrentArgs { x: &x, out: &out, amax, scale_inv, format: Fp8Format::E4M3 };
+        assert_eq!(check_current(&current(&one, &one)).unwrap(), "llora_fp8_quantize_current_f32");
+        refused_current(current(&wide, &one), "amax");
+        refused_current(current(&one, &wide), "scale_inv");
         // CPU tensors pass the checks but never reach a launch.
         match quantize(&args(&x, &out)) {
             Err(KernelError::Arguments { what, .. }) => assert!(what.contains("CUDA only"), "{what}"),
@@ -251,6 +346,15 @@ mod tests {
                     let what = format!("{rows}x{cols} {kind:?} {format:?}");
                     assert_eq!(bits(&out), bits(&want), "codes, {what}");
                     assert_eq!(bits(&out_t), bits(&want.tr().contiguous()), "transposed codes, {what}");
+                    let (cur, cur_want) = (out.empty_like(), out.empty_like());
+                    let scratch = || (Tensor::zeros([1], (Kind::Float, dev)), Tensor::zeros([1], (Kind::Float, dev)));
+                    let ((a1, i1), (a2, i2)) = (scratch(), scratch());
+                    let finite = xk.nan_to_num(0.0, 0.0, 0.0);
+                    quantize_current(&CurrentArgs { x: &finite, out: &cur, amax: &a1, scale_inv: &i1, format })
+                        .unwrap();
+                    stand_in_current(&CurrentArgs { x: &finite, out: &cur_want, amax: &a2, scale_inv: &i2, format });
+                    assert_eq!(bits(&cur), bits(&cur_want), "current-scaling codes, {what}");
+                    assert_eq!(bits(&i1), bits(&i2), "current scaling's inverse scale, {what}");
                     let want_amax = xk.to_kind(Kind::Float).abs().max().double_value(&[]);
                     let got = amax.double_value(&[0]);
                     assert!(
