@@ -62,6 +62,7 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     let norm = selftest_checks("norm");
     named(&norm, "RMSNorm fused kernels BFloat16");
     named(&norm, "RMSNorm fused kernels Float");
+    named(&norm, "FP8 RMSNorm kernel (ours, NVRTC)");
     let attention = selftest_checks("attention");
     for name in [
         "attention cuda-cudnn BFloat16",
@@ -107,6 +108,8 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["kernel"], ["kernel"]]), "{r}");
     assert_eq!(r["fp8_quantisations"]["two_pass"], 0, "{r}");
     assert_eq!(r["swiglu"], "kernel", "{r}");
+    // The norms wrote their projections' FP8 input (the measured step has scales to use).
+    assert_eq!(r["rms_norm_fp8_codes"], true, "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
@@ -125,6 +128,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(stderr.contains("FP8 two-pass quantiser and one-pass amax: checked against its reference, taken"));
     assert!(stderr.contains("FP8 quantise kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 SwiGLU kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
+    assert!(stderr.contains("FP8 RMSNorm kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
 
     let (ok, stdout, stderr) = llora_within(240, &[], &args);
     assert!(ok, "{stderr}");
@@ -133,6 +137,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["f32"], ["f32"]]), "{r}");
     assert_eq!(r["rms_norm"], "composite", "{r}");
     assert_eq!(r["swiglu"], "libtorch", "{r}");
+    assert_eq!(r["rms_norm_fp8_codes"], false, "{r}");
 }
 
 /// A value of the switch other than 1 or 0 is reported, not silently taken for either.

@@ -88,6 +88,12 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// The delayed input scale of the projection(s) reading the normed input (the fused qkv,
+    /// or q: k and v share it), where it exists ([`LoraLinear::fp8_input_scale`]).
+    pub fn fp8_input_scale(&self, train: bool) -> Option<f32> {
+        self.qkv_proj.as_ref().or(self.q_proj.as_ref())?.fp8_input_scale(train)
+    }
+
     /// What attention keeps for backward per token: q and k after RoPE, v (K/V at their own
     /// head count), its output, and the f32 log-sum-exp per query head (the fused kernels).
     pub fn saved_per_token(c: &LlamaConfig, spec: &PrecisionSpec) -> Vec<Saved> {
@@ -293,8 +299,18 @@ impl DecoderLayer {
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
     pub fn forward(&self, x: Tensor<3>, at: &Positions, train: bool) -> Tensor<3> {
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), at, train);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), train)
+        // Each norm writes, beside its output, the FP8 codes its projections would make (where
+        // our kernel runs and the projections' input scale exists), offered within the scope.
+        let attn = sharing_input_codes(|| {
+            let scale = self.self_attn.fp8_input_scale(train);
+            self.self_attn.forward(self.input_layernorm.forward_fp8(x.clone(), scale), at, train)
+        });
+        let h = x + attn;
+        let mlp = sharing_input_codes(|| {
+            let scale = self.mlp.gate_proj.fp8_input_scale(train);
+            self.mlp.forward(self.post_attention_layernorm.forward_fp8(h.clone(), scale), train)
+        });
+        h + mlp
     }
 
     /// [`Self::forward`] while decoding, with this block's key/value cache

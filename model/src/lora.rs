@@ -330,6 +330,12 @@ impl LoraLinear {
         (w_sq + cross.mul_scalar(2.0 * s) + quad.mul_scalar(s * s)).clamp_min(0.0).sqrt().detach()
     }
 
+    /// The delayed scale this layer's base GEMM will quantise its input with in training
+    /// (FP8, every step after the first): what a norm writing that input's codes uses.
+    pub fn fp8_input_scale(&self, train: bool) -> Option<f32> {
+        self.quant.as_ref()?.ready_input_scale(train)
+    }
+
     /// `x·Wᵀ (+ adapter)`, PEFT's `lora.Linear` forward (with DoRA, its `DoraLinearVariant`).
     ///
     /// # Shapes

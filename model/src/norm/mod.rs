@@ -7,6 +7,7 @@
 
 pub(crate) mod composite;
 mod cuda;
+pub mod fp8_route;
 
 pub use cuda::{used as fused_kernels_used, verify as verify_fused_kernels};
 
@@ -53,11 +54,22 @@ impl RmsNorm {
     /// In the input's dtype; a bf16 input is normalised in f32 and cast back before the gain,
     /// as HF's `LlamaRMSNorm` does (mean(x²) in bf16 would lose the small channels).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_fp8(x, None)
+    }
+
+    /// [`Self::forward`], also writing the output's E4M3 codes at `scale` (the next FP8
+    /// GEMMs' delayed input scale) where our kernel runs ([`fp8_route`]), offered to those
+    /// GEMMs inside a `precision::sharing_input_codes` scope.
+    ///
+    /// # Shapes
+    /// As [`Self::forward`].
+    pub fn forward_fp8(&self, x: Tensor<3>, scale: Option<f32>) -> Tensor<3> {
         if matches!(x.device().inner().as_dispatch(), DispatchDevice::LibTorch(_)) {
             Tensor::from_dispatch(<Dispatch as FusedRmsNormBackend>::rms_norm(
                 x.into_dispatch(),
                 self.weight.val().into_dispatch(),
                 self.eps,
+                scale,
             ))
         } else {
             self.composite(x)
@@ -80,14 +92,32 @@ impl RmsNorm {
 #[backend_extension(Autodiff, LibTorch)]
 pub trait FusedRmsNormBackend: Backend {
     /// `w · x / √(mean(x²) + ε)` over the last dimension, in x's dtype (statistics in f32).
-    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
+    /// With `codes_scale`, the output's FP8 codes are offered to the next GEMMs where our
+    /// kernel runs ([`RmsNorm::forward_fp8`]).
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, codes_scale: Option<f32>) -> FloatTensor<Self>;
 }
 
 /// The norm's output and `inv_rms` (f32, `[.., 1]`), and whether the fused CUDA kernel made them.
 ///
 /// # Shapes
 /// - x: `[.., d]`; w: `[d]`; output: as x, in x's dtype
-fn norm_forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64) -> (tch::Tensor, tch::Tensor, bool) {
+fn norm_forward(
+    x: &tch::Tensor,
+    w: &tch::Tensor,
+    eps: f64,
+    codes_scale: Option<f32>,
+) -> (tch::Tensor, tch::Tensor, bool) {
+    if let Some(scale) = codes_scale.filter(|_| fp8_route::takes_kernel(x)) {
+        match fp8_route::forward(x, w, eps, scale, false) {
+            Ok(n) => {
+                let d = *x.size().last().expect("a norm input has a last dimension");
+                crate::precision::offer_input_codes(&n.y.reshape([-1, d]), scale, n.codes, n.amax);
+                // LibTorch's fused backward reads the same 1/rms where it passed its check.
+                return (n.y, n.inv_rms, cuda::usable(x));
+            }
+            Err(e) => tracing::warn!("our FP8 RMSNorm kernel failed, the norm runs as before: {e}"),
+        }
+    }
     let w = w.to_kind(x.kind());
     if cuda::usable(x) {
         match cuda::forward(x, &w, eps) {
@@ -100,8 +130,8 @@ fn norm_forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64) -> (tch::Tensor, tch
 }
 
 impl FusedRmsNormBackend for LibTorch {
-    fn rms_norm(x: TchTensor, w: TchTensor, eps: f64) -> TchTensor {
-        TchTensor::new(norm_forward(&x.tensor, &w.tensor, eps).0)
+    fn rms_norm(x: TchTensor, w: TchTensor, eps: f64, codes_scale: Option<f32>) -> TchTensor {
+        TchTensor::new(norm_forward(&x.tensor, &w.tensor, eps, codes_scale).0)
     }
 }
 
@@ -162,10 +192,10 @@ impl Backward<LibTorch, 2> for RmsNormBackward {
 }
 
 impl<C: CheckpointStrategy> FusedRmsNormBackend for Autodiff<LibTorch, C> {
-    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, codes_scale: Option<f32>) -> FloatTensor<Self> {
         let nodes = [x.node(), w.node()];
         let (x, w) = (x.into_primitive(), w.into_primitive());
-        let (y, r, fused) = norm_forward(&x.tensor, &w.tensor, eps);
+        let (y, r, fused) = norm_forward(&x.tensor, &w.tensor, eps, codes_scale);
         let y = TchTensor::new(y);
         match RmsNormBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(RmsNormState { x, w, r: TchTensor::new(r), fused }, y),

@@ -44,9 +44,13 @@ mod shared_input {
 
     impl Last {
         fn is(&self, x: &tch::Tensor, scale: f32, format: Fp8Format) -> bool {
+            // The same values: the same storage, as many of them, contiguous both (a view of
+            // `[b, s, d]` as `[b·s, d]` is the same input), unchanged since.
             self.x.data_ptr() == x.data_ptr()
-                && self.x.size() == x.size()
-                && self.x.stride() == x.stride()
+                && self.x.numel() == x.numel()
+                && self.x.size().last() == x.size().last()
+                && self.x.is_contiguous()
+                && x.is_contiguous()
                 && self.x.kind() == x.kind()
                 && self.x.device() == x.device()
                 && self.version == x.internal_version()
@@ -83,6 +87,23 @@ mod shared_input {
         (codes, amax)
     }
 
+    /// Offers `x`'s codes at `scale` and its amax, made elsewhere (the norm before the
+    /// projections writes them beside its output), to the next GEMMs in the scope; nothing
+    /// outside a scope.
+    pub(super) fn offer(x: &tch::Tensor, scale: f32, format: Fp8Format, codes: tch::Tensor, amax: tch::Tensor) {
+        if ON.with(Cell::get) {
+            let last = Last {
+                x: x.shallow_clone(),
+                version: x.internal_version(),
+                scale: scale.to_bits(),
+                format,
+                codes,
+                amax,
+            };
+            LAST.with(|l| *l.borrow_mut() = Some(last));
+        }
+    }
+
     /// Turns sharing on for this thread until dropped, then restores what was before and lets
     /// go of the kept input.
     pub(super) struct Scope(bool);
@@ -107,6 +128,13 @@ mod shared_input {
 pub fn sharing_input_codes<T>(f: impl FnOnce() -> T) -> T {
     let _scope = shared_input::Scope::enter();
     f()
+}
+
+/// Offers the E4M3 codes of `x` at `scale` and its amax (0-dim f32), made by the op that wrote
+/// `x` (the norm before q/k/v or gate/up), to the forward GEMMs inside the current
+/// [`sharing_input_codes`] scope that quantise `x` at that scale; outside a scope, nothing.
+pub fn offer_input_codes(x: &tch::Tensor, scale: f32, codes: tch::Tensor, amax: tch::Tensor) {
+    shared_input::offer(x, scale, Fp8Format::E4M3, codes, amax);
 }
 
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
@@ -196,6 +224,14 @@ impl LinearQuant {
         let amax = amax_tch(x);
         let scale = scale_of(self.scales.lock().unwrap().get_mut(role), amax, &self.spec.amax, train);
         (quantize_tch(x, scale, format), scale)
+    }
+
+    /// The delayed scale this layer's forward GEMM will quantise its input with, where it is
+    /// an FP8 GEMM in training with a scale already made (every step after the first);
+    /// `None` otherwise.
+    pub fn ready_input_scale(&self, train: bool) -> Option<f32> {
+        let st = self.scales.lock().unwrap();
+        (train && self.spec.compute == Compute::Fp8 && st.input.initialized).then_some(st.input.scale)
     }
 
     /// The amaxes recorded on the device since the last call, one 0-dim f32 tensor per role

@@ -45,7 +45,7 @@ mod spec;
 pub mod swiglu_route;
 pub(crate) mod weights;
 
-pub use linear::{LinearQuant, LinearWeight, sharing_input_codes};
+pub use linear::{LinearQuant, LinearWeight, offer_input_codes, sharing_input_codes};
 pub use nodes::{
     LowPrecisionBackend, frozen_linear, quant_linear, stored_row_terms, swiglu, take_saved_bytes, weight_row_terms,
 };

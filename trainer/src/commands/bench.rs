@@ -622,17 +622,26 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         // dispatched, and host-device synchronisations (scalar reads + llora's host reads).
         "ops_per_step": counts.ops, "host_syncs_per_step": counts.host_syncs,
         "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()),
-        "attn_impl": llora_model::attention::kernels_used(),
-        "rms_norm": if llora_model::norm::fused_kernels_used() { "cuda-fused" } else { "composite" },
-        // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
-        "swiglu": if llora_model::precision::swiglu_route::used() { "kernel" } else { "libtorch" },
         "loadavg_start": la0, "loadavg_end": loadavg(),
         "build_s": (built.build_s * 100.0).round() / 100.0,
         "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
             "cuda": llora_model::device::libtorch_cuda()},
     });
     let tokens = (seqs * args.seq_len) as f64;
-    Ok(merged([shape, timed.to_json(tokens, per_step), memory, timed.fp8_json(cuda_index.is_some()), run]))
+    Ok(merged([shape, timed.to_json(tokens, per_step), memory, timed.fp8_json(cuda_index.is_some()), run, routes()]))
+}
+
+/// The kernel routes the run took (CUDA's, or their CPU stand-ins under
+/// `LLORA_CUDA_ROUTES_ON_CPU=1`); the FP8 quantisers' are in `fp8_quantiser_routes`.
+fn routes() -> Value {
+    json!({
+        "attn_impl": llora_model::attention::kernels_used(),
+        "rms_norm": if llora_model::norm::fused_kernels_used() { "cuda-fused" } else { "composite" },
+        // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
+        "swiglu": if llora_model::precision::swiglu_route::used() { "kernel" } else { "libtorch" },
+        // Whether the norms wrote their projections' FP8 input (kernels/rmsnorm_fp8.cu).
+        "rms_norm_fp8_codes": llora_model::norm::fp8_route::used(),
+    })
 }
 
 /// `llora bench` as the command line runs it: prints the record (rank 0 only under a

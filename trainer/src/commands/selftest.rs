@@ -87,6 +87,10 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
                 .map(|()| "forward and backward match the definition in f64".to_string());
             checks.push(Check::new(format!("RMSNorm fused kernels {kind:?}"), false, result));
         }
+        // Without it each FP8 GEMM after a norm quantises the norm's output itself.
+        let result = llora_model::norm::fp8_route::verdict(dev)
+            .map(|()| "1/rms, output and codes equal the LibTorch route's (a bf16 ulp, codes bit for bit)".to_string());
+        checks.push(Check::new(llora_model::norm::fp8_route::CHECK, false, result));
     }
     if only("dropout") {
         checks.push(Check::new("dropout mask redrawn in backward", true, dropout_redraw(&device)));
