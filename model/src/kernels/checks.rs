@@ -2,7 +2,9 @@
 //! device, each refusal naming the kernel and the argument. They run on any device (the CPU
 //! tests check them).
 
+use super::launch::address;
 use super::nvrtc::KernelError;
+use crate::fp8_format::Fp8Format;
 
 /// What a kernel needs of one tensor argument.
 pub struct Expect<'a> {
@@ -36,4 +38,35 @@ impl Expect<'_> {
         };
         Err(KernelError::Arguments { kernel: self.kernel, what })
     }
+}
+
+/// An output's FP8 codes at a delayed scale read from the device, and its amax: what a kernel
+/// writes beside its output for the next GEMM (SwiGLU's h for down_proj, a norm's output for
+/// q/k/v or gate/up).
+#[derive(Debug)]
+pub struct DelayedCodes<'a> {
+    /// The codes (`format`'s dtype, the output's shape).
+    pub codes: &'a tch::Tensor,
+    /// The delayed scale, one f32 on the device (read by the kernel, never by the host).
+    pub scale: &'a tch::Tensor,
+    /// One f32 the output's amax is folded into (max with what it holds, ≥ 0).
+    pub amax: &'a tch::Tensor,
+    /// E4M3 (forward GEMM inputs) or E5M2.
+    pub format: Fp8Format,
+}
+
+impl DelayedCodes<'_> {
+    /// Refuses codes, scale or amax (named `name codes`, ...) unlike what `e` expects.
+    pub fn check(&self, e: &Expect<'_>, name: &str) -> Result<(), KernelError> {
+        e.tensor(&format!("{name} codes"), self.codes, self.format.kind(), None)?;
+        e.tensor(&format!("{name} scale"), self.scale, tch::Kind::Float, Some(&[1]))?;
+        e.tensor(&format!("{name} amax"), self.amax, tch::Kind::Float, Some(&[1]))
+    }
+}
+
+/// The kernel parameters of optional codes: the three addresses (0 for none), the format's
+/// largest value (1 for none) and whether it is E5M2.
+pub fn codes_params(c: Option<&DelayedCodes<'_>>) -> ([u64; 3], f32, i32) {
+    let addresses = [address(c.map(|c| c.codes)), address(c.map(|c| c.scale)), address(c.map(|c| c.amax))];
+    (addresses, c.map_or(1.0, |c| c.format.max()), i32::from(c.is_some_and(|c| c.format == Fp8Format::E5M2)))
 }

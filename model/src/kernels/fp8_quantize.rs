@@ -5,7 +5,7 @@
 
 use std::ffi::c_void;
 
-use super::launch::{address, arg, ceil_div, cuda_index, launch as launch_kernel};
+use super::launch::{THREADS, address, arg, ceil_div, cuda_index, grid_stride, launch as launch_kernel};
 use super::nvrtc::{KernelError, Source};
 use crate::fp8_format::Fp8Format;
 
@@ -25,11 +25,8 @@ pub const SOURCE: Source = Source {
     ],
 };
 
-/// Threads per block and the transpose tile's side, as the source has them.
-const THREADS: u32 = 256;
+/// The transpose tile's side, as the source has it.
 const TILE: i64 = 32;
-/// Most blocks of the grid-stride kernel (enough to fill any current GPU several times over).
-const MAX_BLOCKS: i64 = 65535;
 
 /// What one quantisation reads and writes.
 #[derive(Debug)]
@@ -171,7 +168,7 @@ pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<(), KernelError> {
         let _ = a.scale_inv.shallow_clone().fill_(1.0);
         return Ok(());
     }
-    let blocks = (ceil_div(n, i64::from(THREADS)).min(MAX_BLOCKS) as u32, 1, 1);
+    let blocks = grid_stride(n);
     let (mut x, mut out, mut amax, mut inv) =
         (address(Some(a.x)), address(Some(a.out)), address(Some(a.amax)), address(Some(a.scale_inv)));
     let amax_kernel = if kernel.ends_with("bf16") { "llora_fp8_amax_bf16" } else { "llora_fp8_amax_f32" };
@@ -240,8 +237,7 @@ pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
         let p = vec![arg(&mut x), arg(&mut out), arg(&mut out_t), arg(&mut amax), arg(&mut rows), arg(&mut cols)];
         (grid, p)
     } else {
-        let blocks = ceil_div(n, i64::from(THREADS)).min(MAX_BLOCKS) as u32;
-        ((blocks, 1, 1), vec![arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut n)])
+        (grid_stride(n), vec![arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut n)])
     };
     params.extend([arg(&mut scale), arg(&mut max), arg(&mut e5m2)]);
     // SAFETY: the arguments match the kernel's signature in order and type (checked above:

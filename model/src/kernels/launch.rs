@@ -76,6 +76,18 @@ fn load(source: &'static Source, index: usize) -> Result<Loaded, KernelError> {
     std::panic::catch_unwind(attempt).unwrap_or_else(|p| Err(KernelError::Driver(crate::routes::panic_message(&p))))
 }
 
+/// Threads per block of every kernel (`kThreads` in fp8_device.cuh).
+pub const THREADS: u32 = 256;
+
+/// Most blocks of a grid-stride launch (enough to fill any current GPU several times over).
+const MAX_BLOCKS: i64 = 65535;
+
+/// The grid of a grid-stride launch over `n` elements: one thread each, up to [`MAX_BLOCKS`]
+/// blocks, at least one.
+pub fn grid_stride(n: i64) -> (u32, u32, u32) {
+    (ceil_div(n, i64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32, 1, 1)
+}
+
 /// `a / b` rounded up (`a` ≥ 0, `b` > 0).
 pub fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b

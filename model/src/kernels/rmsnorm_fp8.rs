@@ -3,10 +3,10 @@
 //! argument checks run anywhere; launching needs CUDA tensors and is untested on a GPU until
 //! the bundle's CUDA test (`a_launch_equals_the_libtorch_route`) ran on one.
 
-use super::checks::Expect;
-use super::launch::{address, arg, cuda_index, launch};
+pub use super::checks::DelayedCodes;
+use super::checks::{Expect, codes_params};
+use super::launch::{THREADS, address, arg, cuda_index, launch};
 use super::nvrtc::{KernelError, Source};
-use crate::fp8_format::Fp8Format;
 
 /// The kernel's source (after the shared device helpers).
 pub const SOURCE: Source = Source {
@@ -14,22 +14,6 @@ pub const SOURCE: Source = Source {
     text: concat!(include_str!("fp8_device.cuh"), include_str!("rmsnorm_fp8.cu")),
     kernels: &["llora_rmsnorm_fp8_forward_bf16"],
 };
-
-/// Threads per block (one block per row), as the source has them.
-const THREADS: u32 = 256;
-
-/// The output's FP8 codes, for the GEMMs that read the norm's output.
-#[derive(Debug)]
-pub struct YCodes<'a> {
-    /// y's codes (`format`'s dtype, y's shape).
-    pub codes: &'a tch::Tensor,
-    /// The delayed scale, one f32 on the device.
-    pub scale: &'a tch::Tensor,
-    /// One f32 y's amax is folded into (max with what it holds, ≥ 0).
-    pub amax: &'a tch::Tensor,
-    /// E4M3 (forward GEMM inputs) or E5M2.
-    pub format: Fp8Format,
-}
 
 /// What the forward reads and writes, all contiguous on one device.
 ///
@@ -48,7 +32,7 @@ pub struct ForwardArgs<'a> {
     /// ε inside the square root (finite, ≥ 0).
     pub eps: f64,
     /// The output's codes, when the next GEMMs run in FP8.
-    pub y_codes: Option<YCodes<'a>>,
+    pub y_codes: Option<DelayedCodes<'a>>,
 }
 
 /// Checks the arguments: dtypes, shapes, contiguity, one device, ε, rows within a grid.
@@ -64,9 +48,7 @@ pub fn check(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
     e.tensor("y", a.y, bf16, None)?;
     e.tensor("inv_rms", a.inv_rms, f32, Some(&[rows, 1]))?;
     if let Some(c) = &a.y_codes {
-        e.tensor("y codes", c.codes, c.format.kind(), None)?;
-        e.tensor("y scale", c.scale, f32, Some(&[1]))?;
-        e.tensor("y amax", c.amax, f32, Some(&[1]))?;
+        c.check(&e, "y")?;
     }
     if !(a.eps.is_finite() && a.eps >= 0.0) {
         return refuse(format!("eps {} is not a finite number >= 0", a.eps));
@@ -90,11 +72,8 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
     }
     let (mut x, mut w, mut y, mut r) =
         (address(Some(a.x)), address(Some(a.w)), address(Some(a.y)), address(Some(a.inv_rms)));
-    let codes = a.y_codes.as_ref();
-    let (mut yq, mut ys, mut ya) =
-        (address(codes.map(|c| c.codes)), address(codes.map(|c| c.scale)), address(codes.map(|c| c.amax)));
-    let (mut eps, mut limit) = (a.eps as f32, codes.map_or(1.0, |c| c.format.max()));
-    let mut e5m2 = i32::from(codes.is_some_and(|c| c.format == Fp8Format::E5M2));
+    let ([mut yq, mut ys, mut ya], mut limit, mut e5m2) = codes_params(a.y_codes.as_ref());
+    let mut eps = a.eps as f32;
     let mut p = [
         arg(&mut x),
         arg(&mut w),
@@ -130,7 +109,7 @@ pub fn stand_in(a: &ForwardArgs<'_>) {
 }
 
 /// y's codes at `c`'s scale as LibTorch's route makes them: float(y) · scale, clamped, cast.
-fn codes_of(y: &tch::Tensor, c: &YCodes<'_>) -> tch::Tensor {
+fn codes_of(y: &tch::Tensor, c: &DelayedCodes<'_>) -> tch::Tensor {
     let limit = f64::from(c.format.max());
     (y.to_kind(tch::Kind::Float) * c.scale).clamp(-limit, limit).to_kind(c.format.kind())
 }
@@ -138,6 +117,7 @@ fn codes_of(y: &tch::Tensor, c: &YCodes<'_>) -> tch::Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fp8_format::Fp8Format;
     use tch::{Kind, Tensor};
 
     struct Problem {
@@ -185,7 +165,7 @@ mod tests {
         refused(check(&ForwardArgs { y: &strided, ..p.args() }), "y is not contiguous");
         refused(check(&ForwardArgs { eps: f64::NAN, ..p.args() }), "eps");
         let codes = Tensor::zeros([3, 8], (Fp8Format::E4M3.kind(), tch::Device::Cpu));
-        let c = YCodes { codes: &codes, scale: &p.r, amax: &p.r, format: Fp8Format::E4M3 };
+        let c = DelayedCodes { codes: &codes, scale: &p.r, amax: &p.r, format: Fp8Format::E4M3 };
         refused(check(&ForwardArgs { y_codes: Some(c), ..p.args() }), "y scale");
         refused(forward(&p.args()), "CUDA only");
     }
@@ -202,7 +182,7 @@ mod tests {
             Tensor::from_slice(&[4.0f32]),
             Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
         );
-        let c = YCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
+        let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
         forward(&ForwardArgs { y_codes: Some(c), ..p.args() }).unwrap();
         // HF's LlamaRMSNorm in plain ops: (x.float() * rsqrt(mean(x²) + eps)).to(bf16) * w.
         let xf = p.x.to_kind(Kind::Float);
@@ -232,7 +212,7 @@ mod tests {
             let scale = Tensor::from_slice(&[8.0f32]).to_device(dev);
             let codes = Tensor::zeros(shape, (Kind::Float, dev)).to_kind(Fp8Format::E4M3.kind());
             let amax = Tensor::zeros([1], (Kind::Float, dev));
-            let c = YCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
+            let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
             forward(&ForwardArgs { y_codes: Some(c), ..mine.args() }).unwrap();
             stand_in(&want.args());
             let rel = ((&mine.r - &want.r) / &want.r).abs().max().double_value(&[]);
@@ -243,7 +223,7 @@ mod tests {
             let bits = |t: &Tensor| {
                 Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8).view([-1]).to_device(tch::Device::Cpu)).unwrap()
             };
-            let c = YCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
+            let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
             assert_eq!(bits(&codes), bits(&codes_of(&mine.y, &c)), "codes, {shape:?}");
             assert_eq!(amax.double_value(&[0]), y.abs().max().double_value(&[]), "amax, {shape:?}");
         }

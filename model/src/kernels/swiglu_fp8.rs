@@ -4,8 +4,9 @@
 //! untested on a GPU until the bundle's CUDA test (`precision::swiglu_route`'s
 //! `launches_equal_the_libtorch_route`, against the LibTorch route held there) ran on one.
 
-use super::checks::Expect;
-use super::launch::{address, arg, ceil_div, cuda_index, launch};
+pub use super::checks::DelayedCodes;
+use super::checks::{Expect, codes_params};
+use super::launch::{THREADS, address, arg, cuda_index, grid_stride, launch};
 use super::nvrtc::{KernelError, Source};
 use crate::fp8_format::Fp8Format;
 
@@ -15,23 +16,6 @@ pub const SOURCE: Source = Source {
     text: concat!(include_str!("fp8_device.cuh"), include_str!("swiglu_fp8.cu")),
     kernels: &["llora_swiglu_amax_bf16", "llora_swiglu_fp8_forward_bf16", "llora_swiglu_fp8_backward_bf16"],
 };
-
-/// Threads per block, as the source has them; most blocks of the grid-stride kernels.
-const THREADS: u32 = 256;
-const MAX_BLOCKS: i64 = 65535;
-
-/// down_proj's FP8 input, written by the forward beside h.
-#[derive(Debug)]
-pub struct HCodes<'a> {
-    /// h's codes (`format`'s dtype, h's shape).
-    pub codes: &'a tch::Tensor,
-    /// The delayed scale, one f32 on the device (read by the kernel, never by the host).
-    pub scale: &'a tch::Tensor,
-    /// One f32 h's amax is folded into (max with what it holds, ≥ 0).
-    pub amax: &'a tch::Tensor,
-    /// E4M3 (forward GEMM inputs) or E5M2.
-    pub format: Fp8Format,
-}
 
 /// What the forward reads and writes: every tensor contiguous, of the gate's shape unless said.
 #[derive(Debug)]
@@ -51,7 +35,7 @@ pub struct ForwardArgs<'a> {
     /// `[2]` f32 scratch: gate's and up's amaxes (zeroed and written).
     pub amax: &'a tch::Tensor,
     /// down_proj's FP8 input, when its GEMM runs in FP8.
-    pub h: Option<HCodes<'a>>,
+    pub h: Option<DelayedCodes<'a>>,
 }
 
 /// What the backward reads and writes: the forward's codes and inverse scales, and bf16
@@ -85,9 +69,7 @@ pub fn check_forward(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
     e.tensor("scale_inv", a.scale_inv, f32, Some(&[2]))?;
     e.tensor("amax", a.amax, f32, Some(&[2]))?;
     if let Some(h) = &a.h {
-        e.tensor("h codes", h.codes, h.format.kind(), None)?;
-        e.tensor("h scale", h.scale, f32, Some(&[1]))?;
-        e.tensor("h amax", h.amax, f32, Some(&[1]))?;
+        h.check(&e, "h")?;
     }
     Ok(())
 }
@@ -105,11 +87,6 @@ pub fn check_backward(a: &BackwardArgs<'_>) -> Result<(), KernelError> {
     e.tensor("grad_up", a.grad_up, bf16, None)
 }
 
-/// Blocks of a grid-stride launch over `n` elements.
-fn blocks(n: i64) -> (u32, u32, u32) {
-    (ceil_div(n, i64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32, 1, 1)
-}
-
 /// The forward on the gate's CUDA device (two launches: the amaxes, then the pass), on the
 /// default stream, without waiting: `Ok(true)`. `Ok(false)` where the CPU stands in for CUDA
 /// (`LLORA_CUDA_ROUTES_ON_CPU=1`): nothing was written, the caller runs its LibTorch route
@@ -125,16 +102,11 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
     let (mut gate, mut up, mut amax) = (address(Some(a.gate)), address(Some(a.up)), address(Some(a.amax)));
     let mut p = [arg(&mut gate), arg(&mut up), arg(&mut amax), arg(&mut n)];
     // SAFETY: (gate, up, amax bits, n) as the kernel takes them, checked above.
-    unsafe { launch(&SOURCE, index, "llora_swiglu_amax_bf16", blocks(n), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, index, "llora_swiglu_amax_bf16", grid_stride(n), THREADS, &mut p)? };
     let (mut out, mut gq, mut uq) = (address(Some(a.out)), address(Some(a.gate_codes)), address(Some(a.up_codes)));
     let mut scale_inv = address(Some(a.scale_inv));
-    let (mut hq, mut hs, mut ha) = (
-        address(a.h.as_ref().map(|h| h.codes)),
-        address(a.h.as_ref().map(|h| h.scale)),
-        address(a.h.as_ref().map(|h| h.amax)),
-    );
-    let (mut e4m3_max, mut h_limit) = (Fp8Format::E4M3.max(), a.h.as_ref().map_or(1.0, |h| h.format.max()));
-    let mut h_e5m2 = i32::from(a.h.as_ref().is_some_and(|h| h.format == Fp8Format::E5M2));
+    let ([mut hq, mut hs, mut ha], mut h_limit, mut h_e5m2) = codes_params(a.h.as_ref());
+    let mut e4m3_max = Fp8Format::E4M3.max();
     let mut p = [
         arg(&mut gate),
         arg(&mut up),
@@ -152,7 +124,7 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
         arg(&mut h_e5m2),
     ];
     // SAFETY: the forward kernel's parameters in order and type, checked above.
-    unsafe { launch(&SOURCE, index, "llora_swiglu_fp8_forward_bf16", blocks(n), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, index, "llora_swiglu_fp8_forward_bf16", grid_stride(n), THREADS, &mut p)? };
     Ok(true)
 }
 
@@ -169,7 +141,7 @@ pub fn backward(a: &BackwardArgs<'_>) -> Result<bool, KernelError> {
     let (mut grad, mut gg, mut gu) = (address(Some(a.grad)), address(Some(a.grad_gate)), address(Some(a.grad_up)));
     let mut p = [arg(&mut gq), arg(&mut uq), arg(&mut si), arg(&mut grad), arg(&mut gg), arg(&mut gu), arg(&mut n)];
     // SAFETY: the backward kernel's parameters in order and type, checked above.
-    unsafe { launch(&SOURCE, index, "llora_swiglu_fp8_backward_bf16", blocks(n), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, index, "llora_swiglu_fp8_backward_bf16", grid_stride(n), THREADS, &mut p)? };
     Ok(true)
 }
 
@@ -240,7 +212,7 @@ mod tests {
         refused(check_forward(&ForwardArgs { out: &strided, ..p.args() }), "out is not contiguous");
         refused(check_forward(&ForwardArgs { scale_inv: &p.amax.get(0), ..p.args() }), "scale_inv");
         let one = Tensor::zeros([1], (Kind::Float, tch::Device::Cpu));
-        let h = HCodes { codes: &p.up_codes, scale: &p.scale_inv, amax: &one, format: Fp8Format::E4M3 };
+        let h = DelayedCodes { codes: &p.up_codes, scale: &p.scale_inv, amax: &one, format: Fp8Format::E4M3 };
         refused(check_forward(&ForwardArgs { h: Some(h), ..p.args() }), "h scale");
         let grad = Tensor::zeros([3, 5], (Kind::BFloat16, tch::Device::Cpu));
         let back = BackwardArgs {

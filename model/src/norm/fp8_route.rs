@@ -7,7 +7,7 @@
 //! runs as before. Untested on a GPU until the bundle ran there (docs/gpu.md).
 
 use crate::fp8_format::Fp8Format;
-use crate::kernels::rmsnorm_fp8::{self, ForwardArgs, YCodes};
+use crate::kernels::rmsnorm_fp8::{self, DelayedCodes, ForwardArgs};
 use crate::routes::Verdicts;
 
 /// What the kernel's first-use check is called, in logs and in `llora selftest`.
@@ -63,7 +63,7 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64, scale: f32, reference
     let codes = tch::Tensor::empty([rows, d], (Fp8Format::E4M3.kind(), x.device()));
     let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
     let scale_t = tch::Tensor::from_slice(&[scale]).to_device(x.device());
-    let y_codes = Some(YCodes { codes: &codes, scale: &scale_t, amax: &amax, format: Fp8Format::E4M3 });
+    let y_codes = Some(DelayedCodes { codes: &codes, scale: &scale_t, amax: &amax, format: Fp8Format::E4M3 });
     let args = ForwardArgs { x: &x2, w: &w, y: &y, inv_rms: &inv_rms, eps, y_codes };
     if reference {
         rmsnorm_fp8::stand_in(&args);

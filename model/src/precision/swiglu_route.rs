@@ -253,7 +253,8 @@ mod tests {
             let one = || Tensor::zeros([1], (Kind::Float, dev));
             let (hq, hq_want, ha, ha_want, amax) =
                 (codes(), codes(), one(), one(), Tensor::zeros([2], (Kind::Float, dev)));
-            let h = |codes, amax| Some(swiglu_fp8::HCodes { codes, scale: &scale, amax, format: Fp8Format::E4M3 });
+            let h =
+                |codes, amax| Some(swiglu_fp8::DelayedCodes { codes, scale: &scale, amax, format: Fp8Format::E4M3 });
             assert!(swiglu_fp8::forward(&ForwardArgs { h: h(&hq, &ha), ..mine.args(&gate, &up, &amax) }).unwrap());
             reference_forward(&ForwardArgs { h: h(&hq_want, &ha_want), ..want.args(&gate, &up, &amax) });
             let bits = |t: &Tensor| {
