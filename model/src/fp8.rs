@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::fp8_format::Fp8Format;
 use crate::kernels::KernelError;
+use crate::kernels::checks::host_bytes;
 use crate::kernels::fp8_quantize::{self, CurrentArgs, QuantizeArgs};
 
 /// Saturating quantisation on a LibTorch tensor: `clamp(x·scale, ±max)` cast to the 1-byte
@@ -90,11 +91,6 @@ fn check_values() -> tch::Tensor {
     tch::Tensor::from_slice(&xs)
 }
 
-/// The bytes of a tensor (FP8 codes) on the host, for bit-for-bit comparisons.
-fn bits(t: &tch::Tensor) -> Result<Vec<u8>, tch::TchError> {
-    Vec::<u8>::try_from(&t.reshape([-1]).view_dtype(tch::Kind::Uint8).to_device(tch::Device::Cpu))
-}
-
 /// [`check_kernel`] on `device` once per process, its result kept (`llora selftest`).
 pub fn kernel(device: tch::Device) -> Result<(), String> {
     KERNEL.check(device, || check_kernel(device))
@@ -116,7 +112,7 @@ pub fn check_kernel(device: tch::Device) -> Result<(), String> {
             let args = QuantizeArgs { x: &x, out: &out, out_t: Some(&out_t), amax: Some(&amax), scale, format };
             fp8_quantize::quantize(&args).map_err(|e| format!("{what}: {e}"))?;
             let want = quantize_via_f32(&x, scale, format);
-            if bits(&out).ok() != bits(&want).ok() || bits(&out_t).ok() != bits(&want.tr().contiguous()).ok() {
+            if host_bytes(&out) != host_bytes(&want) || host_bytes(&out_t) != host_bytes(&want.tr().contiguous()) {
                 return Err(format!("{what}: codes differ from the f32 route"));
             }
             let (got, reference) = (amax.double_value(&[0]), amax_abs_max(&x).double_value(&[]));
@@ -138,7 +134,7 @@ fn check_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(), String
         let (codes, scale_inv) = quantize_current_kernel(&x, format).map_err(|e| e.to_string())?;
         let (scale, want_inv) = current_scale(&x, format);
         let want = quantize_via_f32_by(&x, &scale, format);
-        if bits(&codes).ok() != bits(&want).ok() || bits(&scale_inv).ok() != bits(&want_inv).ok() {
+        if host_bytes(&codes) != host_bytes(&want) || host_bytes(&scale_inv) != host_bytes(&want_inv) {
             return Err(format!(
                 "codes or inverse scale differ from the f32 route (amax {})",
                 amax_abs_max(&x).double_value(&[])
@@ -246,7 +242,7 @@ pub fn check_cuda_routes(device: tch::Device) -> Result<(), String> {
         for (format, scale) in [(Fp8Format::E4M3, 3.7f32), (Fp8Format::E5M2, 1.0 / 64.0)] {
             let fast = quantize_clamped(&x, scale, format).map_err(|e| format!("two-pass {kind:?} {format:?}: {e}"))?;
             let want = quantize_via_f32(&x, scale, format);
-            if fast.kind() != format.kind() || bits(&fast).ok() != bits(&want).ok() {
+            if fast.kind() != format.kind() || host_bytes(&fast) != host_bytes(&want) {
                 return Err(format!("two-pass {kind:?} {format:?}: codes differ from the f32 route"));
             }
         }
@@ -254,7 +250,7 @@ pub fn check_cuda_routes(device: tch::Device) -> Result<(), String> {
             let (scale, scale_inv) = current_scale(&probe, Fp8Format::E4M3);
             let fast = quantize_clamped_by(&probe, &scale, &scale_inv, Fp8Format::E4M3)
                 .map_err(|e| format!("two-pass current scaling {kind:?}: {e}"))?;
-            if bits(&fast).ok() != bits(&quantize_via_f32_by(&probe, &scale, Fp8Format::E4M3)).ok() {
+            if host_bytes(&fast) != host_bytes(&quantize_via_f32_by(&probe, &scale, Fp8Format::E4M3)) {
                 return Err(format!("two-pass current scaling {kind:?}: codes differ from the f32 route"));
             }
         }

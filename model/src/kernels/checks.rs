@@ -70,3 +70,18 @@ pub fn codes_params(c: Option<&DelayedCodes<'_>>) -> ([u64; 3], f32, i32) {
     let addresses = [address(c.map(|c| c.codes)), address(c.map(|c| c.scale)), address(c.map(|c| c.amax))];
     (addresses, c.map_or(1.0, |c| c.format.max()), i32::from(c.is_some_and(|c| c.format == Fp8Format::E5M2)))
 }
+
+/// The bytes of a tensor on the host (FP8 codes, f32 scales), for bit-for-bit comparisons of
+/// a kernel with its reference; `None` where LibTorch cannot give them.
+pub fn host_bytes(t: &tch::Tensor) -> Option<Vec<u8>> {
+    Vec::<u8>::try_from(&t.reshape([-1]).view_dtype(tch::Kind::Uint8).to_device(tch::Device::Cpu)).ok()
+}
+
+/// Fails unless `got` is a refusal of the kernel's arguments whose message contains `word`.
+#[cfg(test)]
+pub fn assert_refused(got: Result<(), KernelError>, word: &str) {
+    match got {
+        Err(KernelError::Arguments { what, .. }) => assert!(what.contains(word), "{what}"),
+        other => panic!("expected a refusal naming {word}, got {other:?}"),
+    }
+}

@@ -248,6 +248,7 @@ pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::checks::host_bytes;
     use tch::{Kind, Tensor};
 
     fn args<'a>(x: &'a Tensor, out: &'a Tensor) -> QuantizeArgs<'a> {
@@ -336,9 +337,7 @@ mod tests {
                         format,
                     })
                     .unwrap();
-                    let bits = |t: &Tensor| {
-                        Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8).view([-1]).to_device(tch::Device::Cpu)).unwrap()
-                    };
+                    let bits = |t: &Tensor| host_bytes(t).unwrap();
                     let what = format!("{rows}x{cols} {kind:?} {format:?}");
                     assert_eq!(bits(&out), bits(&want), "codes, {what}");
                     assert_eq!(bits(&out_t), bits(&want.tr().contiguous()), "transposed codes, {what}");

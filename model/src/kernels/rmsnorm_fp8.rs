@@ -118,6 +118,7 @@ fn codes_of(y: &tch::Tensor, c: &DelayedCodes<'_>) -> tch::Tensor {
 mod tests {
     use super::*;
     use crate::fp8_format::Fp8Format;
+    use crate::kernels::checks::{assert_refused, host_bytes};
     use tch::{Kind, Tensor};
 
     struct Problem {
@@ -143,31 +144,24 @@ mod tests {
         }
     }
 
-    fn refused(got: Result<(), KernelError>, word: &str) {
-        match got {
-            Err(KernelError::Arguments { what, .. }) => assert!(what.contains(word), "{what}"),
-            other => panic!("expected a refusal naming {word}, got {other:?}"),
-        }
-    }
-
     /// Each wrong argument is refused naming it; valid CPU arguments never launch.
     #[test]
     fn the_launch_checks_name_each_wrong_argument() {
         let p = Problem::new([3, 8], tch::Device::Cpu);
         assert!(check(&p.args()).is_ok());
         let flat = p.x.view([-1]);
-        refused(check(&ForwardArgs { x: &flat, ..p.args() }), "want [rows, d]");
+        assert_refused(check(&ForwardArgs { x: &flat, ..p.args() }), "want [rows, d]");
         let f32 = p.x.to_kind(Kind::Float);
-        refused(check(&ForwardArgs { x: &f32, ..p.args() }), "x is Float");
-        refused(check(&ForwardArgs { w: &p.x, ..p.args() }), "w is BFloat16 [3, 8]");
-        refused(check(&ForwardArgs { inv_rms: &p.r.view([3]), ..p.args() }), "inv_rms");
+        assert_refused(check(&ForwardArgs { x: &f32, ..p.args() }), "x is Float");
+        assert_refused(check(&ForwardArgs { w: &p.x, ..p.args() }), "w is BFloat16 [3, 8]");
+        assert_refused(check(&ForwardArgs { inv_rms: &p.r.view([3]), ..p.args() }), "inv_rms");
         let strided = Tensor::zeros([8, 3], (Kind::BFloat16, tch::Device::Cpu)).tr();
-        refused(check(&ForwardArgs { y: &strided, ..p.args() }), "y is not contiguous");
-        refused(check(&ForwardArgs { eps: f64::NAN, ..p.args() }), "eps");
+        assert_refused(check(&ForwardArgs { y: &strided, ..p.args() }), "y is not contiguous");
+        assert_refused(check(&ForwardArgs { eps: f64::NAN, ..p.args() }), "eps");
         let codes = Tensor::zeros([3, 8], (Fp8Format::E4M3.kind(), tch::Device::Cpu));
         let c = DelayedCodes { codes: &codes, scale: &p.r, amax: &p.r, format: Fp8Format::E4M3 };
-        refused(check(&ForwardArgs { y_codes: Some(c), ..p.args() }), "y scale");
-        refused(forward(&p.args()), "CUDA only");
+        assert_refused(check(&ForwardArgs { y_codes: Some(c), ..p.args() }), "y scale");
+        assert_refused(forward(&p.args()), "CUDA only");
     }
 
     /// With the CPU standing in for CUDA: the route writes HF's LlamaRMSNorm output exactly
@@ -220,9 +214,7 @@ mod tests {
             let (y, y_want) = (mine.y.to_kind(Kind::Float), want.y.to_kind(Kind::Float));
             let off = ((&y - &y_want).abs() - y_want.abs() * 2f64.powi(-7)).max().double_value(&[]);
             assert!(off <= 1e-30, "y, {shape:?}");
-            let bits = |t: &Tensor| {
-                Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8).view([-1]).to_device(tch::Device::Cpu)).unwrap()
-            };
+            let bits = |t: &Tensor| host_bytes(t).unwrap();
             let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
             assert_eq!(bits(&codes), bits(&codes_of(&mine.y, &c)), "codes, {shape:?}");
             assert_eq!(amax.double_value(&[0]), y.abs().max().double_value(&[]), "amax, {shape:?}");

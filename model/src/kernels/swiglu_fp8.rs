@@ -148,6 +148,7 @@ pub fn backward(a: &BackwardArgs<'_>) -> Result<bool, KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::checks::assert_refused;
     use tch::{Kind, Tensor};
 
     /// Tensors for a `[rows, cols]` problem on `dev`.
@@ -190,13 +191,6 @@ mod tests {
         }
     }
 
-    fn refused(got: Result<(), KernelError>, word: &str) {
-        match got {
-            Err(KernelError::Arguments { what, .. }) => assert!(what.contains(word), "{what}"),
-            other => panic!("expected a refusal naming {word}, got {other:?}"),
-        }
-    }
-
     /// Each wrong argument of either launch is refused naming it; valid CPU arguments pass the
     /// checks and are refused at the launch ("CUDA only"), never launched.
     #[test]
@@ -204,16 +198,16 @@ mod tests {
         let p = Problem::new([3, 5], tch::Device::Cpu);
         assert!(check_forward(&p.args()).is_ok());
         let f32 = p.gate.to_kind(Kind::Float);
-        refused(check_forward(&ForwardArgs { gate: &f32, ..p.args() }), "gate is Float");
+        assert_refused(check_forward(&ForwardArgs { gate: &f32, ..p.args() }), "gate is Float");
         let wide = Tensor::zeros([3, 6], (Kind::BFloat16, tch::Device::Cpu));
-        refused(check_forward(&ForwardArgs { up: &wide, ..p.args() }), "up is BFloat16 [3, 6]");
-        refused(check_forward(&ForwardArgs { gate_codes: &p.gate, ..p.args() }), "gate_codes");
+        assert_refused(check_forward(&ForwardArgs { up: &wide, ..p.args() }), "up is BFloat16 [3, 6]");
+        assert_refused(check_forward(&ForwardArgs { gate_codes: &p.gate, ..p.args() }), "gate_codes");
         let strided = Tensor::zeros([5, 3], (Kind::BFloat16, tch::Device::Cpu)).tr();
-        refused(check_forward(&ForwardArgs { out: &strided, ..p.args() }), "out is not contiguous");
-        refused(check_forward(&ForwardArgs { scale_inv: &p.amax.get(0), ..p.args() }), "scale_inv");
+        assert_refused(check_forward(&ForwardArgs { out: &strided, ..p.args() }), "out is not contiguous");
+        assert_refused(check_forward(&ForwardArgs { scale_inv: &p.amax.get(0), ..p.args() }), "scale_inv");
         let one = Tensor::zeros([1], (Kind::Float, tch::Device::Cpu));
         let h = DelayedCodes { codes: &p.up_codes, scale: &p.scale_inv, amax: &one, format: Fp8Format::E4M3 };
-        refused(check_forward(&ForwardArgs { h: Some(h), ..p.args() }), "h scale");
+        assert_refused(check_forward(&ForwardArgs { h: Some(h), ..p.args() }), "h scale");
         let grad = Tensor::zeros([3, 5], (Kind::BFloat16, tch::Device::Cpu));
         let back = BackwardArgs {
             gate_codes: &p.gate_codes,
@@ -224,8 +218,8 @@ mod tests {
             grad_up: &p.gate,
         };
         assert!(check_backward(&back).is_ok());
-        refused(check_backward(&BackwardArgs { grad_up: &f32, ..back }), "grad_up is Float");
-        refused(forward(&p.args()).map(|_| ()), "CUDA only");
+        assert_refused(check_backward(&BackwardArgs { grad_up: &f32, ..back }), "grad_up is Float");
+        assert_refused(forward(&p.args()).map(|_| ()), "CUDA only");
         let _on = crate::routes::on_cpu_for_this_thread(true);
         assert_eq!(forward(&p.args()), Ok(false), "the CPU stands in: nothing launched");
     }

@@ -7,6 +7,7 @@
 //! runs as before. Untested on a GPU until the bundle ran there (docs/gpu.md).
 
 use crate::fp8_format::Fp8Format;
+use crate::kernels::checks::host_bytes;
 use crate::kernels::rmsnorm_fp8::{self, DelayedCodes, ForwardArgs};
 use crate::routes::Verdicts;
 
@@ -95,9 +96,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
         return Err("the output differs from the LibTorch route by more than a bf16 ulp".into());
     }
     let own = (y.reshape([7, 1000]) * 2.0).clamp(-448.0, 448.0).to_kind(Fp8Format::E4M3.kind());
-    let bits = |t: &tch::Tensor| {
-        Vec::<u8>::try_from(&t.reshape([-1]).view_dtype(tch::Kind::Uint8).to_device(tch::Device::Cpu)).ok()
-    };
+    let bits = host_bytes;
     if bits(&got.codes) != bits(&own) {
         return Err("the codes differ from the output's own codes".into());
     }

@@ -5,6 +5,7 @@
 //! (`nodes.rs` `Kept`). Untested on a GPU until the bundle ran there (docs/gpu.md).
 
 use crate::fp8_format::Fp8Format;
+use crate::kernels::checks::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
 use crate::routes::Verdicts;
 
@@ -112,9 +113,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     let up = (gate.flip([1]) * 0.5).contiguous();
     let got = forward(&gate, &up)?;
     let want = forward_reference(&gate, &up);
-    let bits = |t: &tch::Tensor| {
-        Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).reshape([-1]).to_device(tch::Device::Cpu)).ok()
-    };
+    let bits = host_bytes;
     for (name, a, b) in [
         ("gate codes", &got.gate_codes, &want.gate_codes),
         ("up codes", &got.up_codes, &want.up_codes),
@@ -257,9 +256,7 @@ mod tests {
                 |codes, amax| Some(swiglu_fp8::DelayedCodes { codes, scale: &scale, amax, format: Fp8Format::E4M3 });
             assert!(swiglu_fp8::forward(&ForwardArgs { h: h(&hq, &ha), ..mine.args(&gate, &up, &amax) }).unwrap());
             reference_forward(&ForwardArgs { h: h(&hq_want, &ha_want), ..want.args(&gate, &up, &amax) });
-            let bits = |t: &Tensor| {
-                Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8).view([-1]).to_device(tch::Device::Cpu)).unwrap()
-            };
+            let bits = |t: &Tensor| host_bytes(t).unwrap();
             assert_eq!(bits(&mine.gate_codes), bits(&want.gate_codes), "gate codes, {shape:?}");
             assert_eq!(bits(&mine.up_codes), bits(&want.up_codes), "up codes, {shape:?}");
             assert_eq!(bits(&mine.scale_inv), bits(&want.scale_inv), "inverse scales, {shape:?}");
