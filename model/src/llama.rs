@@ -258,10 +258,16 @@ impl Mlp {
         let (gate, up) =
             sharing_input_codes(|| (self.gate_proj.forward(x.clone(), train), self.up_proj.forward(x, train)));
         // The fused op keeps only gate and up for backward (Burn's composite keeps four
-        // tensors of this size); it is a LibTorch extension.
-        let hidden =
-            if tch_device(&gate.device()).is_some() { swiglu(gate, up, self.storage) } else { silu(gate) * up };
-        self.down_proj.forward(hidden, train)
+        // tensors of this size); it is a LibTorch extension. Where our FP8 kernel runs it also
+        // writes h's codes at down_proj's input scale, which down_proj's GEMM then takes.
+        sharing_input_codes(|| {
+            let hidden = if tch_device(&gate.device()).is_some() {
+                swiglu(gate, up, self.storage, self.down_proj.fp8_input_scale(train))
+            } else {
+                silu(gate) * up
+            };
+            self.down_proj.forward(hidden, train)
+        })
     }
 }
 

@@ -338,7 +338,7 @@ mod tests {
         let run = |fused: Option<Storage>| {
             let (g, u) = (g0.clone().require_grad(), u0.clone().require_grad());
             let out = match fused {
-                Some(storage) => swiglu(g.clone(), u.clone(), storage),
+                Some(storage) => swiglu(g.clone(), u.clone(), storage, None),
                 None => burn::tensor::activation::silu(g.clone()) * u.clone(),
             };
             let grads = (out.clone() * w.clone()).sum().backward();

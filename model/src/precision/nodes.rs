@@ -91,8 +91,13 @@ pub fn stored_row_terms(a: Tensor<2>, w: &FrozenWeight, quant: &Arc<LinearQuant>
 /// # Shapes
 /// - gate, up: `[batch, seq, I]`
 /// - output: `[batch, seq, I]`
-pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage) -> Tensor<3> {
-    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::swiglu(gate.into_dispatch(), up.into_dispatch(), storage))
+pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage, h_scale: Option<f32>) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::swiglu(
+        gate.into_dispatch(),
+        up.into_dispatch(),
+        storage,
+        h_scale,
+    ))
 }
 
 /// Backend extension: the reduced-precision ops.
@@ -108,7 +113,12 @@ pub trait LowPrecisionBackend: Backend {
     /// See [`frozen_linear`].
     fn frozen_linear(x: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self>;
     /// See [`swiglu`].
-    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self>;
+    fn swiglu(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        storage: Storage,
+        h_scale: Option<f32>,
+    ) -> FloatTensor<Self>;
     /// `‖Wᵢ‖²` per row, f32, untracked (see [`weight_row_terms`]).
     fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
     /// `a·Wᵀ`, f32, untracked (see [`weight_row_terms`]).
@@ -128,7 +138,7 @@ impl LowPrecisionBackend for LibTorch {
         TchTensor::new(quant.forward(&x, &LinearWeight::Stored(w), train, false).y)
     }
 
-    fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage) -> TchTensor {
+    fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage, _h_scale: Option<f32>) -> TchTensor {
         TchTensor::new(gate.tensor.silu() * &up.tensor)
     }
 
@@ -240,15 +250,31 @@ fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tens
         .ok()
 }
 
-/// SwiGLU's forward on our kernel, keeping gate and up as its E4M3 codes: `None` where the
-/// route is not taken or fails (logged; the LibTorch ops run).
-fn kernel_forward(gate: &TchTensor, up: &TchTensor, storage: Storage) -> Option<(TchTensor, (Kept, Kept))> {
+/// SwiGLU's forward on our kernel, keeping gate and up as its E4M3 codes and, with `h_scale`
+/// (down_proj's delayed input scale), offering h's codes to down_proj's GEMM inside the
+/// caller's `sharing_input_codes` scope: `None` where the route is not taken or fails
+/// (logged; the LibTorch ops run).
+fn kernel_forward(
+    gate: &TchTensor,
+    up: &TchTensor,
+    storage: Storage,
+    h_scale: Option<f32>,
+) -> Option<(TchTensor, (Kept, Kept))> {
     if !super::swiglu_route::takes_kernel(&gate.tensor, storage) {
         return None;
     }
-    let f = super::swiglu_route::forward(&gate.tensor, &up.tensor)
+    let f = super::swiglu_route::forward(&gate.tensor, &up.tensor, h_scale)
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU forward failed, LibTorch's runs: {e}"))
         .ok()?;
+    if let (Some(hc), Some(scale)) = (&f.h_codes, h_scale) {
+        let i = *f.h.size().last().expect("h has a last dimension");
+        super::offer_input_codes(
+            &f.h.reshape([-1, i]),
+            scale,
+            hc.codes.reshape([-1, i]),
+            hc.amax.reshape([] as [i64; 0]),
+        );
+    }
     let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(TchTensor::new(codes), TchTensor::new(f.scale_inv.get(i)));
     Some((TchTensor::new(f.h), (keep(f.gate_codes, 0), keep(f.up_codes, 1))))
 }
@@ -345,12 +371,17 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
         Self::from_inner(LibTorch::stored_times_weight_t(Self::inner(a), w, quant))
     }
 
-    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, storage: Storage) -> FloatTensor<Self> {
+    fn swiglu(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        storage: Storage,
+        h_scale: Option<f32>,
+    ) -> FloatTensor<Self> {
         let nodes = [gate.node(), up.node()];
         match SwigluBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let (gate, up) = (gate.into_primitive(), up.into_primitive());
-                let (out, state) = kernel_forward(&gate, &up, storage).unwrap_or_else(|| {
+                let (out, state) = kernel_forward(&gate, &up, storage, h_scale).unwrap_or_else(|| {
                     (
                         TchTensor::new(gate.tensor.silu() * &up.tensor),
                         (Kept::keep(gate, storage), Kept::keep(up, storage)),

@@ -51,30 +51,61 @@ pub struct Forward {
     pub up_codes: tch::Tensor,
     /// `[2]` f32: gate's and up's inverse scales.
     pub scale_inv: tch::Tensor,
+    /// h's E4M3 codes at down_proj's delayed input scale, when asked for.
+    pub h_codes: Option<HCodes>,
+}
+
+/// h's codes for down_proj's FP8 GEMM: written by the same pass that writes h.
+pub struct HCodes {
+    /// E4M3 codes of h (h's shape).
+    pub codes: tch::Tensor,
+    /// The delayed scale they were made at, `[1]` f32 on the device.
+    pub scale: tch::Tensor,
+    /// h's amax, `[1]` f32.
+    pub amax: tch::Tensor,
+}
+
+impl HCodes {
+    /// Codes to be written for h of `gate`'s shape at `scale`.
+    fn empty(gate: &tch::Tensor, scale: f32) -> Self {
+        let device = gate.device();
+        Self {
+            codes: tch::Tensor::empty(gate.size(), (Fp8Format::E4M3.kind(), device)),
+            scale: tch::Tensor::from_slice(&[scale]).to_device(device),
+            amax: tch::Tensor::zeros([1], (tch::Kind::Float, device)),
+        }
+    }
+
+    /// The kernel's view of them.
+    fn args(&self) -> swiglu_fp8::DelayedCodes<'_> {
+        swiglu_fp8::DelayedCodes { codes: &self.codes, scale: &self.scale, amax: &self.amax, format: Fp8Format::E4M3 }
+    }
 }
 
 impl Forward {
-    /// Outputs for a problem of `gate`'s shape, to be written.
-    fn empty(gate: &tch::Tensor) -> Self {
+    /// Outputs for a problem of `gate`'s shape, to be written; h's codes at `h_scale`.
+    fn empty(gate: &tch::Tensor, h_scale: Option<f32>) -> Self {
         let codes = || tch::Tensor::empty(gate.size(), (Fp8Format::E4M3.kind(), gate.device()));
         let scale_inv = tch::Tensor::zeros([2], (tch::Kind::Float, gate.device()));
-        Self { h: gate.empty_like(), gate_codes: codes(), up_codes: codes(), scale_inv }
+        let h_codes = h_scale.map(|s| HCodes::empty(gate, s));
+        Self { h: gate.empty_like(), gate_codes: codes(), up_codes: codes(), scale_inv, h_codes }
     }
 
     /// The forward's arguments writing into `self`, `amax` a `[2]` f32 scratch.
     fn args<'a>(&'a self, gate: &'a tch::Tensor, up: &'a tch::Tensor, amax: &'a tch::Tensor) -> ForwardArgs<'a> {
         let (out, gate_codes, up_codes, scale_inv) = (&self.h, &self.gate_codes, &self.up_codes, &self.scale_inv);
-        ForwardArgs { gate, up, out, gate_codes, up_codes, scale_inv, amax, h: None }
+        ForwardArgs { gate, up, out, gate_codes, up_codes, scale_inv, amax, h: self.h_codes.as_ref().map(HCodes::args) }
     }
 }
 
-/// The kernel's forward on bf16 `gate` and `up` (contiguous copies where they are not).
+/// The kernel's forward on bf16 `gate` and `up` (contiguous copies where they are not), also
+/// writing h's E4M3 codes at `h_scale` (down_proj's delayed input scale) when given.
 ///
 /// # Shapes
 /// - gate, up: `[.., I]` bf16; h and the codes: as gate
-pub fn forward(gate: &tch::Tensor, up: &tch::Tensor) -> Result<Forward, String> {
+pub fn forward(gate: &tch::Tensor, up: &tch::Tensor, h_scale: Option<f32>) -> Result<Forward, String> {
     let (gate, up) = (gate.contiguous(), up.contiguous());
-    let (out, amax) = (Forward::empty(&gate), tch::Tensor::zeros([2], (tch::Kind::Float, gate.device())));
+    let (out, amax) = (Forward::empty(&gate, h_scale), tch::Tensor::zeros([2], (tch::Kind::Float, gate.device())));
     let args = out.args(&gate, &up, &amax);
     if !swiglu_fp8::forward(&args).map_err(|e| e.to_string())? {
         reference_forward(&args);
@@ -111,7 +142,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     let values: Vec<f32> = (0..4103).map(|i| ((i * 7919) % 4001) as f32 / 50.0 - 40.0).collect();
     let gate = tch::Tensor::from_slice(&values).view([11, 373]).to_kind(tch::Kind::BFloat16).to_device(device);
     let up = (gate.flip([1]) * 0.5).contiguous();
-    let got = forward(&gate, &up)?;
+    let got = forward(&gate, &up, Some(0.5))?;
     let want = forward_reference(&gate, &up);
     let bits = host_bytes;
     for (name, a, b) in [
@@ -124,6 +155,12 @@ pub fn check(device: tch::Device) -> Result<(), String> {
         }
     }
     within_ulp("h", &got.h, &want.h)?;
+    // h's codes: those of the kernel's own h (h itself may differ by expf's last bit).
+    let (h_got, h_want) = (got.h_codes.as_ref().ok_or("no h codes")?, HCodes::empty(&gate, 0.5));
+    write_delayed_codes(&got.h, &h_want.args());
+    if bits(&h_got.codes) != bits(&h_want.codes) || bits(&h_got.amax) != bits(&h_want.amax) {
+        return Err("h's codes or amax differ from those of its h".into());
+    }
     let grad = (gate.flip([0]) * 0.25).contiguous();
     let (gg, gu) = backward(&got.gate_codes, &got.up_codes, &got.scale_inv, &grad)?;
     let (gg_want, gu_want) = backward_reference(&want, &grad);
@@ -140,7 +177,7 @@ fn within_ulp(name: &str, got: &tch::Tensor, want: &tch::Tensor) -> Result<(), S
 
 /// The LibTorch route's forward (the kernel's CPU stand-in) on fresh outputs.
 fn forward_reference(gate: &tch::Tensor, up: &tch::Tensor) -> Forward {
-    let (out, amax) = (Forward::empty(gate), tch::Tensor::zeros([2], (tch::Kind::Float, gate.device())));
+    let (out, amax) = (Forward::empty(gate, None), tch::Tensor::zeros([2], (tch::Kind::Float, gate.device())));
     reference_forward(&out.args(gate, up, &amax));
     out
 }
@@ -174,13 +211,20 @@ pub fn reference_forward(a: &ForwardArgs<'_>) {
         a.amax.get(i as i64).copy_(&crate::fp8::amax_on_device(x));
     }
     if let Some(hc) = &a.h {
-        let scale = hc.scale.to_kind(tch::Kind::Float);
-        let limit = f64::from(hc.format.max());
-        let codes = (h.to_kind(tch::Kind::Float) * scale).clamp(-limit, limit).to_kind(hc.format.kind());
-        hc.codes.shallow_clone().copy_(&codes);
-        let folded = hc.amax.maximum(&crate::fp8::amax_on_device(&h).reshape([1]));
-        hc.amax.shallow_clone().copy_(&folded);
+        write_delayed_codes(&h, hc);
     }
+}
+
+/// Writes `h`'s codes at `hc`'s delayed scale (saturating) and folds its amax into `hc`'s, as
+/// the LibTorch route's quantiser does.
+fn write_delayed_codes(h: &tch::Tensor, hc: &swiglu_fp8::DelayedCodes<'_>) {
+    let _no_grad = tch::no_grad_guard();
+    let scale = hc.scale.to_kind(tch::Kind::Float);
+    let limit = f64::from(hc.format.max());
+    let codes = (h.to_kind(tch::Kind::Float) * scale).clamp(-limit, limit).to_kind(hc.format.kind());
+    hc.codes.shallow_clone().copy_(&codes);
+    let folded = hc.amax.maximum(&crate::fp8::amax_on_device(h).reshape([1]));
+    hc.amax.shallow_clone().copy_(&folded);
 }
 
 /// The LibTorch route's backward (nodes.rs `SwigluBackward` on the dequantised inputs).
@@ -217,13 +261,20 @@ mod tests {
     fn the_route_on_the_cpu_runs_as_autograd_does() {
         let _on = crate::routes::on_cpu_for_this_thread(true);
         let (gate, up) = inputs([4, 9], tch::Device::Cpu);
-        let f = forward(&gate, &up).unwrap();
+        let f = forward(&gate, &up, Some(0.25)).unwrap();
         let decode = |codes: &Tensor, i: i64| crate::fp8::dequantize_with(codes, &f.scale_inv.get(i));
         let (g, u) = (decode(&f.gate_codes, 0), decode(&f.up_codes, 1));
         let off =
             |x: &Tensor, y: &Tensor| (x.to_kind(Kind::Float) - y.to_kind(Kind::Float)).abs().max().double_value(&[]);
         assert!(off(&g, &gate) <= gate.abs().max().double_value(&[]) * 2f64.powi(-4));
         assert_eq!(off(&(gate.silu() * &up), &f.h), 0.0);
+        // h's codes at down_proj's scale 0.25: h · 0.25 within E4M3's half-ulp, amax h's own.
+        let hc = f.h_codes.as_ref().unwrap();
+        let h_scaled = f.h.to_kind(Kind::Float) * 0.25;
+        assert!(
+            off(&hc.codes.to_kind(Kind::Float), &h_scaled) <= h_scaled.abs().max().double_value(&[]) * 2f64.powi(-4)
+        );
+        assert_eq!(hc.amax.double_value(&[0]), f.h.to_kind(Kind::Float).abs().max().double_value(&[]));
         let (g, u) =
             (g.to_kind(Kind::BFloat16).set_requires_grad(true), u.to_kind(Kind::BFloat16).set_requires_grad(true));
         let grad = Tensor::randn([4, 9], (Kind::Float, tch::Device::Cpu)).to_kind(Kind::BFloat16);
@@ -231,6 +282,49 @@ mod tests {
         let (gg, gu) = backward(&f.gate_codes, &f.up_codes, &f.scale_inv, &grad).unwrap();
         assert!(ulp(&gg, &g.grad()) && ulp(&gu, &u.grad()));
         assert!(check(tch::Device::Cpu).is_ok());
+    }
+
+    /// On the CPU standing in for CUDA: SwiGLU's h codes reach down_proj. Once down_proj's
+    /// input scale exists, inside a scope the route writes h's codes at it and down_proj
+    /// quantises nothing, and its output is bit for bit that of down_proj quantising the same h
+    /// itself (outside a scope).
+    #[test]
+    fn swiglu_offers_h_codes_to_down_proj() {
+        #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
+        use burn::tensor::{DType, Device, Distribution, Tensor as BurnTensor};
+        let _rng = crate::device::torch_rng_lock();
+        let _on = crate::routes::on_cpu_for_this_thread(true);
+        let device = Device::libtorch().autodiff();
+        device.seed(5);
+        let (i, d) = (40, 16);
+        let spec = crate::precision::PrecisionSpec {
+            compute: crate::precision::Compute::Fp8,
+            fp8_weights: true,
+            ..Default::default()
+        };
+        let mut down =
+            crate::lora::LoraLinear::new(BurnTensor::random([d, i], Distribution::Normal(0.0, 0.2), &device), false);
+        down.set_precision(&spec, &device);
+        let input = |k: f64| {
+            BurnTensor::<3>::random([2, 3, i], Distribution::Normal(0.0, k), &device).cast(DType::BF16).require_grad()
+        };
+        let (gate, up) = (input(3.0), input(1.0));
+        let h = || crate::precision::swiglu(gate.clone(), up.clone(), Storage::Fp8, down.fp8_input_scale(true));
+        let _ = down.forward(h(), true);
+        down.quant.as_ref().unwrap().update();
+        assert!(down.fp8_input_scale(true).is_some());
+        let (h_used, y) = crate::precision::sharing_input_codes(|| {
+            let h = h();
+            let _ = crate::fp8::take_quantiser_counts();
+            (h.clone(), down.forward(h, true))
+        });
+        let counts = crate::fp8::take_quantiser_counts();
+        assert_eq!(counts.kernel + counts.two_pass + counts.via_f32, 0, "{counts:?}: down_proj quantised h");
+        let bits = |t: BurnTensor<3>| {
+            t.cast(DType::F32).into_data().into_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(bits(y), bits(down.forward(h_used, true)));
+        assert!(crate::fp8::take_quantiser_counts().kernel >= 1, "outside a scope down_proj quantises h");
     }
 
     /// The kernels against the LibTorch route on a GPU: gate/up codes, inverse scales and h's
@@ -246,7 +340,7 @@ mod tests {
             for (i, v) in [0.0, 1e4, -1e4, 1e-30].iter().enumerate().take(gate.numel()) {
                 let _ = gate.view([-1]).get(i as i64).fill_(*v);
             }
-            let (mine, want) = (Forward::empty(&gate), Forward::empty(&gate));
+            let (mine, want) = (Forward::empty(&gate, None), Forward::empty(&gate, None));
             let scale = Tensor::from_slice(&[0.5f32]).to_device(dev);
             let codes = || Tensor::zeros(shape, (Kind::Float, dev)).to_kind(Fp8Format::E4M3.kind());
             let one = || Tensor::zeros([1], (Kind::Float, dev));
