@@ -844,6 +844,25 @@ const BF16_FIXTURE_ARGS: [&str; 13] = [
     "--bf16-twin",
 ];
 
+/// [`BF16_FIXTURE_ARGS`] with the twin's adapters in bf16 too (PEFT's
+/// `autocast_adapter_dtype=False`).
+const BF16_ADAPTERS_FIXTURE_ARGS: [&str; 14] = [
+    "--preset",
+    "tiny-gqa",
+    "--seq-len",
+    "96",
+    "--batch",
+    "2",
+    "--lora-b",
+    "normal",
+    "--steps",
+    "1",
+    "--targets",
+    ALL_TARGETS,
+    "--bf16-twin",
+    "--bf16-adapters",
+];
+
 /// Issue #22, bf16 made real: on a GQA checkpoint with adapters on every target, llora's bf16
 /// (bf16 weights, activations and GEMMs; f32 adapters, norm statistics, softmax and loss)
 /// against HF transformers + PEFT run in bf16 (the same base rounded to bf16, PEFT's f32
@@ -853,12 +872,39 @@ const BF16_FIXTURE_ARGS: [&str; 13] = [
 #[test]
 fn bf16_matches_hf_peft_in_bf16() {
     let dir = fixture("tiny-gqa-s96-b2-all-bf16", &BF16_FIXTURE_ARGS);
-    let fx = load_fixture(&dir);
+    // Not "no worse" yet: on four seeds llora's 1 − cosine is 1.03-1.12x PEFT's (0.9999576 vs
+    // 0.9999609 here). The gap is in what reaches attention, not in the kernel (the same CPU
+    // flash kernel gives HF's output for the same inputs; upcasting llora's attention to f32
+    // closes it), nor in the adapters (f32, summed as PEFT sums them) or the loss; not found.
+    assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Auto, 1.25);
+}
+
+/// Issue #50 item 5: with `precision.adapter_compute = "bf16"` (bf16 adapter GEMMs, no f32 copy
+/// of each adapted input) llora's bf16 against PEFT's bf16 with its adapters loaded in bf16
+/// (`autocast_adapter_dtype=False`, which runs them the same way), both from HF's fp32 run:
+/// the same bounds as [`bf16_matches_hf_peft_in_bf16`]. Against PEFT's default f32 adapters
+/// the same llora gradients were 1.28x PEFT's distance (over that test's 1.25x): the switch
+/// is opt-in, and this is the peer that runs what it runs.
+#[test]
+fn bf16_adapters_match_hf_peft_with_bf16_adapters() {
+    let dir = fixture("tiny-gqa-s96-b2-all-bf16-adapters", &BF16_ADAPTERS_FIXTURE_ARGS);
+    assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Bf16, 1.25);
+}
+
+/// Loads the fixture in `dir` in bf16 with `adapters` and asserts its step-1 loss and LoRA
+/// gradients are near HF's fp32 as PEFT's bf16 twin is: the loss within twice PEFT's distance
+/// (+1e-4 relative), each gradient's cosine ≥ 0.999, all of them within `bound` × PEFT's 1 −
+/// cosine.
+fn assert_bf16_near_peft(dir: &Path, adapters: llora_model::precision::AdapterCompute, bound: f64) {
+    let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
-    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
-    load_peft_adapter(&mut model, &dir, &device).unwrap();
-    let bf16 =
-        llora_model::precision::PrecisionSpec { compute: llora_model::precision::Compute::Bf16, ..Default::default() };
+    let mut model = HfCheckpoint::open(dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    load_peft_adapter(&mut model, dir, &device).unwrap();
+    let bf16 = llora_model::precision::PrecisionSpec {
+        compute: llora_model::precision::Compute::Bf16,
+        adapter_compute: adapters,
+        ..Default::default()
+    };
     model.set_precision(&bf16).unwrap();
     let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
     let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
@@ -867,6 +913,14 @@ fn bf16_matches_hf_peft_in_bf16() {
     assert_eq!(model.hidden(ids.clone(), false).unwrap().dtype(), burn::tensor::DType::BF16);
     let (_, q) = &model.named_linears()[0];
     assert_eq!(q.base_weight_bytes(), 2 * q.dims()[0] * q.dims()[1]);
+    // The adapters' GEMMs in the dtype asked for: their output's dtype on a bf16 input.
+    let want = if adapters == llora_model::precision::AdapterCompute::Bf16 {
+        burn::tensor::DType::BF16
+    } else {
+        burn::tensor::DType::F32
+    };
+    let x = Tensor::<3>::ones([1, 2, q.dims()[1]], &device).cast(burn::tensor::DType::BF16);
+    assert_eq!(q.lora.as_ref().unwrap().update(x, false).dtype(), want);
 
     let sums = model.loss(ids, labels, None, true).unwrap();
     let tokens = sums.tokens.clone().sum().into_scalar::<f32>();
@@ -903,12 +957,8 @@ fn bf16_matches_hf_peft_in_bf16() {
     assert_eq!(all_fp32.len(), model.num_lora_parameters());
     let (ours, peft) = (cosine(&all_ours, &all_fp32), cosine(&all_peft, &all_fp32));
     eprintln!("LoRA gradients, cosine with fp32: llora bf16 {ours:.7} (worst tensor {worst:.7}), PEFT bf16 {peft:.7}");
-    // Not "no worse" yet: on four seeds llora's 1 − cosine is 1.03-1.12x PEFT's (0.9999576 vs
-    // 0.9999609 here). The gap is in what reaches attention, not in the kernel (the same CPU
-    // flash kernel gives HF's output for the same inputs; upcasting llora's attention to f32
-    // closes it), nor in the adapters (f32, summed as PEFT sums them) or the loss; not found.
     assert!(
-        1.0 - ours <= 1.25 * (1.0 - peft),
+        1.0 - ours <= bound * (1.0 - peft),
         "llora's bf16 gradients (cosine {ours}) are much further from fp32 than PEFT's ({peft})"
     );
 }

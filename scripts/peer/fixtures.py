@@ -20,7 +20,9 @@ Writes into --out (CPU, f32 unless --dtype says otherwise):
 
 With --bf16-twin, the same base (rounded to bf16, as from_pretrained(dtype=bfloat16) loads it)
 and the same initial adapter also run step 1 in bf16 the way PEFT does it (adapters kept in
-f32): expected.safetensors gains bf16.step1.grad.<adapter>, expected.json bf16_loss.
+f32): expected.safetensors gains bf16.step1.grad.<adapter>, expected.json bf16_loss. With
+--bf16-adapters too, that twin's adapters are bf16 (PEFT with autocast_adapter_dtype=False: the
+adapter GEMMs run in bf16 on the bf16 input).
 
 <adapter> is PEFT's on-disk name, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight.
 The loss is HF's: position t predicts labels[t+1], the mean over the batch's target tokens.
@@ -56,6 +58,8 @@ def parse_args(argv=None):
     ap.add_argument("--alpha-pattern", default="{}", help="PEFT alpha_pattern as JSON")
     ap.add_argument("--layers", default=None, help="PEFT layers_to_transform, comma-separated layer indexes")
     ap.add_argument("--bf16-twin", action="store_true", help="also record step 1 of the bf16 model (PEFT's bf16)")
+    ap.add_argument("--bf16-adapters", action="store_true",
+                    help="with --bf16-twin: its adapters in bf16 (PEFT's autocast_adapter_dtype=False)")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--max-grad-norm", type=float, default=0.3)
@@ -174,12 +178,19 @@ def bf16_step1(cfg, base_state, adapter, ids, labels, a, targets, expected):
     model.load_state_dict(base_state)
     model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora, dora=a.dora)
     set_peft_model_state_dict(model, adapter)
+    adapter_dtype = torch.float32
+    if a.bf16_adapters:
+        # What get_peft_model(..., autocast_adapter_dtype=False) leaves on a bf16 model.
+        adapter_dtype = torch.bfloat16
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(adapter_dtype)
     model.train()
     result = model(input_ids=ids, labels=labels, use_cache=False)
     result.loss.backward()
     for n, p in model.named_parameters():
         if p.requires_grad:
-            assert p.dtype == torch.float32, f"PEFT keeps adapters in f32, {n} is {p.dtype}"
+            assert p.dtype == adapter_dtype, f"the adapters should be {adapter_dtype}, {n} is {p.dtype}"
             expected[f"bf16.step1.grad.{n.replace('.default.', '.')}"] = p.grad.detach().float().contiguous().clone()
     print(f"# bf16 step 1: loss {float(result.loss):.6f}", file=sys.stderr)
     return float(result.loss)

@@ -542,6 +542,9 @@ pub struct BenchArgs {
     /// (`precision.fp8_weights_one_layout`: half the weights' memory).
     #[arg(long)]
     pub fp8_weights_one_layout: bool,
+    /// The LoRA adapters' GEMMs: `auto`, `fp32` or `bf16` (`precision.adapter_compute`).
+    #[arg(long, default_value = "auto", value_parser = parse_adapter_compute)]
+    pub adapter_compute: llora_model::precision::AdapterCompute,
     /// Also append the JSON line to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -603,6 +606,11 @@ pub enum ConfigCommand {
 
 /// `--precision`: the config's names (serde's), so the CLI and the TOML accept the same words.
 fn parse_compute(s: &str) -> Result<llora_model::precision::Compute, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
+}
+
+/// `--adapter-compute`'s value, spelt as in the config.
+fn parse_adapter_compute(s: &str) -> Result<llora_model::precision::AdapterCompute, String> {
     serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
 }
 

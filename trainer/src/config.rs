@@ -586,8 +586,9 @@ pub fn check_precision(spec: &PrecisionSpec, p: &mut Problems<'_>, device: &Devi
 /// The command flags that set precision keys, for reporting [`PrecisionSpec::problems`] of a
 /// precision asked for by flags (`llora bench`, `eval`, `generate`) in the flags' names. A key
 /// before any key it begins (`fp8_weights_one_layout` before `fp8_weights`).
-const PRECISION_FLAGS: [(&str, &str); 6] = [
+const PRECISION_FLAGS: [(&str, &str); 7] = [
     ("precision.fp8_weights_one_layout", "--fp8-weights-one-layout"),
+    ("precision.adapter_compute", "--adapter-compute"),
     ("precision.fp8_weights", "--fp8-weights"),
     ("precision.fp8_activations", "--fp8-activations"),
     ("precision.compute", "--precision"),

@@ -52,7 +52,7 @@ pub use nodes::{
 pub use scaling::{LinearScales, Role};
 
 pub use crate::shard::FrozenWeight;
-pub use spec::{Compute, Nf4Spec, PrecisionSpec, Storage};
+pub use spec::{AdapterCompute, Compute, Nf4Spec, PrecisionSpec, Storage};
 pub use weights::{Nf4Scales, StoredWeight};
 
 /// The LibTorch device behind a Burn device, if it is one.
@@ -81,9 +81,8 @@ mod tests {
             compute: Compute::Fp8,
             fp8_activations,
             fp8_weights,
-            fp8_weights_one_layout: false,
             amax: AmaxSpec::default(),
-            nf4: None,
+            ..Default::default()
         }
     }
 

@@ -30,6 +30,23 @@ impl Compute {
     }
 }
 
+/// The format of the LoRA adapters' GEMMs (`precision.adapter_compute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AdapterCompute {
+    /// As the peers run them: f32 under fp32 and bf16 compute (PEFT's default
+    /// `autocast_adapter_dtype`), bf16 under FP8 (NeMo / Transformer Engine, the MLPerf
+    /// reference).
+    #[default]
+    Auto,
+    /// f32 GEMMs on the upcast input, whatever the model computes in.
+    Fp32,
+    /// bf16 GEMMs on the bf16 input (f32 accumulation; the master weights stay f32), as PEFT
+    /// runs adapters loaded in bf16 (`autocast_adapter_dtype=False`): no f32 copy of each
+    /// adapted layer's input, at the cost of gradients a little further from fp32's.
+    Bf16,
+}
+
 /// Which precision a model trains in: a config's `[precision]` section as written (serde,
 /// through [`Section`]: the delayed-scaling settings are its flat `amax_*` keys); `nf4` is not
 /// read from that section but from `[model]` (`model.quantize`).
@@ -46,6 +63,8 @@ pub struct PrecisionSpec {
     /// for every input-gradient GEMM, instead of keeping the transpose too: half the weights'
     /// bytes (65 of 130 GB for Llama 2 70B) for one copy per weight per backward.
     pub fp8_weights_one_layout: bool,
+    /// The adapters' GEMM format ([`Self::for_adapters`]).
+    pub adapter_compute: AdapterCompute,
     /// Delayed-scaling settings.
     pub amax: AmaxSpec,
     /// Store frozen base weights in NF4 (QLoRA; `model.quantize = "nf4"`), dequantised for
@@ -94,6 +113,9 @@ struct Section {
     fp8_weights: bool,
     /// With `fp8_weights` on CUDA: one layout per weight, transposed for every input-gradient GEMM.
     fp8_weights_one_layout: bool,
+    /// LoRA adapters' GEMMs: `"auto"` (f32 under fp32/bf16 as PEFT, bf16 under FP8 as NeMo),
+    /// `"fp32"` or `"bf16"`.
+    adapter_compute: AdapterCompute,
     /// Delayed scaling: amaxes of this many past steps set each scale (1..=1024).
     amax_history_len: usize,
     /// How the history becomes one amax: `"max"` or `"most_recent"`.
@@ -117,6 +139,7 @@ impl From<Section> for PrecisionSpec {
             fp8_activations,
             fp8_weights,
             fp8_weights_one_layout: s.fp8_weights_one_layout,
+            adapter_compute: s.adapter_compute,
             amax,
             nf4: None,
         }
@@ -130,6 +153,7 @@ impl From<PrecisionSpec> for Section {
             fp8_activations: p.fp8_activations,
             fp8_weights: p.fp8_weights,
             fp8_weights_one_layout: p.fp8_weights_one_layout,
+            adapter_compute: p.adapter_compute,
             amax_history_len: p.amax.history_len,
             amax_compute_algo: p.amax.algo,
             amax_margin: p.amax.margin,
@@ -164,6 +188,12 @@ impl PrecisionSpec {
             "precision.fp8_weights_one_layout",
             &self.fp8_weights_one_layout,
             why,
+        );
+        p.check(
+            self.adapter_compute != AdapterCompute::Bf16 || self.compute != Compute::Fp32,
+            "precision.adapter_compute",
+            &"bf16",
+            "needs precision.compute = \"bf16\" or \"fp8\" (an fp32 model's adapters read f32 inputs)",
         );
         if let Some(nf4) = self.nf4 {
             let why = "model.quantize = \"nf4\" needs precision.compute = \"fp32\" or \"bf16\": FP8 GEMMs over an NF4 \
@@ -205,15 +235,19 @@ impl PrecisionSpec {
     }
 
     /// The precision of a layer's LoRA adapter GEMMs. Adapters are rank-r GEMMs (under 1% of
-    /// a step's FLOPs) on f32 master weights that change every step:
+    /// a step's FLOPs) on f32 master weights that change every step. With
+    /// `adapter_compute = "auto"`:
     /// - `bf16`: f32 GEMMs on the upcast bf16 input, as PEFT runs its f32 adapters on a bf16
-    ///   model (its default `autocast_adapter_dtype`): bf16 GEMMs there measurably moved the
-    ///   gradients further from fp32's than PEFT's (cosine 0.99995 vs 0.99996, tests/parity.rs),
-    ///   for no speed that matters;
+    ///   model (its default `autocast_adapter_dtype`): bf16 GEMMs there move the gradients
+    ///   further from fp32's than PEFT's f32 adapters do (tests/parity.rs), so they are opt-in
+    ///   (`adapter_compute = "bf16"`, PEFT's numerics with adapters loaded in bf16);
     /// - `fp8`: bf16 GEMMs, as NeMo/Transformer Engine and the MLPerf reference run them (FP8
     ///   with delayed scales would buy nothing at rank 16).
     pub fn for_adapters(&self) -> PrecisionSpec {
-        let compute = if self.compute == Compute::Fp8 { Compute::Bf16 } else { Compute::Fp32 };
+        let compute = match (self.adapter_compute, self.compute) {
+            (AdapterCompute::Bf16, _) | (AdapterCompute::Auto, Compute::Fp8) => Compute::Bf16,
+            (AdapterCompute::Fp32, _) | (AdapterCompute::Auto, _) => Compute::Fp32,
+        };
         PrecisionSpec { compute, fp8_weights: false, nf4: None, ..*self }
     }
 
@@ -297,6 +331,9 @@ mod tests {
         assert_eq!(keys(PrecisionSpec { amax: amax(1024, 17), ..d }), ["precision.amax_margin"]);
         assert_eq!(keys(PrecisionSpec { fp8_weights: true, compute: Compute::Bf16, ..d }), ["precision.fp8_weights"]);
         assert_eq!(keys(PrecisionSpec { fp8_weights_one_layout: true, ..d }), ["precision.fp8_weights_one_layout"]);
+        let bf16_adapters = PrecisionSpec { adapter_compute: AdapterCompute::Bf16, ..d };
+        assert_eq!(keys(bf16_adapters), ["precision.adapter_compute"]);
+        assert_eq!(keys(PrecisionSpec { compute: Compute::Bf16, ..bf16_adapters }), Vec::<String>::new());
         let nf4 = |block| Some(Nf4Spec { block, double: true });
         assert_eq!(keys(PrecisionSpec { nf4: nf4(64), compute: Compute::Fp8, ..d }), ["precision.compute"]);
         assert_eq!(keys(PrecisionSpec { nf4: nf4(96), compute: Compute::Bf16, ..d }), ["model.quant_block_size"]);

@@ -160,6 +160,7 @@ fn precision_spec(args: &BenchArgs) -> anyhow::Result<llora_model::precision::Pr
         fp8_activations: args.fp8_activations,
         fp8_weights: args.fp8_weights,
         fp8_weights_one_layout: args.fp8_weights_one_layout,
+        adapter_compute: args.adapter_compute,
         nf4: args.quantize.nf4()?,
         ..Default::default()
     })
@@ -590,6 +591,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "accum": args.accum, "world": dist.world.size, "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
         "fp8_weights_one_layout": args.fp8_weights_one_layout, "dora": args.dora,
+        "adapter_compute": precision.for_adapters().compute.name(),
         "nf4": precision.nf4.map(|n| json!({"block": n.block, "double": n.double})),
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
