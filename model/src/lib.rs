@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+pub mod context;
 pub mod device;
 pub mod dropout;
 pub mod fp8;

@@ -38,13 +38,35 @@ pub struct Positions {
     /// Their spans on the device for the variable-length attention kernel (packed rows of a
     /// bf16/f16 model on CUDA: uploaded once per batch, not per layer).
     pub varlen: Option<Arc<VarlenSpans>>,
+    /// Under context parallelism: this rank's share of the sequence (cos and sin are then at
+    /// its tokens' global positions) and the attention over the group.
+    pub context: Option<Arc<crate::attention::context::ContextAttention>>,
 }
 
 impl Positions {
     /// The same positions on the inner (non-autodiff) backend.
     pub fn inner(&self) -> Self {
-        let (packed, varlen) = (self.packed.clone(), self.varlen.clone());
-        Self { cos: self.cos.clone().inner(), sin: self.sin.clone().inner(), packed, varlen }
+        let (packed, varlen, context) = (self.packed.clone(), self.varlen.clone(), self.context.clone());
+        Self { cos: self.cos.clone().inner(), sin: self.sin.clone().inner(), packed, varlen, context }
+    }
+
+    /// This rank's tokens of `ids` under context parallelism (padded to the split's length
+    /// first); all of them otherwise.
+    ///
+    /// # Shapes
+    /// - ids: `[batch, seq]`; output: `[batch, local]`
+    pub fn local_ids(&self, ids: Tensor<2, Int>) -> Tensor<2, Int> {
+        let Some(cp) = &self.context else { return ids };
+        let [b, s] = ids.dims();
+        let device = ids.device();
+        let padded = if cp.split.padded > s {
+            Tensor::cat(vec![ids, Tensor::<2, Int>::zeros([b, cp.split.padded - s], &device)], 1)
+        } else {
+            ids
+        };
+        let local: Vec<i64> = cp.split.local_positions().into_iter().map(|p| p as i64).collect();
+        let n = local.len();
+        padded.select(1, Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(local, [n]), &device))
     }
 }
 
@@ -151,9 +173,10 @@ impl Attention {
     pub fn forward(&self, x: Tensor<3>, at: &Positions, train: bool) -> Tensor<3> {
         let [b, s, _] = x.dims();
         let (q, k, v) = self.qkv(x, at.cos.clone(), at.sin.clone(), train);
-        let out = match &at.packed {
-            None => causal_attention(q, k, v),
-            Some(packed) => packed_causal_attention(q, k, v, packed, at.varlen.as_ref()),
+        let out = match (&at.context, &at.packed) {
+            (Some(cp), _) => crate::attention::context_attention(q, k, v, cp.clone()),
+            (None, None) => causal_attention(q, k, v),
+            (None, Some(packed)) => packed_causal_attention(q, k, v, packed, at.varlen.as_ref()),
         };
         self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), train)
     }
@@ -449,6 +472,10 @@ pub struct LlamaForCausalLM {
     /// The RoPE tables of the longest sequence seen (see [`crate::rope::RopeCache`]).
     #[module(skip)]
     pub rope_cache: crate::rope::RopeCache,
+    /// The context-parallel group this rank shares each sequence with; `None`: every rank
+    /// runs whole sequences.
+    #[module(skip)]
+    pub context: Option<crate::context::ContextParallel>,
 }
 
 impl LlamaForCausalLM {
@@ -477,7 +504,7 @@ impl LlamaForCausalLM {
         let device = input_ids.device();
         let at = self.positions(input_ids.dims(), packed, &device)?;
         let blocks = BlockSeeds::draw(&device, train);
-        let mut x = embed(self.embed_tokens.val(), input_ids, self.activations);
+        let mut x = embed(self.embed_tokens.val(), at.local_ids(input_ids), self.activations);
         for (k, layer) in self.layers.iter().enumerate() {
             blocks.seed(&device, k);
             layer.gather(k)?;
@@ -489,15 +516,20 @@ impl LlamaForCausalLM {
     }
 
     /// The positions of a `[batch, seq]` batch: 0..seq in every row, or for packed rows each
-    /// document's own from 0 (the RoPE table of `0..seq` gathered by position).
+    /// document's own from 0 (the RoPE table of `0..seq` gathered by position); under context
+    /// parallelism, this rank's share of them.
     pub fn positions(
         &self,
         [b, s]: [usize; 2],
         packed: Option<&Arc<PackedRows>>,
         device: &Device,
     ) -> anyhow::Result<Positions> {
+        if let Some(cp) = &self.context {
+            return self.context_positions([b, s], packed, cp, device);
+        }
         let (cos, sin) = self.rope(s, device);
-        let Some(packed) = packed else { return Ok(Positions { cos, sin, packed: None, varlen: None }) };
+        let none = None;
+        let Some(packed) = packed else { return Ok(Positions { cos, sin, packed: None, varlen: None, context: none }) };
         anyhow::ensure!(
             [packed.rows(), packed.seq()] == [b, s],
             "packed layout of {} rows of {} tokens for a batch of {b} x {s}",
@@ -515,7 +547,53 @@ impl LlamaForCausalLM {
             }
             _ => None,
         };
-        Ok(Positions { cos: gather(cos), sin: gather(sin), packed: Some(packed.clone()), varlen })
+        Ok(Positions { cos: gather(cos), sin: gather(sin), packed: Some(packed.clone()), varlen, context: None })
+    }
+
+    /// [`Self::positions`] of this rank's share under context parallelism: RoPE at the global
+    /// positions of its tokens (each document's own from 0 in packed rows), the documents laid
+    /// out over the padded sequence for attention.
+    fn context_positions(
+        &self,
+        [b, s]: [usize; 2],
+        packed: Option<&Arc<PackedRows>>,
+        cp: &crate::context::ContextParallel,
+        device: &Device,
+    ) -> anyhow::Result<Positions> {
+        let split = cp.split(s);
+        let padded = match packed {
+            Some(p) => {
+                anyhow::ensure!(
+                    [p.rows(), p.seq()] == [b, s],
+                    "packed layout of {} rows of {} tokens for a batch of {b} x {s}",
+                    p.rows(),
+                    p.seq()
+                );
+                Some(Arc::new(PackedRows::new(p.docs().to_vec(), split.padded)?))
+            }
+            None => None,
+        };
+        let local = split.local_positions();
+        // The RoPE position of each local token, row-major `[rows, local]` (one row unpacked).
+        let index: Vec<i64> = match &padded {
+            None => local.iter().map(|&t| t as i64).collect(),
+            Some(p) => {
+                let all = p.positions();
+                (0..b).flat_map(|r| local.iter().map(|&t| all[r * split.padded + t]).collect::<Vec<_>>()).collect()
+            }
+        };
+        let (rows, n, hd) = (index.len() / local.len(), local.len(), self.config.head_dim);
+        let (cos, sin) = self.rope(split.padded, device);
+        let index = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(index, [rows * n]), device);
+        let gather = |t: Tensor<4>| t.reshape([split.padded, hd]).select(0, index.clone()).reshape([rows, 1, n, hd]);
+        let context = crate::attention::context::ContextAttention { split, group: cp.group.clone(), packed: padded };
+        Ok(Positions {
+            cos: gather(cos),
+            sin: gather(sin),
+            packed: None,
+            varlen: None,
+            context: Some(Arc::new(context)),
+        })
     }
 
     /// RoPE tables for `seq` positions, computed in f32 and cast to the activations' dtype
@@ -589,8 +667,9 @@ impl LlamaForCausalLM {
         packed: Option<&Arc<PackedRows>>,
         train: bool,
     ) -> anyhow::Result<crate::loss::LossSums> {
+        let split = self.context.as_ref().map(|cp| cp.split(input_ids.dims()[1]));
         let hidden = self.hidden_packed(input_ids, packed, train)?;
-        Ok(crate::loss::target_rows_loss(hidden, self.head(), labels, packed.map(|p| &**p)))
+        Ok(crate::loss::target_rows_loss(hidden, self.head(), labels, packed.map(|p| &**p), split.as_ref()))
     }
 
     /// Switches every decoder linear layer (and adapter) and every MLP to `spec`; frozen base

@@ -85,6 +85,7 @@ impl LlamaForCausalLM {
             config: c.clone(),
             activations: DType::F32,
             rope_cache: Default::default(),
+            context: None,
         };
         if let Some(spec) = &opts.precision {
             model.set_precision(spec)?;

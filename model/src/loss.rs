@@ -91,9 +91,11 @@ pub fn causal_lm_loss(logits: Tensor<3>, labels: Tensor<2, Int>) -> LossSums {
 ///
 /// The sums are per sample: per row, or for `packed` rows per document (in row order), where a
 /// position whose next token belongs to another document (or to padding) predicts nothing.
+/// Under context parallelism (`split`) `hidden` holds this rank's tokens only, and the sums
+/// are those of its positions (the group's sums add up to the whole sequence's).
 ///
 /// # Shapes
-/// - hidden: `[batch, seq, d]`
+/// - hidden: `[batch, seq, d]`, or `[batch, split.local_len(), d]`
 /// - lm_head: `[vocab, d]`
 /// - labels: `[batch, seq]`
 /// - output: sums `[samples]` (rows, or packed documents)
@@ -102,23 +104,27 @@ pub fn target_rows_loss(
     lm_head: Tensor<2>,
     labels: impl Into<Labels>,
     packed: Option<&PackedRows>,
+    split: Option<&crate::context::ContextSplit>,
 ) -> LossSums {
-    let [b, s, d] = hidden.dims();
+    let [b, local, d] = hidden.dims();
     let v = lm_head.dims()[0];
     let device = hidden.device();
     let host = labels.into().host_values();
+    let s = host.len() / b.max(1);
     // The sample of each position: its row, or its packed document.
     let owners: Vec<Option<usize>> = match packed {
         Some(p) => p.owners(),
         None => (0..b * s).map(|i| Some(i / s)).collect(),
     };
+    // The global position of each of `hidden`'s positions.
+    let positions: Vec<usize> = split.map_or_else(|| (0..s).collect(), |c| c.local_positions());
     let samples = packed.map_or(b, PackedRows::num_docs);
     let (mut rows, mut targets, mut counts) = (Vec::new(), Vec::new(), vec![0f32; samples]);
     for i in 0..b {
-        for t in 0..s.saturating_sub(1) {
+        for (l, &t) in positions.iter().enumerate().filter(|(_, t)| **t + 1 < s) {
             let (at, label) = (i * s + t, host[i * s + t + 1]);
             if let Some(owner) = owners[at].filter(|&o| label != IGNORE_INDEX && owners[at + 1] == Some(o)) {
-                rows.push(at as i64);
+                rows.push((i * local + l) as i64);
                 targets.push(label.clamp(0, v as i64 - 1));
                 counts[owner] += 1.0;
             }
@@ -132,7 +138,7 @@ pub fn target_rows_loss(
     }
     let n = rows.len();
     let index = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device);
-    let selected = hidden.reshape([b * s, d]).select(0, index);
+    let selected = hidden.reshape([b * local, d]).select(0, index);
     let row_loss = if crate::precision::tch_device(&device).is_some() && !lm_head.is_require_grad() {
         Tensor::from_dispatch(<Dispatch as FusedLossBackend>::linear_cross_entropy(
             selected.into_dispatch(),
@@ -372,7 +378,7 @@ mod tests {
         let run = |fused: bool| {
             let (h, w) = (h0.clone().require_grad(), w0.clone().require_grad());
             let sums = if fused {
-                target_rows_loss(h.clone(), w.clone(), labels.clone(), None)
+                target_rows_loss(h.clone(), w.clone(), labels.clone(), None, None)
             } else {
                 causal_lm_loss(h.clone().matmul(w.clone().transpose().unsqueeze()), labels.clone())
             };
@@ -386,7 +392,7 @@ mod tests {
         let frozen = |fused: bool| {
             let h = h0.clone().require_grad();
             let sums = if fused {
-                target_rows_loss(h.clone(), w0.clone(), labels.clone(), None)
+                target_rows_loss(h.clone(), w0.clone(), labels.clone(), None, None)
             } else {
                 causal_lm_loss(h.clone().matmul(w0.clone().transpose().unsqueeze()), labels.clone())
             };

@@ -54,7 +54,7 @@ impl LlamaForCausalLM {
         let blocks = BlockSeeds::draw(&device, true);
         let inner = self.valid();
         let at_inner = at.inner();
-        let mut x = embed(inner.embed_tokens.val(), input_ids.clone().inner(), self.activations);
+        let mut x = embed(inner.embed_tokens.val(), at.local_ids(input_ids.clone()).inner(), self.activations);
         let mut segments = Vec::with_capacity(split);
         for k in 0..split {
             blocks.seed(&device, k);
@@ -81,7 +81,8 @@ impl LlamaForCausalLM {
             h = layer.forward(h, &at, true);
         }
         let packed = packed.map(|p| &**p);
-        let loss = crate::loss::target_rows_loss(self.norm.forward(h), self.head(), labels, packed)
+        let split = at.context.as_ref().map(|cp| cp.split);
+        let loss = crate::loss::target_rows_loss(self.norm.forward(h), self.head(), labels, packed, split.as_ref())
             .loss_sum
             .sum()
             .div_scalar(norm);

@@ -491,6 +491,10 @@ pub struct TrainConfig {
     /// again for its backward. LoRA weights, AdamW state, norms, embedding and LM head stay
     /// replicated. Same results as unsharded.
     pub shard_frozen_weights: bool,
+    /// Context parallelism: each sequence's tokens split over this many consecutive ranks
+    /// (load-balanced chunks for the causal mask, K/V all-gathered in attention), dividing each
+    /// rank's activations by it; the launcher's ranks are data-parallel groups × this. 1 = off.
+    pub context_parallel: usize,
     /// Warm-up forward+backward passes on random tokens before `run_start` (kernel selection,
     /// allocator growth, as NVIDIA's and AMD's submissions do); they touch neither the dataset
     /// nor the adapters.
@@ -504,6 +508,7 @@ impl Default for TrainConfig {
             micro_batch_size: 1,
             recompute_layers: 0,
             shard_frozen_weights: false,
+            context_parallel: 1,
             warmup_batches: 0,
         }
     }
@@ -515,6 +520,12 @@ impl TrainConfig {
         let t = self;
         p.check(t.global_batch_size >= 1, "train.global_batch_size", &t.global_batch_size, "must be at least 1");
         p.check(t.micro_batch_size >= 1, "train.micro_batch_size", &t.micro_batch_size, "must be at least 1");
+        p.check(
+            (1..=64).contains(&t.context_parallel),
+            "train.context_parallel",
+            &t.context_parallel,
+            "must be in 1..=64 (ranks sharing one sequence)",
+        );
         p.check(
             t.global_batch_size.is_multiple_of(t.micro_batch_size.max(1)),
             "train.global_batch_size",
@@ -900,6 +911,11 @@ impl Config {
             p.check(m.trainable == Trainable::Lora, "model.trainable", &"all", why);
             let why =
                 "an NF4 base (model.quantize = \"nf4\") needs a LibTorch device (run.device = \"cpu\" or \"cuda:N\")";
+            p.check(self.run.device != DeviceSpec::Flex, "run.device", &self.run.device.to_string(), why);
+        }
+        if self.train.context_parallel > 1 {
+            let why =
+                "context parallelism runs attention on LibTorch's kernels: it needs run.device = \"cpu\" or \"cuda:N\"";
             p.check(self.run.device != DeviceSpec::Flex, "run.device", &self.run.device.to_string(), why);
         }
         self.run.check(&mut p);

@@ -19,6 +19,7 @@
 //! bind through `sdpa_shim.cpp` (built by `model/build.rs`).
 
 mod choice;
+pub mod context;
 mod cuda;
 mod fused;
 mod varlen;
@@ -176,6 +177,21 @@ pub fn packed_causal_attention(
     Tensor::cat(rows, 0)
 }
 
+/// Causal attention of this rank's share of a context-parallel sequence (`cp`) over the whole
+/// sequence, keys and values gathered from the group ([`context`]).
+///
+/// # Shapes
+/// - q: `[batch, heads, local, head_dim]`; k, v: `[batch, kv_heads, local, head_dim]`
+/// - output: as q
+pub fn context_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, cp: Arc<context::ContextAttention>) -> Tensor<4> {
+    Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::context_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        cp,
+    ))
+}
+
 /// [`attention`] with an explicit kernel (tests compare the two).
 ///
 /// # Shapes
@@ -216,6 +232,15 @@ pub trait FusedAttentionBackend: Backend {
         v: FloatTensor<Self>,
         spans: Arc<VarlenSpans>,
     ) -> FloatTensor<Self>;
+
+    /// Causal attention of this rank's share of a context-parallel sequence over the whole of
+    /// it ([`context`]).
+    fn context_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cp: Arc<context::ContextAttention>,
+    ) -> FloatTensor<Self>;
 }
 
 impl FusedAttentionBackend for LibTorch {
@@ -225,6 +250,42 @@ impl FusedAttentionBackend for LibTorch {
 
     fn fused_varlen_attention(q: TchTensor, k: TchTensor, v: TchTensor, spans: Arc<VarlenSpans>) -> TchTensor {
         varlen::forward(&q.tensor, &k.tensor, &v.tensor, &spans, true).expect("packed attention forward").out
+    }
+
+    fn context_attention(q: TchTensor, k: TchTensor, v: TchTensor, cp: Arc<context::ContextAttention>) -> TchTensor {
+        context::forward(&q.tensor, &k.tensor, &v.tensor, &cp).expect("context-parallel attention forward").out
+    }
+}
+
+/// Autodiff node of context-parallel attention: keeps this rank's q, k, v, the merged output
+/// and log-sum-exp; its backward gathers K/V again and sums the group's K/V gradients.
+#[derive(Debug)]
+struct ContextAttentionBackward;
+
+/// The node's state.
+#[derive(Debug, Clone)]
+struct ContextState {
+    q: TchTensor,
+    k: TchTensor,
+    v: TchTensor,
+    saved: context::ContextSaved,
+    cp: Arc<context::ContextAttention>,
+}
+
+impl Backward<LibTorch, 3> for ContextAttentionBackward {
+    type State = ContextState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = grads.consume::<LibTorch>(&ops.node);
+        let st = ops.state;
+        let (dq, dk, dv) = context::backward(&grad.tensor, &st.q.tensor, &st.k.tensor, &st.v.tensor, &st.saved, &st.cp)
+            .expect("context-parallel attention backward");
+        for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<LibTorch>(node.id, TchTensor::new(g));
+            }
+        }
     }
 }
 
@@ -281,6 +342,25 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
         tracked::<C>([q, k, v], true, |q, k, v| {
             varlen::forward(q, k, v, &spans, true).expect("packed attention forward")
         })
+    }
+
+    fn context_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cp: Arc<context::ContextAttention>,
+    ) -> FloatTensor<Self> {
+        let nodes = [q.node(), k.node(), v.node()];
+        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        let saved = context::forward(&q.tensor, &k.tensor, &v.tensor, &cp).expect("context-parallel attention forward");
+        match ContextAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                // One TchTensor shared by the state and the output (see `tracked`).
+                let out = saved.out.clone();
+                prep.finish(ContextState { q, k, v, saved, cp }, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(saved.out),
+        }
     }
 }
 

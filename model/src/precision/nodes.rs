@@ -268,7 +268,7 @@ fn kernel_forward(
         .ok()?;
     if let (Some(hc), Some(scale)) = (&f.h_codes, h_scale) {
         let i = *f.h.size().last().expect("h has a last dimension");
-        super::offer_input_codes(
+        super::linear::offer_input_codes(
             &f.h.reshape([-1, i]),
             scale,
             hc.codes.reshape([-1, i]),

@@ -136,7 +136,12 @@ fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
 /// after it (the first GPU run's SIGABRT at exit).
 pub struct ProcessGroup {
     handle: Arc<Handle>,
+    /// This group as a world of its own (a subgroup's rank and size are within it).
     world: World,
+    /// The whole world's rank of each member, and the whole world's size (errors name ranks
+    /// as the launcher numbers them).
+    members: Vec<usize>,
+    whole: usize,
     backend: Backend,
     device: tch::Device,
     heartbeat: Duration,
@@ -149,11 +154,46 @@ impl ProcessGroup {
     /// Joins the group of `world` (TCPStore at its master address, server or client by the
     /// launcher's rule) on `backend`; collectives fail after `timeout`.
     pub fn new(world: &World, backend: Backend, timeout: Duration) -> Result<Self, DistError> {
+        Self::join(world, (0..world.size).collect(), "", backend, timeout)
+    }
+
+    /// Joins the subgroup `name` of `world` whose members are the world's ranks `members` (in
+    /// the subgroup's rank order; this rank among them): the ranks sharing a sequence under
+    /// context parallelism. It uses the store the whole world's group serves (join that
+    /// first), its keys apart under `name`.
+    pub fn subgroup(
+        world: &World,
+        name: &str,
+        members: Vec<usize>,
+        backend: Backend,
+        timeout: Duration,
+    ) -> Result<Self, DistError> {
+        if !members.contains(&world.rank) {
+            return Err(DistError::setup(world, format!("rank {} is not a member of group {name}", world.rank)));
+        }
+        Self::join(world, members, name, backend, timeout)
+    }
+
+    /// Joins `members` of `world` (all of it, or a subgroup named `name`) on `world`'s store.
+    fn join(
+        world: &World,
+        members: Vec<usize>,
+        name: &str,
+        backend: Backend,
+        timeout: Duration,
+    ) -> Result<Self, DistError> {
+        let rank = members.iter().position(|&r| r == world.rank).expect("a member");
+        let me = &World { rank, size: members.len(), ..world.clone() };
         let host = CString::new(world.master_addr.clone())
             .map_err(|_| DistError::setup(world, "MASTER_ADDR contains a NUL byte".into()))?;
         // torch's own rule under torchrun's agent store is `/worker/attempt_N`; llora's keys
-        // live apart from it and, like torch's, per attempt.
-        let prefix = CString::new(format!("llora/attempt_{}", world.attempt)).expect("no NUL in a number");
+        // live apart from it and, like torch's, per attempt (a subgroup's under its name).
+        let prefix = match name {
+            "" => format!("llora/attempt_{}", world.attempt),
+            _ => format!("llora/attempt_{}/{name}", world.attempt),
+        };
+        let prefix = CString::new(prefix).map_err(|_| DistError::setup(world, "a NUL byte in a group name".into()))?;
+        let serves = world.serves_store() && name.is_empty();
         let cuda_device = match backend {
             Backend::Gloo => -1,
             Backend::Nccl => world.local_rank as c_int,
@@ -164,10 +204,10 @@ impl ProcessGroup {
             llora_c10d_new(
                 host.as_ptr(),
                 world.master_port,
-                c_int::from(world.serves_store()),
+                c_int::from(serves),
                 prefix.as_ptr(),
-                world.rank as c_int,
-                world.size as c_int,
+                me.rank as c_int,
+                me.size as c_int,
                 c_int::from(backend == Backend::Nccl),
                 cuda_device,
                 timeout.as_millis() as i64,
@@ -187,7 +227,9 @@ impl ProcessGroup {
         };
         let pg = Self {
             handle: Arc::new(Handle(g)),
-            world: world.clone(),
+            world: me.clone(),
+            members,
+            whole: world.size,
             backend,
             device,
             heartbeat: Duration::from_millis(500),
@@ -274,12 +316,14 @@ impl ProcessGroup {
         let Ok(after) = others.iter().map(|&r| self.counter(r)).collect::<Result<Vec<_>, _>>() else {
             return if self.world.agent_store { vec![] } else { vec![0] };
         };
-        others.iter().zip(before.iter().zip(&after)).filter(|(_, (b, a))| a == b).map(|(&r, _)| r).collect()
+        let stopped = others.iter().zip(before.iter().zip(&after)).filter(|(_, (b, a))| a == b);
+        stopped.map(|(&r, _)| self.members[r]).collect()
     }
 
     fn fail(&self, op: &'static str, message: String) -> DistError {
         let message = plain_c10d_message(&message);
-        DistError::Collective { op, rank: self.world.rank, world: self.world.size, lost: self.lost_ranks(), message }
+        let (rank, world, lost) = (self.members[self.world.rank], self.whole, self.lost_ranks());
+        DistError::Collective { op, rank, world, lost, message }
     }
 
     /// Every rank's `x`, concatenated in rank order.

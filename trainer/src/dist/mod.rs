@@ -8,9 +8,11 @@
 
 mod c10d;
 mod collective;
+mod context;
 mod world;
 
 pub use collective::{Backend, Collective, DistError, InFlight, PendingBytes, ReduceOp, plain_c10d_message};
+pub use context::ContextComm;
 pub use world::{BackendChoice, DistConfig, Launcher, World};
 
 use std::path::Path;
@@ -114,14 +116,33 @@ impl llora_model::shard::PendingGather for Gathering {
 pub struct Dist {
     /// Who we are.
     pub world: World,
-    /// How we talk.
+    /// How we talk (the whole world: gradients, losses, checks).
     pub comm: Arc<dyn Collective>,
+    /// The ranks this one shares each sequence with (`train.context_parallel` > 1).
+    pub context: Option<Arc<ContextComm>>,
 }
 
 impl Dist {
     /// A single process.
     pub fn single() -> Self {
-        Self { world: World::single(), comm: Arc::new(SingleProcess) }
+        Self { world: World::single(), comm: Arc::new(SingleProcess), context: None }
+    }
+
+    /// Ranks sharing one sequence (1 without context parallelism).
+    pub fn context_size(&self) -> usize {
+        self.context.as_ref().map_or(1, |c| c.0.world_size())
+    }
+
+    /// The model's view of [`Self::context`].
+    pub fn context_parallel(&self) -> Option<llora_model::context::ContextParallel> {
+        let group = self.context.clone()?;
+        Some(llora_model::context::ContextParallel { group })
+    }
+
+    /// (this rank's data-parallel group, the number of groups): what the data is shared out by.
+    pub fn data_share(&self) -> (usize, usize) {
+        let n = self.context_size();
+        (self.world.rank / n, self.world.size / n)
     }
 
     /// The frozen-weight sharding over this group, when `shard` asks for it.
@@ -143,6 +164,9 @@ impl Dist {
     /// Ends the process group after the command's work succeeded (see [`Collective::shutdown`]);
     /// on an error path the group is dropped instead, which aborts it.
     pub fn shutdown(self) -> anyhow::Result<()> {
+        if let Some(c) = &self.context {
+            c.0.shutdown()?;
+        }
         Ok(self.comm.shutdown()?)
     }
 }
@@ -150,12 +174,33 @@ impl Dist {
 /// Joins the world the environment describes; `cuda` says whether the run's device is a GPU
 /// (NCCL under `dist.backend = "auto"`).
 pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
+    init_with_context(config, cuda, 1)
+}
+
+/// [`init`], each sequence shared by `context` consecutive ranks (`train.context_parallel`):
+/// their c10d subgroup is joined after the world's.
+pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize) -> anyhow::Result<Dist> {
     let world = World::from_env(|k| std::env::var(k).ok(), config).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(
+        context >= 1 && world.size.is_multiple_of(context),
+        "train.context_parallel = {context} must divide the {} ranks the launcher started (rank {}): the world is \
+         data-parallel groups x context-parallel ranks",
+        world.size,
+        world.rank
+    );
     if world.size == 1 {
-        return Ok(Dist { world, comm: Arc::new(SingleProcess) });
+        return Ok(Dist { world, comm: Arc::new(SingleProcess), context: None });
     }
     let backend = backend_for(config, cuda)?;
-    let pg = c10d::ProcessGroup::new(&world, backend, Duration::from_secs(config.timeout_s))?;
+    let timeout = Duration::from_secs(config.timeout_s);
+    let pg = c10d::ProcessGroup::new(&world, backend, timeout)?;
+    let context = if context > 1 {
+        let (group, _, members) = context::layout(world.rank, context);
+        let sub = c10d::ProcessGroup::subgroup(&world, &format!("context_{group}"), members, backend, timeout)?;
+        Some(Arc::new(ContextComm(Arc::new(sub))))
+    } else {
+        None
+    };
     if world.rank == 0 {
         info!(
             world = world.size,
@@ -164,10 +209,11 @@ pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
             backend = %backend,
             launcher = ?world.launcher,
             store = %format!("{}:{}", world.master_addr, world.master_port),
-            "data-parallel group ready"
+            context_parallel = context.as_ref().map_or(1, |c| c.0.world_size()),
+            "process group ready"
         );
     }
-    Ok(Dist { world, comm: Arc::new(pg) })
+    Ok(Dist { world, comm: Arc::new(pg), context })
 }
 
 /// The c10d backend `config` asks for on a CUDA (`cuda`) or CPU device.
@@ -410,11 +456,12 @@ mod tests {
                     ("MASTER_ADDR", "node0"),
                 ];
                 let world = World::from_env(env(&vars), &DistConfig::default()).unwrap();
-                Dist { world, comm: Arc::new(SingleProcess) }.device(DeviceSpec::CudaLocal)
+                Dist { world, comm: Arc::new(SingleProcess), context: None }.device(DeviceSpec::CudaLocal)
             })
             .collect();
         assert_eq!(picked, (0..8).map(DeviceSpec::Cuda).collect::<Vec<_>>());
-        let dist = Dist { world: World { local_rank: 5, ..World::single() }, comm: Arc::new(SingleProcess) };
+        let dist =
+            Dist { world: World { local_rank: 5, ..World::single() }, comm: Arc::new(SingleProcess), context: None };
         assert_eq!(dist.device(DeviceSpec::Cuda(2)), DeviceSpec::Cuda(2));
         assert_eq!(dist.device(DeviceSpec::Cpu), DeviceSpec::Cpu);
     }

@@ -387,7 +387,11 @@ pub fn evaluate(
 ) -> anyhow::Result<EvalLoss> {
     // [sum of token losses, target tokens, sum of per-sample mean losses]
     let mut sums = [0f64; 3];
-    let share = (comm.rank(), comm.world_size());
+    // Under context parallelism the ranks of a group evaluate the same batches, each summing
+    // its share of every sample; the group adds them up, and its first rank counts them.
+    let group = model.context.as_ref().map(|cp| cp.group.clone());
+    let n = group.as_ref().map_or(1, |g| g.size());
+    let share = (comm.rank() / n, comm.world_size() / n);
     let rows = Arc::new(eval_rows(samples, how.packing));
     let batches = rows.len().div_ceil(how.batch_size.max(1));
     let layout = (how.padding, how.packing.is_some());
@@ -396,8 +400,15 @@ pub fn evaluate(
         mine += 1;
         let mb = upload(batch, device);
         let out = model.loss(mb.ids, mb.labels, mb.packed.as_ref(), false)?;
-        let s: Vec<f32> = out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
-        let t: Vec<f32> = out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let mut s: Vec<f32> = out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let mut t: Vec<f32> = out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        if let Some(g) = &group {
+            let both = g.all_reduce_sum(&tch::Tensor::from_slice(&[s.clone(), t.clone()].concat()))?;
+            let both = Vec::<f32>::try_from(&both)?;
+            let counted = if g.rank() == 0 { 1.0 } else { 0.0 };
+            let n = s.len();
+            (s, t) = (both[..n].iter().map(|x| x * counted).collect(), both[n..].iter().map(|x| x * counted).collect());
+        }
         for (s, t) in s.iter().zip(&t) {
             sums[0] += *s as f64;
             sums[1] += *t as f64;
@@ -406,7 +417,7 @@ pub fn evaluate(
     }
     // Sharded weights are gathered by every rank for every forward: a rank with fewer batches
     // runs one-token forwards (discarded) until it has joined as many gathers as rank 0.
-    let most = batches.div_ceil(comm.world_size());
+    let most = batches.div_ceil(share.1);
     if model.is_sharded() {
         for _ in mine..most {
             let token = Tensor::<2, Int>::zeros([1, 1], device);

@@ -298,7 +298,7 @@ impl<'a> Trainer<'a> {
     ) -> anyhow::Result<Self> {
         let (device_spec, device) = start_device(config, name, dist)?;
         check_inputs(config, dist.world.size)?;
-        let geometry = geometry(config, &dist.world)?;
+        let geometry = geometry(config, dist.data_share())?;
         let fresh = resumed.is_none();
         let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);
         let mut records = Records::open(config, name, dist, geometry, (!fresh).then_some(start_step))?;
@@ -674,10 +674,14 @@ fn start_device(config: &Config, name: &str, dist: &Dist) -> anyhow::Result<(llo
 }
 
 /// How a global batch splits over the ranks and their micro-batches.
-fn geometry(config: &Config, world: &crate::dist::World) -> anyhow::Result<Geometry> {
+///
+/// `(rank, world)` is this rank's data-parallel share: under context parallelism the ranks of
+/// one group read the same sequences.
+fn geometry(config: &Config, (rank, world): (usize, usize)) -> anyhow::Result<Geometry> {
     let t = &config.train;
-    let g = Geometry { global: t.global_batch_size, micro: t.micro_batch_size, rank: world.rank, world: world.size };
-    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", g.micro), ("ranks", g.world)])?;
+    let g = Geometry { global: t.global_batch_size, micro: t.micro_batch_size, rank, world };
+    let ranks = if t.context_parallel > 1 { "data-parallel groups (ranks / train.context_parallel)" } else { "ranks" };
+    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", g.micro), (ranks, g.world)])?;
     anyhow::ensure!(
         g.global.is_multiple_of(per_step),
         "train.global_batch_size = {} must be a multiple of train.micro_batch_size × ranks = {} × {} = {per_step}",
@@ -700,6 +704,7 @@ fn ready_model(
 ) -> anyhow::Result<(LlamaForCausalLM, TrainState)> {
     let sharding = dist.sharding(config.train.shard_frozen_weights);
     let mut model = load_model(config, spec, sharding, train_device)?;
+    model.context = dist.context_parallel();
     info!(
         base_parameters = model.config.num_parameters(),
         lora_parameters = model.num_lora_parameters(),
