@@ -463,7 +463,13 @@ fn bad_flags_are_refused_naming_the_flag() {
         (&["train", "--set", "optim.eps=1e-46"], "config key `optim.eps` = 1e-46"),
         (
             &["plan", "configs/llama2-70b-mlperf.toml", "--world", "3"],
-            "must be a multiple of train.micro_batch_size × ranks",
+            "must be a multiple of train.micro_batch_size × data-parallel groups",
+        ),
+        (&["bench", "--cp", "0"], "`--cp` = 0"),
+        (&["train", "--set", "train.context_parallel=0"], "config key `train.context_parallel` = 0"),
+        (
+            &["plan", "configs/tiny-cpu.toml", "--world", "3", "--set", "train.context_parallel=2"],
+            "train.context_parallel = 2 must divide --world = 3",
         ),
     ];
     for (args, want) in cases {

@@ -723,3 +723,75 @@ fn context_parallel_4_and_2x2_match_one_process() {
     context_parallel_matches_one_process(4, 4, &[]);
     context_parallel_matches_one_process(4, 2, &["model.preset=\"demo-llama3\""]);
 }
+
+/// Issue #51 must-show 3: SIGKILL rank 1 of a context-parallel 2 run (the ranks share every
+/// sequence: rank 0 is inside attention's K/V exchange with it): rank 0 exits non-zero within
+/// 60 s naming rank 1, without a panic, its last checkpoint intact; the job resumed from it
+/// under torchrun ends with bitwise the adapters of an uninterrupted context-parallel run.
+#[test]
+fn a_killed_rank_under_context_parallelism_is_named_and_resumes_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let settings = [
+        "schedule.max_steps=10",
+        "eval.every_samples=32",
+        "eval.target_loss=0.001",
+        "data.synthetic.train_samples=64",
+        "data.synthetic.eval_samples=4",
+        "data.max_seq_len=128",
+        "run.checkpoint_every=1",
+        "dist.timeout_s=30",
+        "train.context_parallel=2",
+        "run.threads=1",
+    ];
+    let args = |run: &Path| train_args(&config, run, &settings);
+    let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
+    let _ = torchrun(&strs(&args(&whole)));
+    assert!(whole.join("adapter/adapter_model.safetensors").is_file());
+
+    let port = free_port();
+    let a = args(&killed);
+    let mut r0 = rank_command(0, port, &strs(&a)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let mut r1 = rank_command(1, port, &strs(&a)).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    while checkpoint_step(&killed).is_none_or(|s| s < 3) {
+        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank ended before step 3");
+        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint of step 3 after 5 minutes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r1.kill().unwrap(); // SIGKILL
+    r1.wait().unwrap();
+    let killed_at = Instant::now();
+    let out = loop {
+        if r0.try_wait().unwrap().is_some() {
+            break r0.wait_with_output().unwrap();
+        }
+        if killed_at.elapsed() > Duration::from_secs(60) {
+            r0.kill().unwrap();
+            panic!("rank 0 still running 60 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "rank 0 must fail: {stderr}");
+    assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "a lost rank is an error, not a panic:\n{stderr}");
+    let at = checkpoint_step(&killed).expect("the last checkpoint is intact");
+    assert!(at < 10, "the run had finished before the kill");
+    let out = torchrun(&["train", "--resume", killed.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("samples: 80"), "resumed from step {at}:\n{stdout}\n{stderr}");
+    assert!(adapter(&whole) == adapter(&killed), "adapters differ after a kill at step {at} and a resume");
+}
+
+/// A context-parallel size that does not divide the launcher's ranks is refused on every rank,
+/// naming the key and the ranks, before any work.
+#[test]
+fn context_parallel_that_does_not_divide_the_ranks_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let out = torchrun(&strs(&train_args(&config, &dir.path().join("run"), &["train.context_parallel=4"])));
+    let stderr = text(&out).1;
+    assert!(!out.status.success());
+    assert!(stderr.contains("train.context_parallel = 4 must divide the 2 ranks"), "{stderr}");
+}

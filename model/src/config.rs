@@ -361,11 +361,25 @@ impl LlamaConfig {
         }
     }
 
+    /// `demo-llama3` made for long sequences: Llama 3.1's own RoPE (theta 500000, scaling by 8
+    /// past 8192 positions) and its 131072 positions, on the demo's shape: sequences of 32k
+    /// tokens and more on a CPU, as context parallelism splits them (`train.context_parallel`).
+    pub fn demo_llama3_long() -> Self {
+        let scaling = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        Self { rope_scaling: Some(scaling), max_position_embeddings: 131072, ..Self::demo_llama3() }
+    }
+
     /// Looks a preset up by the name configs use.
     pub fn preset(name: &str) -> anyhow::Result<Self> {
         Ok(match name {
             "demo" => Self::demo(),
             "demo-llama3" => Self::demo_llama3(),
+            "demo-llama3-long" => Self::demo_llama3_long(),
             "tiny" => Self::tiny(),
             "tiny-gqa" => Self::tiny_gqa(),
             "small" => Self::small(),
@@ -378,8 +392,17 @@ impl LlamaConfig {
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
-pub const PRESETS: &[&str] =
-    &["demo", "demo-llama3", "tiny", "tiny-gqa", "small", "llama2-7b", "llama2-70b", "llama2-70b-1layer"];
+pub const PRESETS: &[&str] = &[
+    "demo",
+    "demo-llama3",
+    "demo-llama3-long",
+    "tiny",
+    "tiny-gqa",
+    "small",
+    "llama2-7b",
+    "llama2-70b",
+    "llama2-70b-1layer",
+];
 
 #[cfg(test)]
 mod tests {

@@ -11,7 +11,7 @@
 //! The group is the trainer's (c10d): the model sees it through [`ContextGroup`].
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The collectives context-parallel attention needs, over the ranks that share one sequence.
 pub trait ContextGroup: Send + Sync {
@@ -33,6 +33,34 @@ pub trait ContextGroup: Send + Sync {
 impl std::fmt::Debug for dyn ContextGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ContextGroup(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+/// The first failed collective of the group (a lost rank, a timeout), kept until the trainer
+/// takes it: attention runs inside autodiff ops, which cannot return an error, so a failure is
+/// recorded here, the op gives zeros, and no later collective of the step starts (each would
+/// wait out the timeout on a group that lost a rank).
+static FAILURE: Mutex<Option<String>> = Mutex::new(None);
+
+/// Records `message` as the group's failure unless one is recorded already.
+pub fn record_failure(message: String) {
+    let mut f = FAILURE.lock().unwrap_or_else(|e| e.into_inner());
+    if f.is_none() {
+        tracing::error!("context-parallel group failed: {message}");
+        *f = Some(message);
+    }
+}
+
+/// Whether a failure is recorded (collectives are skipped from then on).
+pub fn failed() -> bool {
+    FAILURE.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+}
+
+/// The recorded failure, as an error to return from the step (and cleared).
+pub fn take_failure() -> anyhow::Result<()> {
+    match FAILURE.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        Some(message) => Err(anyhow::anyhow!("context-parallel attention: {message}")),
+        None => Ok(()),
     }
 }
 

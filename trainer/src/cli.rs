@@ -484,6 +484,10 @@ pub struct BenchArgs {
     /// Shard the frozen weights over the launcher's ranks (`train.shard_frozen_weights`).
     #[arg(long)]
     pub shard_frozen_weights: bool,
+    /// Split each sequence over this many of the launcher's ranks (`train.context_parallel`);
+    /// the JSON then reports the K/V exchange's seconds per layer.
+    #[arg(long, default_value_t = 1)]
+    pub cp: usize,
     /// Decoder blocks whose activations are recomputed in backward (`train.recompute_layers`).
     #[arg(long, default_value_t = 0)]
     pub recompute_layers: usize,

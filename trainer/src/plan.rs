@@ -66,8 +66,10 @@ pub struct Shape {
     pub recompute_layers: usize,
     /// `train.shard_frozen_weights`.
     pub shard_frozen_weights: bool,
-    /// Data-parallel ranks.
+    /// Ranks in all (data-parallel groups × `context_parallel`).
     pub world: usize,
+    /// `train.context_parallel`: ranks sharing each sequence (1: none).
+    pub context_parallel: usize,
     /// Host or GPU.
     pub target: Target,
     /// CPU threads of the rank's GEMMs (each holds its own GEMM workspace).
@@ -248,6 +250,7 @@ pub fn budget(s: &Shape) -> Budget {
     lines.push(Line { name: "LoRA weights, gradients, AdamW", bytes: n_lora * 4.0 * 5.0, note });
     lines.push(saved_activations(s));
     lines.push(final_norm_and_loss(s));
+    lines.extend(context_exchange(s));
     lines.push(workspace(s));
     lines.extend(cpu_gemm_workspace(s));
     let mut peak: f64 = lines.iter().map(|x| x.bytes).sum();
@@ -259,9 +262,35 @@ pub fn budget(s: &Shape) -> Budget {
     Budget { lines, peak }
 }
 
-/// Tokens of one micro-batch.
+/// Tokens of one micro-batch on this rank: under context parallelism its share of each
+/// (padded) sequence.
 fn tokens(s: &Shape) -> f64 {
-    (s.micro_batch * s.seq_len) as f64
+    let split = llora_model::context::ContextSplit::new(s.seq_len, 0, s.context_parallel.max(1));
+    (s.micro_batch * split.local_len()) as f64
+}
+
+/// Context parallelism's transients in one block's attention backward (its peak): the group's
+/// keys and values gathered in the activations' dtype, their f32 gradients over the whole
+/// sequence and, while each is summed over the group, its host copy and the sum (c10d takes
+/// host buffers: `dist/context.rs`); and this rank's f32 query gradient and merged output.
+fn context_exchange(s: &Shape) -> Option<Line> {
+    let n = s.context_parallel;
+    if n <= 1 {
+        return None;
+    }
+    let c = &s.model;
+    let split = llora_model::context::ContextSplit::new(s.seq_len, 0, n);
+    let whole = (s.micro_batch * split.padded) as f64 * (c.num_key_value_heads * c.head_dim) as f64;
+    let e = s.precision.activation_bytes();
+    let alloc = |bytes: f64| allocated(bytes, s.target);
+    let q_local = tokens(s) * (c.num_attention_heads * c.head_dim) as f64;
+    let bytes =
+        2.0 * alloc(whole * e) + 2.0 * alloc(whole * 4.0) + 2.0 * alloc(whole * 4.0) + 2.0 * alloc(q_local * 4.0);
+    Some(Line {
+        name: "context-parallel K/V exchange",
+        bytes,
+        note: format!("{n} ranks per sequence: the whole sequence's K/V and their f32 gradients, in one block"),
+    })
 }
 
 /// Whether the frozen weights are sharded over more than one rank.
@@ -458,14 +487,26 @@ const GPU_FLOP_PER_BYTE: f64 = 250.0;
 /// transposed once per backward (2 B moved per value) against one block's forward (2 FLOPs per
 /// value per token), so `layers · FLOP-per-byte / tokens` (≈ 2.4 blocks for 70B at 8192 tokens).
 fn one_layout_cost(s: &Shape) -> f64 {
-    s.model.num_hidden_layers as f64 * GPU_FLOP_PER_BYTE / (s.micro_batch * s.seq_len).max(1) as f64
+    s.model.num_hidden_layers as f64 * GPU_FLOP_PER_BYTE / tokens(s).max(1.0)
 }
 
-/// The cheapest recipe for `s` that fits in `device_bytes`: no sharding before sharding (its
-/// gathers cost every block), and within each the fewest recomputed blocks, where on CUDA with
-/// FP8 weights keeping them in one layout (`precision.fp8_weights_one_layout`: half their bytes)
-/// counts as [`one_layout_cost`] blocks. None if nothing fits.
+/// The cheapest recipe for `s` that fits in `device_bytes`: its own context parallelism
+/// first, then (when nothing fits and the world allows) more ranks per sequence
+/// (`train.context_parallel`, dividing the world: each doubling halves the activations for a
+/// K/V exchange per block); for each, no sharding before sharding (its gathers cost every
+/// block), and within each the fewest recomputed blocks, where on CUDA with FP8 weights keeping
+/// them in one layout (`precision.fp8_weights_one_layout`: half their bytes) counts as
+/// [`one_layout_cost`] blocks. None if nothing fits.
 pub fn cheapest_recipe(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
+    let own = s.context_parallel.max(1);
+    let more = (1..).map(|k| own << k).take_while(|&n| n <= s.world && s.world.is_multiple_of(n));
+    std::iter::once(own)
+        .chain(more)
+        .find_map(|n| cheapest_at(&Shape { context_parallel: n, ..s.clone() }, device_bytes))
+}
+
+/// [`cheapest_recipe`] at `s`'s context parallelism.
+fn cheapest_at(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
     let l = s.model.num_hidden_layers;
     let shard_options: &[bool] = if s.world > 1 { &[false, true] } else { &[false] };
     let p = s.precision;
@@ -507,7 +548,7 @@ pub fn to_json(s: &Shape, device_bytes: Option<f64>) -> Value {
     let list =
         |l: &[Saved]| l.iter().map(|k| json!({"tensor": k.name, "bytes": k.bytes, "why": k.why})).collect::<Vec<_>>();
     let mut out = json!({
-        "world": s.world, "micro_batch": s.micro_batch, "seq_len": s.seq_len,
+        "world": s.world, "context_parallel": s.context_parallel, "micro_batch": s.micro_batch, "seq_len": s.seq_len,
         "recompute_layers": s.recompute_layers, "shard_frozen_weights": s.shard_frozen_weights,
         "peak_mb": mb(b.peak),
         "budget": b.lines.iter().map(|x| json!({"term": x.name, "mb": mb(x.bytes), "note": x.note})).collect::<Vec<_>>(),
@@ -521,7 +562,8 @@ pub fn to_json(s: &Shape, device_bytes: Option<f64>) -> Value {
         out["cheapest"] = match cheapest_recipe(s, dev) {
             Some((c, cb)) => {
                 json!({"recompute_layers": c.recompute_layers, "shard_frozen_weights": c.shard_frozen_weights,
-                       "fp8_weights_one_layout": c.precision.fp8_weights_one_layout, "peak_mb": mb(cb.peak)})
+                       "fp8_weights_one_layout": c.precision.fp8_weights_one_layout,
+                       "context_parallel": c.context_parallel, "peak_mb": mb(cb.peak)})
             }
             None => Value::Null,
         };
@@ -569,6 +611,7 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
         recompute_layers: config.train.recompute_layers,
         shard_frozen_weights: config.train.shard_frozen_weights,
         world,
+        context_parallel: config.train.context_parallel,
         target: if config.run.device.is_cuda() { Target::Cuda } else { Target::Cpu },
         threads: match config.run.threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -676,11 +719,14 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
         let _ = writeln!(o, "\nthis recipe needs {:.1} GiB of {:.1} GiB: {verdict}", b.peak / GB, dev / GB);
         match cheapest_recipe(s, dev) {
             Some((r, rb)) => {
-                let layout = if r.precision.fp8_weights_one_layout != s.precision.fp8_weights_one_layout {
-                    ", precision.fp8_weights_one_layout = true"
+                let mut layout = if r.precision.fp8_weights_one_layout != s.precision.fp8_weights_one_layout {
+                    ", precision.fp8_weights_one_layout = true".to_string()
                 } else {
-                    ""
+                    String::new()
                 };
+                if r.context_parallel != s.context_parallel {
+                    layout += &format!(", train.context_parallel = {}", r.context_parallel);
+                }
                 let _ = writeln!(
                     o,
                     "cheapest recipe that fits: train.recompute_layers = {}, train.shard_frozen_weights = {}{layout} ({:.1} GiB)",
@@ -705,7 +751,7 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
 /// What else could make `s` fit when no recipe does: only the changes it has not made.
 fn no_fit_advice(s: &Shape) -> String {
     let p = &s.precision;
-    let mut ways = vec!["use more ranks".to_string()];
+    let mut ways = vec!["use more ranks (and split each sequence over them: train.context_parallel)".to_string()];
     if !(p.compute == Compute::Fp8 && p.fp8_weights) {
         ways.push(
             "FP8 weights (precision.compute = \"fp8\", precision.fp8_weights = true, in one layout: \
@@ -736,7 +782,12 @@ mod tests {
         assert!(two.contains("one layout") && !two.contains("precision.compute"), "{two}");
         s.precision.fp8_weights_one_layout = true;
         let done = no_fit_advice(&s);
-        assert!(!done.contains("fp8") && done == "use more ranks or shorter sequences", "{done}");
+        assert!(
+            !done.contains("fp8")
+                && done
+                    == "use more ranks (and split each sequence over them: train.context_parallel) or shorter sequences",
+            "{done}"
+        );
     }
 
     /// Per-module ranks and layer selection change the adapter count as worked out by hand: on
@@ -847,10 +898,76 @@ mod tests {
             recompute_layers: recompute,
             shard_frozen_weights: shard,
             world,
+            context_parallel: 1,
             target: Target::Cuda,
             threads: 1,
             native_bf16_gemm: true,
         }
+    }
+
+    /// Llama 3 8B (vocab 128256, d 4096, I 14336, 32 layers, 32 heads over 8 K/V heads) in
+    /// bf16 with LoRA on q/k/v/o, one `seq`-token sequence on `world` GPUs.
+    fn llama3_8b(seq: usize, world: usize) -> Shape {
+        let model = LlamaConfig {
+            vocab_size: 128256,
+            hidden_size: 4096,
+            intermediate_size: 14336,
+            num_hidden_layers: 32,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            max_position_embeddings: 131072,
+            ..LlamaConfig::llama2_7b()
+        };
+        Shape {
+            model,
+            precision: PrecisionSpec { compute: Compute::Bf16, ..Default::default() },
+            seq_len: seq,
+            world,
+            ..mlperf(world, 0, false)
+        }
+    }
+
+    /// Issue #51: context parallelism N holds 1/N of each sequence's tokens (the saved
+    /// activations, the final norm and loss, the workspace fall by N), plus the exchange,
+    /// counted by hand: the whole sequence's K/V (8 heads × 128 = 1024 wide at 70B) twice in
+    /// bf16, their f32 gradients and the gradients' host copy and sum, and this rank's f32 dq
+    /// and merged output (8192 wide).
+    #[test]
+    fn context_parallelism_divides_the_tokens_and_counts_the_exchange() {
+        let one = mlperf(8, 0, false);
+        let two = Shape { context_parallel: 2, ..one.clone() };
+        assert_eq!((tokens(&one), tokens(&two)), (8192.0, 4096.0));
+        let line = |b: &Budget, name: &str| b.lines.iter().find(|l| l.name == name).map(|l| l.bytes);
+        let (b1, b2) = (budget(&one), budget(&two));
+        let kept = |b: &Budget| line(b, "saved activations").unwrap();
+        assert!((kept(&b2) / kept(&b1) - 0.5).abs() < 1e-3, "{} {}", kept(&b1), kept(&b2));
+        assert_eq!(line(&b1, "context-parallel K/V exchange"), None);
+        let (whole, local) = (8192.0 * 1024.0, 4096.0 * 8192.0);
+        let want = allocated(whole * 2.0, Target::Cuda) * 2.0
+            + allocated(whole * 4.0, Target::Cuda) * 4.0
+            + allocated(local * 4.0, Target::Cuda) * 2.0;
+        assert_eq!(line(&b2, "context-parallel K/V exchange"), Some(want));
+    }
+
+    /// Issue #51: the recipe splits a sequence over ranks only when nothing else fits: Llama 3
+    /// 8B at 131072 tokens (Llama 3.1's context) in bf16 fits no single 80 GiB GPU even with
+    /// every block recomputed (at 65536 it does, recomputing), and on 2 GPUs it takes context
+    /// parallelism 2 (where it fits, with the fewest blocks recomputed); at 8192 tokens one
+    /// GPU suffices and no split is proposed.
+    #[test]
+    fn the_recipe_splits_a_sequence_only_when_nothing_else_fits() {
+        let gpu = 80.0 * GB;
+        assert!(cheapest_recipe(&llama3_8b(131072, 1), gpu).is_none());
+        let (r, b) = cheapest_recipe(&llama3_8b(131072, 2), gpu).expect("context parallelism 2 fits");
+        assert_eq!(r.context_parallel, 2);
+        assert!(b.peak <= gpu);
+        if r.recompute_layers > 0 {
+            let fewer = Shape { recompute_layers: r.recompute_layers - 1, ..r.clone() };
+            assert!(budget(&fewer).peak > gpu, "{} blocks recomputed would do", r.recompute_layers - 1);
+        }
+        let (short, _) = cheapest_recipe(&llama3_8b(8192, 2), gpu).unwrap();
+        assert_eq!(short.context_parallel, 1);
     }
 
     /// Per-token bytes worked out by hand from the ops (d 8192, q 8192, kv 1024, I 28672, H 64).

@@ -86,13 +86,38 @@ impl ContextAttention {
         out
     }
 
-    /// The group's keys or values in global order.
+    /// The group's keys or values in global order; zeros once the group has failed (the
+    /// failure recorded: `crate::context::record_failure`).
     ///
     /// # Shapes
     /// - x: `[batch, kv_heads, local, hd]`; output: `[batch, kv_heads, padded, hd]`
-    fn gather(&self, x: &tch::Tensor) -> Result<tch::Tensor, tch::TchError> {
-        let all = self.group.all_gather(&x.contiguous()).map_err(|e| tch::TchError::Torch(format!("{e:#}")))?;
-        Ok(self.split.global_of(&all, 2))
+    fn gather(&self, x: &tch::Tensor) -> tch::Tensor {
+        let whole = || {
+            let mut size = x.size();
+            size[2] = self.split.padded as i64;
+            tch::Tensor::zeros(size, (x.kind(), x.device()))
+        };
+        if crate::context::failed() {
+            return whole();
+        }
+        match self.group.all_gather(&x.contiguous()) {
+            Ok(all) => self.split.global_of(&all, 2),
+            Err(e) => {
+                crate::context::record_failure(format!("{e:#}"));
+                whole()
+            }
+        }
+    }
+
+    /// The sum of `x` over the group; `x` itself once the group has failed.
+    fn sum(&self, x: &tch::Tensor) -> tch::Tensor {
+        if crate::context::failed() {
+            return x.shallow_clone();
+        }
+        self.group.all_reduce_sum(x).unwrap_or_else(|e| {
+            crate::context::record_failure(format!("{e:#}"));
+            x.shallow_clone()
+        })
     }
 }
 
@@ -125,7 +150,7 @@ pub fn forward(
     v: &tch::Tensor,
     cp: &ContextAttention,
 ) -> Result<ContextSaved, tch::TchError> {
-    let (kf, vf) = (cp.gather(k)?, cp.gather(v)?);
+    let (kf, vf) = (cp.gather(k), cp.gather(v));
     let out = q.zeros_like();
     let [b, h, s, _] = q.size()[..] else { unreachable!("q is 4-d") };
     let lse = tch::Tensor::zeros([b, h, s], (tch::Kind::Float, q.device()));
@@ -166,7 +191,7 @@ pub fn backward(
     saved: &ContextSaved,
     cp: &ContextAttention,
 ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
-    let (kf, vf) = (cp.gather(k)?, cp.gather(v)?);
+    let (kf, vf) = (cp.gather(k), cp.gather(v));
     let f32 = (tch::Kind::Float, q.device());
     let dq = tch::Tensor::zeros(q.size(), f32);
     let (dkf, dvf) = (tch::Tensor::zeros(kf.size(), f32), tch::Tensor::zeros(vf.size(), f32));
@@ -187,8 +212,7 @@ pub fn backward(
             let _ = take(&dvf, piece.row, 2, keys).f_add_(&dvb)?;
         }
     }
-    let sum = |x: &tch::Tensor| cp.group.all_reduce_sum(x).map_err(|e| tch::TchError::Torch(format!("{e:#}")));
-    let (dk, dv) = (cp.split.local_of(&sum(&dkf)?, 2), cp.split.local_of(&sum(&dvf)?, 2));
+    let (dk, dv) = (cp.split.local_of(&cp.sum(&dkf), 2), cp.split.local_of(&cp.sum(&dvf), 2));
     Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))
 }
 

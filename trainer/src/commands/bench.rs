@@ -84,7 +84,7 @@ fn random_batch(
 /// JSON record on rank 0 (None on the others).
 pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     validate(args)?;
-    let dist = crate::dist::init(&crate::dist::DistConfig::default(), args.device.is_cuda())?;
+    let dist = crate::dist::init_with_context(&crate::dist::DistConfig::default(), args.device.is_cuda(), args.cp)?;
     let device = dist.device(args.device);
     let record = match &args.load {
         Some(dir) => load(args, device, dir)?,
@@ -136,6 +136,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
         p.check(value >= 1, name, &value, "must be at least 1");
     }
     p.check(args.seq_len >= 2, "--seq-len", &args.seq_len, "must be at least 2 (one input and one target token)");
+    p.check((1..=64).contains(&args.cp), "--cp", &args.cp, "must be in 1..=64 (ranks sharing one sequence)");
     if let Ok(c) = LlamaConfig::preset(&args.preset) {
         let max = c.max_position_embeddings;
         p.check(
@@ -225,17 +226,19 @@ fn block_memory(model: &LlamaForCausalLM, batch: usize, seq: usize, device: &Dev
     let layer = model.layers.first()?;
     let in_use = || llora_model::device::heap_bytes().map(|h| h.in_use);
     let d = model.config.hidden_size;
-    let x = Tensor::<3>::random([batch, seq, d], Distribution::Normal(0.0, 1.0), device)
+    // Under context parallelism the block runs this rank's share of the sequence.
+    let local = model.context.as_ref().map_or(seq, |cp| cp.split(seq).local_len());
+    let x = Tensor::<3>::random([batch, local, d], Distribution::Normal(0.0, 1.0), device)
         .cast(model.activations)
         .require_grad();
-    let g = Tensor::<3>::random([batch, seq, d], Distribution::Normal(0.0, 1.0), device);
+    let g = Tensor::<3>::random([batch, local, d], Distribution::Normal(0.0, 1.0), device);
     let at = model.positions([batch, seq], None, device).ok()?;
     let before = in_use()?;
     let peak = HeapPeak::start();
     let y = layer.forward(x, &at, true);
     let after_fwd = in_use()?;
     let fwd_peak = (peak.finish().0 * (1 << 20) as f64) as usize;
-    let y_bytes = batch * seq * d * y.dtype().size();
+    let y_bytes = batch * local * d * y.dtype().size();
     let loss = (y.cast(DType::F32) * g).sum();
     let peak = HeapPeak::start();
     drop(loss.backward());
@@ -317,14 +320,15 @@ fn bench_step(
     rng: &mut impl Rng,
     device: &Device,
 ) -> anyhow::Result<crate::engine::step::StepStats> {
-    let world = dist.world.size;
+    // Under context parallelism the ranks of a group train the same sequences.
+    let (rank, world) = dist.data_share();
     let mut all: Vec<_> = (0..args.accum * world)
         .map(|_| random_batch(rng, args.batch, args.seq_len, config.vocab_size, device))
         .collect();
     let targets: usize = all.iter().map(|b| b.2).sum();
     let mine: Vec<MicroBatch> = all
         .drain(..)
-        .skip(dist.world.rank * args.accum)
+        .skip(rank * args.accum)
         .take(args.accum)
         .map(|(ids, labels, _)| MicroBatch { ids, labels, packed: None, seed: None })
         .collect();
@@ -382,13 +386,15 @@ fn build(args: &BenchArgs, dist: &crate::dist::Dist, device: &Device) -> anyhow:
         recompute_layers: args.recompute_layers,
         shard_frozen_weights: args.shard_frozen_weights,
         world: dist.world.size,
+        context_parallel: args.cp,
         target: if args.device.is_cuda() { crate::plan::Target::Cuda } else { crate::plan::Target::Cpu },
         threads: args.device.effective_threads(args.threads),
         native_bf16_gemm: args.device.is_cuda() || llora_model::precision::bf16::native_on_this_cpu(),
     });
     let sharding = dist.sharding(args.shard_frozen_weights);
     let opts = BuildOptions { lora: Some(&spec), trainable: false, precision: Some(precision), sharding };
-    let model = LlamaForCausalLM::random(&config, &opts, device)?;
+    let mut model = LlamaForCausalLM::random(&config, &opts, device)?;
+    model.context = dist.context_parallel();
     let layer0 = model.layers.first().map_or(Vec::new(), |l| l.linears());
     let weight_bytes = layer0.iter().map(|(_, l)| l.base_weight_bytes()).sum();
     let build_s = t_build.elapsed().as_secs_f64();
@@ -414,6 +420,8 @@ struct Timed {
     fp8_gemms: llora_model::precision::scaled_mm::GemmCounts,
     /// FP8 quantisations of each step, by route (our kernel, two-pass, or through f32).
     quantiser: Vec<llora_model::fp8::QuantiserCounts>,
+    /// Seconds per layer in the context-parallel K/V exchange (forward and backward), per timed step.
+    exchange_s: Vec<f64>,
 }
 
 /// /proc/stat's (busy, total) jiffies, this process's CPU seconds and the time, at one moment.
@@ -434,7 +442,9 @@ fn timed_steps(
         let _ = llora_model::precision::take_saved_bytes();
         let _ = take_gemm_counts();
         let _ = llora_model::fp8::take_quantiser_counts();
+        let _ = dist.context.as_ref().map(|c| c.take_spent_s());
         let s = bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+        let exchange_s = dist.context.as_ref().map_or(0.0, |c| c.take_spent_s());
         t.saved_bytes = llora_model::precision::take_saved_bytes();
         t.fp8_gemms = take_gemm_counts();
         t.quantiser.push(llora_model::fp8::take_quantiser_counts());
@@ -450,6 +460,7 @@ fn timed_steps(
             t.bwd_s.push(s.backward_s);
             t.opt_s.push(s.optimizer_s);
             t.util.push(dc / dt);
+            t.exchange_s.push(exchange_s / built.config.num_hidden_layers.max(1) as f64);
         }
         eprintln!(
             "# step {step} {} {dt:.3}s (fwd {:.3} bwd {:.3} opt {:.3}) loss {:.4} cpu_util {:.2}",
@@ -491,6 +502,7 @@ impl Timed {
             "cpu_util_median": (quantile(&self.util, 0.5) * 100.0).round() / 100.0,
             "other_procs_cpu_cores": self.other_cores().map(|x| (x * 100.0).round() / 100.0),
             "step_times": step_s.iter().map(|&x| r4(x)).collect::<Vec<_>>(),
+            "cp_exchange_s_per_layer_median": (quantile(&self.exchange_s, 0.5) * 1e6).round() / 1e6,
         })
     }
 
@@ -588,7 +600,8 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     breakdown.remove("flops_per_step");
     let shape = json!({
         "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
-        "accum": args.accum, "world": dist.world.size, "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
+        "accum": args.accum, "world": dist.world.size, "context_parallel": args.cp,
+        "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
         "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
         "fp8_weights_one_layout": args.fp8_weights_one_layout, "dora": args.dora,
         "adapter_compute": precision.for_adapters().compute.name(),

@@ -13,12 +13,18 @@ pub fn run(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
     };
     let world = args.world.or(env_world).unwrap_or(1);
     anyhow::ensure!(world >= 1, "--world must be at least 1");
-    let (gbs, micro) = (config.train.global_batch_size, config.train.micro_batch_size);
-    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", micro), ("--world", world)])?;
+    let (gbs, micro, cp) =
+        (config.train.global_batch_size, config.train.micro_batch_size, config.train.context_parallel);
+    anyhow::ensure!(
+        world.is_multiple_of(cp),
+        "train.context_parallel = {cp} must divide --world = {world}: training would refuse this world size"
+    );
+    let groups = world / cp;
+    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", micro), ("--world", groups)])?;
     anyhow::ensure!(
         gbs.is_multiple_of(per_step),
-        "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × ranks = {micro} × {world} = \
-         {per_step}: training would refuse this world size"
+        "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × data-parallel groups = \
+         {micro} × {groups} = {per_step}: training would refuse this world size"
     );
     let shape = shape_of(&config, world)?;
     if args.json {

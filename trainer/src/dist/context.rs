@@ -6,6 +6,8 @@
 //! K/V exchange then stays on NVLink, as Megatron places its context-parallel groups).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use llora_model::context::ContextGroup;
 
@@ -20,32 +22,63 @@ pub fn layout(rank: usize, n: usize) -> (usize, usize, Vec<usize>) {
 
 /// A c10d group as the model's context group. Gathers move bytes on the tensors' device (in
 /// place for Gloo and NCCL); the gradient sum crosses the host (one f32 copy each way; on a
-/// GPU that is a device round trip: untested on a GPU).
-pub struct ContextComm(pub Arc<dyn Collective>);
+/// GPU that is a device round trip: untested on a GPU). The time spent in its collectives is
+/// counted (`llora bench --cp` reports it per layer).
+pub struct ContextComm {
+    /// The c10d subgroup.
+    pub comm: Arc<dyn Collective>,
+    /// Nanoseconds spent in this group's collectives so far.
+    spent_ns: AtomicU64,
+}
+
+impl ContextComm {
+    /// The group over `comm`.
+    pub fn new(comm: Arc<dyn Collective>) -> Self {
+        Self { comm, spent_ns: AtomicU64::new(0) }
+    }
+
+    /// Seconds spent in the group's collectives since the last call (the host waits for each:
+    /// on a GPU that includes the device work queued before it).
+    pub fn take_spent_s(&self) -> f64 {
+        self.spent_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// Runs `f`, counting its time.
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        self.spent_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+}
 
 impl ContextGroup for ContextComm {
     fn rank(&self) -> usize {
-        self.0.rank()
+        self.comm.rank()
     }
 
     fn size(&self) -> usize {
-        self.0.world_size()
+        self.comm.world_size()
     }
 
     fn all_gather(&self, x: &tch::Tensor) -> anyhow::Result<tch::Tensor> {
-        let bytes = x.contiguous().view_dtype(tch::Kind::Uint8).reshape([-1]);
-        let pending = self.0.start_all_gather_bytes(&bytes)?;
-        let all = self.0.wait_all_gather_bytes(pending)?;
-        let mut shape = vec![self.size() as i64];
-        shape.extend(x.size());
-        Ok(all.view_dtype(x.kind()).reshape(shape))
+        self.timed(|| {
+            let bytes = x.contiguous().view_dtype(tch::Kind::Uint8).reshape([-1]);
+            let pending = self.comm.start_all_gather_bytes(&bytes)?;
+            let all = self.comm.wait_all_gather_bytes(pending)?;
+            let mut shape = vec![self.size() as i64];
+            shape.extend(x.size());
+            Ok(all.view_dtype(x.kind()).reshape(shape))
+        })
     }
 
     fn all_reduce_sum(&self, x: &tch::Tensor) -> anyhow::Result<tch::Tensor> {
-        let flat = x.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).reshape([-1]);
-        let mut host = Vec::<f32>::try_from(&flat)?;
-        self.0.all_reduce_f32(&mut host, ReduceOp::Sum)?;
-        Ok(tch::Tensor::from_slice(&host).reshape(x.size()).to_device(x.device()))
+        self.timed(|| {
+            let flat = x.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).reshape([-1]);
+            let mut host = Vec::<f32>::try_from(&flat)?;
+            self.comm.all_reduce_f32(&mut host, ReduceOp::Sum)?;
+            Ok(tch::Tensor::from_slice(&host).reshape(x.size()).to_device(x.device()))
+        })
     }
 }
 

@@ -130,7 +130,7 @@ impl Dist {
 
     /// Ranks sharing one sequence (1 without context parallelism).
     pub fn context_size(&self) -> usize {
-        self.context.as_ref().map_or(1, |c| c.0.world_size())
+        self.context.as_ref().map_or(1, |c| c.comm.world_size())
     }
 
     /// The model's view of [`Self::context`].
@@ -165,7 +165,7 @@ impl Dist {
     /// on an error path the group is dropped instead, which aborts it.
     pub fn shutdown(self) -> anyhow::Result<()> {
         if let Some(c) = &self.context {
-            c.0.shutdown()?;
+            c.comm.shutdown()?;
         }
         Ok(self.comm.shutdown()?)
     }
@@ -197,7 +197,7 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize) -> any
     let context = if context > 1 {
         let (group, _, members) = context::layout(world.rank, context);
         let sub = c10d::ProcessGroup::subgroup(&world, &format!("context_{group}"), members, backend, timeout)?;
-        Some(Arc::new(ContextComm(Arc::new(sub))))
+        Some(Arc::new(ContextComm::new(Arc::new(sub))))
     } else {
         None
     };
@@ -209,7 +209,7 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize) -> any
             backend = %backend,
             launcher = ?world.launcher,
             store = %format!("{}:{}", world.master_addr, world.master_port),
-            context_parallel = context.as_ref().map_or(1, |c| c.0.world_size()),
+            context_parallel = context.as_ref().map_or(1, |c| c.comm.world_size()),
             "process group ready"
         );
     }

@@ -135,6 +135,8 @@ pub fn grads_on_device(
         tracing::debug!("step phase: backward");
         (loss.clone().inner(), vec![loss.backward()], forward_s)
     };
+    // A context-parallel collective that failed inside attention (a lost rank) ends the step here.
+    llora_model::context::take_failure()?;
     let g: Vec<Tensor<1>> = model
         .trainable_params_mut()
         .iter()
@@ -400,6 +402,7 @@ pub fn evaluate(
         mine += 1;
         let mb = upload(batch, device);
         let out = model.loss(mb.ids, mb.labels, mb.packed.as_ref(), false)?;
+        llora_model::context::take_failure()?;
         let mut s: Vec<f32> = out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         let mut t: Vec<f32> = out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
         if let Some(g) = &group {
