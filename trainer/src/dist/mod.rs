@@ -210,7 +210,7 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize) -> any
             launcher = ?world.launcher,
             store = %format!("{}:{}", world.master_addr, world.master_port),
             context_parallel = context.as_ref().map_or(1, |c| c.comm.world_size()),
-            "process group ready"
+            "data-parallel group ready"
         );
     }
     Ok(Dist { world, comm: Arc::new(pg), context })

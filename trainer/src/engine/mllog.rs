@@ -192,7 +192,8 @@ fn hyperparameters(config: &Config, accumulation: usize, name: &str) -> Vec<(&'s
         ("lowest_numerical_precision_in_comm", json!("fp32")),
         ("tensor_parallelism", json!(1)),
         ("pipeline_parallelism", json!(1)),
-        ("context_parallelism", json!(1)),
+        // Ranks sharing each sequence (`train.context_parallel`), as the submissions log theirs.
+        ("context_parallelism", json!(config.train.context_parallel)),
         ("expert_parallelism", json!(1)),
         ("config_filename", json!(name)),
         // Not an MLPerf key: whether rows were packed. The benchmark's data is one sample per
