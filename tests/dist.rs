@@ -667,6 +667,12 @@ fn step_losses(run_dir: &Path) -> Vec<(f64, f64)> {
 /// parallelism outside its bitwise tree); with eps 1e-3 the update is linear in g, so the
 /// adapters compare the gradients of all three steps.
 fn context_parallel_matches_one_process(procs: usize, cp: usize, extra: &[&str]) {
+    context_parallel_near_one_process(procs, cp, extra, [1e-6, 1e-6, 1e-5]);
+}
+
+/// [`context_parallel_matches_one_process`] within `[loss and eval loss, gradient norm,
+/// adapters]` relative tolerances (adapters not compared where that is infinite).
+fn context_parallel_near_one_process(procs: usize, cp: usize, extra: &[&str], tol: [f64; 3]) {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let mut settings = vec![
@@ -695,14 +701,15 @@ fn context_parallel_matches_one_process(procs: usize, cp: usize, extra: &[&str])
     let what = format!("{procs} ranks, context parallel {cp}, {extra:?}");
     let (a, b) = (step_losses(&one), step_losses(&two));
     assert_eq!((a.len(), b.len()), (3, 3), "{what}: {a:?} {b:?}\n{}", text(&out).1);
-    let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * x.abs();
+    let close = |x: f64, y: f64, t: f64| (x - y).abs() <= t * x.abs();
     for ((l1, g1), (l2, g2)) in a.iter().zip(&b) {
-        assert!(close(*l1, *l2) && close(*g1, *g2), "{what}: loss/norm {l1}/{g1} on one process, {l2}/{g2} split");
+        let ok = close(*l1, *l2, tol[0]) && close(*g1, *g2, tol[1]);
+        assert!(ok, "{what}: loss/norm {l1}/{g1} on one process, {l2}/{g2} split");
     }
     let (a, b) = (eval_losses(&one), eval_losses(&two));
     assert_eq!((a.len(), b.len()), (3, 3), "{a:?} {b:?}");
     for (x, y) in a.iter().zip(&b) {
-        assert!(close(*x, *y), "{what}: eval loss {x} on one process, {y} split");
+        assert!(close(*x, *y, tol[0]), "{what}: eval loss {x} on one process, {y} split");
     }
     // The result log records the split as the submissions do (the checker cannot pass these
     // logs: 3 steps leave eval_accuracy far above its 0.925).
@@ -711,6 +718,9 @@ fn context_parallel_matches_one_process(procs: usize, cp: usize, extra: &[&str])
     assert_eq!(key("context_parallelism"), cp, "{what}");
     let groups = procs.parse::<usize>().unwrap() / cp;
     assert_eq!(key("gradient_accumulation_steps"), 8 / groups, "{what}: GBS 8 over {groups} data-parallel groups");
+    if tol[2].is_infinite() {
+        return;
+    }
     let (a, b) = (adapter_tensors(&one), adapter_tensors(&two));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     for (name, x) in &a {
@@ -718,7 +728,7 @@ fn context_parallel_matches_one_process(procs: usize, cp: usize, extra: &[&str])
         let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|d| d * d).sum::<f64>().sqrt();
         let diff = norm(&mut x.iter().zip(y).map(|(p, q)| f64::from(p - q)));
         let size = norm(&mut x.iter().map(|p| f64::from(*p)));
-        assert!(diff <= 1e-5 * size, "{what}: {name} differs by {:e} (relative L2)", diff / size);
+        assert!(diff <= tol[2] * size, "{what}: {name} differs by {:e} (relative L2)", diff / size);
     }
 }
 
@@ -738,6 +748,22 @@ fn context_parallel_2_packed_recomputed_llama3_matches_one_process() {
         2,
         &["data.max_seq_len=512", "data.packing=true", "train.recompute_layers=2", "model.preset=\"demo-llama3\""],
     );
+}
+
+/// Context parallelism 2 composes with FP8 weights and activations and with frozen weights
+/// sharded over the same ranks (ZeRO-3 over the world, the K/V exchange within the group):
+/// the run trains as one process does within bf16 attention's rounding (measured: losses
+/// 1.5e-4, gradient norms 5e-3, eval losses 3e-4 apart; its 3-step adapters are not compared:
+/// after 3 steps FP8's and bf16's rounding leave the small B matrices ~10% apart).
+#[test]
+fn context_parallel_2_with_fp8_and_sharded_weights_trains_as_one_process() {
+    let fp8 = [
+        "precision.compute=\"fp8\"",
+        "precision.fp8_weights=true",
+        "precision.fp8_activations=true",
+        "train.shard_frozen_weights=true",
+    ];
+    context_parallel_near_one_process(2, 2, &fp8, [1e-3, 2e-2, f64::INFINITY]);
 }
 
 /// Context parallelism 4, and 2 data-parallel groups × context parallelism 2, on 4 ranks.

@@ -150,6 +150,8 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
     "data.eval_workers",
     "train.recompute_layers",
     "train.shard_frozen_weights",
+    // How many ranks share a sequence: the same data and adapters (a run's world may change too).
+    "train.context_parallel",
     "train.warmup_batches",
     "mlperf.check",
     "logging.",
