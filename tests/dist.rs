@@ -186,21 +186,23 @@ fn an_nf4_base_on_two_ranks_matches_one_process() {
     two_ranks_match_one_process(&["data.max_seq_len=128", "model.quantize=\"nf4\"", "precision.compute=\"bf16\""]);
 }
 
+/// A 3-step run on 64 synthetic samples with an evaluation of 9 after each step.
+const THREE_STEPS: [&str; 7] = [
+    "schedule.max_steps=3",
+    "eval.every_samples=8",
+    "eval.target_loss=0.001",
+    "eval.batch_size=1",
+    "data.synthetic.train_samples=64",
+    "data.synthetic.eval_samples=9",
+    "logging.progress=\"never\"",
+];
+
 /// A 3-step run with `extra` settings: two ranks under torchrun end with bitwise the adapters
 /// of one process and its three eval losses.
 fn two_ranks_match_one_process(extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let mut settings = vec![
-        "schedule.max_steps=3",
-        "eval.every_samples=8",
-        "eval.target_loss=0.001",
-        "eval.batch_size=1",
-        "data.synthetic.train_samples=64",
-        "data.synthetic.eval_samples=9",
-        "logging.progress=\"never\"",
-    ];
-    settings.extend(extra);
+    let settings = [&THREE_STEPS[..], extra].concat();
     let run = |name: &str| train_args(&config, &dir.path().join(name), &settings);
     let _ = llora(&strs(&run("one")));
     let out = torchrun(&strs(&run("two")));
@@ -217,6 +219,19 @@ fn two_ranks_match_one_process(extra: &[&str]) {
     }
 }
 
+/// The settings of the runs whose rank 1 is killed: 12 short steps, a checkpoint after each,
+/// collectives timing out after 30 s.
+const KILLED_RUN: [&str; 8] = [
+    "schedule.max_steps=12",
+    "eval.every_samples=32",
+    "eval.target_loss=0.001",
+    "data.synthetic.train_samples=64",
+    "data.synthetic.eval_samples=4",
+    "data.max_seq_len=128",
+    "run.checkpoint_every=1",
+    "dist.timeout_s=30",
+];
+
 /// SIGKILL rank 1 of a 2-rank run: rank 0 exits non-zero within 60 s naming rank 1, its last
 /// checkpoint is intact, and the job resumed from it under torchrun ends with the adapters of an
 /// uninterrupted single-process run.
@@ -224,47 +239,12 @@ fn two_ranks_match_one_process(extra: &[&str]) {
 fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let settings = [
-        "schedule.max_steps=12",
-        "eval.every_samples=32",
-        "eval.target_loss=0.001",
-        "data.synthetic.train_samples=64",
-        "data.synthetic.eval_samples=4",
-        "data.max_seq_len=128",
-        "run.checkpoint_every=1",
-        "dist.timeout_s=30",
-    ];
-    let args = |run: &Path| train_args(&config, run, &settings);
+    let args = |run: &Path| train_args(&config, run, &KILLED_RUN);
     let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
     let _ = llora(&strs(&args(&whole)));
     assert!(whole.join("adapter/adapter_model.safetensors").is_file());
 
-    let port = free_port();
-    let a = args(&killed);
-    let mut r0 = rank_command(0, port, &strs(&a)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let mut r1 = rank_command(1, port, &strs(&a)).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
-    let started = Instant::now();
-    while checkpoint_step(&killed).is_none_or(|s| s < 3) {
-        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank ended before step 3");
-        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint of step 3 after 5 minutes");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    r1.kill().unwrap(); // SIGKILL
-    r1.wait().unwrap();
-    let killed_at = Instant::now();
-    let out = loop {
-        if r0.try_wait().unwrap().is_some() {
-            break r0.wait_with_output().unwrap();
-        }
-        if killed_at.elapsed() > Duration::from_secs(60) {
-            r0.kill().unwrap();
-            panic!("rank 0 still running 60 s after rank 1 was killed");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "rank 0 must fail: {stderr}");
-    assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    let stderr = kill_rank_1_after_step_3(&killed, &args(&killed));
     assert!(!stderr.contains(".cc:") && !stderr.contains(".cpp:"), "no C++ source locations:\n{stderr}");
     // A lost rank is a failure after run_start: rank 0 ended the result log.
     let last = mllog(&killed.join("result_0.txt")).pop().unwrap();
@@ -285,6 +265,38 @@ fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     let (stdout, stderr) = text(&out);
     assert!(stdout.contains("samples: 96"), "1-process resume:\n{stdout}\n{stderr}");
     assert!(adapter(&whole) == adapter(&single), "adapters differ after a 2-rank checkpoint resumed on 1 process");
+}
+
+/// Starts `args` (a run in `run`) as ranks 0 and 1 with the launcher variables, SIGKILLs rank 1
+/// once the run has a checkpoint of step 3, and returns rank 0's stderr once it has
+/// exited (within 60 s: a hang fails), after checking that it failed naming rank 1.
+fn kill_rank_1_after_step_3(run: &Path, args: &[String]) -> String {
+    let port = free_port();
+    let mut r0 = rank_command(0, port, &strs(args)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let mut r1 = rank_command(1, port, &strs(args)).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    while checkpoint_step(run).is_none_or(|s| s < 3) {
+        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank ended before step 3");
+        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint of step 3 after 5 minutes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r1.kill().unwrap(); // SIGKILL
+    r1.wait().unwrap();
+    let killed_at = Instant::now();
+    let out = loop {
+        if r0.try_wait().unwrap().is_some() {
+            break r0.wait_with_output().unwrap();
+        }
+        if killed_at.elapsed() > Duration::from_secs(60) {
+            r0.kill().unwrap();
+            panic!("rank 0 still running 60 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "rank 0 must fail: {stderr}");
+    assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    stderr
 }
 
 /// Ranks started with different configs refuse to start, naming the ranks and the keys.
@@ -675,19 +687,8 @@ fn context_parallel_matches_one_process(procs: usize, cp: usize, extra: &[&str])
 fn context_parallel_near_one_process(procs: usize, cp: usize, extra: &[&str], tol: [f64; 3]) {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let mut settings = vec![
-        "schedule.max_steps=3",
-        "eval.every_samples=8",
-        "eval.target_loss=0.001",
-        "eval.batch_size=1",
-        "data.synthetic.train_samples=64",
-        "data.synthetic.eval_samples=9",
-        "logging.progress=\"never\"",
-        "lora.dropout=0.0",
-        "optim.eps=1e-3",
-        "run.threads=1",
-    ];
-    settings.extend(extra);
+    let exact = ["lora.dropout=0.0", "optim.eps=1e-3", "run.threads=1"];
+    let settings = [&THREE_STEPS[..], &exact, extra].concat();
     let run = |name: &str| train_args(&config, &dir.path().join(name), &settings);
     let _ = llora(&strs(&run("one")));
     let mut split = run("split");
@@ -781,55 +782,19 @@ fn context_parallel_4_and_2x2_match_one_process() {
 fn a_killed_rank_under_context_parallelism_is_named_and_resumes_bitwise() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
-    let settings = [
-        "schedule.max_steps=10",
-        "eval.every_samples=32",
-        "eval.target_loss=0.001",
-        "data.synthetic.train_samples=64",
-        "data.synthetic.eval_samples=4",
-        "data.max_seq_len=128",
-        "run.checkpoint_every=1",
-        "dist.timeout_s=30",
-        "train.context_parallel=2",
-        "run.threads=1",
-    ];
+    let settings = [&KILLED_RUN[..], &["train.context_parallel=2", "run.threads=1"]].concat();
     let args = |run: &Path| train_args(&config, run, &settings);
     let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
     let _ = torchrun(&strs(&args(&whole)));
     assert!(whole.join("adapter/adapter_model.safetensors").is_file());
 
-    let port = free_port();
-    let a = args(&killed);
-    let mut r0 = rank_command(0, port, &strs(&a)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let mut r1 = rank_command(1, port, &strs(&a)).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
-    let started = Instant::now();
-    while checkpoint_step(&killed).is_none_or(|s| s < 3) {
-        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank ended before step 3");
-        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint of step 3 after 5 minutes");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    r1.kill().unwrap(); // SIGKILL
-    r1.wait().unwrap();
-    let killed_at = Instant::now();
-    let out = loop {
-        if r0.try_wait().unwrap().is_some() {
-            break r0.wait_with_output().unwrap();
-        }
-        if killed_at.elapsed() > Duration::from_secs(60) {
-            r0.kill().unwrap();
-            panic!("rank 0 still running 60 s after rank 1 was killed");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "rank 0 must fail: {stderr}");
-    assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    let stderr = kill_rank_1_after_step_3(&killed, &args(&killed));
     assert!(!stderr.contains("panicked"), "a lost rank is an error, not a panic:\n{stderr}");
     let at = checkpoint_step(&killed).expect("the last checkpoint is intact");
-    assert!(at < 10, "the run had finished before the kill");
+    assert!(at < 12, "the run had finished before the kill");
     let out = torchrun(&["train", "--resume", killed.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
-    assert!(stdout.contains("samples: 80"), "resumed from step {at}:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("samples: 96"), "resumed from step {at}:\n{stdout}\n{stderr}");
     assert!(adapter(&whole) == adapter(&killed), "adapters differ after a kill at step {at} and a resume");
 }
 

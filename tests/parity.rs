@@ -569,7 +569,7 @@ fn eval_fixture_batch(dir: &std::path::Path, fx: &Fixture, extra: &[&str]) -> se
 /// `--precision fp8 --fp8-weights` runs the FP8 GEMMs and stays within 2% of it.
 #[test]
 fn eval_command_computes_in_the_precision_asked() {
-    let dir = fixture("tiny-gqa-s96-b2-all-bf16", &BF16_FIXTURE_ARGS);
+    let dir = fixture("tiny-gqa-s96-b2-all-bf16", &bf16_fixture_args(false));
     let fx = load_fixture(&dir);
     let fp32 = fx.json["losses"][0].as_f64().unwrap();
     let peft = fx.json["bf16_loss"].as_f64().unwrap();
@@ -827,41 +827,29 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// The bf16 fixture: a GQA checkpoint with every LoRA target, HF + PEFT's fp32 step and its
-/// bf16 twin (model in bf16, adapters as PEFT keeps them).
-const BF16_FIXTURE_ARGS: [&str; 13] = [
-    "--preset",
-    "tiny-gqa",
-    "--seq-len",
-    "96",
-    "--batch",
-    "2",
-    "--lora-b",
-    "normal",
-    "--steps",
-    "1",
-    "--targets",
-    ALL_TARGETS,
-    "--bf16-twin",
-];
-
-/// [`BF16_FIXTURE_ARGS`] with the twin's adapters in bf16 too (PEFT's
-/// `autocast_adapter_dtype=False`).
-const BF16_ADAPTERS_FIXTURE_ARGS: [&str; 14] = [
-    "--preset",
-    "tiny-gqa",
-    "--seq-len",
-    "96",
-    "--batch",
-    "2",
-    "--lora-b",
-    "normal",
-    "--steps",
-    "1",
-    "--targets",
-    ALL_TARGETS,
-    "--bf16-twin",
-    "--bf16-adapters",
-];
+/// bf16 twin (model in bf16, adapters as PEFT keeps them, or in bf16 with `bf16_adapters`:
+/// PEFT's `autocast_adapter_dtype=False`).
+fn bf16_fixture_args(bf16_adapters: bool) -> Vec<&'static str> {
+    let mut args = vec![
+        "--preset",
+        "tiny-gqa",
+        "--seq-len",
+        "96",
+        "--batch",
+        "2",
+        "--lora-b",
+        "normal",
+        "--steps",
+        "1",
+        "--targets",
+        ALL_TARGETS,
+        "--bf16-twin",
+    ];
+    if bf16_adapters {
+        args.push("--bf16-adapters");
+    }
+    args
+}
 
 /// Issue #22, bf16 made real: on a GQA checkpoint with adapters on every target, llora's bf16
 /// (bf16 weights, activations and GEMMs; f32 adapters, norm statistics, softmax and loss)
@@ -871,7 +859,7 @@ const BF16_ADAPTERS_FIXTURE_ARGS: [&str; 14] = [
 /// gradients as a whole within 1.25x PEFT's bf16 distance from fp32's (see the bound below).
 #[test]
 fn bf16_matches_hf_peft_in_bf16() {
-    let dir = fixture("tiny-gqa-s96-b2-all-bf16", &BF16_FIXTURE_ARGS);
+    let dir = fixture("tiny-gqa-s96-b2-all-bf16", &bf16_fixture_args(false));
     // Not "no worse" yet: on four seeds llora's 1 − cosine is 1.03-1.12x PEFT's (0.9999576 vs
     // 0.9999609 here). The gap is in what reaches attention, not in the kernel (the same CPU
     // flash kernel gives HF's output for the same inputs; upcasting llora's attention to f32
@@ -887,7 +875,7 @@ fn bf16_matches_hf_peft_in_bf16() {
 /// is opt-in, and this is the peer that runs what it runs.
 #[test]
 fn bf16_adapters_match_hf_peft_with_bf16_adapters() {
-    let dir = fixture("tiny-gqa-s96-b2-all-bf16-adapters", &BF16_ADAPTERS_FIXTURE_ARGS);
+    let dir = fixture("tiny-gqa-s96-b2-all-bf16-adapters", &bf16_fixture_args(true));
     assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Bf16, 1.25);
 }
 
