@@ -270,9 +270,9 @@ fn tokens(s: &Shape) -> f64 {
 }
 
 /// Context parallelism's transients in one block's attention backward (its peak): the group's
-/// keys and values gathered in the activations' dtype, their f32 gradients over the whole
-/// sequence and, while each is summed over the group, its host copy and the sum (c10d takes
-/// host buffers: `dist/context.rs`); and this rank's f32 query gradient and merged output.
+/// keys and values gathered in the activations' dtype and their f32 gradients over the whole
+/// sequence (summed over the group in place: `dist/context.rs`), and this rank's f32 query
+/// gradient and merged output.
 fn context_exchange(s: &Shape) -> Option<Line> {
     let n = s.context_parallel;
     if n <= 1 {
@@ -284,8 +284,7 @@ fn context_exchange(s: &Shape) -> Option<Line> {
     let e = s.precision.activation_bytes();
     let alloc = |bytes: f64| allocated(bytes, s.target);
     let q_local = tokens(s) * (c.num_attention_heads * c.head_dim) as f64;
-    let bytes =
-        2.0 * alloc(whole * e) + 2.0 * alloc(whole * 4.0) + 2.0 * alloc(whole * 4.0) + 2.0 * alloc(q_local * 4.0);
+    let bytes = 2.0 * alloc(whole * e) + 2.0 * alloc(whole * 4.0) + 2.0 * alloc(q_local * 4.0);
     Some(Line {
         name: "context-parallel K/V exchange",
         bytes,
@@ -930,9 +929,8 @@ mod tests {
 
     /// Issue #51: context parallelism N holds 1/N of each sequence's tokens (the saved
     /// activations, the final norm and loss, the workspace fall by N), plus the exchange,
-    /// counted by hand: the whole sequence's K/V (8 heads × 128 = 1024 wide at 70B) twice in
-    /// bf16, their f32 gradients and the gradients' host copy and sum, and this rank's f32 dq
-    /// and merged output (8192 wide).
+    /// counted by hand: the whole sequence's K/V (8 heads × 128 = 1024 wide at 70B) in bf16,
+    /// their f32 gradients, and this rank's f32 dq and merged output (8192 wide).
     #[test]
     fn context_parallelism_divides_the_tokens_and_counts_the_exchange() {
         let one = mlperf(8, 0, false);
@@ -945,7 +943,7 @@ mod tests {
         assert_eq!(line(&b1, "context-parallel K/V exchange"), None);
         let (whole, local) = (8192.0 * 1024.0, 4096.0 * 8192.0);
         let want = allocated(whole * 2.0, Target::Cuda) * 2.0
-            + allocated(whole * 4.0, Target::Cuda) * 4.0
+            + allocated(whole * 4.0, Target::Cuda) * 2.0
             + allocated(local * 4.0, Target::Cuda) * 2.0;
         assert_eq!(line(&b2, "context-parallel K/V exchange"), Some(want));
     }

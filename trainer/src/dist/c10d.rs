@@ -433,6 +433,17 @@ impl Collective for ProcessGroup {
         self.all_reduce(buf, op)
     }
 
+    fn all_reduce_sum_tensor(&self, x: &tch::Tensor) -> Result<tch::Tensor, DistError> {
+        // On the group's device, in place (x's own buffer when it is a contiguous f32 tensor
+        // there; a copy moved there and back otherwise).
+        let t = x.to_kind(tch::Kind::Float).to_device(self.device).contiguous();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handle and tensor; the shim waits for c10d's all-reduce.
+        let ok = unsafe { llora_c10d_all_reduce(self.handle.0, t.as_ptr() as *mut _, 0, &mut err) };
+        check(ok, err).map_err(|m| self.fail("all_reduce", m))?;
+        Ok(t.to_device(x.device()))
+    }
+
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), DistError> {
         let h = self.handle.0;
         // SAFETY: live handle and tensor.

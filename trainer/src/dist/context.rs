@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use llora_model::context::ContextGroup;
 
-use super::collective::{Collective, ReduceOp};
+use super::collective::Collective;
 
 /// Where rank `rank` of `world` sits with context parallelism `n`: (its data-parallel group,
 /// its rank in its context group, the world ranks of that group).
@@ -20,10 +20,10 @@ pub fn layout(rank: usize, n: usize) -> (usize, usize, Vec<usize>) {
     (group, rank % n, (group * n..(group + 1) * n).collect())
 }
 
-/// A c10d group as the model's context group. Gathers move bytes on the tensors' device (in
-/// place for Gloo and NCCL); the gradient sum crosses the host (one f32 copy each way; on a
-/// GPU that is a device round trip: untested on a GPU). The time spent in its collectives is
-/// counted (`llora bench --cp` reports it per layer).
+/// A c10d group as the model's context group. Gathers move bytes and the K/V gradients are
+/// summed on the tensors' device, in place (Gloo on the CPU, NCCL on this rank's GPU: untested
+/// on a GPU). The time spent in its collectives is counted (`llora bench --cp` reports it per
+/// layer).
 pub struct ContextComm {
     /// The c10d subgroup.
     pub comm: Arc<dyn Collective>,
@@ -73,12 +73,7 @@ impl ContextGroup for ContextComm {
     }
 
     fn all_reduce_sum(&self, x: &tch::Tensor) -> anyhow::Result<tch::Tensor> {
-        self.timed(|| {
-            let flat = x.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).reshape([-1]);
-            let mut host = Vec::<f32>::try_from(&flat)?;
-            self.comm.all_reduce_f32(&mut host, ReduceOp::Sum)?;
-            Ok(tch::Tensor::from_slice(&host).reshape(x.size()).to_device(x.device()))
-        })
+        self.timed(|| Ok(self.comm.all_reduce_sum_tensor(x)?))
     }
 }
 
