@@ -673,7 +673,8 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "# {} layers, d {}, {} tokens per micro-batch, {} {}, {} rank(s), recompute_layers {}, shard_frozen_weights {}",
+        "# {} layers, d {}, {} tokens per micro-batch, {} {}, {} rank(s), context_parallel {}, recompute_layers {}, \
+         shard_frozen_weights {}",
         c.num_hidden_layers,
         c.hidden_size,
         s.micro_batch * s.seq_len,
@@ -685,6 +686,7 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
             _ => "",
         },
         s.world,
+        s.context_parallel,
         s.recompute_layers,
         s.shard_frozen_weights
     );
