@@ -593,7 +593,13 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
                 .map_err(|e| e.context(format!("model.path = {}", path.display())))?
                 .config
         }
-        (_, Some(preset)) => LlamaConfig::preset(preset)?,
+        // Without the checkpoint, the preset in the layout the adapters name: `qkv_proj`
+        // exists only in a fused-QKV checkpoint (the MLPerf reference's conversion), and on
+        // separate q/k/v projections training refuses that target.
+        (_, Some(preset)) => {
+            let fused_qkv = config.lora.targets.iter().any(|t| t == "qkv_proj");
+            LlamaConfig { fused_qkv, ..LlamaConfig::preset(preset)? }
+        }
         (Some(path), None) => {
             anyhow::bail!("model.path {} has no config.json and model.preset is not set", path.display())
         }
@@ -927,6 +933,21 @@ mod tests {
             world,
             ..mlperf(world, 0, false)
         }
+    }
+
+    /// The MLPerf config, without its checkpoint, is planned in the fused-QKV layout its
+    /// `qkv_proj` target names (the reference's conversion; on separate q/k/v training refuses
+    /// that target), and on 8 x H100 80 GB the recipe it ships (31 blocks recomputed, sharded
+    /// weights) is the cheapest that fits.
+    #[test]
+    fn the_mlperf_config_plans_its_fused_checkpoint() {
+        let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/llama2-70b-mlperf.toml"));
+        let config = crate::config::Config::load(Some(path), &[]).unwrap();
+        let s = shape_of(&config, 8).unwrap();
+        assert!(s.model.fused_qkv);
+        let (r, b) = cheapest_recipe(&s, 80.0 * GB).unwrap();
+        assert_eq!((r.recompute_layers, r.shard_frozen_weights), (config.train.recompute_layers, true));
+        assert!(b.peak <= 80.0 * GB);
     }
 
     /// Issue #51: context parallelism N holds 1/N of each sequence's tokens (the saved
