@@ -671,9 +671,9 @@ fn step_losses(run_dir: &Path) -> Vec<(f64, f64)> {
 
 /// Issue #51 must-show 1: a 3-step run whose sequences are split over `cp` ranks
 /// (`train.context_parallel`), `procs` ranks under torchrun in all (data-parallel groups ×
-/// cp), against one process on the same batches (fp32, dropout 0): every step's loss and
-/// gradient norm and every eval loss within 1e-6 relative, and each adapter tensor after the
-/// 3 AdamW steps within 1e-5 relative (L2). AdamW runs with eps 1e-3 here: at its default
+/// cp), against one process on the same batches (fp32; dropout 0 unless `extra` sets it):
+/// every step's loss and gradient norm and every eval loss within 1e-6 relative, and each
+/// adapter tensor after the 3 AdamW steps within 1e-5 relative (L2). AdamW runs with eps 1e-3 here: at its default
 /// 1e-8 its first steps are ≈ lr·sign(g), and an element whose gradient is ~1e-9 flips with
 /// rounding (a different summation order, not a different gradient: the same happens to data
 /// parallelism outside its bitwise tree); with eps 1e-3 the update is linear in g, so the
@@ -726,30 +726,41 @@ fn context_parallel_near_one_process(procs: usize, cp: usize, extra: &[&str], to
     }
     let (a, b) = (adapter_tensors(&one), adapter_tensors(&two));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut worst = 0f64;
     for (name, x) in &a {
         let y = &b[name];
         let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|d| d * d).sum::<f64>().sqrt();
         let diff = norm(&mut x.iter().zip(y).map(|(p, q)| f64::from(p - q)));
         let size = norm(&mut x.iter().map(|p| f64::from(*p)));
         assert!(diff <= tol[2] * size, "{what}: {name} differs by {:e} (relative L2)", diff / size);
+        worst = worst.max(diff / size);
     }
+    eprintln!("{what}: adapters within {worst:e} (relative L2, worst tensor)");
 }
 
-/// Context parallelism 2 (Llama 2 style: RoPE without scaling, 4 heads over 2 K/V heads).
+/// Context parallelism 2 (Llama 2 style: RoPE without scaling, 4 heads over 2 K/V heads) with
+/// the adapters' dropout 0.1 (MLPerf's): each rank drops its rows of the masks one process
+/// draws for the whole sequence, so the runs match as without dropout.
 #[test]
 fn context_parallel_2_matches_one_process() {
-    context_parallel_matches_one_process(2, 2, &[]);
+    context_parallel_matches_one_process(2, 2, &["lora.dropout=0.1"]);
 }
 
 /// Context parallelism 2 over packed rows (documents crossing the chunks) with 2 of the 4
-/// blocks recomputed, a Llama 3 style model (llama3 RoPE scaling, theta 500000, tied
-/// embeddings).
+/// blocks recomputed (their dropout masks redrawn in backward), a Llama 3 style model (llama3
+/// RoPE scaling, theta 500000, tied embeddings), dropout 0.1.
 #[test]
 fn context_parallel_2_packed_recomputed_llama3_matches_one_process() {
     context_parallel_matches_one_process(
         2,
         2,
-        &["data.max_seq_len=512", "data.packing=true", "train.recompute_layers=2", "model.preset=\"demo-llama3\""],
+        &[
+            "data.max_seq_len=512",
+            "data.packing=true",
+            "train.recompute_layers=2",
+            "model.preset=\"demo-llama3\"",
+            "lora.dropout=0.1",
+        ],
     );
 }
 

@@ -374,6 +374,20 @@ impl LlamaConfig {
         Self { rope_scaling: Some(scaling), max_position_embeddings: 131072, ..Self::demo_llama3() }
     }
 
+    /// `small`'s shape (d 1024, 8 layers, 16 heads over 4 K/V heads) in Llama 3.1's style: its
+    /// RoPE (theta 500000, scaling by 8 over 8192 positions) and 131072 positions, for long
+    /// sequences on a CPU. The vocabulary stays 32000: Llama 3's 128256 would make the head 4x
+    /// and tell nothing more about splitting a sequence.
+    pub fn small_llama3_long() -> Self {
+        let long = Self::demo_llama3_long();
+        Self {
+            rope_theta: long.rope_theta,
+            rope_scaling: long.rope_scaling,
+            max_position_embeddings: long.max_position_embeddings,
+            ..Self::small()
+        }
+    }
+
     /// Looks a preset up by the name configs use.
     pub fn preset(name: &str) -> anyhow::Result<Self> {
         Ok(match name {
@@ -383,6 +397,7 @@ impl LlamaConfig {
             "tiny" => Self::tiny(),
             "tiny-gqa" => Self::tiny_gqa(),
             "small" => Self::small(),
+            "small-llama3-long" => Self::small_llama3_long(),
             "llama2-7b" => Self::llama2_7b(),
             "llama2-70b" => Self::llama2_70b(),
             "llama2-70b-1layer" => Self::llama2_70b_1layer(),
@@ -399,6 +414,7 @@ pub const PRESETS: &[&str] = &[
     "tiny",
     "tiny-gqa",
     "small",
+    "small-llama3-long",
     "llama2-7b",
     "llama2-70b",
     "llama2-70b-1layer",

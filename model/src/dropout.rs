@@ -15,6 +15,15 @@
 //! at memory speed. On CUDA the mask is `bernoulli_` on the device after seeding the device's
 //! generator with the mask's seed (a host-made mask would cost a PCIe copy each way); that
 //! path is compiled but untested (no GPU here).
+//!
+//! Under context parallelism each rank holds two chunks of the sequence; a mask drawn for its
+//! local `[batch, local, in]` tensor would repeat the same bits at the same local offset on
+//! every rank of the group (they share the micro-batch's seed), and differ from one process's.
+//! Inside [`over_split`] (a decoder block's forward sets it) the mask is instead the rows of
+//! the mask one process draws for the whole `[batch, seq, in]`: on the CPU by seeking the
+//! ChaCha8 stream to each chunk's first element (word k is element k), on CUDA by drawing the
+//! whole mask and keeping this rank's rows (a transient byte per element of the whole
+//! sequence). The run then drops exactly what one process drops.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -24,6 +33,30 @@ use burn::backend::libtorch::TchTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
 use burn::tensor::{Device, Distribution, Tensor};
+use std::cell::Cell;
+
+use crate::context::ContextSplit;
+
+thread_local! {
+    /// The split of the sequence the current block runs on (see [`over_split`]).
+    static SPLIT: Cell<Option<ContextSplit>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the dropout masks drawn inside it taken from the whole sequence's masks as
+/// `split` lays the sequence out (the tensors' second-last dimension is this rank's tokens);
+/// `None`: each mask is its tensor's own. The previous setting is restored after `f`, also
+/// when it unwinds; nothing is borrowed while `f` runs.
+pub(crate) fn over_split<T>(split: Option<ContextSplit>, f: impl FnOnce() -> T) -> T {
+    /// Puts the setting found on entry back.
+    struct Restore(Option<ContextSplit>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SPLIT.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SPLIT.with(|s| s.replace(split)));
+    f()
+}
 
 /// Zeroes each element with probability `p` and scales the rest by `1/(1−p)`.
 ///
@@ -65,8 +98,14 @@ pub(crate) fn draw_seed() -> u64 {
 /// Writes into `keep` true with probability 1 − p: word k of the ChaCha8 stream seeded with
 /// `seed` keeps element k when it is below (1 − p)·2³², exact to 2⁻³².
 fn fill_keep(keep: &mut [bool], seed: u64, p: f64) {
+    fill_keep_from(keep, seed, p, 0);
+}
+
+/// [`fill_keep`] of the elements from `first` on: `keep[j]` is element `first + j`.
+fn fill_keep_from(keep: &mut [bool], seed: u64, p: f64, first: u64) {
     use rand::{RngCore, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    rng.set_word_pos(u128::from(first));
     let threshold = ((1.0 - p) * 4_294_967_296.0) as u64;
     let mut words = vec![0u8; CHUNK];
     for out in keep.chunks_mut(CHUNK / 4) {
@@ -79,7 +118,15 @@ fn fill_keep(keep: &mut [bool], seed: u64, p: f64) {
 }
 
 /// The keep-mask of `seed`, shaped `size`, on `device`: the same mask every time it is asked.
-fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device) -> tch::Tensor {
+/// With a `split`, `size` is `[.., local, in]` and the mask is this rank's rows of the mask of
+/// `[.., seq, in]` (padding rows keep everything: no real token reaches them).
+fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device, split: Option<ContextSplit>) -> tch::Tensor {
+    let fits = |sp: &ContextSplit| size.len() >= 2 && size[size.len() - 2] == sp.local_len() as i64;
+    debug_assert!(split.as_ref().is_none_or(fits), "a dropout input of {size:?} under {split:?}");
+    let split = split.filter(fits);
+    if let Some(split) = split {
+        return keep_mask_split(seed, p, size, device, split);
+    }
     if device.is_cuda() {
         // The device's own generator, seeded per mask: redrawing needs only the seed. Seeding
         // every device (not just the current one) leaves no doubt which generator the
@@ -89,20 +136,70 @@ fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device) -> tch::Tenso
         let _ = mask.bernoulli_float_(1.0 - p);
         return mask;
     }
-    let mask = tch::Tensor::empty(size, (tch::Kind::Bool, tch::Device::Cpu));
-    let n = mask.numel();
-    // SAFETY: `mask` is a fresh contiguous CPU bool tensor of n elements that nothing else
-    // references; a torch bool is one byte holding 0 or 1, as a Rust bool.
-    let keep = unsafe { std::slice::from_raw_parts_mut(mask.data_ptr() as *mut bool, n) };
-    fill_keep(keep, seed, p);
+    let mut mask = tch::Tensor::empty(size, (tch::Kind::Bool, tch::Device::Cpu));
+    // SAFETY: `mask` is fresh, contiguous, on the CPU, and referenced nowhere else.
+    fill_keep(unsafe { bool_slice(&mut mask) }, seed, p);
+    mask
+}
+
+/// The elements of a fresh contiguous CPU bool tensor as a slice.
+///
+/// # Safety
+/// `mask` must be a contiguous CPU bool tensor that nothing else references while the slice
+/// lives; a torch bool is one byte holding 0 or 1, as a Rust bool.
+unsafe fn bool_slice(mask: &mut tch::Tensor) -> &mut [bool] {
+    unsafe { std::slice::from_raw_parts_mut(mask.data_ptr() as *mut bool, mask.numel()) }
+}
+
+/// [`keep_mask`] of this rank's rows of the whole sequence's mask.
+///
+/// # Shapes
+/// - size: `[.., split.local_len(), in]`; the whole mask: `[.., split.seq, in]`
+fn keep_mask_split(seed: u64, p: f64, size: &[i64], device: tch::Device, split: ContextSplit) -> tch::Tensor {
+    let d = size.len();
+    let (width, seq) = (size[d - 1], split.seq as i64);
+    let rows: i64 = size[..d - 2].iter().product();
+    if device.is_cuda() {
+        let whole = keep_mask(seed, p, &[rows, seq, width], device, None);
+        let pad = tch::Tensor::ones([rows, split.padded as i64 - seq, width], (tch::Kind::Bool, device));
+        return split.local_of(&tch::Tensor::cat(&[whole, pad], 1), 1).reshape(size);
+    }
+    let mut mask = tch::Tensor::ones(size, (tch::Kind::Bool, tch::Device::Cpu));
+    // SAFETY: `mask` is fresh, contiguous, on the CPU, and referenced nowhere else.
+    let keep = unsafe { bool_slice(&mut mask) };
+    let (width, seq) = (width as usize, split.seq);
+    let mut at = 0;
+    for row in 0..rows as usize {
+        for range in split.local_ranges() {
+            // The chunk's real tokens are one run of the whole mask's words; padding stays true.
+            let real = range.start.min(seq)..range.end.min(seq);
+            let first = ((row * seq + real.start) * width) as u64;
+            fill_keep_from(&mut keep[at..at + real.len() * width], seed, p, first);
+            at += range.len() * width;
+        }
+    }
     mask
 }
 
 /// `x · mask / (1 − p)` and the seed of the mask; `native_dropout_backward` is that product.
-fn forward(x: &tch::Tensor, p: f64) -> (tch::Tensor, u64) {
-    let seed = draw_seed();
-    let mask = keep_mask(seed, p, &x.size(), x.device());
-    (tch::Tensor::native_dropout_backward(x, &mask, 1.0 / (1.0 - p)), seed)
+fn forward(x: &tch::Tensor, p: f64) -> (tch::Tensor, Mask) {
+    let mask = Mask { seed: draw_seed(), p, split: SPLIT.with(Cell::get) };
+    (tch::Tensor::native_dropout_backward(x, &mask.draw(x), 1.0 / (1.0 - p)), mask)
+}
+
+/// What draws one dropout op's mask again: its seed, p and the split it ran under.
+#[derive(Debug, Clone, Copy)]
+struct Mask {
+    seed: u64,
+    p: f64,
+    split: Option<ContextSplit>,
+}
+
+impl Mask {
+    /// The keep-mask for a tensor shaped and placed as `like`.
+    fn draw(&self, like: &tch::Tensor) -> tch::Tensor {
+        keep_mask(self.seed, self.p, &like.size(), like.device(), self.split)
+    }
 }
 
 impl DropoutBackend for LibTorch {
@@ -115,19 +212,19 @@ impl DropoutBackend for LibTorch {
 struct DropoutBackward;
 
 impl Backward<LibTorch, 1> for DropoutBackward {
-    /// The mask's seed and p: backward redraws the mask rather than keeping it.
-    type State = (u64, f64);
+    /// What draws the mask: backward redraws it rather than keeping it.
+    type State = Mask;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [node] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
         if let Some(node) = node {
-            let (seed, p) = ops.state;
+            let mask = ops.state;
             let g = &grad.tensor;
-            let mask = keep_mask(seed, p, &g.size(), g.device());
+            let scale = 1.0 / (1.0 - mask.p);
             grads.register::<LibTorch>(
                 node.id,
-                TchTensor::new(tch::Tensor::native_dropout_backward(g, &mask, 1.0 / (1.0 - p))),
+                TchTensor::new(tch::Tensor::native_dropout_backward(g, &mask.draw(g), scale)),
             );
         }
     }
@@ -137,8 +234,8 @@ impl<C: CheckpointStrategy> DropoutBackend for Autodiff<LibTorch, C> {
     fn dropout(x: FloatTensor<Self>, p: f64) -> FloatTensor<Self> {
         match DropoutBackward.prepare::<C>([x.node()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let (out, seed) = forward(&x.into_primitive().tensor, p);
-                prep.finish((seed, p), TchTensor::new(out))
+                let (out, mask) = forward(&x.into_primitive().tensor, p);
+                prep.finish(mask, TchTensor::new(out))
             }
             OpsKind::UnTracked(prep) => prep.finish(TchTensor::new(forward(&x.into_primitive().tensor, p).0)),
         }
@@ -199,6 +296,56 @@ mod tests {
         let expect: Vec<f32> = y1.iter().zip(&y2).map(|(a, b)| a / 3.0 + 2.0 * b / 3.0).collect();
         assert_eq!(g, expect, "gradient = Σ weight · mask / (1 − p), each op its own mask");
         assert_eq!(run().0, y1, "same seed, same mask");
+    }
+
+    /// Under a context-parallel split (10 tokens over 2 and over 4 ranks, so the last chunk
+    /// holds padding) each rank's dropout, run inside `over_split` and backpropagated outside
+    /// it, keeps and scales exactly its tokens' rows of one process's dropout of the whole
+    /// `[2, 10, 5]` input with the same seed; padding rows are kept. Hand-laid rows: the
+    /// global position of each local token (`ContextSplit::local_positions`).
+    #[test]
+    fn split_dropout_is_the_rows_of_the_whole_sequence_dropout() {
+        split_dropout_is_rows_of_whole(Device::libtorch().autodiff());
+    }
+
+    /// [`split_dropout_is_the_rows_of_the_whole_sequence_dropout`] on CUDA (the whole mask
+    /// drawn by the device's generator, this rank's rows kept).
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn split_dropout_is_the_rows_of_the_whole_sequence_dropout_on_cuda() {
+        assert!(tch::Cuda::is_available(), "this test needs a CUDA device");
+        split_dropout_is_rows_of_whole(Device::libtorch_cuda(0).autodiff());
+    }
+
+    fn split_dropout_is_rows_of_whole(device: Device) {
+        let _rng = crate::device::torch_rng_lock();
+        let (b, seq, w) = (2, 10, 5);
+        let values = |t: Tensor<3>| t.into_data().to_vec::<f32>().unwrap();
+        let run = |len: usize, split: Option<ContextSplit>| {
+            device.seed(9);
+            let x = Tensor::<3>::ones([b, len, w], &device).require_grad();
+            let y = over_split(split, || dropout(x.clone(), 0.5));
+            let grads = y.clone().sum().backward();
+            (values(y.inner()), values(x.grad(&grads).unwrap()))
+        };
+        let (whole, whole_grad) = run(seq, None);
+        assert_eq!(whole, whole_grad, "the gradient of a sum is the scaled mask");
+        for size in [2, 4] {
+            for rank in 0..size {
+                let split = ContextSplit::new(seq, rank, size);
+                let (y, g) = run(split.local_len(), Some(split));
+                let mut expect = Vec::new();
+                for row in 0..b {
+                    for p in split.local_positions() {
+                        let at = (row * seq + p) * w;
+                        expect.extend(if p < seq { whole[at..at + w].to_vec() } else { vec![2.0; w] });
+                    }
+                }
+                assert_eq!(y, expect, "rank {rank} of {size}");
+                assert_eq!(g, expect, "rank {rank} of {size}: backward redraws the split mask");
+            }
+        }
+        assert!(whole.contains(&0.0) && whole.contains(&2.0));
     }
 
     /// Reading the stream in chunks gives the words of one long stream (the mask does not

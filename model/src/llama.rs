@@ -328,18 +328,24 @@ impl DecoderLayer {
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
     pub fn forward(&self, x: Tensor<3>, at: &Positions, train: bool) -> Tensor<3> {
-        // Each norm writes, beside its output, the FP8 codes its projections would make (where
-        // our kernel runs and the projections' input scale exists), offered within the scope.
-        let attn = sharing_input_codes(|| {
-            let scale = self.self_attn.fp8_input_scale(train);
-            self.self_attn.forward(self.input_layernorm.forward_fp8(x.clone(), scale), at, train)
-        });
-        let h = x + attn;
-        let mlp = sharing_input_codes(|| {
-            let scale = self.mlp.gate_proj.fp8_input_scale(train);
-            self.mlp.forward(self.post_attention_layernorm.forward_fp8(h.clone(), scale), train)
-        });
-        h + mlp
+        // Under context parallelism the adapters' dropout masks are this rank's rows of the
+        // whole sequence's (those one process draws), not masks of the local rows.
+        let split = at.context.as_ref().map(|cp| cp.split);
+        crate::dropout::over_split(split, || {
+            // Each norm writes, beside its output, the FP8 codes its projections would make
+            // (where our kernel runs and the projections' input scale exists), offered within
+            // the scope.
+            let attn = sharing_input_codes(|| {
+                let scale = self.self_attn.fp8_input_scale(train);
+                self.self_attn.forward(self.input_layernorm.forward_fp8(x.clone(), scale), at, train)
+            });
+            let h = x + attn;
+            let mlp = sharing_input_codes(|| {
+                let scale = self.mlp.gate_proj.fp8_input_scale(train);
+                self.mlp.forward(self.post_attention_layernorm.forward_fp8(h.clone(), scale), train)
+            });
+            h + mlp
+        })
     }
 
     /// [`Self::forward`] while decoding, with this block's key/value cache
