@@ -67,7 +67,7 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         padding: llora_data::batch::Padding::Longest,
         packing: args.pack.then_some(llora_data::packing::Packing { seq_len: max_seq_len, window: pack_window }),
     };
-    let loss = evaluate(&model, &samples, how, &device, &crate::dist::SingleProcess)?;
+    let loss = evaluate(&model, &samples, how, &device, &crate::dist::SingleProcess, (0, 1))?;
     let (per_token, per_sample, tokens) = (loss.per_token, loss.per_sample, loss.tokens);
     if !per_token.is_finite() {
         let culprit = match ckpt.first_non_finite()? {

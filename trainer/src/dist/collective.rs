@@ -133,15 +133,9 @@ pub trait Collective: Send + Sync {
     fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), DistError>;
     /// The elementwise sum over all ranks of `x` (any float dtype, summed in f32), on `x`'s
     /// device; `x` may be overwritten. Where the group's backend works on `x`'s device (Gloo:
-    /// the CPU, NCCL: this rank's GPU) the sum runs there in place, else through a host buffer.
-    fn all_reduce_sum_tensor(&self, x: &tch::Tensor) -> Result<tch::Tensor, DistError> {
-        let flat = x.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).reshape([-1]);
-        let n = flat.numel();
-        let mut host = vec![0f32; n];
-        flat.copy_data(&mut host, n);
-        self.all_reduce_f32(&mut host, ReduceOp::Sum)?;
-        Ok(tch::Tensor::from_slice(&host).reshape(x.size()).to_device(x.device()))
-    }
+    /// the CPU, NCCL: this rank's GPU) the sum runs there in place, else through a copy moved
+    /// there and back.
+    fn all_reduce_sum_tensor(&self, x: &tch::Tensor) -> Result<tch::Tensor, DistError>;
     /// As [`Collective::all_reduce_f32`], in f64 (sums of losses and token counts).
     fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> Result<(), DistError>;
     /// Replaces `buf` by `root`'s.

@@ -38,6 +38,10 @@ impl Collective for SingleProcess {
     fn all_reduce_f32(&self, _: &mut [f32], _: ReduceOp) -> Result<(), DistError> {
         Ok(())
     }
+    fn all_reduce_sum_tensor(&self, x: &tch::Tensor) -> Result<tch::Tensor, DistError> {
+        // The sum over one rank: x itself (in f32, as every group returns it).
+        Ok(x.to_kind(tch::Kind::Float))
+    }
     fn all_reduce_f64(&self, _: &mut [f64], _: ReduceOp) -> Result<(), DistError> {
         Ok(())
     }

@@ -460,7 +460,14 @@ impl<'a> Trainer<'a> {
                 padding: config.data.padding.padding(config.data.max_seq_len),
                 packing: config.data.packing(),
             };
-            evaluate(&self.model.valid(), &self.eval_set, how, &self.device, self.dist.comm.as_ref())?
+            evaluate(
+                &self.model.valid(),
+                &self.eval_set,
+                how,
+                &self.device,
+                self.dist.comm.as_ref(),
+                self.dist.data_share(),
+            )?
         };
         let eval_loss = match config.eval.averaging {
             Averaging::PerToken => loss.per_token,
