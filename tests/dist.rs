@@ -861,7 +861,7 @@ fn a_sequence_that_fits_no_rank_trains_split_within_the_plan() {
     let recipe = &two["cheapest"];
     assert_eq!(recipe["context_parallel"], 2, "{recipe}");
     let recompute = recipe["recompute_layers"].as_u64().unwrap().to_string();
-    let args = [
+    let mut args = vec![
         "bench",
         "--preset",
         "demo-llama3-long",
@@ -878,6 +878,9 @@ fn a_sequence_that_fits_no_rank_trains_split_within_the_plan() {
         "--recompute-layers",
         recompute.as_str(),
     ];
+    if recipe["shard_frozen_weights"] == true {
+        args.push("--shard-frozen-weights");
+    }
     let launcher = ["--standalone", "--nproc-per-node", "2"];
     let out = under_torchrun(&launcher, &args).env("OMP_WAIT_POLICY", "PASSIVE").output().unwrap();
     let (stdout, stderr) = text(&out);

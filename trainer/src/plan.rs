@@ -489,13 +489,42 @@ fn one_layout_cost(s: &Shape) -> f64 {
     s.model.num_hidden_layers as f64 * GPU_FLOP_PER_BYTE / tokens(s).max(1.0)
 }
 
+/// Dense FLOPs per byte of one rank's all-gather bandwidth within one node: H100 bf16 (989
+/// TFLOP/s) over NVLink 4's ~360 GB/s all-gather bus bandwidth (nccl-tests on 8 x H100 SXM).
+const GPU_FLOP_PER_LINK_BYTE: f64 = 2750.0;
+
+/// The same for one CPU thread: its f32 GEMMs (~50 GFLOP/s) over Gloo's 1.1 GB/s on loopback
+/// (docs/performance.md).
+const CPU_FLOP_PER_LINK_BYTE_PER_THREAD: f64 = 45.0;
+
+/// The time of sharding the frozen weights, in blocks recomputed. Each block's weights are
+/// gathered twice per micro-batch (its forward, its backward), each gather in flight while the
+/// block before computes (`LlamaForCausalLM::prefetch`), so it costs only what it takes beyond
+/// one block's forward: `2 · layers · max(0, gathered bytes · FLOP-per-link-byte / forward
+/// FLOPs − 1)` (0 for the 70B at 8192 tokens on NVLink: a gather is 0.17 of a forward).
+/// Gathered FP8 weights come in one layout, so on CUDA they add [`one_layout_cost`].
+fn shard_cost(s: &Shape) -> f64 {
+    let w = s.world as f64;
+    let flop_per_byte = match s.target {
+        Target::Cuda => GPU_FLOP_PER_LINK_BYTE,
+        Target::Cpu => CPU_FLOP_PER_LINK_BYTE_PER_THREAD * s.threads.max(1) as f64,
+    };
+    // Per value: bytes gathered (all but this rank's share) against 2 FLOPs per token.
+    let ratio = weight_elem(&s.precision) * (w - 1.0) / w * flop_per_byte / (2.0 * tokens(s).max(1.0));
+    let exposed = 2.0 * s.model.num_hidden_layers as f64 * (ratio - 1.0).max(0.0);
+    let p = &s.precision;
+    let transposes =
+        if s.target == Target::Cuda && p.compute == Compute::Fp8 && p.fp8_weights { one_layout_cost(s) } else { 0.0 };
+    exposed + transposes
+}
+
 /// The cheapest recipe for `s` that fits in `device_bytes`: its own context parallelism
 /// first, then (when nothing fits and the world allows) more ranks per sequence
 /// (`train.context_parallel`, dividing the world: each doubling halves the activations for a
-/// K/V exchange per block); for each, no sharding before sharding (its gathers cost every
-/// block), and within each the fewest recomputed blocks, where on CUDA with FP8 weights keeping
-/// them in one layout (`precision.fp8_weights_one_layout`: half their bytes) counts as
-/// [`one_layout_cost`] blocks. None if nothing fits.
+/// K/V exchange per block). At each, every way to hold the weights (replicated, in one or
+/// both layouts; sharded over the world) with its fewest recomputed blocks, costed in
+/// recomputed blocks: one layout on CUDA with FP8 weights adds [`one_layout_cost`], sharding
+/// [`shard_cost`]; the cheapest wins, ties to the replicated weights. None if nothing fits.
 pub fn cheapest_recipe(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
     let own = s.context_parallel.max(1);
     let more = (1..).map(|k| own << k).take_while(|&n| n <= s.world && s.world.is_multiple_of(n));
@@ -507,35 +536,36 @@ pub fn cheapest_recipe(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> 
 /// [`cheapest_recipe`] at `s`'s context parallelism.
 fn cheapest_at(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
     let l = s.model.num_hidden_layers;
-    let shard_options: &[bool] = if s.world > 1 { &[false, true] } else { &[false] };
     let p = s.precision;
-    let mut layouts = vec![p.fp8_weights_one_layout];
+    // (sharded, one layout): replicated in the config's layout, in one layout, sharded.
+    let mut ways = vec![(false, p.fp8_weights_one_layout)];
     if s.target == Target::Cuda && p.fp8_weights && !p.fp8_weights_one_layout {
-        layouts.push(true);
+        ways.push((false, true));
     }
-    for &shard in shard_options {
-        let mut best: Option<(f64, Shape, Budget)> = None;
-        for &one_layout in &layouts {
-            let precision = PrecisionSpec { fp8_weights_one_layout: one_layout, ..p };
-            // The peak falls with every block recomputed: the first that fits is this layout's best.
-            let fit = (0..=l).find_map(|n| {
-                let cand = Shape { recompute_layers: n, shard_frozen_weights: shard, precision, ..s.clone() };
-                let b = budget(&cand);
-                (b.peak <= device_bytes).then_some((cand, b))
-            });
-            if let Some((cand, b)) = fit {
-                let extra = if one_layout && !p.fp8_weights_one_layout { one_layout_cost(s) } else { 0.0 };
-                let cost = cand.recompute_layers as f64 + extra;
-                if best.as_ref().is_none_or(|(c, _, _)| cost < *c) {
-                    best = Some((cost, cand, b));
-                }
-            }
-        }
-        if let Some((_, cand, b)) = best {
-            return Some((cand, b));
+    if s.world > 1 {
+        ways.push((true, p.fp8_weights_one_layout));
+    }
+    let mut best: Option<(f64, Shape, Budget)> = None;
+    for (shard, one_layout) in ways {
+        let precision = PrecisionSpec { fp8_weights_one_layout: one_layout, ..p };
+        // The peak falls with every block recomputed: the first that fits is this way's best.
+        let fit = (0..=l).find_map(|n| {
+            let cand = Shape { recompute_layers: n, shard_frozen_weights: shard, precision, ..s.clone() };
+            let b = budget(&cand);
+            (b.peak <= device_bytes).then_some((cand, b))
+        });
+        let Some((cand, b)) = fit else { continue };
+        let extra = match (shard, one_layout && !p.fp8_weights_one_layout) {
+            (true, _) => shard_cost(s),
+            (false, true) => one_layout_cost(s),
+            (false, false) => 0.0,
+        };
+        let cost = cand.recompute_layers as f64 + extra;
+        if best.as_ref().is_none_or(|(c, _, _)| cost < *c) {
+            best = Some((cost, cand, b));
         }
     }
-    None
+    best.map(|(_, cand, b)| (cand, b))
 }
 
 /// The plan as JSON: the budget, the per-token lists and, with a device size, the recipe.
@@ -989,6 +1019,42 @@ mod tests {
         }
         let (short, _) = cheapest_recipe(&llama3_8b(8192, 2), gpu).unwrap();
         assert_eq!(short.context_parallel, 1);
+    }
+
+    /// Sharding costs what its gathers do not hide behind the block before (hand-counted: the
+    /// 70B's FP8 block on 8 ranks at 8192 tokens gathers 7/8 B per value against 2·8192
+    /// FLOPs, 0.147 of a forward at 2750 FLOP per link byte: hidden, leaving one layout's
+    /// transposes; at 256 tokens in bf16 each gather is 9.4 forwards, 8.4 exposed, twice per
+    /// block). So at context parallelism 2 on 8 x H100 80 GiB the recipe shards the weights
+    /// and recomputes nothing (about 62.5 GiB) instead of recomputing ~79 blocks of
+    /// replicated one-layout weights, and sharding is still taken where nothing else fits
+    /// however much it costs.
+    #[test]
+    fn sharding_is_chosen_where_it_saves_recomputation() {
+        let s = mlperf(8, 0, false);
+        assert_eq!(shard_cost(&s), one_layout_cost(&s));
+        assert!((one_layout_cost(&s) - 80.0 * 250.0 / 8192.0).abs() < 1e-12);
+        let short = Shape {
+            seq_len: 256,
+            precision: PrecisionSpec { compute: Compute::Bf16, ..Default::default() },
+            ..s.clone()
+        };
+        let ratio = 2.0 * 7.0 / 8.0 * 2750.0 / (2.0 * 256.0);
+        assert!((shard_cost(&short) - 2.0 * 80.0 * (ratio - 1.0)).abs() < 1e-9, "{}", shard_cost(&short));
+        let dev = 80.0 * GB;
+        let cp2 = Shape { context_parallel: 2, ..s.clone() };
+        // Replicated, only one layout fits, and only with nearly every block recomputed.
+        let one = PrecisionSpec { fp8_weights_one_layout: true, ..cp2.precision };
+        let replicated = |n, precision| budget(&Shape { recompute_layers: n, precision, ..cp2.clone() }).peak;
+        assert!(replicated(80, cp2.precision) > dev);
+        let n = (0..=80).find(|&n| replicated(n, one) <= dev).expect("one layout fits, recomputing");
+        assert!(n >= 70, "{n}");
+        let (r, b) = cheapest_recipe(&cp2, dev).unwrap();
+        assert_eq!((r.context_parallel, r.recompute_layers, r.shard_frozen_weights), (2, 0, true));
+        assert!(b.peak <= dev && b.peak > 55.0 * GB, "{} GiB", b.peak / GB);
+        // Only sharding fits the 70B on 8 x 80 GiB at context parallelism 1, short or not.
+        let (r, _) = cheapest_recipe(&short, dev).unwrap();
+        assert!(r.shard_frozen_weights);
     }
 
     /// Per-token bytes worked out by hand from the ops (d 8192, q 8192, kv 1024, I 28672, H 64).
