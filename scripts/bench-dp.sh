@@ -37,7 +37,7 @@ for r in rows:
     if r.get("tag") not in ("w1", "w2"):
         continue
     world, seqs = r["world"], r["accum"] * r["batch"] * r["world"]
-    tok = r["tokens_per_s"] * r["world"]
+    tok = r["world_tokens_per_s"]
     key = (r["preset"], r["seq_len"])
     layout = f'{world} x {r["threads"]} thread{"s" if r["threads"] > 1 else ""}, accum {r["accum"]}'
     ratio = "" if r["tag"] == "w1" else f' ({r["step_s_median"] / base[key]:.2f}x world 1)'

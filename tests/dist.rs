@@ -906,6 +906,13 @@ fn a_sequence_that_fits_no_rank_trains_split_within_the_plan() {
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     let (measured, planned) = (r["peak_rss_mb"].as_f64().unwrap(), r["planned_peak_mb"].as_f64().unwrap());
     assert_eq!(r["context_parallel"], 2);
+    // Throughput counts each rank's half of the one sequence, the world's both halves: 4096
+    // and 8192 tokens per step (the fields are rounded to 0.01 tokens/s and 0.1 ms).
+    let step_s = r["step_s_median"].as_f64().unwrap();
+    for (field, tokens) in [("tokens_per_s", 4096.0), ("world_tokens_per_s", 8192.0)] {
+        let per_step = r[field].as_f64().unwrap() * step_s;
+        assert!((per_step - tokens).abs() <= 1e-3 * tokens, "{field} x step_s = {per_step}, not {tokens}");
+    }
     // The bench's MB are MiB, as the plan's.
     assert!(measured <= planned && planned <= 550.0, "peak {measured} MiB, planned {planned} MiB");
 }

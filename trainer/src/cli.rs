@@ -468,8 +468,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Micro-batches of `--batch` per rank and step (gradient accumulation). Under a launcher
-    /// (torchrun) every rank runs them and the gradients are all-reduced: world × accum × batch
-    /// sequences per step.
+    /// (torchrun) every rank runs them and the gradients are all-reduced: world / cp × accum ×
+    /// batch sequences per step.
     #[arg(long, default_value_t = 1)]
     pub accum: usize,
     /// Instead of training steps, time an all-reduce (sum) of this many f32 values over the

@@ -487,8 +487,9 @@ impl Timed {
         Some((busy - ours).max(0.0))
     }
 
-    /// The timing fields of the record, as the peer names them.
-    fn to_json(&self, tokens: f64, flops_per_step: f64) -> Value {
+    /// The timing fields of the record, as the peer names them: `tokens` are this rank's per
+    /// step (`tokens_per_s`), `world` ranks run alike (`world_tokens_per_s`).
+    fn to_json(&self, tokens: f64, world: usize, flops_per_step: f64) -> Value {
         let r4 = |x: f64| (x * 1e4).round() / 1e4;
         let (step_s, med) = (&self.step_s, quantile(&self.step_s, 0.5));
         json!({
@@ -497,6 +498,7 @@ impl Timed {
             "fwd_s_median": r4(quantile(&self.fwd_s, 0.5)), "bwd_s_median": r4(quantile(&self.bwd_s, 0.5)),
             "opt_s_median": r4(quantile(&self.opt_s, 0.5)),
             "tokens_per_s": (tokens / med * 100.0).round() / 100.0,
+            "world_tokens_per_s": (tokens * world as f64 / med * 100.0).round() / 100.0,
             "final_loss": (self.loss * 1e5).round() / 1e5,
             "gflops_per_s": (flops_per_step / med / 1e9 * 100.0).round() / 100.0,
             "cpu_util_median": (quantile(&self.util, 0.5) * 100.0).round() / 100.0,
@@ -589,7 +591,8 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     }
     let Built { config, precision, model, plan, .. } = &built;
     let block = block_memory(model, args.batch, args.seq_len, &train_device);
-    // Per rank: its accum × batch sequences.
+    // Per rank: its accum × batch sequences (a 1/cp share of each under context parallelism:
+    // the balanced chunks give every rank of a group the same work).
     let seqs = args.batch * args.accum;
     let adapters = crate::flops::Adapters::of(model);
     let flops = crate::flops::Flops::sequence(config, adapters, args.seq_len, false)
@@ -642,8 +645,16 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
             "cuda": llora_model::device::libtorch_cuda()},
     });
-    let tokens = (seqs * args.seq_len) as f64;
-    Ok(merged([shape, timed.to_json(tokens, per_step), memory, timed.fp8_json(cuda_index.is_some()), run, routes()]))
+    // This rank's tokens: under context parallelism the group's ranks share each sequence.
+    let tokens = (seqs * args.seq_len) as f64 / args.cp.max(1) as f64;
+    Ok(merged([
+        shape,
+        timed.to_json(tokens, dist.world.size, per_step / args.cp.max(1) as f64),
+        memory,
+        timed.fp8_json(cuda_index.is_some()),
+        run,
+        routes(),
+    ]))
 }
 
 /// The kernel routes the run took (CUDA's, or their CPU stand-ins under
