@@ -123,6 +123,14 @@ fn fill_keep_from(keep: &mut [bool], seed: u64, p: f64, first: u64) {
 fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device, split: Option<ContextSplit>) -> tch::Tensor {
     let fits = |sp: &ContextSplit| size.len() >= 2 && size[size.len() - 2] == sp.local_len() as i64;
     debug_assert!(split.as_ref().is_none_or(fits), "a dropout input of {size:?} under {split:?}");
+    if let Some(sp) = split.as_ref().filter(|sp| !fits(sp)) {
+        // Every dropout input inside a block is `[.., local, in]` today; one that is not gets
+        // its own mask, which makes a context-parallel run differ from one process: say so.
+        tracing::warn!(
+            "dropout input {size:?} is not this rank's {} tokens of the context-parallel split:              its mask is drawn for the tensor alone, so this run's dropout differs from one process's",
+            sp.local_len()
+        );
+    }
     let split = split.filter(fits);
     if let Some(split) = split {
         return keep_mask_split(seed, p, size, device, split);
