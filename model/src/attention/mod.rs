@@ -27,6 +27,7 @@ mod varlen;
 pub use fused::{FusedKernel, verify};
 pub use varlen::{VarlenSpans, verify as verify_varlen};
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -88,11 +89,37 @@ pub enum AttentionKernel {
     Generic,
 }
 
+thread_local! {
+    /// Whether this thread's attention runs Burn's generic path (see [`with_generic_attention`]).
+    static GENERIC: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every attention this thread computes in it on Burn's generic path instead of
+/// a fused kernel, as HF's `attn_implementation="eager"` does: a numerics check measures with
+/// it what two correct implementations of the same attention differ by in fp32. The previous
+/// setting is restored after `f`, also when it unwinds; other threads are not affected.
+/// Context-parallel attention is not switched (it has no generic path).
+pub fn with_generic_attention<T>(f: impl FnOnce() -> T) -> T {
+    /// Puts the setting found on entry back.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            GENERIC.with(|g| g.set(self.0));
+        }
+    }
+    let _restore = Restore(GENERIC.with(|g| g.replace(true)));
+    f()
+}
+
 impl AttentionKernel {
     /// The kernel [`attention`] uses for `q` (`[batch, heads, seq, head_dim]`) with
     /// `kv_heads` K/V heads: on CUDA, whether a fused kernel passed its check for this dtype
-    /// and these head counts (checked on first use, see `choice.rs`).
+    /// and these head counts (checked on first use, see `choice.rs`); the generic one inside
+    /// [`with_generic_attention`].
     pub fn for_query(q: &Tensor<4>, kv_heads: usize) -> Self {
+        if GENERIC.with(Cell::get) {
+            return Self::Generic;
+        }
         match (q.device().inner().as_dispatch(), problem(q, kv_heads)) {
             (DispatchDevice::LibTorch(_), None) => Self::TorchFused, // the CPU's own kernel
             (_, Some(p)) => choice::choose(p).map_or(Self::Generic, |_| Self::TorchFused),
@@ -393,6 +420,27 @@ mod tests {
 
     fn rand(shape: [usize; 4], device: &Device) -> Tensor<4> {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+    }
+
+    /// `with_generic_attention` switches this thread only, and only while it runs: nested, on
+    /// another thread, after a panic inside it.
+    #[test]
+    fn generic_attention_is_scoped_to_its_thread_and_call() {
+        let device = Device::libtorch();
+        let q: Tensor<4> = Tensor::zeros([1, 4, 3, 8], &device);
+        let kernel = || AttentionKernel::for_query(&q, 2);
+        assert_eq!(kernel(), AttentionKernel::TorchFused, "the CPU's own kernel by default");
+        with_generic_attention(|| {
+            assert_eq!(kernel(), AttentionKernel::Generic);
+            with_generic_attention(|| assert_eq!(kernel(), AttentionKernel::Generic));
+            assert_eq!(kernel(), AttentionKernel::Generic, "a nested call restores, not clears");
+            let other = std::thread::scope(|s| s.spawn(kernel).join().unwrap());
+            assert_eq!(other, AttentionKernel::TorchFused, "another thread is not switched");
+        });
+        assert_eq!(kernel(), AttentionKernel::TorchFused);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| with_generic_attention(|| panic!("x"))));
+        assert!(unwound.is_err());
+        assert_eq!(kernel(), AttentionKernel::TorchFused, "restored on unwind");
     }
 
     /// Fused and generic attention agree in value and in all three input gradients, with GQA,
