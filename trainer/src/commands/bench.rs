@@ -548,6 +548,28 @@ fn merged(parts: impl IntoIterator<Item = Value>) -> Value {
     Value::Object(out)
 }
 
+/// After the timed steps: one step counted (the op observer costs time, so it never runs in a
+/// timed step), and one traced when `--trace` asks (on the GPU's timeline too when `cuda`).
+fn extra_steps(
+    args: &BenchArgs,
+    built: &mut Built,
+    dist: &crate::dist::Dist,
+    optim: &mut AdamW,
+    rng: &mut impl Rng,
+    device: &Device,
+    cuda: bool,
+) -> anyhow::Result<llora_model::profile::Counts> {
+    let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
+    bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+    let counts = counter.finish();
+    if let Some(path) = &args.trace {
+        let trace = llora_model::profile::Trace::start(cuda).map_err(anyhow::Error::msg)?;
+        bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+        trace.finish(path).map_err(anyhow::Error::msg)?;
+    }
+    Ok(counts)
+}
+
 /// Timed LoRA steps of a preset on random tokens.
 fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
     anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
@@ -580,15 +602,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     // Read before the extra counted/traced steps and the one-block measurement below (the
     // profiler's buffers are not the step's memory).
     let peak_rss = peak_rss_mb();
-    // One extra step, counted (the op observer costs time, so it never runs in a timed step).
-    let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
-    bench_step(args, &built.config, dist, &mut built.model, &mut optim, &mut rng, &train_device)?;
-    let counts = counter.finish();
-    if let Some(path) = &args.trace {
-        let trace = llora_model::profile::Trace::start(cuda_index.is_some()).map_err(anyhow::Error::msg)?;
-        bench_step(args, &built.config, dist, &mut built.model, &mut optim, &mut rng, &train_device)?;
-        trace.finish(path).map_err(anyhow::Error::msg)?;
-    }
+    let counts = extra_steps(args, &mut built, dist, &mut optim, &mut rng, &train_device, cuda_index.is_some())?;
     let Built { config, precision, model, plan, .. } = &built;
     let block = block_memory(model, args.batch, args.seq_len, &train_device);
     // Per rank: its accum × batch sequences (a 1/cp share of each under context parallelism:
