@@ -427,15 +427,26 @@ struct Timed {
 /// /proc/stat's (busy, total) jiffies, this process's CPU seconds and the time, at one moment.
 type Window = (Option<(f64, f64)>, f64, Instant);
 
+/// What every step of a bench uses besides the model: its arguments, the ranks, the optimizer,
+/// the random batches' generator and the device.
+struct Stepper<'a> {
+    args: &'a BenchArgs,
+    dist: &'a crate::dist::Dist,
+    optim: AdamW,
+    rng: rand_chacha::ChaCha8Rng,
+    device: Device,
+}
+
+impl Stepper<'_> {
+    /// One optimizer step of `built`'s model on fresh random batches.
+    fn step(&mut self, built: &mut Built) -> anyhow::Result<crate::engine::step::StepStats> {
+        bench_step(self.args, &built.config, self.dist, &mut built.model, &mut self.optim, &mut self.rng, &self.device)
+    }
+}
+
 /// The bench's warm-up and timed steps.
-fn timed_steps(
-    args: &BenchArgs,
-    built: &mut Built,
-    dist: &crate::dist::Dist,
-    optim: &mut AdamW,
-    rng: &mut impl Rng,
-    device: &Device,
-) -> anyhow::Result<Timed> {
+fn timed_steps(stepper: &mut Stepper, built: &mut Built) -> anyhow::Result<Timed> {
+    let (args, dist) = (stepper.args, stepper.dist);
     let mut t = Timed { loss: f64::NAN, ..Timed::default() };
     for step in 0..args.warmup + args.steps {
         let (c0, t0) = (cpu_seconds(), Instant::now());
@@ -443,7 +454,7 @@ fn timed_steps(
         let _ = take_gemm_counts();
         let _ = llora_model::fp8::take_quantiser_counts();
         let _ = dist.context.as_ref().map(|c| c.take_spent_s());
-        let s = bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+        let s = stepper.step(built)?;
         let exchange_s = dist.context.as_ref().map_or(0.0, |c| c.take_spent_s());
         t.saved_bytes = llora_model::precision::take_saved_bytes();
         t.fp8_gemms = take_gemm_counts();
@@ -550,21 +561,13 @@ fn merged(parts: impl IntoIterator<Item = Value>) -> Value {
 
 /// After the timed steps: one step counted (the op observer costs time, so it never runs in a
 /// timed step), and one traced when `--trace` asks (on the GPU's timeline too when `cuda`).
-fn extra_steps(
-    args: &BenchArgs,
-    built: &mut Built,
-    dist: &crate::dist::Dist,
-    optim: &mut AdamW,
-    rng: &mut impl Rng,
-    device: &Device,
-    cuda: bool,
-) -> anyhow::Result<llora_model::profile::Counts> {
+fn extra_steps(stepper: &mut Stepper, built: &mut Built, cuda: bool) -> anyhow::Result<llora_model::profile::Counts> {
     let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
-    bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+    stepper.step(built)?;
     let counts = counter.finish();
-    if let Some(path) = &args.trace {
+    if let Some(path) = &stepper.args.trace {
         let trace = llora_model::profile::Trace::start(cuda).map_err(anyhow::Error::msg)?;
-        bench_step(args, &built.config, dist, &mut built.model, optim, rng, device)?;
+        stepper.step(built)?;
         trace.finish(path).map_err(anyhow::Error::msg)?;
     }
     Ok(counts)
@@ -581,13 +584,14 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     train_device.seed(args.seed);
     let mut built = build(args, dist, &train_device)?;
     let heap_peak = HeapPeak::start();
-    let mut optim = AdamW::new(OptimConfig {
+    let optim = AdamW::new(OptimConfig {
         lr: args.lr,
         weight_decay: args.weight_decay,
         clip_grad_norm: args.max_grad_norm,
         ..OptimConfig::default()
     });
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed + 1);
+    let rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed + 1);
+    let mut stepper = Stepper { args, dist, optim, rng, device: train_device.clone() };
     let cuda_index = match device_spec {
         DeviceSpec::Cuda(n) => Some(n),
         _ => None,
@@ -595,14 +599,14 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     if let Some(n) = cuda_index {
         llora_model::profile::reset_device_peaks(n).map_err(anyhow::Error::msg)?;
     }
-    let timed = timed_steps(args, &mut built, dist, &mut optim, &mut rng, &train_device)?;
+    let timed = timed_steps(&mut stepper, &mut built)?;
     let (heap_peak, heap_resident_peak) = heap_peak.finish();
     // The caching allocator's peaks over warm-up and timed steps (what `llora plan` predicts).
     let device_peaks = cuda_index.map(llora_model::profile::device_peaks).transpose().map_err(anyhow::Error::msg)?;
     // Read before the extra counted/traced steps and the one-block measurement below (the
     // profiler's buffers are not the step's memory).
     let peak_rss = peak_rss_mb();
-    let counts = extra_steps(args, &mut built, dist, &mut optim, &mut rng, &train_device, cuda_index.is_some())?;
+    let counts = extra_steps(&mut stepper, &mut built, cuda_index.is_some())?;
     let Built { config, precision, model, plan, .. } = &built;
     let block = block_memory(model, args.batch, args.seq_len, &train_device);
     // Per rank: its accum × batch sequences (a 1/cp share of each under context parallelism:
