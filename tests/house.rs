@@ -313,11 +313,27 @@ fn long_functions(text: &str, max: usize) -> Vec<(String, usize, usize)> {
     out
 }
 
+/// Calls that seed LibTorch's generator: `Device::seed`, and the model's passes, whose training
+/// ones reseed it per decoder block (`dropout::BlockSeeds`) whether or not the test seeds
+/// first. (`.forward(` is left out: every module has one; a model's training forward through
+/// it in a test without the lock would go unseen.)
+const SEEDING_CALLS: [&str; 9] = [
+    ".seed(",
+    "micro_batch_grads(",
+    "grads_on_device(",
+    "train_step(",
+    "recomputed_backward(",
+    ".hidden(",
+    "hidden_packed(",
+    "forward_packed(",
+    ".loss(",
+];
+
 /// The test functions of `text` (all of it, or its `#[cfg(test)]` part when `src`) that seed
-/// LibTorch's generator (`.seed(`) without holding `torch_rng_lock()` in their own body. A
-/// lock taken only inside a closure or an inner block is released while the rest of the test
-/// runs, and a training forward run then (it reseeds the generator per block) changes the
-/// draws of a seeding test beside it: CI saw exactly that.
+/// LibTorch's generator ([`SEEDING_CALLS`]) without holding `torch_rng_lock()` in their own
+/// body. A lock taken only inside a closure or an inner block is released while the rest of
+/// the test runs, and a training pass run then changes the draws of a seeding test beside it:
+/// CI saw exactly that.
 fn unlocked_seeds(text: &str, src: bool) -> Vec<String> {
     let tests = if src { text.split_once("#[cfg(test)]").map_or("", |(_, t)| t) } else { text };
     let code = blank_literals(tests);
@@ -334,7 +350,7 @@ fn unlocked_seeds(text: &str, src: bool) -> Vec<String> {
     };
     spans
         .iter()
-        .filter(|(_, r)| outermost(r) && body(r).contains(".seed(") && !held(r))
+        .filter(|(_, r)| outermost(r) && SEEDING_CALLS.iter().any(|c| body(r).contains(c)) && !held(r))
         .map(|(name, _)| name.clone())
         .collect()
 }
@@ -375,6 +391,7 @@ fn the_seed_check_finds_an_unlocked_seed() {
                 fn closure() { let m = || { let _g = torch_rng_lock(); d.seed(1) }; m(); run(); }\n}\n";
     assert_eq!(unlocked_seeds(text, true), ["bad", "closure"]);
     assert_eq!(unlocked_seeds("fn t() { x.seed(1); }", false), ["t"]);
+    assert_eq!(unlocked_seeds("fn t() { train_step(&mut m, b); }\nfn u() { f(); }", false), ["t"]);
 }
 
 /// The Rust files under `dir`.

@@ -146,6 +146,8 @@ fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 /// Loss, logits (via logsumexp and target logit), final hidden state and every LoRA gradient
 /// of step 1 against HF + PEFT, in f32 with dropout off.
 fn check_parity(dir: &Path) {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
     let ckpt = HfCheckpoint::open(dir).unwrap();
@@ -377,6 +379,8 @@ fn llama3_style_adapter_and_merged_export_load_in_hf() {
 /// backward returns the two parts in different segments); no `lm_head` parameter is trained.
 #[test]
 fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     let dir = llama3_fixture();
     let tmp = tempfile::tempdir().unwrap();
     let base = base_only_copy(&dir, tmp.path());
@@ -497,6 +501,8 @@ fn training_steps_match_torch_adamw() {
 /// Three steps of the fixture in `dir` (made with `--steps 3`): losses, global norms and every
 /// trainable adapter value after each update.
 fn three_steps_match_torch_adamw(dir: &Path) {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
     let mut model = HfCheckpoint::open(dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
@@ -757,6 +763,8 @@ fn mlperf_targets_on_separate_projections_adapt_q_k_v_and_o() {
 /// checkpoint (the default q/k/v) or of any Llama (`foo`) are refused naming the module.
 #[test]
 fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     let fixture_dir = gqa_fixture();
     let tmp = tempfile::tempdir().unwrap();
     let fused = tmp.path().join("fused");
@@ -884,6 +892,8 @@ fn bf16_adapters_match_hf_peft_with_bf16_adapters() {
 /// (+1e-4 relative), each gradient's cosine ≥ 0.999, all of them within `bound` × PEFT's 1 −
 /// cosine.
 fn assert_bf16_near_peft(dir: &Path, adapters: llora_model::precision::AdapterCompute, bound: f64) {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
     let mut model = HfCheckpoint::open(dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
@@ -1264,6 +1274,8 @@ fn packed_llama3_documents_match_hf_peft_each_run_alone() {
 /// [`packed_documents_match_hf_peft_each_run_alone`] on the fixture `dir`; with `eval_cli`,
 /// `llora eval` with and without `--pack` on the same documents too.
 fn packed_documents_match_hf_peft_on(dir: &Path, eval_cli: bool) {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     use llora_data::batch::{Padding, collate_rows};
     let dir = dir.to_path_buf();
     let lengths = [64, 30, 34, 3, 2, 2, 5, 4, 2, 3, 6, 2];
@@ -1417,6 +1429,8 @@ fn nf4_matches_bitsandbytes() {
 /// installed.
 #[test]
 fn qlora_matches_peft_on_the_bitsandbytes_base() {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
     use llora_model::precision::{Nf4Spec, PrecisionSpec};
     let dir = gqa_fixture();
     let config = llora_model::LlamaConfig::from_hf_dir(&dir).unwrap();
