@@ -47,15 +47,7 @@ thread_local! {
 /// `None`: each mask is its tensor's own. The previous setting is restored after `f`, also
 /// when it unwinds; nothing is borrowed while `f` runs.
 pub(crate) fn over_split<T>(split: Option<ContextSplit>, f: impl FnOnce() -> T) -> T {
-    /// Puts the setting found on entry back.
-    struct Restore(Option<ContextSplit>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            SPLIT.with(|s| s.set(self.0));
-        }
-    }
-    let _restore = Restore(SPLIT.with(|s| s.replace(split)));
-    f()
+    crate::scoped::with(&SPLIT, split, f)
 }
 
 /// Zeroes each element with probability `p` and scales the rest by `1/(1−p)`.
@@ -123,11 +115,15 @@ fn fill_keep_from(keep: &mut [bool], seed: u64, p: f64, first: u64) {
 fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device, split: Option<ContextSplit>) -> tch::Tensor {
     let fits = |sp: &ContextSplit| size.len() >= 2 && size[size.len() - 2] == sp.local_len() as i64;
     debug_assert!(split.as_ref().is_none_or(fits), "a dropout input of {size:?} under {split:?}");
-    if let Some(sp) = split.as_ref().filter(|sp| !fits(sp)) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if let Some(sp) = split.as_ref().filter(|sp| !fits(sp))
+        && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
         // Every dropout input inside a block is `[.., local, in]` today; one that is not gets
-        // its own mask, which makes a context-parallel run differ from one process: say so.
+        // its own mask, which makes a context-parallel run differ from one process: say so once.
         tracing::warn!(
-            "dropout input {size:?} is not this rank's {} tokens of the context-parallel split:              its mask is drawn for the tensor alone, so this run's dropout differs from one process's",
+            "dropout input {size:?} is not this rank's {} tokens of the context-parallel split: \
+             its mask is drawn for the tensor alone, so this run's dropout differs from one process's",
             sp.local_len()
         );
     }

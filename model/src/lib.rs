@@ -28,6 +28,7 @@ pub mod recompute;
 pub mod rope;
 pub mod routes;
 pub mod saved;
+pub mod scoped;
 pub mod shard;
 pub mod spec_problem;
 

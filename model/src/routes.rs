@@ -72,19 +72,12 @@ pub fn on_cpu() -> bool {
 }
 
 /// Restores a thread's earlier override when dropped (see [`on_cpu_for_this_thread`]).
-#[must_use = "the override ends when this is dropped"]
-pub struct OnCpuOverride(Option<bool>);
-
-impl Drop for OnCpuOverride {
-    fn drop(&mut self) {
-        FORCED.with(|f| f.set(self.0));
-    }
-}
+pub type OnCpuOverride = crate::scoped::Restore<Option<bool>>;
 
 /// Sets [`on_cpu`] for this thread until the returned guard is dropped, whatever the
 /// environment says: tests run on threads of one process, so they cannot set the variable.
 pub fn on_cpu_for_this_thread(on: bool) -> OnCpuOverride {
-    OnCpuOverride(FORCED.with(|f| f.replace(Some(on))))
+    crate::scoped::set(&FORCED, Some(on))
 }
 
 /// Whether tensors on `device` take the CUDA routes: a CUDA device, or the CPU under

@@ -100,15 +100,7 @@ thread_local! {
 /// setting is restored after `f`, also when it unwinds; other threads are not affected.
 /// Context-parallel attention is not switched (it has no generic path).
 pub fn with_generic_attention<T>(f: impl FnOnce() -> T) -> T {
-    /// Puts the setting found on entry back.
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            GENERIC.with(|g| g.set(self.0));
-        }
-    }
-    let _restore = Restore(GENERIC.with(|g| g.replace(true)));
-    f()
+    crate::scoped::with(&GENERIC, true, f)
 }
 
 impl AttentionKernel {
