@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::fused::{FusedKernel, Saved, forward_with, verify};
+use super::fused::{FusedKernel, Saved, forward_with, verify_at};
 
 /// The fused forward for the tensors' device: torch's CPU flash attention on the CPU, the
 /// first CUDA kernel that passes its check on CUDA.
@@ -44,6 +44,11 @@ pub struct Problem {
     pub kv_heads: i64,
     /// Size of one head.
     pub head_dim: i64,
+    /// One query and one key (a one-token document of a packed row, a context-parallel piece
+    /// of one token): cuDNN SDPA runs its forward but builds no backward for it ("s_q = s_kv =
+    /// 1 is not supported", seen on an H200 with torch 2.11), so it is a problem of its own,
+    /// without cuDNN, its kernels checked at that length.
+    pub single_token: bool,
 }
 
 impl Problem {
@@ -57,17 +62,27 @@ impl Problem {
             return None;
         }
         let (qs, ks) = (q.size(), k.size());
-        Some(Self { device, kind: q.kind(), heads: qs[1], kv_heads: ks[1], head_dim: qs[3] })
+        let single_token = qs[2] == 1 && ks[2] == 1;
+        Some(Self { device, kind: q.kind(), heads: qs[1], kv_heads: ks[1], head_dim: qs[3], single_token })
     }
 
     /// The kernels to try, fastest first.
     fn candidates(&self) -> &'static [FusedKernel] {
         match self.kind {
+            tch::Kind::BFloat16 | tch::Kind::Half if self.single_token => {
+                &[FusedKernel::CudaFlash, FusedKernel::CudaEfficient]
+            }
             tch::Kind::BFloat16 | tch::Kind::Half => {
                 &[FusedKernel::CudaCudnn, FusedKernel::CudaFlash, FusedKernel::CudaEfficient]
             }
             _ => &[FusedKernel::CudaEfficient],
         }
+    }
+
+    /// Tokens of the first-use check's sequences: one for a single-token problem, else a
+    /// length of more than one 128-row block that no kernel's tiling divides.
+    fn check_len(&self) -> i64 {
+        if self.single_token { 1 } else { 133 }
     }
 }
 
@@ -123,7 +138,9 @@ pub fn choose_for(p: Problem, mut seq: Option<i64>) -> Option<FusedKernel> {
             Next::Verify(kernel) => kernel,
         };
         tracing::debug!(device = ?p.device, dtype = ?p.kind, "attention kernel {}: first-use check starting", kernel.name());
-        let result = crate::routes::run_check(|| verify(kernel, p.device, p.kind, p.heads, p.kv_heads, p.head_dim));
+        let result = crate::routes::run_check(|| {
+            verify_at(kernel, p.device, p.kind, [p.heads, p.kv_heads, p.head_dim], p.check_len())
+        });
         let mut guard = CHOICES.lock().unwrap_or_else(|e| e.into_inner());
         let Some(c) = guard.as_mut().and_then(|m| m.get_mut(&p)) else { continue };
         if c.left.first() != Some(&kernel) {

@@ -62,8 +62,15 @@ fn problem(q: &Tensor<4>, kv_heads: usize) -> Option<choice::Problem> {
     if !crate::routes::takes_cuda_routes(device) {
         return None;
     }
-    let [_, heads, _, head_dim] = q.dims().map(|d| d as i64);
-    Some(choice::Problem { device, kind: tch_kind(q.dtype()), heads, kv_heads: kv_heads as i64, head_dim })
+    let [_, heads, seq, head_dim] = q.dims().map(|d| d as i64);
+    Some(choice::Problem {
+        device,
+        kind: tch_kind(q.dtype()),
+        heads,
+        kv_heads: kv_heads as i64,
+        head_dim,
+        single_token: seq == 1,
+    })
 }
 
 /// Repeats each of the KV heads `group` times so query head h reads KV head h / group.
@@ -506,6 +513,7 @@ mod tests {
                 heads: 6,
                 kv_heads: 3,
                 head_dim: 24,
+                single_token: false,
             };
             for _ in 0..10 {
                 assert_eq!(choice::choose_for(p, Some(64)), Some(FusedKernel::CudaCudnn));
@@ -519,6 +527,32 @@ mod tests {
             assert_eq!(chosen, [C, C, C, F, F, F]);
             let f32_problem = choice::Problem { kind: tch::Kind::Float, ..p };
             assert_eq!(choice::choose(f32_problem), Some(FusedKernel::CudaEfficient));
+        });
+    }
+
+    /// A problem of one query and one key (a one-token document, a context-parallel piece of
+    /// one token) is never given cuDNN SDPA, whose backward refuses it ("s_q = s_kv = 1 is not
+    /// supported": two CUDA tests panicked so on an H200): it is its own problem, flash
+    /// attention first, checked at one token; a longer problem of the same heads keeps cuDNN
+    /// (the choice's logic, on the CPU standing in for CUDA).
+    #[test]
+    fn one_token_problems_never_take_cudnn() {
+        crate::routes::tests::on_cpu_within(120, "one-token attention problems", || {
+            let rand = |h: i64, s: i64| {
+                tch::Tensor::randn([1, h, s, 8], (tch::Kind::Float, tch::Device::Cpu)).to_kind(tch::Kind::BFloat16)
+            };
+            let (q, k, v) = (rand(2, 1), rand(1, 1), rand(1, 1));
+            let saved = choice::forward(&q, &k, &v, true).unwrap();
+            // One key: the output is that key's value row, for each query head of its group.
+            let want = v.expand([1, 2, 1, 8], false).to_kind(tch::Kind::Float);
+            let diff = (saved.out.tensor.to_kind(tch::Kind::Float) - &want).abs().max().double_value(&[]);
+            assert!(diff < 1e-2, "one-token attention off by {diff}");
+            let p = choice::Problem::of(&q, &k).unwrap();
+            assert!(p.single_token, "{p:?}");
+            assert_eq!(choice::choose_for(p, Some(1)), Some(FusedKernel::CudaFlash));
+            let longer = choice::Problem::of(&rand(2, 3), &rand(1, 3)).unwrap();
+            assert!(!longer.single_token);
+            assert_eq!(choice::choose_for(longer, Some(3)), Some(FusedKernel::CudaCudnn));
         });
     }
 

@@ -408,7 +408,14 @@ mod tests {
         crate::routes::tests::on_cpu_within(120, "varlen attention's first use", || {
             let cpu = tch::Device::Cpu;
             assert_eq!(verify(cpu, tch::Kind::BFloat16, 4, 2, 16), Ok(()));
-            let p = Problem { device: cpu, kind: tch::Kind::BFloat16, heads: 4, kv_heads: 2, head_dim: 16 };
+            let p = Problem {
+                device: cpu,
+                kind: tch::Kind::BFloat16,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                single_token: false,
+            };
             assert!(usable(p));
             assert_eq!(VERDICTS.verdict(p), Some(true));
             assert!(!usable(Problem { kind: tch::Kind::Float, ..p }), "f32 takes one kernel per document");
