@@ -385,6 +385,20 @@ mod tests {
         let spec = fp8_spec(true, true);
         let chunked = StoredWeight::store_in_chunks(&spec, &wh, [12, 20], tch::Device::Cpu, 40).unwrap();
         assert_eq!(Vec::<f32>::try_from(&chunked.dequantize().flatten(0, -1)).unwrap(), wq);
+        // Converted where it lies (a random weight drawn on its device): the same codes and
+        // scale; bf16 the same rounding; NF4 left to the host quantiser.
+        let on_device = tch::Tensor::from_slice(&wh).reshape([12, 20]);
+        let stored = StoredWeight::store_on_device(&spec, &on_device).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&stored.dequantize().flatten(0, -1)).unwrap(), wq);
+        let bf16 = PrecisionSpec { compute: Compute::Bf16, ..Default::default() };
+        let (a, b) = (
+            StoredWeight::store_on_device(&bf16, &on_device).unwrap().dequantize(),
+            StoredWeight::store(&bf16, &wh, [12, 20], tch::Device::Cpu).unwrap().dequantize(),
+        );
+        assert!(a.equal(&b) && a.kind() == tch::Kind::Float, "bf16 on the device differs from the host path");
+        let nf4 = PrecisionSpec { nf4: Some(Nf4Spec { block: 64, double: true }), ..bf16 };
+        assert!(StoredWeight::store_on_device(&nf4, &on_device).is_none());
+        assert!(StoredWeight::store_on_device(&PrecisionSpec::default(), &on_device).is_none(), "f32 stays f32");
 
         let mut bf = LoraLinear::new(w, false);
         bf.set_precision(&PrecisionSpec { compute: Compute::Bf16, ..Default::default() }, &device);

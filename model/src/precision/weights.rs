@@ -163,14 +163,41 @@ impl StoredWeight {
             };
             stored.narrow(0, r0 as i64, n as i64).copy_(&converted);
         }
-        Some(match kind {
+        Some(Self::converted(spec, stored, scale))
+    }
+
+    /// [`Self::store`] of an f32 `[out, in]` weight already on its device (a random one drawn
+    /// there): converted there in one piece, nothing read back but the amax; `None` where the
+    /// host path must run (f32 storage, NF4's host quantiser). Codes and scale are the host
+    /// path's for the same values.
+    pub fn store_on_device(spec: &PrecisionSpec, w: &tch::Tensor) -> Option<Self> {
+        if spec.nf4.is_some() {
+            return None;
+        }
+        let (stored, scale) = match spec.compute {
+            Compute::Bf16 => (w.to_kind(Kind::BFloat16), 1.0),
+            Compute::Fp8 if spec.fp8_weights => {
+                // max of |w| is NaN where any value is (as host_amax says).
+                let amax = w.abs().max().double_value(&[]) as f32;
+                let scale = crate::fp8::scale_for_amax(amax, Fp8Format::E4M3.max(), 0).unwrap_or(1.0);
+                (quantize_tch(w, scale, Fp8Format::E4M3), scale)
+            }
+            _ => return None,
+        };
+        Some(Self::converted(spec, stored, scale))
+    }
+
+    /// The stored weight of converted values (bf16, or E4M3 codes at `scale`), with the
+    /// transposed copy FP8 keeps on CUDA unless one layout is asked for.
+    fn converted(spec: &PrecisionSpec, stored: tch::Tensor, scale: f32) -> Self {
+        match stored.kind() {
             Kind::BFloat16 => Self::Bf16(TchTensor::new(stored)),
             _ => {
-                let keep = device.is_cuda() && !spec.fp8_weights_one_layout;
+                let keep = stored.device().is_cuda() && !spec.fp8_weights_one_layout;
                 let transposed = keep.then(|| TchTensor::new(stored.tr().contiguous()));
                 Self::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
             }
-        })
+        }
     }
 
     /// `nf4` on `device`.
