@@ -313,6 +313,7 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
         .env("REPORT_DIR", dir.path())
         .env("LLORA", common::llora_bin())
         .env("PYTHON", common::root().join(".venv/bin/python"))
+        .env("TRACE", "1")
         .output()
         .unwrap();
     let (stdout, stderr) = text(&out);
@@ -353,9 +354,142 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
     let exits = section("exit");
     assert!(exits.len() >= 10, "{exits:?}");
     assert!(exits.iter().all(|r| r["rc"] == 0 && r["status"] == "ok" && r["limit_s"].as_u64() > Some(0)), "{exits:?}");
+    // TRACE=1: each bench's traced step ranked (on the CPU: its top-level ops; no phases).
+    let traces = section("trace");
+    assert_eq!(traces.iter().map(|r| r["precision"].as_str().unwrap()).collect::<Vec<_>>(), ["bf16", "fp8"]);
+    for t in &traces {
+        let top = t["top"].as_array().unwrap();
+        assert!(t["timeline"] == "cpu (top-level ops)" && !top.is_empty() && top.len() <= 15, "{t}");
+        assert!(top.iter().any(|k| k["name"].as_str().unwrap().starts_with("aten::")), "{t}");
+    }
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.contains("## Self-tests") && md.contains("## llora against PyTorch + PEFT"), "{md}");
+    assert!(md.contains("## Where one traced step's device time goes"), "{md}");
     assert!(md.contains("## Exit statuses") && md.contains("## Where the step goes"), "{md}");
+}
+
+/// `scripts/trace-table.py` ranks a trace's device activities and splits them into the bench's
+/// phases at the ends of its device waits; the values below are derived by hand from the
+/// timeline: forward 100-150 and 160-200 (busy 90, span 100 from the first activity), backward
+/// after the first wait ends at 210: 300-310 and a copy 305-325 (union 25, span 115), optimizer
+/// after 330: 400-405 (busy 5, span 75); a kernel after the last wait is its own phase.
+#[test]
+fn trace_table_ranks_kernels_and_splits_the_phases() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let x = |cat: &str, name: &str, ts: u32, dur: u32| serde_json::json!({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur});
+    let events = vec![
+        x("kernel", "gemm", 100, 50),
+        x("cuda_runtime", "cudaDeviceSynchronize", 150, 60),
+        x("kernel", "gemm", 160, 40),
+        x("cpu_op", "aten::mm", 90, 200),
+        x("kernel", "cast", 300, 10),
+        x("gpu_memcpy", "Memcpy DtoH", 305, 20),
+        x("cuda_runtime", "cudaDeviceSynchronize", 290, 40),
+        x("kernel", "adam", 400, 5),
+        x("cuda_runtime", "cudaDeviceSynchronize", 380, 30),
+        x("kernel", "late", 500, 1),
+    ];
+    std::fs::write(&trace, serde_json::json!({ "traceEvents": events }).to_string()).unwrap();
+    let out = std::process::Command::new(common::root().join(".venv/bin/python"))
+        .arg(common::root().join("scripts/trace-table.py"))
+        .args(["--json", "--top", "3"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let t: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let close = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 1e-9;
+    assert_eq!(t["timeline"], "device");
+    assert!(close(&t["busy_ms"], 0.121) && close(&t["sum_ms"], 0.126) && close(&t["wall_ms"], 0.401), "{t}");
+    let top = t["top"].as_array().unwrap();
+    let names: Vec<&str> = top.iter().map(|k| k["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gemm", "[gpu_memcpy] Memcpy DtoH", "cast"], "{t}");
+    assert!(top[0]["calls"] == 2 && close(&top[0]["ms"], 0.090) && close(&top[0]["share"], 90.0 / 126.0), "{t}");
+    let phases = t["phases"].as_array().unwrap();
+    let got: Vec<(&str, u64, f64, f64, f64)> = phases
+        .iter()
+        .map(|p| {
+            let ms = |k: &str| (p[k].as_f64().unwrap() * 1e3).round();
+            (
+                p["phase"].as_str().unwrap(),
+                p["kernels"].as_u64().unwrap(),
+                ms("busy_ms"),
+                ms("span_ms"),
+                ms("host_gap_ms"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("forward", 2, 90.0, 100.0, 10.0),
+            ("backward", 2, 25.0, 115.0, 90.0),
+            ("optimizer", 1, 5.0, 75.0, 70.0),
+            ("after the last wait", 1, 1.0, 91.0, 90.0),
+        ],
+        "{t}"
+    );
+    // An unreadable trace is an error naming the file, not a traceback.
+    let out = std::process::Command::new(common::root().join(".venv/bin/python"))
+        .arg(common::root().join("scripts/trace-table.py"))
+        .arg(dir.path().join("absent.json"))
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success() && stderr.contains("cannot read") && stderr.contains("absent.json"), "{stderr}");
+}
+
+/// gpu-check refuses up front, in one line naming the variable and with exit 2, what it cannot
+/// honour: a switch that is not 0 or 1, a limit that is not a whole number of seconds above 0,
+/// a shape without its length, a precision it does not run, `TESTS=1` with no test executables
+/// (a relative `TEST_BINS` resolved against the caller's folder, as `REPORT_DIR` is), and a
+/// `REPORT_DIR` that holds an earlier report (left as it was) or cannot be created.
+#[test]
+fn gpu_check_refuses_what_it_cannot_honour() {
+    let dir = tempfile::tempdir().unwrap();
+    let earlier = dir.path().join("earlier");
+    std::fs::create_dir_all(earlier.join("work")).unwrap();
+    std::fs::write(earlier.join("report.md"), "# the earlier report\n").unwrap();
+    std::fs::write(earlier.join("work/p-tiny-128.json"), "{}").unwrap();
+    let a_file = dir.path().join("a-file");
+    std::fs::write(&a_file, "").unwrap();
+    std::fs::create_dir_all(dir.path().join("no-tests")).unwrap();
+    let (earlier_s, file_s) = (earlier.to_str().unwrap(), a_file.to_str().unwrap());
+    let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+        (vec![("LIMIT_S", "0")], "LIMIT_S=0: a whole number above 0"),
+        (vec![("LIMIT_S", "-5")], "LIMIT_S=-5: a whole number"),
+        (vec![("LIMIT_S", "5.5")], "LIMIT_S=5.5: a whole number"),
+        (vec![("LIMIT_S", "abc")], "LIMIT_S=abc: a whole number"),
+        (vec![("L_BENCH", "08x")], "L_BENCH=08x"),
+        (vec![("TESTS", "yes")], "TESTS=yes: say 0 or 1"),
+        (vec![("PACKING", "yes")], "PACKING=yes: say 0 or 1"),
+        (vec![("SHAPES", "tiny")], "SHAPES: 'tiny' is not PRESET:SEQ_LEN"),
+        (vec![("PRECISIONS", "fp16")], "'fp16' is not fp32, bf16 or fp8"),
+        (vec![("TESTS", "1"), ("TEST_BINS", "no-tests")], "no-tests holds no test executables"),
+        (vec![("REPORT_DIR", earlier_s)], "holds an earlier report"),
+        (vec![("REPORT_DIR", file_s)], "exists and is not a folder"),
+    ];
+    for (env, want) in cases {
+        let started = std::time::Instant::now();
+        let out = std::process::Command::new(common::root().join("scripts/gpu-check.sh"))
+            .arg("--cpu")
+            .current_dir(dir.path())
+            .env("REPORT_DIR", dir.path().join("new-report"))
+            .env("LLORA", common::llora_bin())
+            .env("PYTHON", common::root().join(".venv/bin/python"))
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{env:?}: {stderr}");
+        assert!(stderr.contains(want) && stderr.lines().count() == 1, "{env:?}: {stderr}");
+        assert!(started.elapsed().as_secs() < 20, "{env:?} took {:?}", started.elapsed());
+        assert!(!dir.path().join("new-report").exists(), "{env:?} wrote a report");
+    }
+    let earlier_md = std::fs::read_to_string(earlier.join("report.md")).unwrap();
+    assert_eq!(earlier_md, "# the earlier report\n", "the earlier report is left as it was");
 }
 
 /// gpu-check survives a hang: a self-test part that never exits (a stand-in binary sleeps in
