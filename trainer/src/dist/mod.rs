@@ -295,9 +295,15 @@ pub fn data_fingerprint(path: &Path) -> std::io::Result<String> {
     Ok(format!("{bytes} bytes, sha256 {digest}"))
 }
 
-/// Rank 0 publishes `text` under `what`; every rank lists how its own differs (`diff` of rank
+/// Every rank's `text` is compared with rank 0's: each lists how its own differs (`diff` of rank
 /// 0's text, empty when equal), and all learn every rank's answer: `Some("ranks [..] differ
 /// from rank 0 (rank r: differences)")` on every rank when any differs.
+///
+/// The texts' hashes are gathered first (a collective: every rank's answer is of this round),
+/// and the store's keys name the content they hold: a rank never reads what an earlier
+/// agreement left under the same name (`llora mlperf run` agrees on one config per run; with
+/// one key per `what`, a rank ahead read the previous run's config and refused run.dir and
+/// run.seed).
 pub fn agree_with_rank_0(
     comm: &dyn Collective,
     what: &str,
@@ -308,24 +314,39 @@ pub fn agree_with_rank_0(
         return Ok(None);
     }
     let rank = comm.rank();
-    let fetch = |key: &str| comm.fetch(key).map(|b| String::from_utf8_lossy(&b).into_owned());
-    if rank == 0 {
-        comm.publish(&format!("{what}/0"), text.as_bytes())?;
+    let hashes = comm.all_gather_f64(&content_hash(text))?;
+    let hash_of = |r: usize| format!("{:08x}{:08x}", hashes[2 * r] as u32, hashes[2 * r + 1] as u32);
+    if (0..comm.world_size()).all(|r| hash_of(r) == hash_of(0)) {
+        return Ok(None);
     }
-    let keys = diff(&fetch(&format!("{what}/0"))?);
+    let fetch = |key: &str| comm.fetch(key).map(|b| String::from_utf8_lossy(&b).into_owned());
+    let reference = format!("{what}/0/{}", hash_of(0));
+    let diff_key = |r: usize| format!("{what}-diff/{r}/{}/{}", hash_of(r), hash_of(0));
+    let keys = if rank == 0 {
+        comm.publish(&reference, text.as_bytes())?;
+        Vec::new()
+    } else {
+        diff(&fetch(&reference)?)
+    };
     if !keys.is_empty() {
-        comm.publish(&format!("{what}-diff/{rank}"), keys.join(", ").as_bytes())?;
+        comm.publish(&diff_key(rank), keys.join(", ").as_bytes())?;
     }
     let flags = comm.all_gather_f64(&[f64::from(u8::from(!keys.is_empty()))])?;
     let bad: Vec<usize> = flags.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect();
     if bad.is_empty() {
         return Ok(None);
     }
-    let detail: Vec<String> = bad
-        .iter()
-        .map(|r| format!("rank {r}: {}", fetch(&format!("{what}-diff/{r}")).unwrap_or_else(|_| "?".into())))
-        .collect();
+    let detail: Vec<String> =
+        bad.iter().map(|&r| format!("rank {r}: {}", fetch(&diff_key(r)).unwrap_or_else(|_| "?".into()))).collect();
     Ok(Some(format!("ranks {bad:?} differ from rank 0 ({})", detail.join("; "))))
+}
+
+/// The first 8 bytes of `text`'s SHA-256 as two f64s (each a u32, exact in f64).
+fn content_hash(text: &str) -> [f64; 2] {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(text.as_bytes());
+    let word = |i: usize| f64::from(u32::from_le_bytes([d[i], d[i + 1], d[i + 2], d[i + 3]]));
+    [word(0), word(4)]
 }
 
 #[cfg(test)]
@@ -389,6 +410,51 @@ mod tests {
                     "{case}, rank {rank}: {e}"
                 );
             }
+        }
+    }
+
+    /// Two Gloo ranks (threads, a real TCPStore) agree on one text per round, as `llora mlperf
+    /// run` agrees on each run's config: rank 0 enters each round 300 ms late, so rank 1 asks
+    /// the store first. Equal texts agree in every round (with one key per `what`, rank 1 read
+    /// the round before's text and refused: the lost runs); a text that differs is still
+    /// named, on both ranks, in a later round.
+    #[test]
+    fn agreements_in_rounds_never_read_an_earlier_round() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let world = World {
+                        rank,
+                        size: 2,
+                        local_rank: rank,
+                        local_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        ..World::single()
+                    };
+                    let pg = c10d::ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
+                    let diff =
+                        |mine: String| move |theirs: &str| if theirs == mine { vec![] } else { vec!["run.dir".into()] };
+                    let mut out = Vec::new();
+                    for round in 0..4 {
+                        if rank == 0 {
+                            std::thread::sleep(Duration::from_millis(300));
+                        }
+                        // Round 3: rank 1 runs another config.
+                        let text = if round == 3 && rank == 1 { "other".to_string() } else { format!("run_{round}") };
+                        out.push(agree_with_rank_0(&pg, "config", &text, diff(text.clone())).unwrap());
+                    }
+                    pg.shutdown().unwrap();
+                    out
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let out = h.join().unwrap();
+            assert_eq!(out[..3], [None, None, None], "rank {rank}: {out:?}");
+            let last = out[3].as_deref().unwrap_or_default();
+            assert!(last.starts_with("ranks [1] differ from rank 0 (rank 1: run.dir)"), "rank {rank}: {last}");
         }
     }
 
