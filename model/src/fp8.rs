@@ -306,7 +306,9 @@ pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
 /// the device. Returns the codes and `1 / scale` as a 0-dim f32 tensor on `x`'s device: the
 /// same f32 arithmetic as [`Fp8Tensor::quantize_current`], so the same codes.
 pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
-    if kernel_route(x) && x.numel() > 0 {
+    // Our kernel takes the amax inside its launch: under a context-parallel amax group the
+    // LibTorch route, whose amax is a pass of its own, reduced over the group.
+    if kernel_route(x) && x.numel() > 0 && !crate::fp8_amax_group::active() {
         match quantize_current_kernel(x, format) {
             Ok(done) => {
                 count(Route::Kernel);
@@ -343,7 +345,7 @@ fn quantize_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(tch::T
 /// `(max / amax(x), its inverse)` as 0-dim f32 tensors on x's device, read by nobody; 1 where
 /// the amax is zero or not finite.
 fn current_scale(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
-    let amax = amax_on_device(x);
+    let amax = crate::fp8_amax_group::reduced(amax_on_device(x));
     // `max / amax` as one f32 division (the host's `fp8_max / amax`). Few ops on purpose: on a
     // small model the host's launches are the bottleneck. An amax of 0 gives +inf and a NaN
     // amax NaN, both 1 after nan_to_num; an infinite amax gives 0, made 1 by adding (s == 0).
@@ -385,9 +387,12 @@ pub fn dequantize_with(q: &tch::Tensor, scale_inv: &tch::Tensor) -> tch::Tensor 
     x
 }
 
-/// `max |x|` as an f32 (NaN if x holds a NaN; 0 for an empty tensor).
+/// `max |x|` as an f32 (NaN if x holds a NaN; 0 for an empty tensor), over the whole sequence
+/// inside [`crate::fp8_amax_group::with_amax_group`].
 pub fn amax_tch(x: &tch::Tensor) -> f32 {
-    amax_on_device(x).double_value(&[]) as f32
+    // A scale chosen now (a role's first use): the whole sequence's amax under context
+    // parallelism (crate::fp8_amax_group).
+    crate::fp8_amax_group::reduced(amax_on_device(x)).double_value(&[]) as f32
 }
 
 /// `max |x|` as a 0-dim f32 tensor on x's device, read by nobody (NaN if x holds a NaN; 0 for

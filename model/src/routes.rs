@@ -162,6 +162,9 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
 /// Runs a first-use check, a panic counted as a failure with its message: a check must never
 /// leave its route "being checked" for the rest of the process, nor take the process down.
 pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    // A check runs on one rank alone: its amaxes are its own (a reduction would wait for
+    // ranks that never reach it).
+    let check = || crate::fp8_amax_group::with_amax_group(None, check);
     std::panic::catch_unwind(AssertUnwindSafe(check))
         .unwrap_or_else(|payload| Err(format!("the check panicked: {}", panic_message(&payload))))
 }

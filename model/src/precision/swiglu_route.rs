@@ -26,10 +26,13 @@ pub fn used() -> bool {
 }
 
 /// Whether SwiGLU of `gate` kept as `storage` takes our kernel: FP8 storage, bf16 inputs, a
-/// device taking the CUDA routes with `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there.
+/// device taking the CUDA routes with `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there;
+/// not under a context-parallel amax group (the kernel's current scales are its gate's and
+/// up's own: `crate::fp8_amax_group`).
 pub fn takes_kernel(gate: &tch::Tensor, storage: Storage) -> bool {
     let device = gate.device();
     storage == Storage::Fp8
+        && !crate::fp8_amax_group::active()
         && gate.kind() == tch::Kind::BFloat16
         && crate::routes::takes_cuda_routes(device)
         && crate::routes::fused_routes()
