@@ -899,6 +899,9 @@ fn a_sequence_that_fits_no_rank_trains_split_within_the_plan() {
     if recipe["shard_frozen_weights"] == true {
         args.push("--shard-frozen-weights");
     }
+    // Each rank traces its own extra step, to its own file (one file for both lost it).
+    let trace = dir.path().join("step.json");
+    args.extend(["--trace", trace.to_str().unwrap()]);
     let launcher = ["--standalone", "--nproc-per-node", "2"];
     let out = under_torchrun(&launcher, &args).env("OMP_WAIT_POLICY", "PASSIVE").output().unwrap();
     let (stdout, stderr) = text(&out);
@@ -906,6 +909,13 @@ fn a_sequence_that_fits_no_rank_trains_split_within_the_plan() {
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     let (measured, planned) = (r["peak_rss_mb"].as_f64().unwrap(), r["planned_peak_mb"].as_f64().unwrap());
     assert_eq!(r["context_parallel"], 2);
+    for rank in 0..2 {
+        let file = dir.path().join(format!("step.rank{rank}.json"));
+        let events: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert!(!events["traceEvents"].as_array().unwrap().is_empty(), "{}", file.display());
+    }
+    assert!(r["trace"].as_str().unwrap().ends_with("step.rank0.json"), "{}", r["trace"]);
+    assert!(!trace.exists(), "no rank writes the path as given");
     // Throughput counts each rank's half of the one sequence, the world's both halves: 4096
     // and 8192 tokens per step (the fields are rounded to 0.01 tokens/s and 0.1 ms).
     let step_s = r["step_s_median"].as_f64().unwrap();

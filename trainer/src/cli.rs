@@ -556,7 +556,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub tag: Option<String>,
     /// Writes a Chrome/Perfetto trace (LibTorch's Kineto profiler: CPU ops, and CUDA kernels on
-    /// a GPU) of one extra training step after the timed ones, to this file.
+    /// a GPU) of one extra training step after the timed ones, to this file (with several
+    /// ranks, each its own: `NAME.rankR.EXT` beside it).
     #[arg(long)]
     pub trace: Option<PathBuf>,
 }

@@ -6,6 +6,7 @@
 //! lr 4e-4 wd 1e-4 (torch defaults otherwise), global-norm clip 0.3, random token ids with the
 //! first half of each sequence masked (-100), loss = mean over target tokens.
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -565,12 +566,30 @@ fn extra_steps(stepper: &mut Stepper, built: &mut Built, cuda: bool) -> anyhow::
     let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
     stepper.step(built)?;
     let counts = counter.finish();
-    if let Some(path) = &stepper.args.trace {
+    if let Some(path) = stepper.args.trace.as_deref().map(|p| trace_path(p, stepper.dist)) {
+        anyhow::ensure!(!path.exists(), "--trace: {} already exists: llora never writes over a file", path.display());
         let trace = llora_model::profile::Trace::start(cuda).map_err(anyhow::Error::msg)?;
         stepper.step(built)?;
-        trace.finish(path).map_err(anyhow::Error::msg)?;
+        trace.finish(&path).map_err(anyhow::Error::msg)?;
+        // Kineto reports some failures to write (a rename) in its log only.
+        anyhow::ensure!(
+            path.is_file(),
+            "--trace: the profiler wrote no trace at {} (see its log above)",
+            path.display()
+        );
     }
     Ok(counts)
+}
+
+/// Where this rank writes `--trace PATH`: PATH itself in one process, `STEM.rankR.EXT` beside
+/// it with several ranks (one profiler per process: ranks writing one file lost it).
+fn trace_path(path: &Path, dist: &crate::dist::Dist) -> PathBuf {
+    if dist.world.size <= 1 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
+    let ext = path.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+    path.with_file_name(format!("{stem}.rank{}{ext}", dist.world.rank))
 }
 
 /// Timed LoRA steps of a preset on random tokens.
@@ -632,7 +651,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "flops_per_step": per_step, "flops_breakdown": breakdown,
         "warmup": args.warmup, "steps": args.steps,
         "threads": args.device.effective_threads(args.threads),
-        "trace": args.trace.as_ref().map(|p| p.display().to_string()),
+        "trace": args.trace.as_deref().map(|p| trace_path(p, dist).display().to_string()),
         "phases_synchronised": cuda_index.is_some(),
     });
     let memory = json!({
