@@ -237,17 +237,16 @@ impl<'a> WeightSource<'a> {
     /// as [`Self::get`] draws it).
     fn stored(&mut self, name: &str, dims: [usize; 2], spec: &PrecisionSpec) -> anyhow::Result<StoredWeight> {
         let device = tch_device(&self.device).expect("stored weights need a LibTorch device");
-        if self.fetch.is_none() && crate::routes::takes_cuda_routes(device) {
+        if self.fetch.is_none() && spec.nf4.is_none() && crate::routes::takes_cuda_routes(device) {
             // Drawn and converted on the device: through the host (each f32 weight read back,
             // converted in chunks, sent again) the random 70B took ~9 s a layer on an H200.
+            // NF4's quantiser runs on the host: it takes the path below.
             let w = tch::Tensor::empty([dims[0] as i64, dims[1] as i64], (tch::Kind::Float, device)).normal_(0.0, 0.02);
             tracing::debug!(tensor = name, ?dims, "model: converting a weight to its storage dtype");
-            if let Some(stored) = StoredWeight::store_on_device(spec, &w) {
-                return Ok(stored);
-            }
-            if spec.nf4.is_none() {
-                return Ok(StoredWeight::F32(TchTensor::new(w)));
-            }
+            return Ok(match StoredWeight::store_on_device(spec, &w) {
+                Some(stored) => stored,
+                None => StoredWeight::F32(TchTensor::new(w)),
+            });
         }
         let data = match self.fetch.as_mut() {
             Some(fetch) => Self::fetch(fetch, name, &dims)?,
