@@ -30,15 +30,7 @@ thread_local! {
 /// `group` (`None`: this rank's own, as outside any scope). The earlier setting is restored
 /// after `f`, also when it unwinds; nothing is borrowed while `f` runs.
 pub fn with_amax_group<T>(group: Option<Arc<dyn ContextGroup>>, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<Arc<dyn ContextGroup>>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let earlier = self.0.take();
-            GROUP.with(|g| *g.borrow_mut() = earlier);
-        }
-    }
-    let _restore = Restore(GROUP.with(|g| g.replace(group)));
-    f()
+    crate::scoped::with_value(&GROUP, group, f)
 }
 
 /// Whether amaxes are reduced over a group here (then current scaling keeps to the routes

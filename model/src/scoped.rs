@@ -1,8 +1,9 @@
 //! Thread-local settings that hold for a scope: a block's context-parallel split for dropout,
-//! the generic attention of a numerics check, a test's CUDA routes on the CPU. One guard puts
-//! the earlier value back when the scope ends, also when it unwinds, so settings nest.
+//! the generic attention of a numerics check, a test's CUDA routes on the CPU, the group FP8
+//! amaxes are reduced over. One guard puts the earlier value back when the scope ends, also
+//! when it unwinds, so settings nest.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::thread::LocalKey;
 
 /// Puts the value a thread-local `Cell` held before [`set`] back when dropped.
@@ -29,6 +30,27 @@ pub fn with<T: Copy + 'static, R>(key: &'static LocalKey<Cell<T>>, value: T, f: 
     f()
 }
 
+/// Puts the value a thread-local `RefCell` held before [`with_value`] back when dropped.
+struct RestoreValue<T: 'static> {
+    key: &'static LocalKey<RefCell<T>>,
+    earlier: Option<T>,
+}
+
+impl<T: 'static> Drop for RestoreValue<T> {
+    fn drop(&mut self) {
+        if let Some(earlier) = self.earlier.take() {
+            self.key.with(|c| *c.borrow_mut() = earlier);
+        }
+    }
+}
+
+/// [`with`] for a value that is not `Copy` (an `Arc`), kept in a `RefCell`: nothing is
+/// borrowed while `f` runs, so `f` may read the setting or set it again.
+pub fn with_value<T: 'static, R>(key: &'static LocalKey<RefCell<T>>, value: T, f: impl FnOnce() -> R) -> R {
+    let _restore = RestoreValue { key, earlier: Some(key.with(|c| c.replace(value))) };
+    f()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,5 +71,22 @@ mod tests {
         assert_eq!(X.with(Cell::get), 0);
         assert!(std::panic::catch_unwind(|| with(&X, 3, || panic!("x"))).is_err());
         assert_eq!(X.with(Cell::get), 0);
+    }
+
+    thread_local! {
+        static V: RefCell<Option<String>> = const { RefCell::new(None) };
+    }
+
+    /// The same for a value kept in a `RefCell`.
+    #[test]
+    fn values_nest_and_unwind_too() {
+        let get = || V.with(|v| v.borrow().clone());
+        with_value(&V, Some("a".to_string()), || {
+            with_value(&V, None, || assert_eq!(get(), None));
+            assert_eq!(get().as_deref(), Some("a"));
+        });
+        assert_eq!(get(), None);
+        assert!(std::panic::catch_unwind(|| with_value(&V, Some("b".into()), || panic!("x"))).is_err());
+        assert_eq!(get(), None);
     }
 }

@@ -357,6 +357,36 @@ mod tests {
         move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
     }
 
+    /// Runs `f(rank, group)` on two Gloo ranks (threads of this test over a real TCPStore) and
+    /// returns each rank's result, in rank order; each group is shut down after `f`.
+    fn on_two_gloo_ranks<T: Send + 'static>(
+        f: impl Fn(usize, &c10d::ProcessGroup) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let f = Arc::new(f);
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let world = World {
+                        rank,
+                        size: 2,
+                        local_rank: rank,
+                        local_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        ..World::single()
+                    };
+                    let pg = c10d::ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
+                    let out = f(rank, &pg);
+                    pg.shutdown().unwrap();
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
     /// Issue #41 item 9: two Gloo ranks (threads of this test, a real TCPStore) with the same
     /// data paths: equal files pass; a file whose content differs on rank 1 (a node with another
     /// copy) fails on both ranks naming rank 1 and the key; one that is missing on rank 1 too.
@@ -373,28 +403,9 @@ mod tests {
         other[(5 << 20) - 10] = 2; // differs in the footer only
         std::fs::write(b.join("train.parquet"), &other).unwrap();
         let two_ranks = |files: [std::path::PathBuf; 2]| -> Vec<Result<(), String>> {
-            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let file = files[rank].clone();
-                    std::thread::spawn(move || {
-                        let world = World {
-                            rank,
-                            size: 2,
-                            local_rank: rank,
-                            local_size: 2,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            ..World::single()
-                        };
-                        let pg = c10d::ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
-                        let r = check_same_data(&pg, &[("data.train", &file)]).map_err(|e| e.to_string());
-                        pg.shutdown().unwrap();
-                        r
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+            on_two_gloo_ranks(move |rank, pg| {
+                check_same_data(pg, &[("data.train", &files[rank])]).map_err(|e| e.to_string())
+            })
         };
         for r in two_ranks([a.join("eval.parquet"), b.join("eval.parquet")]) {
             r.unwrap();
@@ -420,38 +431,20 @@ mod tests {
     /// named, on both ranks, in a later round.
     #[test]
     fn agreements_in_rounds_never_read_an_earlier_round() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                std::thread::spawn(move || {
-                    let world = World {
-                        rank,
-                        size: 2,
-                        local_rank: rank,
-                        local_size: 2,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        ..World::single()
-                    };
-                    let pg = c10d::ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
-                    let diff =
-                        |mine: String| move |theirs: &str| if theirs == mine { vec![] } else { vec!["run.dir".into()] };
-                    let mut out = Vec::new();
-                    for round in 0..4 {
-                        if rank == 0 {
-                            std::thread::sleep(Duration::from_millis(300));
-                        }
-                        // Round 3: rank 1 runs another config.
-                        let text = if round == 3 && rank == 1 { "other".to_string() } else { format!("run_{round}") };
-                        out.push(agree_with_rank_0(&pg, "config", &text, diff(text.clone())).unwrap());
-                    }
-                    pg.shutdown().unwrap();
-                    out
-                })
-            })
-            .collect();
-        for (rank, h) in handles.into_iter().enumerate() {
-            let out = h.join().unwrap();
+        let results = on_two_gloo_ranks(|rank, pg| {
+            let diff = |mine: String| move |theirs: &str| if theirs == mine { vec![] } else { vec!["run.dir".into()] };
+            let mut out = Vec::new();
+            for round in 0..4 {
+                if rank == 0 {
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                // Round 3: rank 1 runs another config.
+                let text = if round == 3 && rank == 1 { "other".to_string() } else { format!("run_{round}") };
+                out.push(agree_with_rank_0(pg, "config", &text, diff(text.clone())).unwrap());
+            }
+            out
+        });
+        for (rank, out) in results.into_iter().enumerate() {
             assert_eq!(out[..3], [None, None, None], "rank {rank}: {out:?}");
             let last = out[3].as_deref().unwrap_or_default();
             assert!(last.starts_with("ranks [1] differ from rank 0 (rank 1: run.dir)"), "rank {rank}: {last}");

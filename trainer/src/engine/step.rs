@@ -613,18 +613,7 @@ mod tests {
         let device = Device::libtorch().autodiff();
         let model = |preset: &str| {
             device.seed(5);
-            let spec = LoraSpec { dropout: 0.0, ..LoraSpec::default() };
-            let config = LlamaConfig::preset(preset).unwrap();
-            let options = BuildOptions { lora: Some(&spec), ..Default::default() };
-            let mut model = LlamaForCausalLM::random(&config, &options, &device).unwrap();
-            for (name, mut p) in model.trainable_params_mut() {
-                if name.contains("lora_B") {
-                    let n = p.flat().shape().num_elements();
-                    let normal = burn::tensor::Distribution::Normal(0.0, 0.02);
-                    p.set_flat(Tensor::random([n], normal, &device.clone().inner()));
-                }
-            }
-            model
+            model_with_random_b(preset, None, &device)
         };
         let ids: Vec<i64> = (0..2 * 50).map(|i| (i * 37 % 500) as i64 + 3).collect();
         let labels: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| if i % 50 < 12 { -100 } else { t }).collect();
@@ -721,21 +710,11 @@ mod tests {
         let _rng = llora_model::device::torch_rng_lock();
         use llora_model::precision::{Compute, PrecisionSpec};
         let device = Device::libtorch().autodiff();
+        let precision =
+            PrecisionSpec { compute: Compute::Fp8, fp8_weights: true, fp8_activations: true, ..Default::default() };
         let model = || {
             device.seed(7);
-            let spec = LoraSpec { dropout: 0.0, ..LoraSpec::default() };
-            let precision =
-                PrecisionSpec { compute: Compute::Fp8, fp8_weights: true, fp8_activations: true, ..Default::default() };
-            let options = BuildOptions { lora: Some(&spec), precision: Some(precision), ..Default::default() };
-            let mut model = LlamaForCausalLM::random(&LlamaConfig::preset("demo").unwrap(), &options, &device).unwrap();
-            for (name, mut p) in model.trainable_params_mut() {
-                if name.contains("lora_B") {
-                    let n = p.flat().shape().num_elements();
-                    let normal = burn::tensor::Distribution::Normal(0.0, 0.02);
-                    p.set_flat(Tensor::random([n], normal, &device.clone().inner()));
-                }
-            }
-            model
+            model_with_random_b("demo", Some(precision), &device)
         };
         let ids: Vec<i64> = (0..2 * 48).map(|i| (i * 41 % 500) as i64 + 3).collect();
         let labels: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| if i % 48 < 10 { -100 } else { t }).collect();
@@ -793,6 +772,27 @@ mod tests {
                 "{n} ranks: the LoRA gradients differ by {rel:e} (noise {noise_grads:e})"
             );
         }
+    }
+
+    /// A random `preset` model with LoRA adapters without dropout, stored as `precision` says,
+    /// whose B matrices are random too, so that A's gradients are not zero; drawn from the
+    /// generator as the caller seeded it (under its lock).
+    fn model_with_random_b(
+        preset: &str,
+        precision: Option<llora_model::precision::PrecisionSpec>,
+        device: &Device,
+    ) -> LlamaForCausalLM {
+        let spec = LoraSpec { dropout: 0.0, ..LoraSpec::default() };
+        let options = BuildOptions { lora: Some(&spec), precision, ..Default::default() };
+        let mut model = LlamaForCausalLM::random(&LlamaConfig::preset(preset).unwrap(), &options, device).unwrap();
+        for (name, mut p) in model.trainable_params_mut() {
+            if name.contains("lora_B") {
+                let n = p.flat().shape().num_elements();
+                let normal = burn::tensor::Distribution::Normal(0.0, 0.02);
+                p.set_flat(Tensor::random([n], normal, &device.clone().inner()));
+            }
+        }
+        model
     }
 
     /// `|a − b| / |a|` (L2, in f64) of each tensor; every `a` must be non-zero.
