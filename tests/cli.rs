@@ -569,6 +569,13 @@ fn step_budgets_of_syncs_and_ops_hold_on_the_cpu() {
     let per_micro = ops_of(&bf16) / 3.0;
     assert!(per_micro <= 1.15 * ops_of(&fp32), "bf16 {per_micro} ops per micro-batch vs fp32 {}", ops_of(&fp32));
     assert!(ops_of(&fp8) <= 2.6 * ops_of(&fp32), "FP8 {} ops vs fp32 {}", ops_of(&fp8), ops_of(&fp32));
+    // The phases are timed with recomputed blocks too (the forward to the loss; it read 0.0).
+    for r in [&fp32, &bf16, &fp8] {
+        let phase = |k: &str| r[k].as_f64().unwrap();
+        let (fwd, bwd, opt) = (phase("fwd_s_median"), phase("bwd_s_median"), phase("opt_s_median"));
+        assert!(fwd > 0.0 && bwd > 0.0, "{r}");
+        assert!(fwd + bwd + opt <= phase("step_s_median") + 3e-4, "phases exceed the step: {r}");
+    }
     let events: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let names: std::collections::BTreeSet<&str> =
         events["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
@@ -600,6 +607,11 @@ fn bad_flags_are_refused_naming_the_flag() {
             "must be a multiple of train.micro_batch_size × data-parallel groups",
         ),
         (&["bench", "--cp", "0"], "`--cp` = 0"),
+        // Flags the chosen bench would not read (they were accepted and ignored).
+        (&["bench", "--cp", "2", "--load", "m"], "`--cp` = 2: times training steps; --load replaces them"),
+        (&["bench", "--cp", "2", "--allreduce-values", "8"], "`--cp` = 2: times training steps; --allreduce-values"),
+        (&["bench", "--load", "m", "--allreduce-values", "8"], "`--allreduce-values` = 8: --load times loading"),
+        (&["train", "--set", "precision.amax_margin=1"], "config key `precision.amax_margin` = 1: only applies with"),
         (&["train", "--set", "train.context_parallel=0"], "config key `train.context_parallel` = 0"),
         (
             &["plan", "configs/tiny-cpu.toml", "--world", "3", "--set", "train.context_parallel=2"],

@@ -265,6 +265,30 @@ fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     let (stdout, stderr) = text(&out);
     assert!(stdout.contains("samples: 96"), "1-process resume:\n{stdout}\n{stderr}");
     assert!(adapter(&whole) == adapter(&single), "adapters differ after a 2-rank checkpoint resumed on 1 process");
+    // One run, one run_stop: the abort the resume continued is kept as `run_interrupted`, and
+    // the resume says what changed (one process accumulates what two ranks summed).
+    // The run_stop is the uninterrupted run's (max_steps without the target: aborted), and
+    // one process logs the accumulation the uninterrupted one (one process) logged.
+    let stops = resume_story(&whole).0;
+    assert_eq!(stops.len(), 1);
+    let key = |run: &Path, k: &str| mllog(&run.join("result_0.txt")).into_iter().find(|l| l["key"] == k).unwrap();
+    let accumulation = key(&whole, "gradient_accumulation_steps")["value"].clone();
+    assert_ne!(accumulation, key(&killed, "gradient_accumulation_steps")["value"], "the ranks split the batch");
+    let single_changed = serde_json::json!({ "gradient_accumulation_steps": accumulation });
+    for (run, changed) in [(&killed, serde_json::json!({})), (&single, single_changed)] {
+        assert_eq!(resume_story(run), (stops.clone(), 1, vec![changed]), "{}", run.display());
+    }
+}
+
+/// The result log of a resumed run: its `run_stop` statuses, its `run_interrupted` events and
+/// the values of its `run_resumed` events (the hyperparameters the resume changed).
+fn resume_story(run: &Path) -> (Vec<String>, usize, Vec<serde_json::Value>) {
+    let log = mllog(&run.join("result_0.txt"));
+    let of = |key: &str| log.iter().filter(|l| l["key"] == key).collect::<Vec<_>>();
+    let stops = of("run_stop").iter().map(|l| l["metadata"]["status"].as_str().unwrap().to_string()).collect();
+    let interrupted = of("run_interrupted");
+    assert!(interrupted.iter().all(|l| l["metadata"]["status"] == "aborted"), "{interrupted:?}");
+    (stops, interrupted.len(), of("run_resumed").iter().map(|l| l["value"].clone()).collect())
 }
 
 /// Starts `args` (a run in `run`) as ranks 0 and 1 with the launcher variables, SIGKILLs rank 1
@@ -528,17 +552,11 @@ fn a_rank_killed_under_torchrun_restarts_resumes_and_matches_one_process() {
     assert!(stderr.contains("continuing it") && stderr.contains("resuming"), "no automatic resume:\n{stderr}");
     assert!(!dir.path().join("run-2").exists(), "the restart went beside its run instead of resuming it");
     assert!(adapter(&whole) == adapter(&run), "adapters differ after a kill, a torchrun restart and the resume");
-    let stops: Vec<String> = mllog(&run.join("result_0.txt"))
-        .iter()
-        .filter(|l| l["key"] == "run_stop")
-        .map(|l| l["metadata"]["status"].as_str().unwrap().to_string())
-        .collect();
     // The dead attempt's rank 0 writes an aborted run_stop when its collective fails (unless
-    // torchrun kills it first); the resumed run ends with success.
-    assert!(
-        stops.last().is_some_and(|s| s == "success") && stops[..stops.len() - 1].iter().all(|s| s == "aborted"),
-        "{stops:?}"
-    );
+    // torchrun kills it first), which the resume turns into `run_interrupted`: one run_stop.
+    let (stops, interrupted, resumed) = resume_story(&run);
+    assert_eq!(stops, ["success"]);
+    assert!(interrupted <= 1 && resumed == [serde_json::json!({})], "{interrupted} {resumed:?}");
 }
 
 /// #25 Must-show 4, a multi-node rehearsal on one machine: two torchrun "nodes" of 2 ranks
@@ -823,10 +841,18 @@ fn a_killed_rank_under_context_parallelism_is_named_and_resumes_bitwise() {
     assert!(!stderr.contains("panicked"), "a lost rank is an error, not a panic:\n{stderr}");
     let at = checkpoint_step(&killed).expect("the last checkpoint is intact");
     assert!(at < 12, "the run had finished before the kill");
+    let single = dir.path().join("single");
+    assert!(Command::new("cp").arg("-r").arg(&killed).arg(&single).status().unwrap().success());
     let out = torchrun(&["train", "--resume", killed.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
     assert!(stdout.contains("samples: 96"), "resumed from step {at}:\n{stdout}\n{stderr}");
     assert!(adapter(&whole) == adapter(&killed), "adapters differ after a kill at step {at} and a resume");
+    // Resumed on one process without context parallelism, the log says so (it kept CP 2).
+    let out = llora(&["train", "--resume", single.to_str().unwrap(), "--set", "train.context_parallel=1"]);
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("samples: 96"), "1-process resume:\n{stdout}\n{stderr}");
+    let changed = serde_json::json!({"context_parallelism": 1});
+    assert_eq!(resume_story(&single), (resume_story(&whole).0, 1, vec![changed]));
 }
 
 /// A context-parallel size that does not divide the launcher's ranks is refused on every rank,
@@ -909,6 +935,8 @@ fn a_sequence_that_fits_no_rank_trains_split_within_the_plan() {
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     let (measured, planned) = (r["peak_rss_mb"].as_f64().unwrap(), r["planned_peak_mb"].as_f64().unwrap());
     assert_eq!(r["context_parallel"], 2);
+    // The forward is timed with recomputed blocks and sharded weights too (it read 0.0).
+    assert!(r["fwd_s_median"].as_f64().unwrap() > 0.0, "{r}");
     for rank in 0..2 {
         let file = dir.path().join(format!("step.rank{rank}.json"));
         let events: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();

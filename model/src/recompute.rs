@@ -27,6 +27,9 @@ impl LlamaForCausalLM {
     /// back: no host-device synchronisation here) and one `Gradients` per
     /// segment; every trainable parameter's gradient is in exactly one of them, except a tied
     /// embedding's under full fine-tuning: its head part and its embedding part, to be summed.
+    /// `forward_done` is called once the loss is queued, before any backward: the caller's
+    /// phase clock (the recomputed blocks' second forward counts as backward, as in PyTorch's
+    /// checkpointing).
     ///
     /// # Shapes
     /// - input_ids, labels: `[batch, seq]`
@@ -37,6 +40,7 @@ impl LlamaForCausalLM {
         packed: Option<&Arc<PackedRows>>,
         norm: f64,
         recompute: usize,
+        forward_done: impl FnOnce(),
     ) -> anyhow::Result<(Tensor<1>, Vec<burn::tensor::Gradients>)> {
         /// What the backward of one block starts from.
         enum Segment {
@@ -88,6 +92,7 @@ impl LlamaForCausalLM {
             .div_scalar(norm);
         // Kept on the device: the caller reads it with the step's other values, in one sync.
         let value = loss.clone().inner();
+        forward_done();
         let grads = loss.backward();
         let mut g = top_in.grad(&grads);
         let mut out = vec![grads];

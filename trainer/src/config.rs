@@ -15,7 +15,7 @@ use llora_model::LoraSpec;
 use llora_model::device::DeviceSpec;
 pub use llora_model::fp8::AmaxAlgo;
 pub use llora_model::precision::Compute;
-use llora_model::precision::PrecisionSpec;
+use llora_model::precision::{AdapterCompute, PrecisionSpec};
 use serde::{Deserialize, Serialize};
 
 /// The embedded default config (`configs/tiny-cpu.toml`): tiny Llama, synthetic data, CPU.
@@ -905,6 +905,7 @@ impl Config {
         self.train.check(&mut p);
         self.eval.check(&mut p);
         check_precision(&self.precision_spec(), &mut p, &self.run.device);
+        self.check_keys_that_would_be_ignored(&mut p);
         if self.model.quantize == Quantize::Nf4 {
             let m = &self.model;
             let why = "model.quantize = \"nf4\" stores frozen weights: it needs model.trainable = \"lora\"";
@@ -923,6 +924,31 @@ impl Config {
         self.logging.check(&mut p);
         p.finish()
     }
+}
+
+impl Config {
+    /// Keys set to a value nothing reads in this config (as the NF4 keys without NF4): a
+    /// user who sets one expects it to act, so it is refused, naming what it needs.
+    fn check_keys_that_would_be_ignored(&self, p: &mut Problems<'_>) {
+        let (spec, default) = (&self.precision.amax, llora_model::fp8::AmaxSpec::default());
+        if self.precision.compute != Compute::Fp8 {
+            let only = "only applies with precision.compute = \"fp8\" (delayed scaling of the FP8 GEMMs' inputs; \
+                        stored FP8 activations take current scaling): set it, or drop this key";
+            p.check(spec.history_len == default.history_len, "precision.amax_history_len", &spec.history_len, only);
+            p.check(spec.algo == default.algo, "precision.amax_compute_algo", &word(spec.algo), only);
+            p.check(spec.margin == default.margin, "precision.amax_margin", &spec.margin, only);
+        }
+        if self.model.trainable == Trainable::All {
+            let why = "only applies with model.trainable = \"lora\" (full fine-tuning has no adapters): drop this key";
+            let compute = self.precision.adapter_compute;
+            p.check(compute == AdapterCompute::Auto, "precision.adapter_compute", &word(compute), why);
+        }
+    }
+}
+
+/// An enum value as a config file spells it (its serde name).
+fn word(value: impl Serialize) -> String {
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }
 
 /// Problems found in values, each named by where the value came from: a config key, or the
@@ -1252,6 +1278,40 @@ mod tests {
         ] {
             let err = Config::load(None, &[ov("model.quantize=\"nf4\""), ov(extra)]).unwrap_err().to_string();
             assert!(err.contains(named) && err.contains("nf4") && !err.contains("Nf4"), "{extra}: {err}");
+        }
+    }
+
+    /// Keys nothing would read are refused naming key, value and what they need: the amax
+    /// keys outside FP8 compute (with fp8_activations too: current scaling), adapter_compute
+    /// under full fine-tuning; the same values where they act are taken.
+    #[test]
+    fn values_nothing_reads_are_refused() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let amax = [
+            ("precision.amax_history_len=16", "`precision.amax_history_len` = 16"),
+            ("precision.amax_compute_algo=\"most_recent\"", "`precision.amax_compute_algo` = \"most_recent\""),
+            ("precision.amax_margin=2", "`precision.amax_margin` = 2"),
+        ];
+        for (set, named) in amax {
+            for compute in ["fp32", "bf16"] {
+                let sets =
+                    [ov(&format!("precision.compute=\"{compute}\"")), ov("precision.fp8_activations=true"), ov(set)];
+                let err = Config::load(None, &sets).unwrap_err().to_string();
+                assert!(err.contains(named) && err.contains("precision.compute = \"fp8\""), "{set}: {err}");
+            }
+            let fp8 = Config::load(None, &[ov("precision.compute=\"fp8\""), ov(set)]).unwrap();
+            assert_ne!(fp8.precision.amax, llora_model::fp8::AmaxSpec::default(), "{set} is taken under FP8");
+        }
+        let all = [ov("model.trainable=\"all\""), ov("precision.compute=\"bf16\"")];
+        for (value, named) in [("bf16", "\"bf16\""), ("fp32", "\"fp32\"")] {
+            let sets = [all[0].clone(), all[1].clone(), ov(&format!("precision.adapter_compute=\"{value}\""))];
+            let err = Config::load(None, &sets).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("`precision.adapter_compute` = {named}")) && err.contains("model.trainable"),
+                "{err}"
+            );
+            let lora = Config::load(None, &[all[1].clone(), sets[2].clone()]).unwrap();
+            assert_ne!(lora.precision.adapter_compute, AdapterCompute::Auto);
         }
     }
 

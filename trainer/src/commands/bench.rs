@@ -138,6 +138,15 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     }
     p.check(args.seq_len >= 2, "--seq-len", &args.seq_len, "must be at least 2 (one input and one target token)");
     p.check((1..=64).contains(&args.cp), "--cp", &args.cp, "must be in 1..=64 (ranks sharing one sequence)");
+    // --load and --allreduce-values replace the training steps: what only those read is refused.
+    let load = args.load.is_some();
+    let other_mode = if load { Some("--load") } else { (args.allreduce_values > 0).then_some("--allreduce-values") };
+    if let Some(mode) = other_mode {
+        let why = format!("times training steps; {mode} replaces them: drop one of the two");
+        p.check(args.cp == 1, "--cp", &args.cp, &why);
+    }
+    let why = "--load times loading a checkpoint, --allreduce-values a collective: one bench at a time";
+    p.check(!(load && args.allreduce_values > 0), "--allreduce-values", &args.allreduce_values, why);
     if let Ok(c) = LlamaConfig::preset(&args.preset) {
         let max = c.max_position_embeddings;
         p.check(

@@ -218,19 +218,26 @@ pub struct RunLog {
     in_block: bool,
     /// `run_stop` was written: later events write nothing.
     stopped: bool,
+    /// A resumed run's hyperparameters that differ from what the log says, written as
+    /// `run_resumed` before its first block.
+    resume_note: Option<Map<String, Value>>,
     /// The last step's loss: the block's `train_loss`.
     last_loss: f64,
 }
 
 impl RunLog {
-    /// Opens `path` on rank 0 (created, or appended to when `resumed`); nothing elsewhere.
+    /// Opens `path` on rank 0 (created, or continued when `resumed`: see [`continue_log`]);
+    /// nothing elsewhere.
     pub fn open(path: &Path, main_rank: bool, resumed: bool, keys: MlperfKeys) -> anyhow::Result<Self> {
-        let out = match (main_rank, resumed) {
-            (false, _) => None,
-            (true, false) => Some(MlLogger::create(path, false)?),
-            (true, true) => Some(MlLogger::append(path, false)?),
+        let (out, resume_note) = match (main_rank, resumed) {
+            (false, _) => (None, None),
+            (true, false) => (Some(MlLogger::create(path, false)?), None),
+            (true, true) => {
+                let changed = continue_log(path, &keys.hyperparameters)?;
+                (Some(MlLogger::append(path, false)?), Some(changed))
+            }
         };
-        Ok(Self { out, keys, resumed, in_block: false, stopped: false, last_loss: f64::NAN })
+        Ok(Self { out, keys, resumed, in_block: false, stopped: false, resume_note, last_loss: f64::NAN })
     }
 
     fn fresh(&mut self) -> Option<&mut MlLogger> {
@@ -275,10 +282,14 @@ impl RunLog {
         }
     }
 
-    /// A training block begins at `samples`.
+    /// A training block begins at `samples` (a resumed run says so first, once).
     fn block_start(&mut self, samples: usize) {
         self.in_block = true;
+        let note = self.resume_note.take();
         if let Some(ml) = self.out.as_mut() {
+            if let Some(changed) = note {
+                ml.event_with(RUN_RESUMED, Value::Object(changed), json!({"samples_count": samples}));
+            }
             ml.start("block_start", json!({"samples_count": samples}));
         }
     }
@@ -319,6 +330,52 @@ impl RunLog {
             ml.end_at("run_stop", json!({"samples_count": samples, "status": status}), time_ms);
         }
     }
+}
+
+/// llora's key for a resume: its value holds the hyperparameter keys whose values differ from
+/// those logged before (e.g. `context_parallelism` after a resume with fewer ranks).
+pub const RUN_RESUMED: &str = "run_resumed";
+/// llora's key for a failure that a resume continued: the aborted `run_stop` it had written,
+/// renamed, so that the log of one run holds one `run_stop`.
+pub const RUN_INTERRUPTED: &str = "run_interrupted";
+
+/// Prepares the result log at `path` for the resumed run that appends to it: an aborted
+/// `run_stop` at its end (the failure the resume continues) becomes a `run_interrupted` event
+/// with the same time and metadata, rewritten atomically; returns the hyperparameters among
+/// `current` whose values differ from the latest the log holds (its own keys, then each
+/// `run_resumed`'s).
+fn continue_log(path: &Path, current: &[(&'static str, Value)]) -> anyhow::Result<Map<String, Value>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read the result log {}", path.display())),
+    };
+    let record = |line: &str| line.strip_prefix(":::MLLOG ").and_then(|j| serde_json::from_str::<Value>(j).ok());
+    let mut logged: Map<String, Value> = Map::new();
+    for r in text.lines().filter_map(record) {
+        match r["key"].as_str() {
+            Some(RUN_RESUMED) => logged.extend(r["value"].as_object().cloned().unwrap_or_default()),
+            Some(k) if current.iter().any(|(c, _)| *c == k) => drop(logged.insert(k.to_string(), r["value"].clone())),
+            _ => {}
+        }
+    }
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let last = lines.iter().rposition(|l| record(l).is_some());
+    if let Some(i) = last
+        && let Some(mut r) = record(&lines[i])
+        && r["key"] == "run_stop"
+        && r["metadata"]["status"] == "aborted"
+    {
+        r["key"] = json!(RUN_INTERRUPTED);
+        r["event_type"] = json!("POINT_IN_TIME");
+        lines[i] = format!(":::MLLOG {r}");
+        let rewritten = lines.join("\n") + "\n";
+        llora_model::checkpoint::write_atomic(path, rewritten.as_bytes())
+            .with_context(|| format!("cannot continue the result log {}", path.display()))?;
+    }
+    // Where the config came from is not what the run does (a resume reads its checkpoint's copy).
+    let changed = current.iter().filter(|(k, v)| *k != "config_filename" && logged.get(*k) != Some(v));
+    Ok(changed.map(|(k, v)| (k.to_string(), v.clone())).collect())
 }
 
 impl Observer for RunLog {
@@ -370,7 +427,8 @@ mod tests {
 
     /// A run's events make the lines the MLPerf rules order (training_rules.adoc, "Logging"):
     /// written out by hand here, not taken from the code; a resumed run appends from its next
-    /// block on; a second stop writes nothing.
+    /// block on, after turning the aborted `run_stop` it continues into `run_interrupted` (one
+    /// run, one `run_stop`); a second stop writes nothing.
     #[test]
     fn events_make_the_rules_order() {
         let dir = tempfile::tempdir().unwrap();
@@ -419,7 +477,54 @@ mod tests {
         assert!(hyper.iter().any(|(k, _)| *k == "lora_rank") && hyper.len() > 10);
         let before = want.len();
         run(true);
+        *want.last_mut().unwrap() = (p, RUN_INTERRUPTED);
+        want.push((p, RUN_RESUMED));
         want.extend(blocks);
         assert_eq!(keys(&path), own(&want), "the resumed run appends {} lines", want.len() - before);
+    }
+
+    /// A resume says which hyperparameters changed (here context parallelism 2 -> 1, and the
+    /// accumulation with it) and only those; a second resume compares with the first's; the
+    /// aborted run_stop keeps its time and status under its new key, and a success is left.
+    #[test]
+    fn a_resume_logs_what_changed_and_keeps_one_run_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("result_0.txt");
+        let keys_of = |cp: usize, accum: usize| {
+            let set = [format!("train.context_parallel={cp}").parse().unwrap()];
+            // Each resume reads its config from elsewhere: not a change of what runs.
+            MlperfKeys::of(&Config::load(None, &set).unwrap(), 1, accum, &format!("{cp}.toml"))
+        };
+        let run = |keys: MlperfKeys, resumed: bool, status: RunStatus| {
+            let mut log = RunLog::open(&path, true, resumed, keys).unwrap();
+            for e in [RunEvent::Init, RunEvent::Start { time_ms: 5 }, RunEvent::Block { samples: 4 }] {
+                log.observe(&e);
+            }
+            log.observe(&RunEvent::Stop { samples: 8, status, time_ms: 77 });
+        };
+        let rows = || -> Vec<Value> {
+            let text = std::fs::read_to_string(&path).unwrap();
+            text.lines().map(|l| serde_json::from_str(l.strip_prefix(":::MLLOG ").unwrap()).unwrap()).collect()
+        };
+        run(keys_of(2, 1), false, RunStatus::Aborted);
+        run(keys_of(1, 2), true, RunStatus::Aborted);
+        run(keys_of(1, 2), true, RunStatus::Success);
+        let rows = rows();
+        let of = |key: &str| rows.iter().filter(|r| r["key"] == key).cloned().collect::<Vec<_>>();
+        let resumed = of(RUN_RESUMED);
+        assert_eq!(resumed.len(), 2);
+        assert_eq!(resumed[0]["value"], json!({"context_parallelism": 1, "gradient_accumulation_steps": 2}));
+        assert_eq!(resumed[0]["metadata"]["samples_count"], 4);
+        assert_eq!(resumed[1]["value"], json!({}), "the second resume changed nothing");
+        let stops = of("run_stop");
+        assert_eq!(stops.len(), 1);
+        assert_eq!(stops[0]["metadata"]["status"], "success");
+        let interrupted = of(RUN_INTERRUPTED);
+        assert_eq!(interrupted.len(), 2);
+        for r in &interrupted {
+            assert_eq!((r["time_ms"].clone(), r["metadata"]["status"].clone()), (json!(77), json!("aborted")), "{r}");
+        }
+        // The hyperparameters logged at the start are as they were.
+        assert_eq!(of("context_parallelism")[0]["value"], 2);
     }
 }

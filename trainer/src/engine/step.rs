@@ -95,7 +95,7 @@ pub struct MicroGrads {
     pub loss: Tensor<1>,
     /// The flattened gradient of each trainable parameter, in `trainable_params_mut` order.
     pub grads: Vec<Tensor<1>>,
-    /// Seconds of the forward (0 when it interleaves with the backward: recompute, sharding).
+    /// Seconds of the forward, to the loss (a recomputed block's second forward is backward's).
     pub forward_s: f64,
     /// Seconds of the backward and the gradients' gathering.
     pub backward_s: f64,
@@ -130,10 +130,18 @@ fn grads_of(
         device.seed(seed);
     }
     let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
-        // Forward and backward interleave block by block: all of it counts as backward.
-        tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward + backward, block by block");
-        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute)?;
-        (loss, grads, 0.0)
+        // The forward ends at the loss; the recomputed blocks' second forward counts as backward.
+        tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward, then backward block by block");
+        let mut forward_s = 0.0;
+        let forward_done = || {
+            if sync {
+                device_sync(&device);
+            }
+            forward_s = t.elapsed().as_secs_f64();
+        };
+        let (loss, grads) =
+            model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute, forward_done)?;
+        (loss, grads, forward_s)
     } else {
         let loss = {
             let _span = debug_span!("forward").entered();

@@ -981,7 +981,7 @@ fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) -> anyhow
         let labels = ids.clone();
         // The step's own path (block-wise when recomputing or sharded), so the warm-up
         // allocates what the steps will.
-        drop(model.recomputed_backward(ids, labels, None, 1.0, config.train.recompute_layers)?);
+        drop(model.recomputed_backward(ids, labels, None, 1.0, config.train.recompute_layers, || ())?);
     }
     Ok(())
 }
