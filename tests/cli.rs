@@ -993,7 +993,7 @@ fn settings_that_would_be_ignored_are_refused() {
 /// A `rank_pattern` / `alpha_pattern` key that matches no adapted module (a typo, another case,
 /// a module not targeted) is refused naming the key, not ignored and written to
 /// adapter_config.json; so is a rank above a module's smaller dimension (the random base is
-/// d 128).
+/// d 128); `llora plan` refuses the same.
 #[test]
 fn pattern_keys_that_set_nothing_and_oversized_ranks_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -1014,5 +1014,13 @@ fn pattern_keys_that_set_nothing_and_oversized_ranks_are_refused() {
             assert!(stderr.contains(n), "{set}: {stderr}");
         }
         assert!(!run.join("adapter").exists(), "{set}: an adapter was written");
+        // The plan makes the same checks (it promised memory for what training refused).
+        let targets = "lora.targets=[\"q_proj\",\"v_proj\"]";
+        let out = llora(&["plan", &config, "--set", set, "--set", targets]);
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "plan {set}: {stderr}");
+        for n in needles {
+            assert!(stderr.contains(n), "plan {set}: {stderr}");
+        }
     }
 }

@@ -147,6 +147,25 @@ impl LoraSpec {
         Ok(())
     }
 
+    /// The checks the model's loader makes of this spec, made before anything is built (what
+    /// `llora plan` and a training run's start answer): the targets resolved for the model's
+    /// layout ([`Self::for_layout`]), each adapted module's rank against its shape, and every
+    /// pattern key matching an adapted module.
+    pub fn check_for_model(&self, config: &crate::config::LlamaConfig) -> anyhow::Result<()> {
+        let spec = self.for_layout(config.fused_qkv)?;
+        let mut adapted = Vec::new();
+        for layer in 0..config.num_hidden_layers {
+            for kind in BlockLinear::of(config.fused_qkv).iter().copied() {
+                let module = kind.path(layer);
+                if spec.adapts(&module) {
+                    spec.module_spec(&module)?.check_rank_fits(&module, kind.shape(config))?;
+                    adapted.push(module);
+                }
+            }
+        }
+        spec.check_patterns_used(&adapted)
+    }
+
     /// Refuses a rank above a module's smaller dimension (`out × in`): the update `B·A` cannot
     /// have a larger rank, and `r · (in + out)` values would be allocated for nothing.
     pub fn check_rank_fits(&self, module: &str, [out, inp]: [usize; 2]) -> anyhow::Result<()> {

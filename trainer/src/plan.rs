@@ -635,6 +635,10 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
         }
         (None, None) => anyhow::bail!("set model.path or model.preset"),
     };
+    // What training would refuse of the adapters, the plan refuses too (and before it, a run).
+    if config.model.trainable == crate::config::Trainable::Lora {
+        config.lora.check_for_model(&model)?;
+    }
     Ok(Shape {
         model,
         lora: config.lora.clone(),
