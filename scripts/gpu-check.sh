@@ -205,6 +205,8 @@ for s in by("selftest") + by("allreduce"):
     for c in s.get("checks", []):
         ok = "yes" if c["ok"] else ("**no**" if c["required"] else "no (optional)")
         md.append(f"| {c['name']} | {ok} | {c.get('detail', '')} |")
+    for c in s.get("skipped", []):
+        md.append(f"| {c['name']} | skipped | {c['why']} |")
 md += ["", "## Parity with HF transformers + PEFT (eval loss; bf16: within twice PEFT's bf16 distance from fp32)", "",
        "| precision | llora | PEFT | relative difference | ok |", "|---|---|---|---|---|"]
 for r in by("parity"):

@@ -338,6 +338,13 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
     assert!(selftest.iter().all(|r| r["ok"] == true), "{selftest:?}");
+    // The CUDA-only part checks nothing here and says so, in the row and in the report.
+    let norm = selftest.iter().find(|r| r["part"] == "norm").unwrap();
+    assert!(norm["checks"].as_array().unwrap().is_empty(), "{norm}");
+    let skipped: Vec<&str> = norm["skipped"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert!(skipped.contains(&"RMSNorm fused kernels"), "{norm}");
+    let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(md.contains("| RMSNorm fused kernels | skipped | CUDA only"), "{md}");
     assert_eq!(report["final"], true);
     let allreduce = &section("allreduce")[0]["checks"][0];
     assert!(allreduce["ok"] == true && allreduce["detail"].as_str().unwrap().starts_with("2 ranks"), "{allreduce}");

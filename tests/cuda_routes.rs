@@ -14,11 +14,11 @@ use wait_timeout::ChildExt;
 /// Runs `llora ARGS` from the repository root with `env` added, killed after `limit_s`:
 /// (exit success, stdout, stderr). A process over its limit fails the test as hung, with the
 /// last lines it logged.
-fn llora_within(limit_s: u64, env: &[(&str, &str)], args: &[&str]) -> (bool, String, String) {
+fn llora_within<V: AsRef<std::ffi::OsStr>>(limit_s: u64, env: &[(&str, V)], args: &[&str]) -> (bool, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
     let mut cmd = common::llora_command(&common::root(), args);
-    cmd.envs(env.iter().copied())
+    cmd.envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
         .stdin(Stdio::null());
@@ -130,7 +130,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(stderr.contains("FP8 SwiGLU kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 RMSNorm kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
 
-    let (ok, stdout, stderr) = llora_within(240, &[], &args);
+    let (ok, stdout, stderr) = llora_within::<&str>(240, &[], &args);
     assert!(ok, "{stderr}");
     let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["cuda_routes_on_cpu"], false, "{r}");
@@ -150,4 +150,10 @@ fn an_unknown_switch_value_is_reported() {
     );
     assert!(ok, "{stderr}");
     assert!(stderr.contains("LLORA_CUDA_ROUTES_ON_CPU=\"yes\" is neither 1 nor 0"), "{stderr}");
+    // Not UTF-8: reported too (it was taken as 0 without a word).
+    use std::os::unix::ffi::OsStrExt;
+    let env = [("LLORA_CUDA_ROUTES_ON_CPU", std::ffi::OsStr::from_bytes(b"1\xff"))];
+    let (ok, _, stderr) = llora_within(120, &env, &["selftest", "--device", "cpu", "--threads", "1", "--only", "gemm"]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("LLORA_CUDA_ROUTES_ON_CPU=\"1\u{fffd}\" (not UTF-8) is neither 1 nor 0"), "{stderr}");
 }

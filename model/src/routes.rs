@@ -37,12 +37,28 @@ pub const FUSED_ROUTES_ENV: &str = "LLORA_CUDA_FUSED_ROUTES";
 /// Whether the newer CUDA routes may run ([`FUSED_ROUTES_ENV`] not `off`); read once.
 pub fn fused_routes() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let on = std::env::var(FUSED_ROUTES_ENV).map_or(true, |v| v != "off");
-        if !on {
+    *ON.get_or_init(|| match switch(FUSED_ROUTES_ENV).as_deref() {
+        Some("off") => {
             tracing::info!("{FUSED_ROUTES_ENV}=off: the fused CUDA routes are off");
+            false
         }
-        on
+        None | Some("" | "on") => true,
+        Some(other) => {
+            tracing::warn!("{FUSED_ROUTES_ENV}={other} is neither off nor on: taken as on (the fused routes run)");
+            true
+        }
+    })
+}
+
+/// A switch's value in the environment: `None` when unset; a word it may take as it is; any
+/// other value quoted (one that is not UTF-8 as its lossy text, said so), to be reported as it
+/// reads and to match no word.
+fn switch(name: &str) -> Option<String> {
+    let value = std::env::var_os(name)?;
+    Some(match value.to_str() {
+        Some(v @ ("" | "0" | "1" | "on" | "off")) => v.to_string(),
+        Some(v) => format!("{v:?}"),
+        None => format!("{:?} (not UTF-8)", value.to_string_lossy()),
     })
 }
 
@@ -58,14 +74,14 @@ pub fn on_cpu() -> bool {
         return forced;
     }
     static ENV: OnceLock<bool> = OnceLock::new();
-    *ENV.get_or_init(|| match std::env::var(ON_CPU_ENV).as_deref() {
-        Ok("1") => {
+    *ENV.get_or_init(|| match switch(ON_CPU_ENV).as_deref() {
+        Some("1") => {
             tracing::info!("{ON_CPU_ENV}=1: the CPU takes the CUDA routes, the kernels it lacks as composites");
             true
         }
-        Ok("0" | "") | Err(_) => false,
-        Ok(other) => {
-            tracing::warn!("{ON_CPU_ENV}={other:?} is neither 1 nor 0: taken as 0 (the CPU keeps its own routes)");
+        None | Some("0" | "") => false,
+        Some(other) => {
+            tracing::warn!("{ON_CPU_ENV}={other} is neither 1 nor 0: taken as 0 (the CPU keeps its own routes)");
             false
         }
     })
