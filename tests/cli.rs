@@ -614,6 +614,9 @@ fn bad_flags_are_refused_naming_the_flag() {
             "must be a multiple of train.micro_batch_size × data-parallel groups",
         ),
         (&["bench", "--cp", "0"], "`--cp` = 0"),
+        // Context parallelism without a launcher says what to do (for a resume too).
+        (&["bench", "--cp", "2"], "--cp = 2 splits each sequence over 2 ranks, and this is one process"),
+        (&["train", "--set", "train.context_parallel=2"], "or set --set train.context_parallel=1 (a --resume may"),
         // Flags the chosen bench would not read (they were accepted and ignored).
         (&["bench", "--cp", "2", "--load", "m"], "`--cp` = 2: times training steps; --load replaces them"),
         (&["bench", "--cp", "2", "--allreduce-values", "8"], "`--cp` = 2: times training steps; --allreduce-values"),

@@ -867,6 +867,33 @@ fn context_parallel_that_does_not_divide_the_ranks_is_refused() {
     assert!(stderr.contains("train.context_parallel = 4 must divide the 2 ranks"), "{stderr}");
 }
 
+/// Ranks started with different context-parallel sizes join no subgroup: each fails within
+/// seconds naming the setting and every rank's value (they waited for dist.timeout_s, in
+/// different subgroups, and then blamed a lost rank).
+#[test]
+fn ranks_with_different_context_parallel_sizes_are_refused_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let port = free_port();
+    let run = dir.path().join("run");
+    let started = Instant::now();
+    let children: Vec<_> = [2, 1]
+        .iter()
+        .enumerate()
+        .map(|(rank, cp)| {
+            let args = train_args(&config, &run, &[&format!("train.context_parallel={cp}"), "dist.timeout_s=120"]);
+            rank_command(rank, port, &strs(&args)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains("ranks differ: train.context_parallel (rank 0: 2, rank 1: 1)"), "{stderr}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+}
+
 /// Issue #51 must-show 2 at a size CI affords (docs/performance.md has the 32k-token run): a
 /// Llama-3-style 8192-token sequence (`demo-llama3-long`) that `llora plan` says fits no
 /// single rank of 550 MiB (exit 3, no recipe, every block recomputed included) gets context

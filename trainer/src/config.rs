@@ -918,6 +918,10 @@ impl Config {
             let why =
                 "context parallelism runs attention on LibTorch's kernels: it needs run.device = \"cpu\" or \"cuda:N\"";
             p.check(self.run.device != DeviceSpec::Flex, "run.device", &self.run.device.to_string(), why);
+            // Each rank holds part of every sequence: the trainable embedding and head would need
+            // their gradients summed over the group, which only the adapters' path does.
+            let why = "full fine-tuning is not supported under context parallelism (train.context_parallel > 1):                        train adapters (model.trainable = \"lora\") or set train.context_parallel = 1";
+            p.check(self.model.trainable == Trainable::Lora, "model.trainable", &"all", why);
         }
         self.run.check(&mut p);
         self.mlperf.check(&mut p);
@@ -1313,6 +1317,19 @@ mod tests {
             let lora = Config::load(None, &[all[1].clone(), sets[2].clone()]).unwrap();
             assert_ne!(lora.precision.adapter_compute, AdapterCompute::Auto);
         }
+    }
+
+    /// Full fine-tuning under context parallelism is refused at load (rank 1 panicked in its
+    /// first step: "lm_head.weight got no gradient"), naming both keys.
+    #[test]
+    fn full_fine_tuning_under_context_parallelism_is_refused() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let err = Config::load(None, &[ov("model.trainable=\"all\""), ov("train.context_parallel=2")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`model.trainable` = \"all\"") && err.contains("train.context_parallel"), "{err}");
+        assert!(Config::load(None, &[ov("model.trainable=\"all\"")]).is_ok());
+        assert!(Config::load(None, &[ov("train.context_parallel=2")]).is_ok());
     }
 
     /// `precision.fp8_weights_one_layout` reaches the model's precision with FP8 weights, and

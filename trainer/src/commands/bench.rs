@@ -85,7 +85,8 @@ fn random_batch(
 /// JSON record on rank 0 (None on the others).
 pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     validate(args)?;
-    let dist = crate::dist::init_with_context(&crate::dist::DistConfig::default(), args.device.is_cuda(), args.cp)?;
+    let dist =
+        crate::dist::init_with_context(&crate::dist::DistConfig::default(), args.device.is_cuda(), args.cp, "--cp")?;
     let device = dist.device(args.device);
     let record = match &args.load {
         Some(dir) => load(args, device, dir)?,

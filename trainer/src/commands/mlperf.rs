@@ -38,6 +38,7 @@ pub fn run(command: &MlperfCommand) -> anyhow::Result<()> {
                 &config.dist,
                 config.run.device.is_cuda(),
                 config.train.context_parallel,
+                "train.context_parallel",
             )?;
             let score = run_many(&config, &name, args.runs as usize, &args.out, &dist)?;
             dist.shutdown()?;

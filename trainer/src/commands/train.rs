@@ -14,6 +14,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
                 &resumed.config.dist,
                 resumed.config.run.device.is_cuda(),
                 resumed.config.train.context_parallel,
+                "train.context_parallel",
             )?;
             let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
             let outcome = train::resume(resumed, &dist)?;
@@ -23,8 +24,12 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
         None => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let dist =
-                dist::init_with_context(&config.dist, config.run.device.is_cuda(), config.train.context_parallel)?;
+            let dist = dist::init_with_context(
+                &config.dist,
+                config.run.device.is_cuda(),
+                config.train.context_parallel,
+                "train.context_parallel",
+            )?;
             train::prepare_base(&config, dist.world.size)?;
             let outcome = train::run(&config, &name, &dist, args.overwrite)?;
             dist.shutdown()?;

@@ -178,26 +178,40 @@ impl Dist {
 /// Joins the world the environment describes; `cuda` says whether the run's device is a GPU
 /// (NCCL under `dist.backend = "auto"`).
 pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
-    init_with_context(config, cuda, 1)
+    init_with_context(config, cuda, 1, "train.context_parallel")
 }
 
-/// [`init`], each sequence shared by `context` consecutive ranks (`train.context_parallel`):
-/// their c10d subgroup is joined after the world's.
-pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize) -> anyhow::Result<Dist> {
+/// [`init`], each sequence shared by `context` consecutive ranks (`train.context_parallel`, or
+/// the setting `named`): their c10d subgroup is joined after the world's, once every rank is
+/// known to ask for the same size (different sizes joined different subgroups and waited for
+/// `dist.timeout_s`).
+pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize, named: &str) -> anyhow::Result<Dist> {
     let world = World::from_env(|k| std::env::var(k).ok(), config).map_err(anyhow::Error::msg)?;
-    anyhow::ensure!(
-        context >= 1 && world.size.is_multiple_of(context),
-        "train.context_parallel = {context} must divide the {} ranks the launcher started (rank {}): the world is \
-         data-parallel groups x context-parallel ranks",
-        world.size,
-        world.rank
-    );
     if world.size == 1 {
+        let fix = match named {
+            "--cp" => "run the bench under torchrun (--nproc-per-node N), or drop --cp".to_string(),
+            _ => format!(
+                "start it under torchrun (--nproc-per-node {context} or a multiple), or set --set {named}=1 \
+                 (a --resume may change it)"
+            ),
+        };
+        anyhow::ensure!(
+            context == 1,
+            "{named} = {context} splits each sequence over {context} ranks, and this is one process (no launcher \
+             started ranks): {fix}"
+        );
         return Ok(Dist { world, comm: Arc::new(SingleProcess), context: None });
     }
     let backend = backend_for(config, cuda)?;
     let timeout = Duration::from_secs(config.timeout_s);
     let pg = c10d::ProcessGroup::new(&world, backend, timeout)?;
+    same_context_everywhere(&pg, context, named)?;
+    anyhow::ensure!(
+        context >= 1 && world.size.is_multiple_of(context),
+        "{named} = {context} must divide the {} ranks the launcher started: the world is data-parallel groups x \
+         context-parallel ranks",
+        world.size
+    );
     let context = if context > 1 {
         let (group, _, members) = context::layout(world.rank, context);
         let sub = c10d::ProcessGroup::subgroup(&world, &format!("context_{group}"), members, backend, timeout)?;
@@ -218,6 +232,16 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize) -> any
         );
     }
     Ok(Dist { world, comm: Arc::new(pg), context })
+}
+
+/// Refuses, on every rank, ranks started with different context-parallel sizes, naming each.
+fn same_context_everywhere(comm: &dyn Collective, context: usize, named: &str) -> anyhow::Result<()> {
+    let sizes = comm.all_gather_f64(&[context as f64])?;
+    if sizes.iter().all(|&s| s == sizes[0]) {
+        return Ok(());
+    }
+    let each: Vec<String> = sizes.iter().enumerate().map(|(r, s)| format!("rank {r}: {s}")).collect();
+    anyhow::bail!("ranks differ: {named} ({}): every rank must be started with the same value", each.join(", "))
 }
 
 /// The c10d backend `config` asks for on a CUDA (`cuda`) or CPU device.
