@@ -861,14 +861,15 @@ impl Config {
         for o in overrides {
             apply_override(&mut table, o).map_err(|e| ConfigError::one(name, e))?;
         }
-        serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+        serde_path_to_error::deserialize(toml::Value::Table(table.clone())).map_err(|e| {
             let key = e.path().to_string();
             // toml appends "in `section`" on a new line; the key already says where.
             let inner = e.into_inner().to_string().lines().next().unwrap_or_default().to_string();
             let key = full_key(&key, &inner);
             let from_set = overrides.iter().any(|o| o.key == key || o.key.starts_with(&format!("{key}.")));
             let origin = if from_set { " (from --set)" } else { "" };
-            ConfigError::one(name, format!("config key `{key}`{origin}: {}", inner.trim_end()))
+            let what = enum_given_no_word(&table, &key, &inner).unwrap_or_else(|| format!(": {}", inner.trim_end()));
+            ConfigError::one(name, format!("config key `{key}`{origin}{what}"))
         })
     }
 
@@ -1017,6 +1018,32 @@ pub fn check_threads(p: &mut Problems<'_>, key: &str, threads: usize) {
 pub fn check_workers(p: &mut Problems<'_>, key: &str, workers: usize) {
     let max = max_threads();
     p.check(workers <= max, key, &workers, &format!("must be in 0..={max} (4 per core of this machine at most)"));
+}
+
+/// An enum key given a number, a bool or an array ("invalid type: unit variant, expected string
+/// only", which names neither the value nor the words): ` = VALUE: expected one of WORDS, in
+/// quotes`, the words being what the same key given the value's text as a string is told.
+fn enum_given_no_word(table: &toml::Table, key: &str, message: &str) -> Option<String> {
+    if !message.contains("expected string only") {
+        return None;
+    }
+    let (parents, last) = key.rsplit_once('.').map_or((None, key), |(p, l)| (Some(p), l));
+    let mut section = table;
+    for part in parents.into_iter().flat_map(|p| p.split('.')) {
+        section = section.get(part)?.as_table()?;
+    }
+    let value = section.get(last)?.clone();
+    let mut probe = table.clone();
+    let mut cur = &mut probe;
+    for part in parents.into_iter().flat_map(|p| p.split('.')) {
+        cur = cur.get_mut(part)?.as_table_mut()?;
+    }
+    cur.insert(last.to_string(), toml::Value::String(value.to_string()));
+    let told = serde_path_to_error::deserialize::<_, Config>(toml::Value::Table(probe)).err()?.into_inner().to_string();
+    // serde: "unknown variant `16`, expected one of `a`, `b`, `c`" (or "`a` or `b`", or "`a`").
+    let words = told.split_once("`, expected ")?.1.lines().next()?.trim_end();
+    let first = words.split('`').nth(1)?;
+    Some(format!(" = {value}: expected {words}, in quotes (e.g. --set {key}=\"{first}\")"))
 }
 
 /// serde reports an unknown field at its parent's path; name the field itself.
@@ -1330,6 +1357,24 @@ mod tests {
         assert!(err.contains("`model.trainable` = \"all\"") && err.contains("train.context_parallel"), "{err}");
         assert!(Config::load(None, &[ov("model.trainable=\"all\"")]).is_ok());
         assert!(Config::load(None, &[ov("train.context_parallel=2")]).is_ok());
+    }
+
+    /// An enum key given no word (a number, a bool, a list) is told its value and the words
+    /// it takes, from --set and from a file ("invalid type: unit variant, expected string
+    /// only" named neither).
+    #[test]
+    fn enum_keys_given_no_word_name_the_value_and_the_words() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        for (set, want) in [
+            ("precision.compute=16", "`precision.compute` (from --set) = 16: expected one of `fp32`, `bf16`, `fp8`"),
+            ("precision.adapter_compute=true", "= true: expected one of `auto`, `fp32`, `bf16`, in quotes"),
+            ("data.padding=3", "`data.padding` (from --set) = 3: expected `longest` or `max_length`"),
+        ] {
+            let err = Config::load(None, &[ov(set)]).unwrap_err().to_string();
+            assert!(err.contains(want) && !err.contains("unit variant"), "{set}: {err}");
+        }
+        let err = load_str("[model]\npreset = \"tiny\"\n[precision]\ncompute = [1]\n", &[]).unwrap_err().to_string();
+        assert!(err.contains("`precision.compute` = [1]: expected one of"), "{err}");
     }
 
     /// `precision.fp8_weights_one_layout` reaches the model's precision with FP8 weights, and
