@@ -889,6 +889,20 @@ fn silently_accepted_inputs_are_refused_up_front() {
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("WORLD_SIZE=\"abc\""), "{stderr}");
+    // The world size is named as it was given: WORLD_SIZE from the environment, not --world,
+    // and the data-parallel groups as such (they were called --world).
+    let mlperf = ["plan", "configs/llama2-70b-mlperf.toml"];
+    let out = common::llora_command(&common::root(), &mlperf).env("WORLD_SIZE", "3").output().unwrap();
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("(WORLD_SIZE (from the environment) = 3, train") && !stderr.contains("--world"),
+        "{stderr}"
+    );
+    let big = "4611686018427387904";
+    let (micro, gbs) = (format!("train.micro_batch_size={big}"), format!("train.global_batch_size={big}"));
+    let huge = ["plan", "--world", "8", "--set", &micro, "--set", &gbs];
+    let (_, stderr) = text(&llora(&huge));
+    assert!(stderr.contains("data-parallel groups (--world = 8 / train.context_parallel = 1) = 8"), "{stderr}");
     fails_naming_with(2, &["plot", "--target", "nan", "--out", "x.svg", "runs/a"], &["--target", "finite"]);
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("results");

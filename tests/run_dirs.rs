@@ -141,6 +141,35 @@ fn an_interrupted_run_is_refused_then_resumed() {
     assert_eq!(stops, 1);
 }
 
+/// `--resume` of a run that is still going and has no checkpoint yet names the live run that
+/// holds it (it said "no checkpoint ... was run.checkpoint_every set?").
+#[test]
+fn resuming_a_live_run_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let args = run_args(&config, &run, &["schedule.max_steps=100000", "run.checkpoint_every=0"]);
+    let mut child = common::llora_command(&common::root(), &strs(&args))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(true, |m| m.is_empty()) {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(started.elapsed().as_secs() < 120, "no step within 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = llora(&["train", "--resume", run.to_str().unwrap()]);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success(), "{stderr}");
+    let pid = format!("PID {}", child.id());
+    assert!(stderr.contains("in use by a live llora run") && stderr.contains(&pid), "{stderr}");
+    assert!(!stderr.contains("checkpoint_every"), "{stderr}");
+}
+
 /// A checkpoint that cannot be written (the file-size limit stands in for a full disk: writes
 /// fail with EFBIG) stops the run with an error naming the file, and leaves no temporary file
 /// or half-written checkpoint behind (#29; `.tmp-PID` files and `.resume.tmp/` stayed).

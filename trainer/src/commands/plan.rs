@@ -12,19 +12,27 @@ pub fn run(args: &crate::cli::PlanArgs) -> anyhow::Result<()> {
         Err(_) => None,
     };
     let world = args.world.or(env_world).unwrap_or(1);
-    anyhow::ensure!(world >= 1, "--world must be at least 1");
+    // Where the world size came from, as the user set it.
+    let from = match (args.world, env_world) {
+        (Some(_), _) => "--world",
+        (None, Some(_)) => "WORLD_SIZE (from the environment)",
+        (None, None) => "the world (one process without --world)",
+    };
+    anyhow::ensure!(world >= 1, "{from} = {world} must be at least 1");
     let (gbs, micro, cp) =
         (config.train.global_batch_size, config.train.micro_batch_size, config.train.context_parallel);
     anyhow::ensure!(
         world.is_multiple_of(cp),
-        "train.context_parallel = {cp} must divide --world = {world}: training would refuse this world size"
+        "train.context_parallel = {cp} must divide {from} = {world}: training would refuse this world size"
     );
     let groups = world / cp;
-    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", micro), ("--world", groups)])?;
+    let groups_named = format!("data-parallel groups ({from} = {world} / train.context_parallel = {cp})");
+    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", micro), (&groups_named, groups)])?;
     anyhow::ensure!(
         gbs.is_multiple_of(per_step),
         "train.global_batch_size = {gbs} must be a multiple of train.micro_batch_size × data-parallel groups = \
-         {micro} × {groups} = {per_step}: training would refuse this world size"
+         {micro} × {groups} = {per_step} ({from} = {world}, train.context_parallel = {cp}): training would refuse \
+         this world size"
     );
     let shape = shape_of(&config, world)?;
     if args.json {

@@ -98,7 +98,7 @@ fn live_run(dir: &Path) -> anyhow::Error {
 
 /// Refuses `dir` while a live run holds its lock; changes nothing in it (an earlier run's
 /// directory stays byte for byte as it was).
-fn refuse_if_live(dir: &Path) -> anyhow::Result<()> {
+pub fn refuse_if_live(dir: &Path) -> anyhow::Result<()> {
     let Ok(file) = std::fs::File::open(dir.join(LOCK)) else { return Ok(()) };
     match file.try_lock() {
         Ok(()) => {
