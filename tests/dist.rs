@@ -280,6 +280,18 @@ fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     }
 }
 
+/// Rank 0 (it serves the store) SIGKILLed: rank 1 ends with one line naming it, without the
+/// 20-odd lines of C++ frames c10d's store logged for each failed read of the dead server.
+#[test]
+fn a_killed_store_server_is_named_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let stderr = kill_after_step_3(0, &run, &train_args(&config, &run, &KILLED_RUN));
+    assert!(!stderr.contains("frame #") && !stderr.contains("Exception raised from"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 /// The result log of a resumed run: its `run_stop` statuses, its `run_interrupted` events and
 /// the values of its `run_resumed` events (the hyperparameters the resume changed).
 fn resume_story(run: &Path) -> (Vec<String>, usize, Vec<serde_json::Value>) {
@@ -295,31 +307,41 @@ fn resume_story(run: &Path) -> (Vec<String>, usize, Vec<serde_json::Value>) {
 /// once the run has a checkpoint of step 3, and returns rank 0's stderr once it has
 /// exited (within 60 s: a hang fails), after checking that it failed naming rank 1.
 fn kill_rank_1_after_step_3(run: &Path, args: &[String]) -> String {
+    kill_after_step_3(1, run, args)
+}
+
+/// [`kill_rank_1_after_step_3`] with rank `victim` killed (0: the store's server) and the
+/// other's stderr returned.
+fn kill_after_step_3(victim: usize, run: &Path, args: &[String]) -> String {
     let port = free_port();
-    let mut r0 = rank_command(0, port, &strs(args)).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let mut r1 = rank_command(1, port, &strs(args)).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let spawn = |rank: usize| {
+        let stderr = if rank == victim { Stdio::null() } else { Stdio::piped() };
+        rank_command(rank, port, &strs(args)).stderr(stderr).stdout(Stdio::null()).spawn().unwrap()
+    };
+    let (mut r0, mut r1) = (spawn(0), spawn(1));
     let started = Instant::now();
     while checkpoint_step(run).is_none_or(|s| s < 3) {
         assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank ended before step 3");
         assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint of step 3 after 5 minutes");
         std::thread::sleep(Duration::from_millis(20));
     }
-    r1.kill().unwrap(); // SIGKILL
-    r1.wait().unwrap();
+    let (killed, mut survivor) = if victim == 0 { (&mut r0, r1) } else { (&mut r1, r0) };
+    killed.kill().unwrap(); // SIGKILL
+    killed.wait().unwrap();
     let killed_at = Instant::now();
     let out = loop {
-        if r0.try_wait().unwrap().is_some() {
-            break r0.wait_with_output().unwrap();
+        if survivor.try_wait().unwrap().is_some() {
+            break survivor.wait_with_output().unwrap();
         }
         if killed_at.elapsed() > Duration::from_secs(60) {
-            r0.kill().unwrap();
-            panic!("rank 0 still running 60 s after rank 1 was killed");
+            survivor.kill().unwrap();
+            panic!("the surviving rank still running 60 s after rank {victim} was killed");
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "rank 0 must fail: {stderr}");
-    assert!(stderr.contains("lost rank 1"), "rank 0 must name the lost rank:\n{stderr}");
+    assert!(!out.status.success(), "the surviving rank must fail: {stderr}");
+    assert!(stderr.contains(&format!("lost rank {victim}")), "it must name the lost rank:\n{stderr}");
     stderr
 }
 

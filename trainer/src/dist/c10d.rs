@@ -31,6 +31,7 @@ unsafe extern "C" {
     fn llora_c10d_bound_device(g: *mut c_void) -> c_int;
     fn llora_c10d_free_group(g: *mut c_void);
     fn llora_c10d_free(s: *mut c_char);
+    fn llora_c10d_quiet_warnings();
     fn llora_c10d_all_reduce(g: *mut c_void, t: *mut torch_sys::C_tensor, op: c_int, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_broadcast(g: *mut c_void, t: *mut torch_sys::C_tensor, root: c_int, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_all_gather_start(
@@ -321,6 +322,10 @@ impl ProcessGroup {
     }
 
     fn fail(&self, op: &'static str, message: String) -> DistError {
+        tracing::debug!(op, "c10d's message, as it came: {message}");
+        // The probes of the peers' heartbeats that follow may each meet a dead store.
+        // SAFETY: sets an integer of c10's.
+        unsafe { llora_c10d_quiet_warnings() };
         let message = plain_c10d_message(&message);
         let (rank, world, lost) = (self.members[self.world.rank], self.whole, self.lost_ranks());
         DistError::Collective { op, rank, world, lost, message }

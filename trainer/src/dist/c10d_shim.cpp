@@ -14,6 +14,7 @@
 
 #include "shim.h"  // model/src/shim.h: the error guard every llora shim shares
 
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -208,6 +209,13 @@ int llora_c10d_store_get(void* g, const char* key, uint8_t** data, size_t* len, 
     if (!v.empty()) std::memcpy(*data, v.data(), v.size());
     *len = v.size();
   });
+}
+
+// Raises c10's log threshold to errors, for good: called once a collective has failed, when each
+// store read that follows may meet a dead peer and c10d's TCPStore would log every failed read
+// as a warning carrying its C++ stack (~25 lines before llora's one-line error).
+void llora_c10d_quiet_warnings() {
+  if (FLAGS_caffe2_log_level < 2) FLAGS_caffe2_log_level = 2;
 }
 
 int llora_c10d_store_add(void* g, const char* key, int64_t delta, int64_t* value, char** err) {
