@@ -889,6 +889,46 @@ fn context_parallel_that_does_not_divide_the_ranks_is_refused() {
     assert!(stderr.contains("train.context_parallel = 4 must divide the 2 ranks"), "{stderr}");
 }
 
+/// A rank that fails before joining (here its config file is missing) is named, with its
+/// error, by the other within seconds, whichever of the two serves the store; a rank that
+/// never comes is named when dist.timeout_s runs out (both waited for dist.timeout_s without
+/// a word).
+#[test]
+fn a_rank_failing_at_start_up_is_named_by_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let missing = dir.path().join("missing.toml");
+    for failing in [1, 0] {
+        let (port, run) = (free_port(), dir.path().join(format!("run-{failing}")));
+        let started = Instant::now();
+        let children: Vec<_> = (0..2)
+            .map(|rank| {
+                let file = if rank == failing { missing.to_str().unwrap() } else { config.as_str() };
+                let args = train_args(file, &run, &["dist.timeout_s=120"]);
+                rank_command(rank, port, &strs(&args)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+            })
+            .collect();
+        for (rank, child) in children.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "rank {rank}: {stderr}");
+            if rank != failing {
+                let named = format!("rank {failing} failed at start-up: invalid config {}", missing.display());
+                assert!(stderr.contains(&named) && stderr.contains("cannot read config file"), "{stderr}");
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+    }
+    // Rank 1 never comes: rank 0 names it when its timeout runs out.
+    let args = train_args(&config, &dir.path().join("alone"), &["dist.timeout_s=3"]);
+    let out = rank_command(0, free_port(), &strs(&args)).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("ranks [1] did not start within dist.timeout_s = 3 s"),
+        "{stderr}"
+    );
+}
+
 /// Ranks started with different context-parallel sizes join no subgroup: each fails within
 /// seconds naming the setting and every rank's value (they waited for dist.timeout_s, in
 /// different subgroups, and then blamed a lost rank).

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
-use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat};
+use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat, MlperfCommand};
 use llora_trainer::commands;
 use tracing_subscriber::EnvFilter;
 
@@ -29,11 +29,21 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     init_tracing(cli.log_format);
+    // The commands whose ranks join one world under a launcher.
+    let joins_a_world = matches!(
+        cli.command,
+        Command::Train(_) | Command::Bench(_) | Command::Mlperf { command: MlperfCommand::Run(_) }
+    );
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // `{:#}` prints the whole context chain on one line: what failed, then why.
-            eprintln!("error: {}", user_message(&format!("{e:#}")));
+            let message = user_message(&format!("{e:#}"));
+            eprintln!("error: {message}");
+            if joins_a_world {
+                // The other ranks would wait for this one until dist.timeout_s: tell them.
+                llora_trainer::dist::announce_startup_failure(&message);
+            }
             if e.downcast_ref::<llora_trainer::engine::train::Interrupted>().is_some() {
                 ExitCode::from(130)
             } else if e.downcast_ref::<llora_trainer::commands::plan::DoesNotFit>().is_some() {

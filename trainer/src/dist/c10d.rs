@@ -14,10 +14,32 @@ use super::collective::{Backend, Collective, DistError, InFlight, PendingBytes, 
 use super::world::World;
 
 unsafe extern "C" {
-    fn llora_c10d_new(
+    fn llora_c10d_store_new(
         host: *const c_char,
         port: u16,
         is_server: c_int,
+        connect_ms: i64,
+        timeout_ms: i64,
+        err: *mut *mut c_char,
+    ) -> *mut c_void;
+    fn llora_c10d_store_free(s: *mut c_void);
+    fn llora_c10d_store_check(s: *mut c_void, key: *const c_char, exists: *mut c_int, err: *mut *mut c_char) -> c_int;
+    fn llora_c10d_store_put(
+        s: *mut c_void,
+        key: *const c_char,
+        data: *const u8,
+        len: usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_c10d_store_fetch(
+        s: *mut c_void,
+        key: *const c_char,
+        data: *mut *mut u8,
+        len: *mut usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn llora_c10d_new(
+        store: *mut c_void,
         prefix: *const c_char,
         rank: c_int,
         world: c_int,
@@ -79,6 +101,69 @@ impl Drop for Handle {
     fn drop(&mut self) {
         // SAFETY: created by llora_c10d_new, freed once.
         unsafe { llora_c10d_free_group(self.0) }
+    }
+}
+
+/// A connection to the job's TCPStore, before any group (the start-up rendezvous runs on it;
+/// the groups made on it keep it alive in the shim). Keys are full keys, no prefix.
+pub struct Store(*mut c_void);
+// SAFETY: c10d's TCPStore serialises its client operations; the handle is only used through
+// the shim.
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+impl Store {
+    /// Connects to the store at `world`'s master address (serving it when `serve`), waiting up
+    /// to `connect` for its server; operations then wait up to `timeout`.
+    pub fn connect(world: &World, serve: bool, connect: Duration, timeout: Duration) -> Result<Self, String> {
+        let host =
+            CString::new(world.master_addr.clone()).map_err(|_| "MASTER_ADDR contains a NUL byte".to_string())?;
+        let (connect_ms, timeout_ms) = (connect.as_millis() as i64, timeout.as_millis() as i64);
+        let mut err = std::ptr::null_mut();
+        // SAFETY: a valid C string; err receives a malloc'd message on failure.
+        let s = unsafe {
+            llora_c10d_store_new(host.as_ptr(), world.master_port, c_int::from(serve), connect_ms, timeout_ms, &mut err)
+        };
+        if s.is_null() {
+            return Err(check(0, err).unwrap_err());
+        }
+        Ok(Self(s))
+    }
+
+    /// Whether `key` is set (no wait).
+    pub fn check(&self, key: &str) -> Result<bool, String> {
+        let k = CString::new(key).expect("keys have no NUL");
+        let (mut exists, mut err) = (0, std::ptr::null_mut());
+        // SAFETY: live store, valid key.
+        check(unsafe { llora_c10d_store_check(self.0, k.as_ptr(), &mut exists, &mut err) }, err)?;
+        Ok(exists != 0)
+    }
+
+    /// Sets `key` to `value`.
+    pub fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        let k = CString::new(key).expect("keys have no NUL");
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live store, valid key and slice.
+        check(unsafe { llora_c10d_store_put(self.0, k.as_ptr(), value.as_ptr(), value.len(), &mut err) }, err)
+    }
+
+    /// The value of `key` (waits up to the store's timeout for it).
+    pub fn fetch(&self, key: &str) -> Result<Vec<u8>, String> {
+        let k = CString::new(key).expect("keys have no NUL");
+        let (mut data, mut len, mut err) = (std::ptr::null_mut(), 0usize, std::ptr::null_mut());
+        // SAFETY: live store, valid key; the shim mallocs `data` on success.
+        check(unsafe { llora_c10d_store_fetch(self.0, k.as_ptr(), &mut data, &mut len, &mut err) }, err)?;
+        // SAFETY: `len` bytes at `data`, malloc'd by the shim and freed here.
+        let v = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        unsafe { llora_c10d_free(data as *mut c_char) };
+        Ok(v)
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: created by llora_c10d_store_new, freed once.
+        unsafe { llora_c10d_store_free(self.0) }
     }
 }
 
@@ -185,8 +270,6 @@ impl ProcessGroup {
     ) -> Result<Self, DistError> {
         let rank = members.iter().position(|&r| r == world.rank).expect("a member");
         let me = &World { rank, size: members.len(), ..world.clone() };
-        let host = CString::new(world.master_addr.clone())
-            .map_err(|_| DistError::setup(world, "MASTER_ADDR contains a NUL byte".into()))?;
         // torch's own rule under torchrun's agent store is `/worker/attempt_N`; llora's keys
         // live apart from it and, like torch's, per attempt (a subgroup's under its name).
         let prefix = match name {
@@ -199,13 +282,21 @@ impl ProcessGroup {
             Backend::Gloo => -1,
             Backend::Nccl => world.local_rank as c_int,
         };
+        let store = match name {
+            // The world's group: every rank started (or said why not) before Gloo or NCCL waits.
+            "" => super::startup::rendezvous(world, serves, timeout)?,
+            _ => Store::connect(world, false, timeout, timeout).map_err(|m| {
+                DistError::setup(
+                    world,
+                    format!("cannot reach the store at {}:{}: {m}", world.master_addr, world.master_port),
+                )
+            })?,
+        };
         let mut err = std::ptr::null_mut();
-        // SAFETY: valid C strings; err receives a malloc'd message on failure.
+        // SAFETY: a live store and valid C strings; err receives a malloc'd message on failure.
         let g = unsafe {
             llora_c10d_new(
-                host.as_ptr(),
-                world.master_port,
-                c_int::from(serves),
+                store.0,
                 prefix.as_ptr(),
                 me.rank as c_int,
                 me.size as c_int,

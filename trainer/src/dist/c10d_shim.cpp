@@ -34,6 +34,11 @@ struct Group {
 
 using llora_shim::guarded;
 
+// The job's store, shared by the groups made on it.
+struct StoreBox {
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+};
+
 void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
   // wait() rethrows the collective's failure; a false return means the timeout passed.
   if (!work->wait(timeout)) throw std::runtime_error("collective timed out");
@@ -43,24 +48,63 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds 
 
 extern "C" {
 
-// The backend of a new group: 0 = Gloo (CPU tensors), 1 = NCCL (CUDA tensors).
-// `is_server`: this process serves the TCPStore (rank 0 without torchrun's agent store).
-// `prefix`: every key of the group lives under it (llora's, per launcher attempt).
-// `cuda_device`: for NCCL, this rank's GPU (LOCAL_RANK): made the current device and bound to
-// the group, as torch.distributed.init_process_group(device_id=...) does, so that no rank opens
-// a context or a communicator on GPU 0.
-void* llora_c10d_new(const char* host, uint16_t port, int is_server, const char* prefix, int rank, int world,
-                     int backend, int cuda_device, int64_t timeout_ms, char** err) {
-  Group* group = nullptr;
+// A connection to the job's TCPStore (served by this process when `is_server`: rank 0 without
+// torchrun's agent store), before any group: the ranks' start-up rendezvous runs on it, then
+// the world's group. Connecting waits up to `connect_ms` for the server; operations then wait
+// up to `timeout_ms`.
+void* llora_c10d_store_new(const char* host, uint16_t port, int is_server, int64_t connect_ms, int64_t timeout_ms,
+                           char** err) {
+  StoreBox* box = nullptr;
   guarded(err, [&] {
-    auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
     opts.port = port;
     opts.isServer = is_server != 0;
     opts.numWorkers = std::nullopt;  // torchrun's agent store has its own; do not wait here.
     opts.waitWorkers = false;
-    opts.timeout = timeout;
+    opts.timeout = std::chrono::milliseconds(connect_ms);
     auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    tcp->setTimeout(std::chrono::milliseconds(timeout_ms));
+    box = new StoreBox{tcp};
+  });
+  return box;
+}
+
+void llora_c10d_store_free(void* s) { delete static_cast<StoreBox*>(s); }
+
+// Whether `key` (a full key, no prefix) is set, without waiting.
+int llora_c10d_store_check(void* s, const char* key, int* exists, char** err) {
+  auto* box = static_cast<StoreBox*>(s);
+  return guarded(err, [&] { *exists = box->tcp->check({std::string(key)}) ? 1 : 0; });
+}
+
+// Sets `key` (a full key) to `len` bytes.
+int llora_c10d_store_put(void* s, const char* key, const uint8_t* data, size_t len, char** err) {
+  auto* box = static_cast<StoreBox*>(s);
+  return guarded(err, [&] { box->tcp->set(std::string(key), std::vector<uint8_t>(data, data + len)); });
+}
+
+// The bytes of `key` (a full key; waits up to the store's timeout), malloc'd for the caller.
+int llora_c10d_store_fetch(void* s, const char* key, uint8_t** data, size_t* len, char** err) {
+  auto* box = static_cast<StoreBox*>(s);
+  return guarded(err, [&] {
+    auto v = box->tcp->get(std::string(key));
+    *data = static_cast<uint8_t*>(std::malloc(v.size() + 1));
+    if (!v.empty()) std::memcpy(*data, v.data(), v.size());
+    *len = v.size();
+  });
+}
+
+// The backend of a new group on `s`'s store: 0 = Gloo (CPU tensors), 1 = NCCL (CUDA tensors).
+// `prefix`: every key of the group lives under it (llora's, per launcher attempt).
+// `cuda_device`: for NCCL, this rank's GPU (LOCAL_RANK): made the current device and bound to
+// the group, as torch.distributed.init_process_group(device_id=...) does, so that no rank opens
+// a context or a communicator on GPU 0.
+void* llora_c10d_new(void* s, const char* prefix, int rank, int world, int backend, int cuda_device,
+                     int64_t timeout_ms, char** err) {
+  Group* group = nullptr;
+  guarded(err, [&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    auto tcp = static_cast<StoreBox*>(s)->tcp;
     // A prefix keeps llora's keys apart from torchrun's rendezvous keys in the agent store,
     // and one attempt's keys (Gloo's peer addresses) from a restarted attempt's.
     auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);

@@ -9,10 +9,12 @@
 mod c10d;
 mod collective;
 mod context;
+mod startup;
 mod world;
 
 pub use collective::{Backend, Collective, DistError, InFlight, PendingBytes, ReduceOp, plain_c10d_message};
 pub use context::ContextComm;
+pub use startup::announce_startup_failure;
 pub use world::{BackendChoice, DistConfig, Launcher, World};
 
 use std::path::Path;

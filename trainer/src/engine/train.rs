@@ -139,9 +139,9 @@ pub struct Resumed {
 /// `llora train --resume DIR`: reads the newest intact checkpoint in the run directory `dir`
 /// and its config with `overrides` applied on top, through the same validation as any config.
 pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed> {
-    // A live run there is the answer, whether or not it has written a checkpoint yet.
-    run_dir::refuse_if_live(dir)?;
-    let checkpoint = resume::load(dir)?;
+    // No checkpoint in the directory of a live run: the live run is the answer (only then:
+    // under a launcher, rank 0 may already hold the lock of the run every rank resumes).
+    let checkpoint = resume::load(dir).map_err(|e| run_dir::refuse_if_live(dir).err().unwrap_or(e))?;
     let name = checkpoint.dir.join("config.toml").display().to_string();
     let mut config = Config::parse(&name, &checkpoint.config_toml, overrides)?;
     // The run continues where its files are, even if the directory was moved.
