@@ -38,12 +38,15 @@
 #   scripts/gpu-check.sh                      # on a GPU node, all of the above
 #   scripts/gpu-check.sh --cpu                # the same report path on the CPU, small shapes
 #   REPORT_DIR=/tmp/r SHAPES="small:2048" TRACE=1 LIMIT_S=120 scripts/gpu-check.sh
+#   LIMIT_S=120 scripts/gpu-check.sh --check  # only check the variables (exit 0, or 2 naming one)
 set -euo pipefail
 MODE=gpu
+CHECK_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    --check) CHECK_ONLY=1 ;;
+    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,8 +64,9 @@ for v in TESTS PARITY PACKING E2E WHOLE_70B TRACE; do
   [[ -z ${!v-} || ${!v} == 0 || ${!v} == 1 ]] || refuse "$v=${!v}: say 0 or 1"
 done
 for v in LIMIT_S L_TEST L_SELFTEST L_PARITY L_BENCH L_PEER L_WHOLE L_PACKING L_E2E STEPS WHOLE_STEPS PACKING_STEPS PACKING_DOCS; do
-  [[ -z ${!v-} ]] || { [[ ${!v} =~ ^[0-9]+$ ]] && ((10#${!v} > 0)); } \
-    || refuse "$v=${!v}: a whole number above 0 (seconds for LIMIT_S and L_*)"
+  # At most 9 digits: bash's arithmetic wraps past 2^63 (a huge limit became 0 or negative).
+  [[ -z ${!v-} || ${!v} =~ ^0*[1-9][0-9]{0,8}$ ]] \
+    || refuse "$v=${!v}: a whole number from 1 to 999999999 (seconds for LIMIT_S and L_*)"
   [[ -z ${!v-} ]] || printf -v "$v" '%d' "$((10#${!v}))" # 08 is eight, not a bad octal number
 done
 for shape in ${SHAPES-}; do
@@ -80,6 +84,10 @@ fi
 cd "$(dirname "$0")/.."
 if [[ ${TESTS-} == 1 ]] && ! compgen -G "${TEST_BINS:-test-bin}/*" >/dev/null; then
   refuse "TESTS=1 but ${TEST_BINS:-$PWD/test-bin} holds no test executables (a bundle's test-bin/: scripts/gpu-bundle.sh)"
+fi
+if ((CHECK_ONLY)); then
+  echo "gpu-check.sh: the variables are usable (nothing was run)"
+  exit 0
 fi
 if [[ $MODE == gpu ]] && ! command -v nvidia-smi >/dev/null; then
   echo "gpu-check.sh: nvidia-smi not found: not an NVIDIA GPU node (use --cpu)" >&2

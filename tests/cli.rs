@@ -465,7 +465,7 @@ fn gpu_check_refuses_what_it_cannot_honour() {
     std::fs::create_dir_all(dir.path().join("no-tests")).unwrap();
     let (earlier_s, file_s) = (earlier.to_str().unwrap(), a_file.to_str().unwrap());
     let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
-        (vec![("LIMIT_S", "0")], "LIMIT_S=0: a whole number above 0"),
+        (vec![("LIMIT_S", "0")], "LIMIT_S=0: a whole number from 1 to"),
         (vec![("LIMIT_S", "-5")], "LIMIT_S=-5: a whole number"),
         (vec![("LIMIT_S", "5.5")], "LIMIT_S=5.5: a whole number"),
         (vec![("LIMIT_S", "abc")], "LIMIT_S=abc: a whole number"),

@@ -539,3 +539,205 @@ fn repeated_signals() {
         }
     });
 }
+
+/// Two ranks of one job with the launcher's variables, `args_of(rank)` each; kills rank
+/// `kill.0` after `kill.1` when asked. Returns each rank's (exit code, stderr), failing on a
+/// rank still running after `limit` (a hang), a signal other than the one sent, a panic or C++
+/// frames.
+fn two_ranks(
+    dir: &Path,
+    args_of: impl Fn(usize) -> Vec<String>,
+    kill: Option<(usize, Duration)>,
+    limit: Duration,
+) -> Result<Vec<(Option<i32>, String)>, String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut children = Vec::new();
+    for rank in 0..2 {
+        let args = args_of(rank);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let child = common::llora_command(dir, &args)
+            .envs([("RANK", rank.to_string()), ("LOCAL_RANK", rank.to_string())])
+            .envs([("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")])
+            .env("MASTER_PORT", &port)
+            .env("OMP_WAIT_POLICY", "PASSIVE")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        children.push(child);
+    }
+    let start = Instant::now();
+    let mut killed = false;
+    while children.iter_mut().any(|c| c.try_wait().ok().flatten().is_none()) {
+        if let Some((victim, after)) = kill
+            && !killed
+            && start.elapsed() >= after
+        {
+            let _ = children[victim].kill();
+            killed = true;
+        }
+        if start.elapsed() > limit {
+            children.iter_mut().for_each(|c| drop(c.kill()));
+            return Err(format!("a rank still running after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut out = Vec::new();
+    for (rank, child) in children.into_iter().enumerate() {
+        let o = child.wait_with_output().map_err(|e| e.to_string())?;
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        let victim = kill.is_some_and(|(v, _)| v == rank);
+        if (o.status.code().is_none() && !victim) || stderr.contains("panicked") || stderr.contains("frame #") {
+            return Err(format!("rank {rank} ended {:?}: {stderr}", o.status));
+        }
+        out.push((o.status.code(), stderr));
+    }
+    Ok(out)
+}
+
+/// Ranks that disagree on one config key (rank 1 given a hostile value of any key): both end
+/// within a bound, neither panics; a value rank 1 refuses is named by rank 0 as rank 1's
+/// start-up failure, one it takes that changes the config makes both refuse naming the key
+/// (or, for the context-parallel size, saying the ranks differ).
+#[test]
+fn ranks_that_disagree_on_a_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
+    let keys: Vec<String> = config_keys().into_iter().filter(|k| !k.starts_with("dist.")).collect();
+    let base = Config::load(Some(Path::new(&config)), &[]).unwrap();
+    let n = std::sync::atomic::AtomicUsize::new(0);
+    proptest!(Runner { max_shrink_iters: 2, ..runner(6) }, |(key in prop::sample::select(keys), value in hostile_value())| {
+        let run = dir.path().join(format!("run-{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+        let set = format!("{key}={value}");
+        let args_of = |rank: usize| {
+            let mut args = common::short_run_args(&config, &run);
+            args.extend(["--set".into(), "schedule.max_steps=1".into(), "--set".into(), "dist.timeout_s=30".into()]);
+            if rank == 1 {
+                args.extend(["--set".into(), set.clone()]);
+            }
+            args
+        };
+        eprintln!("fuzz: rank 1 with --set {set}");
+        let ranks = two_ranks(dir.path(), args_of, None, Duration::from_secs(90));
+        prop_assert!(ranks.is_ok(), "--set {set}: {}", ranks.unwrap_err());
+        let ranks = ranks.unwrap();
+        let alone = set.parse::<Override>().map_err(|e| e.to_string()).and_then(|o| {
+            Config::load(Some(Path::new(&config)), &[o]).map_err(|e| e.to_string())
+        });
+        let stderr0 = &ranks[0].1;
+        match alone {
+            Err(_) => prop_assert!(stderr0.contains("rank 1 failed at start-up"), "--set {set}: {stderr0}"),
+            Ok(c) if c.to_toml() != base.to_toml() && key != "run.dir" => {
+                prop_assert!(ranks.iter().all(|(code, _)| *code == Some(1)), "--set {set}: {ranks:?}");
+                let named = stderr0.contains(key.as_str()) || stderr0.contains("rank 1 failed at start-up");
+                prop_assert!(named, "--set {set}: rank 0 does not name it: {stderr0}");
+            }
+            Ok(_) => {}
+        }
+    });
+}
+
+/// A rank that dies during start-up (its config missing, or SIGKILLed 0-3 s in): the other
+/// ends within a bound naming a rank, without a panic or C++ frames.
+#[test]
+fn a_rank_dying_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
+    let n = std::sync::atomic::AtomicUsize::new(0);
+    proptest!(Runner { max_shrink_iters: 2, ..runner(4) }, |(victim in 0usize..2, missing in prop::bool::ANY, after_ms in 0u64..3000)| {
+        let run = dir.path().join(format!("run-{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+        let args_of = |rank: usize| {
+            let file = if rank == victim && missing { "missing.toml".to_string() } else { config.clone() };
+            let mut args = common::short_run_args(&file, &run);
+            args.extend(["--set".into(), "schedule.max_steps=1000".into(), "--set".into(), "dist.timeout_s=10".into()]);
+            args
+        };
+        let kill = (!missing).then_some((victim, Duration::from_millis(after_ms)));
+        eprintln!("fuzz: rank {victim} {}", if missing { "without its config".into() } else { format!("killed after {after_ms} ms") });
+        let ranks = two_ranks(dir.path(), args_of, kill, Duration::from_secs(60));
+        prop_assert!(ranks.is_ok(), "{}", ranks.unwrap_err());
+        let ranks = ranks.unwrap();
+        let (code, stderr) = &ranks[1 - victim];
+        prop_assert!(*code == Some(1), "the other rank: {code:?} {stderr}");
+        let names = [format!("rank {victim} failed at start-up"), format!("lost rank {victim}"), format!("ranks [{victim}] did not start")];
+        let named = names.iter().any(|n| stderr.contains(n.as_str())) || stderr.contains("cannot reach the store");
+        prop_assert!(named, "the other rank does not name rank {victim}: {stderr}");
+    });
+}
+
+/// gpu-check's variables (`--check`: validated, nothing run) with hostile values, against the
+/// rules its --help states, rewritten here: 0/1 switches, whole numbers of 1 to 9 digits above
+/// 0, PRESET:SEQ_LEN shapes, fp32/bf16/fp8 precisions. Exit 0 exactly when every value keeps
+/// the rules, else 2 naming a variable that breaks one; never a bash error or a traceback.
+#[test]
+fn gpu_check_variables() {
+    let switches = ["TESTS", "PARITY", "PACKING", "E2E", "WHOLE_70B", "TRACE"];
+    let numbers = ["LIMIT_S", "L_TEST", "L_BENCH", "L_PEER", "STEPS", "WHOLE_STEPS", "PACKING_DOCS"];
+    let lists = ["SHAPES", "PRECISIONS", "E2E_PRECISIONS"];
+    let vars: Vec<&str> = switches.iter().chain(&numbers).chain(&lists).copied().collect();
+    let values = prop_oneof![
+        Just(String::new()),
+        Just("0".to_string()),
+        Just("1".to_string()),
+        Just("08".to_string()),
+        Just("-5".to_string()),
+        Just("5.5".to_string()),
+        Just("yes".to_string()),
+        Just("tiny".to_string()),
+        Just("tiny:128 small:2048".to_string()),
+        Just("bf16 fp8".to_string()),
+        Just("fp16".to_string()),
+        Just("18446744073709551616".to_string()),
+        Just("*".to_string()),
+        Just("$(echo x):1".to_string()),
+        "[0-9]{1,12}",
+        "[a-z0-9:. ]{0,12}",
+    ];
+    let ok = |var: &str, value: &str| -> bool {
+        let words: Vec<&str> = value.split_whitespace().collect();
+        if switches.contains(&var) {
+            // TESTS=1 needs test executables; TEST_BINS below is an empty folder.
+            return value.is_empty() || value == "0" || (value == "1" && var != "TESTS");
+        }
+        if numbers.contains(&var) {
+            let digits = value.trim_start_matches('0');
+            return value.is_empty() || (value.bytes().all(|b| b.is_ascii_digit()) && (1..=9).contains(&digits.len()));
+        }
+        if var == "SHAPES" {
+            return words.iter().all(|w| {
+                w.split_once(':').is_some_and(|(p, n)| {
+                    !p.is_empty()
+                        && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+                        && !n.is_empty()
+                        && n.bytes().all(|b| b.is_ascii_digit())
+                })
+            });
+        }
+        words.iter().all(|w| ["fp32", "bf16", "fp8"].contains(w))
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let script = common::root().join("scripts/gpu-check.sh");
+    let assignments = prop::collection::vec((prop::sample::select(vars), values), 1..4);
+    proptest!(runner(96), |(set in assignments)| {
+        let mut cmd = std::process::Command::new(&script);
+        cmd.args(["--cpu", "--check"]).current_dir(dir.path()).env("TEST_BINS", dir.path());
+        for (var, value) in &set {
+            cmd.env(var, value);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // The last assignment of a variable is the one the script sees.
+        let seen: std::collections::BTreeMap<&str, &str> = set.iter().map(|(v, x)| (*v, x.as_str())).collect();
+        let bad: Vec<&str> = seen.iter().filter(|(v, x)| !ok(v, x)).map(|(v, _)| *v).collect();
+        for noise in ["unbound variable", "syntax error", "Traceback", "command not found"] {
+            prop_assert!(!stderr.contains(noise), "{set:?}: {stderr}");
+        }
+        if bad.is_empty() {
+            prop_assert!(out.status.code() == Some(0), "{set:?} refused: {stderr}");
+        } else {
+            prop_assert!(out.status.code() == Some(2), "{set:?} accepted (bad: {bad:?}): {stderr}");
+            let named = bad.iter().any(|v| stderr.contains(v)) || (bad.iter().any(|v| v.ends_with("PRECISIONS")) && stderr.contains("PRECISIONS"));
+            prop_assert!(named, "{set:?}: names none of {bad:?}: {stderr}");
+        }
+    });
+}

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
-use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat, MlperfCommand};
+use llora_trainer::cli::{Cli, Command, ConfigCommand, LogFormat};
 use llora_trainer::commands;
 use tracing_subscriber::EnvFilter;
 
@@ -24,16 +24,21 @@ fn main() -> ExitCode {
     // `--version` names the LibTorch build llora runs with, known only at run time.
     let version: &'static str =
         Box::leak(format!("{} ({})", env!("CARGO_PKG_VERSION"), llora_model::device::libtorch_summary()).into());
-    let cli = match Cli::from_arg_matches(&Cli::command().version(version).get_matches()) {
+    // The commands whose ranks join one world under a launcher.
+    let args: Vec<String> = std::env::args().skip(1).take(2).collect();
+    let joins_a_world = matches!(args.first().map(String::as_str), Some("train" | "bench"))
+        || args.iter().map(String::as_str).eq(["mlperf", "run"]);
+    let cli = match Cli::command().version(version).try_get_matches().and_then(|m| Cli::from_arg_matches(&m)) {
         Ok(cli) => cli,
-        Err(e) => e.exit(),
+        Err(e) => {
+            if joins_a_world && e.use_stderr() {
+                // A rank refused on its command line: the others would wait for it.
+                llora_trainer::dist::announce_startup_failure(&e.to_string());
+            }
+            e.exit()
+        }
     };
     init_tracing(cli.log_format);
-    // The commands whose ranks join one world under a launcher.
-    let joins_a_world = matches!(
-        cli.command,
-        Command::Train(_) | Command::Bench(_) | Command::Mlperf { command: MlperfCommand::Run(_) }
-    );
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -53,7 +53,7 @@ unsafe extern "C" {
     fn llora_c10d_bound_device(g: *mut c_void) -> c_int;
     fn llora_c10d_free_group(g: *mut c_void);
     fn llora_c10d_free(s: *mut c_char);
-    fn llora_c10d_quiet_warnings();
+    fn llora_c10d_log_level(level: c_int) -> c_int;
     fn llora_c10d_all_reduce(g: *mut c_void, t: *mut torch_sys::C_tensor, op: c_int, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_broadcast(g: *mut c_void, t: *mut torch_sys::C_tensor, root: c_int, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_all_gather_start(
@@ -102,6 +102,21 @@ impl Drop for Handle {
         // SAFETY: created by llora_c10d_new, freed once.
         unsafe { llora_c10d_free_group(self.0) }
     }
+}
+
+/// c10's log threshold that keeps errors only (c10d's warnings each carry a C++ stack).
+const C10_ERRORS: c_int = 2;
+
+/// `f` with c10's logs off (restored after): connection attempts to a store whose server is
+/// not up yet, each of which c10d logs as a warning, then an error, with ~25 lines of C++
+/// frames; the caller reports the failure itself.
+pub fn without_c10_logs<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sets an integer of c10's (3: fatal only).
+    let old = unsafe { llora_c10d_log_level(3) };
+    let out = f();
+    // SAFETY: as above.
+    unsafe { llora_c10d_log_level(old.max(0)) };
+    out
 }
 
 /// A connection to the job's TCPStore, before any group (the start-up rendezvous runs on it;
@@ -414,9 +429,13 @@ impl ProcessGroup {
 
     fn fail(&self, op: &'static str, message: String) -> DistError {
         tracing::debug!(op, "c10d's message, as it came: {message}");
-        // The probes of the peers' heartbeats that follow may each meet a dead store.
-        // SAFETY: sets an integer of c10's.
-        unsafe { llora_c10d_quiet_warnings() };
+        // The probes of the peers' heartbeats that follow may each meet a dead store: c10's
+        // warnings are off from here on (the group has failed).
+        // SAFETY: sets an integer of c10's (a higher threshold a user set stays).
+        unsafe {
+            let old = llora_c10d_log_level(C10_ERRORS);
+            llora_c10d_log_level(old.max(C10_ERRORS));
+        }
         let message = plain_c10d_message(&message);
         let (rank, world, lost) = (self.members[self.world.rank], self.whole, self.lost_ranks());
         DistError::Collective { op, rank, world, lost, message }

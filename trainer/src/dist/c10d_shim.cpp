@@ -255,11 +255,15 @@ int llora_c10d_store_get(void* g, const char* key, uint8_t** data, size_t* len, 
   });
 }
 
-// Raises c10's log threshold to errors, for good: called once a collective has failed, when each
-// store read that follows may meet a dead peer and c10d's TCPStore would log every failed read
-// as a warning carrying its C++ stack (~25 lines before llora's one-line error).
-void llora_c10d_quiet_warnings() {
-  if (FLAGS_caffe2_log_level < 2) FLAGS_caffe2_log_level = 2;
+// Sets c10's log threshold (0 info, 1 warning, 2 error, 3 fatal) and returns the one it replaces. Raised
+// to errors where each failed store read or connection attempt would be logged as a warning
+// carrying its C++ stack (~25 lines before llora's one-line error): after a collective failed
+// (the peers' heartbeats are probed on a store that may be dead) and while the start-up
+// rendezvous waits for the store's server.
+int llora_c10d_log_level(int level) {
+  int old = FLAGS_caffe2_log_level;
+  FLAGS_caffe2_log_level = level;
+  return old;
 }
 
 int llora_c10d_store_add(void* g, const char* key, int64_t delta, int64_t* value, char** err) {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tracing::info;
 
-use super::c10d::Store;
+use super::c10d::{Store, without_c10_logs};
 use super::collective::DistError;
 use super::world::{DistConfig, World};
 
@@ -91,7 +91,7 @@ fn connect(world: &World, serve: bool, timeout: Duration) -> Result<Store, DistE
     let started = Instant::now();
     loop {
         let left = timeout.saturating_sub(started.elapsed());
-        match Store::connect(world, serve, left.min(NOTE_EVERY), timeout) {
+        match without_c10_logs(|| Store::connect(world, serve, left.min(NOTE_EVERY), timeout)) {
             Ok(store) => return Ok(store),
             Err(m) if serve || started.elapsed() >= timeout => {
                 return Err(DistError::setup(
@@ -124,7 +124,9 @@ pub fn announce_startup_failure(message: &str) {
         return;
     }
     let serve = world.serves_store();
-    let Ok(store) = Store::connect(&world, serve, ANNOUNCE_FOR, ANNOUNCE_FOR) else { return };
+    let Ok(store) = without_c10_logs(|| Store::connect(&world, serve, ANNOUNCE_FOR, ANNOUNCE_FOR)) else {
+        return;
+    };
     let one_line: String = message.lines().map(str::trim).collect::<Vec<_>>().join(" ").chars().take(2000).collect();
     if store.put(&key(&world, world.rank), format!("{FAILED}{one_line}").as_bytes()).is_err() || !serve {
         return;
