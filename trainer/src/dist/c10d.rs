@@ -252,10 +252,10 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Joins the group of `world` (TCPStore at its master address, server or client by the
-    /// launcher's rule) on `backend`; collectives fail after `timeout`.
-    pub fn new(world: &World, backend: Backend, timeout: Duration) -> Result<Self, DistError> {
-        Self::join(world, (0..world.size).collect(), "", backend, timeout)
+    /// Joins the group of `world` on `store` (the job's TCPStore, reached and agreed on at
+    /// start-up: `dist/startup.rs`) on `backend`; collectives fail after `timeout`.
+    pub fn new(world: &World, store: Store, backend: Backend, timeout: Duration) -> Result<Self, DistError> {
+        Self::join(world, (0..world.size).collect(), "", store, backend, timeout)
     }
 
     /// Joins the subgroup `name` of `world` whose members are the world's ranks `members` (in
@@ -272,7 +272,13 @@ impl ProcessGroup {
         if !members.contains(&world.rank) {
             return Err(DistError::setup(world, format!("rank {} is not a member of group {name}", world.rank)));
         }
-        Self::join(world, members, name, backend, timeout)
+        let store = Store::connect(world, false, timeout, timeout).map_err(|m| {
+            DistError::setup(
+                world,
+                format!("cannot reach the store at {}:{}: {m}", world.master_addr, world.master_port),
+            )
+        })?;
+        Self::join(world, members, name, store, backend, timeout)
     }
 
     /// Joins `members` of `world` (all of it, or a subgroup named `name`) on `world`'s store.
@@ -280,6 +286,7 @@ impl ProcessGroup {
         world: &World,
         members: Vec<usize>,
         name: &str,
+        store: Store,
         backend: Backend,
         timeout: Duration,
     ) -> Result<Self, DistError> {
@@ -292,20 +299,9 @@ impl ProcessGroup {
             _ => format!("llora/attempt_{}/{name}", world.attempt),
         };
         let prefix = CString::new(prefix).map_err(|_| DistError::setup(world, "a NUL byte in a group name".into()))?;
-        let serves = world.serves_store() && name.is_empty();
         let cuda_device = match backend {
             Backend::Gloo => -1,
             Backend::Nccl => world.local_rank as c_int,
-        };
-        let store = match name {
-            // The world's group: every rank started (or said why not) before Gloo or NCCL waits.
-            "" => super::startup::rendezvous(world, serves, timeout)?,
-            _ => Store::connect(world, false, timeout, timeout).map_err(|m| {
-                DistError::setup(
-                    world,
-                    format!("cannot reach the store at {}:{}: {m}", world.master_addr, world.master_port),
-                )
-            })?,
         };
         let mut err = std::ptr::null_mut();
         // SAFETY: a live store and valid C strings; err receives a malloc'd message on failure.
@@ -643,7 +639,8 @@ mod tests {
         for graceful in [true, false] {
             let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
             let world = World { master_addr: "127.0.0.1".into(), master_port: port, ..World::single() };
-            let pg = ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
+            let store = Store::connect(&world, true, Duration::from_secs(20), Duration::from_secs(20)).unwrap();
+            let pg = ProcessGroup::new(&world, store, Backend::Gloo, Duration::from_secs(20)).unwrap();
             assert!(pg.heartbeat_running());
             assert_eq!(pg.bound_device(), None, "Gloo binds no CUDA device");
             let mut buf = [2.0f32, 3.0];

@@ -206,7 +206,7 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize, named:
     }
     let backend = backend_for(config, cuda)?;
     let timeout = Duration::from_secs(config.timeout_s);
-    let pg = c10d::ProcessGroup::new(&world, backend, timeout)?;
+    let pg = world_group(&world, backend, timeout)?;
     same_context_everywhere(&pg, context, named)?;
     anyhow::ensure!(
         context >= 1 && world.size.is_multiple_of(context),
@@ -234,6 +234,13 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize, named:
         );
     }
     Ok(Dist { world, comm: Arc::new(pg), context })
+}
+
+/// The world's process group, once every rank has reached the store and said it started
+/// ([`startup`]).
+fn world_group(world: &World, backend: Backend, timeout: Duration) -> Result<c10d::ProcessGroup, DistError> {
+    let store = startup::rendezvous(world, world.serves_store(), timeout)?;
+    c10d::ProcessGroup::new(world, store, backend, timeout)
 }
 
 /// Refuses, on every rank, ranks started with different context-parallel sizes, naming each.
@@ -266,7 +273,7 @@ pub fn single_process_group(cuda: bool) -> anyhow::Result<(Backend, Arc<dyn Coll
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let world = World { master_addr: "127.0.0.1".into(), master_port: port, ..World::single() };
     let backend = backend_for(&DistConfig::default(), cuda)?;
-    let pg = c10d::ProcessGroup::new(&world, backend, Duration::from_secs(60))?;
+    let pg = world_group(&world, backend, Duration::from_secs(60))?;
     Ok((backend, Arc::new(pg)))
 }
 
@@ -403,7 +410,7 @@ mod tests {
                         master_port: port,
                         ..World::single()
                     };
-                    let pg = c10d::ProcessGroup::new(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
+                    let pg = world_group(&world, Backend::Gloo, Duration::from_secs(20)).unwrap();
                     let out = f(rank, &pg);
                     pg.shutdown().unwrap();
                     out
