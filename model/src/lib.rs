@@ -7,8 +7,6 @@ pub mod context;
 pub mod device;
 pub mod dropout;
 pub mod fp8;
-pub mod fp8_amax_group;
-pub mod fp8_format;
 pub mod generate;
 pub mod kernels;
 pub mod layout;

@@ -180,7 +180,7 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
 pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
     // A check runs on one rank alone: its amaxes are its own (a reduction would wait for
     // ranks that never reach it).
-    let check = || crate::fp8_amax_group::with_amax_group(None, check);
+    let check = || crate::fp8::amax_group::with_amax_group(None, check);
     std::panic::catch_unwind(AssertUnwindSafe(check))
         .unwrap_or_else(|payload| Err(format!("the check panicked: {}", panic_message(&payload))))
 }

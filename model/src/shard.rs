@@ -79,7 +79,7 @@ impl ShardKind {
         match self {
             Self::F32 => Kind::Float,
             Self::Bf16 => Kind::BFloat16,
-            Self::Fp8(_) => crate::fp8::Fp8Format::E4M3.kind(),
+            Self::Fp8(_) => crate::fp8::format::Fp8Format::E4M3.kind(),
             Self::Nf4(..) => Kind::Uint8,
         }
     }

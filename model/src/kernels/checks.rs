@@ -4,7 +4,7 @@
 
 use super::launch::address;
 use super::nvrtc::KernelError;
-use crate::fp8_format::Fp8Format;
+use crate::fp8::format::Fp8Format;
 
 /// What a kernel needs of one tensor argument.
 pub struct Expect<'a> {

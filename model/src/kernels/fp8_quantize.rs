@@ -7,7 +7,7 @@ use std::ffi::c_void;
 
 use super::launch::{THREADS, address, arg, ceil_div, cuda_index, grid_stride, launch as launch_kernel};
 use super::nvrtc::{KernelError, Source};
-use crate::fp8_format::Fp8Format;
+use crate::fp8::format::Fp8Format;
 
 /// The kernels' source.
 pub const SOURCE: Source = Source {

@@ -117,7 +117,7 @@ fn codes_of(y: &tch::Tensor, c: &DelayedCodes<'_>) -> tch::Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fp8_format::Fp8Format;
+    use crate::fp8::format::Fp8Format;
     use crate::kernels::checks::{assert_refused, host_bytes};
     use tch::{Kind, Tensor};
 

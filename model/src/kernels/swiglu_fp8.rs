@@ -8,7 +8,7 @@ pub use super::checks::DelayedCodes;
 use super::checks::{Expect, codes_params};
 use super::launch::{THREADS, address, arg, cuda_index, grid_stride, launch};
 use super::nvrtc::{KernelError, Source};
-use crate::fp8_format::Fp8Format;
+use crate::fp8::format::Fp8Format;
 
 /// The kernels' source (after the shared device helpers).
 pub const SOURCE: Source = Source {

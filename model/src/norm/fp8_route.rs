@@ -6,7 +6,7 @@
 //! Checked on first use against the LibTorch route (logged either way); elsewhere the norm
 //! runs as before. Untested on a GPU until the bundle ran there (docs/gpu.md).
 
-use crate::fp8_format::Fp8Format;
+use crate::fp8::format::Fp8Format;
 use crate::kernels::checks::host_bytes;
 use crate::kernels::rmsnorm_fp8::{self, DelayedCodes, ForwardArgs};
 use crate::routes::Verdicts;

@@ -22,7 +22,7 @@ use crate::shard::FrozenWeight;
 mod shared_input {
     use std::cell::{Cell, RefCell};
 
-    use crate::fp8::Fp8Format;
+    use crate::fp8::format::Fp8Format;
 
     /// The input last quantised in the current scope, its codes and amax.
     struct Last {

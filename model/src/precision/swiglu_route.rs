@@ -4,7 +4,7 @@
 //! (once per device, against the LibTorch route, logged either way) LibTorch's ops run
 //! (`nodes.rs` `Kept`). Untested on a GPU until the bundle ran there (docs/gpu.md).
 
-use crate::fp8_format::Fp8Format;
+use crate::fp8::format::Fp8Format;
 use crate::kernels::checks::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
 use crate::routes::Verdicts;
@@ -28,11 +28,11 @@ pub fn used() -> bool {
 /// Whether SwiGLU of `gate` kept as `storage` takes our kernel: FP8 storage, bf16 inputs, a
 /// device taking the CUDA routes with `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there;
 /// not under a context-parallel amax group (the kernel's current scales are its gate's and
-/// up's own: `crate::fp8_amax_group`).
+/// up's own: `crate::fp8::amax_group`).
 pub fn takes_kernel(gate: &tch::Tensor, storage: Storage) -> bool {
     let device = gate.device();
     storage == Storage::Fp8
-        && !crate::fp8_amax_group::active()
+        && !crate::fp8::amax_group::active()
         && gate.kind() == tch::Kind::BFloat16
         && crate::routes::takes_cuda_routes(device)
         && crate::routes::fused_routes()

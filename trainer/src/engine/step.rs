@@ -104,7 +104,7 @@ pub struct MicroGrads {
 /// [`micro_batch_grads`] without reading anything back: the host queues the forward and the
 /// backward without waiting for the device, unless `sync` asks for real phase times. Under
 /// context parallelism the FP8 scales chosen inside (first uses, current scaling) come from
-/// the whole sequence's amaxes, as one process's would (`llora_model::fp8_amax_group`).
+/// the whole sequence's amaxes, as one process's would (`llora_model::fp8::amax_group`).
 pub fn grads_on_device(
     model: &mut LlamaForCausalLM,
     mb: MicroBatch,
@@ -113,7 +113,7 @@ pub fn grads_on_device(
     sync: bool,
 ) -> anyhow::Result<MicroGrads> {
     let group = model.context.as_ref().map(|c| c.group.clone());
-    llora_model::fp8_amax_group::with_amax_group(group, || grads_of(model, mb, norm, recompute, sync))
+    llora_model::fp8::amax_group::with_amax_group(group, || grads_of(model, mb, norm, recompute, sync))
 }
 
 /// [`grads_on_device`] inside its amax scope.

@@ -1,6 +1,7 @@
 //! The two FP8 formats (E4M3, E5M2): their ranges, torch dtypes, and a scalar, exact
 //! emulation of torch's `float32 → float8` cast that the tests hold LibTorch's casts (and our
-//! kernels) to. A leaf: the quantisation routes (`fp8.rs`) and the kernels (`kernels/`) use it.
+//! kernels) to. A leaf: the quantisation routes (`quantize.rs`) and the kernels (`kernels/`)
+//! use it.
 
 use serde::{Deserialize, Serialize};
 
@@ -119,5 +120,92 @@ impl Fp8Format {
     /// Inverse of [`Self::quantize_slice`]: `decode(q) · scale_inv`.
     pub fn dequantize_slice(self, qs: &[u8], scale_inv: f32) -> Vec<f32> {
         qs.iter().map(|&q| self.decode(q) * scale_inv).collect()
+    }
+}
+
+/// What the tests of the FP8 code hold codes to: torch's own casts.
+#[cfg(test)]
+pub(crate) mod checks {
+    use super::Fp8Format;
+    use tch::{Kind, Tensor};
+
+    pub(crate) fn torch_encode(xs: &[f32], format: Fp8Format) -> Vec<u8> {
+        let t = Tensor::from_slice(xs).to_kind(format.kind()).view_dtype(Kind::Uint8);
+        Vec::<u8>::try_from(&t).unwrap()
+    }
+
+    pub(crate) fn torch_decode(codes: &[u8], format: Fp8Format) -> Vec<f32> {
+        let t = Tensor::from_slice(codes).view_dtype(format.kind()).to_kind(Kind::Float);
+        Vec::<f32>::try_from(&t).unwrap()
+    }
+
+    pub(crate) fn assert_codes_match(xs: &[f32], format: Fp8Format) {
+        let want = torch_encode(xs, format);
+        for (i, (&x, &w)) in xs.iter().zip(&want).enumerate() {
+            let got = format.encode(x);
+            assert_eq!(
+                got,
+                w,
+                "{format:?}: encode({x:e}) (bits {:#010x}, element {i}) = {got:#04x}, torch {w:#04x}",
+                x.to_bits()
+            );
+        }
+    }
+
+    pub(crate) fn same_value(a: f32, b: f32) -> bool {
+        (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::checks::*;
+    use super::*;
+
+    /// Every one of the 256 codes decodes to torch's value, and every finite value encodes
+    /// back to its own code (both signs of zero included).
+    #[test]
+    fn every_code_matches_torch() {
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let codes: Vec<u8> = (0..=255).collect();
+            let torch = torch_decode(&codes, format);
+            let mut finite = Vec::new();
+            for (&c, &t) in codes.iter().zip(&torch) {
+                let v = format.decode(c);
+                assert!(same_value(v, t), "{format:?}: decode({c:#04x}) = {v}, torch {t}");
+                if v.is_finite() {
+                    assert_eq!(format.encode(v), c, "{format:?}: {v} does not encode to its code {c:#04x}");
+                    finite.push(v);
+                }
+            }
+            assert_codes_match(&finite, format);
+            let expect_finite = match format {
+                Fp8Format::E4M3 => 254, // 2 NaN codes
+                Fp8Format::E5M2 => 248, // 2 infinities + 6 NaN codes
+            };
+            assert_eq!(finite.len(), expect_finite);
+            assert_eq!(finite.iter().copied().fold(0.0, f32::max), format.max());
+        }
+    }
+
+    /// Midpoints between neighbouring values (ties: to even), the f32 neighbours of each
+    /// midpoint, and the same past the top of the range and below the smallest subnormal.
+    #[test]
+    fn ties_and_their_neighbours_match_torch() {
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let mut values: Vec<f32> = (0..0x7F).map(|c| format.decode(c)).filter(|v| v.is_finite()).collect();
+            let step = values[values.len() - 1] - values[values.len() - 2];
+            values.push(format.max() + step); // the first value past the range
+            let mut xs = Vec::new();
+            for w in values.windows(2) {
+                let mid = (w[0] + w[1]) / 2.0; // exact: a few significant bits
+                for x in [mid, mid.next_down(), mid.next_up(), w[0].next_up(), w[1].next_down()] {
+                    xs.extend([x, -x]);
+                }
+            }
+            // Far below the smallest subnormal, f32 subnormals, and f32's extremes.
+            xs.extend([1e-30, f32::from_bits(1), f32::MIN_POSITIVE, f32::MAX, 1e10, 0.0, -0.0]);
+            assert_codes_match(&xs, format);
+        }
     }
 }

@@ -1,0 +1,32 @@
+//! FP8: how llora computes in 8-bit floats, as Transformer Engine's hybrid recipe does (E4M3
+//! forward, E5M2 gradients, per-tensor scales). The map, one idea a file:
+//!
+//! | idea | where |
+//! |---|---|
+//! | the formats E4M3 / E5M2, and an exact scalar emulation of torch's cast | [`format`](mod@format) |
+//! | the recipe: delayed-scaling settings and one tensor's amax history and scale | [`recipe`] |
+//! | quantise / dequantise / amax, each on the fastest route its device checked | [`quantize`] |
+//! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
+//! | each linear layer's three scale states (input, weight, gradient) | `precision/scaling.rs` |
+//! | the FP8 linear: GEMM operands, what is saved for backward | `precision/linear.rs`, `precision/nodes.rs` |
+//! | the GEMMs on `_scaled_mm` (and the CPU's emulation) | `precision/scaled_mm.rs` |
+//! | frozen weights stored as codes + scale | `precision/weights.rs` |
+//! | FP8-kept SwiGLU input, RMSNorm writing codes | `precision/swiglu_route.rs`, `norm/fp8_route.rs` |
+//! | our NVRTC kernels and their CPU stand-ins | `kernels/` |
+//! | a route's first-use check and fallback | `routes.rs` |
+//! | the step's end: amaxes max-reduced over ranks, then every scale updated | the trainer's `engine/step.rs` (`LlamaForCausalLM::update_fp8_scales`) |
+//!
+//! A tensor is quantised as `q = cast(clamp(x·s, ±max))` and stands for `float(q) · (1/s)`.
+//! Delayed scaling takes `s` from the amaxes of earlier steps (a role's first use from its own
+//! amax); tensors that are only stored (activations kept for backward) take current scaling,
+//! `s` from their own amax, computed on the device. docs/precision.md says what runs in which
+//! format and why.
+
+pub mod amax_group;
+pub mod format;
+pub mod quantize;
+pub mod recipe;
+
+pub use format::Fp8Format;
+pub use quantize::*;
+pub use recipe::{AmaxAlgo, AmaxSpec, DelayedScaling, scale_for_amax};
