@@ -342,9 +342,9 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
     let norm = selftest.iter().find(|r| r["part"] == "norm").unwrap();
     assert!(norm["checks"].as_array().unwrap().is_empty(), "{norm}");
     let skipped: Vec<&str> = norm["skipped"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
-    assert!(skipped.contains(&"RMSNorm fused kernels"), "{norm}");
+    assert!(skipped.contains(&"RMSNorm fused kernels BFloat16"), "{norm}");
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
-    assert!(md.contains("| RMSNorm fused kernels | skipped | CUDA only"), "{md}");
+    assert!(md.contains("| RMSNorm fused kernels BFloat16 | skipped | CUDA only"), "{md}");
     assert_eq!(report["final"], true);
     let allreduce = &section("allreduce")[0]["checks"][0];
     assert!(allreduce["ok"] == true && allreduce["detail"].as_str().unwrap().starts_with("2 ranks"), "{allreduce}");

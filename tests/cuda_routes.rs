@@ -72,6 +72,13 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     ] {
         named(&attention, name);
     }
+    // Every route of the one list is checked in its part, whatever the list holds (a route
+    // added to llora_model::route_list appears here without touching selftest).
+    let parts = [("gemm", &gemm), ("norm", &norm), ("attention", &attention)];
+    for route in llora_model::route_list::all() {
+        let (_, checks) = parts.iter().find(|(p, _)| *p == route.part).expect("a part selftest runs");
+        named(checks, route.name);
+    }
 }
 
 /// A short FP8 bench on the CPU: with the switch, every step takes our quantise kernels (their
@@ -110,6 +117,13 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["swiglu"], "kernel", "{r}");
     // The norms wrote their projections' FP8 input (the measured step has scales to use).
     assert_eq!(r["rms_norm_fp8_codes"], true, "{r}");
+    // The bench lists every route of the one list, in its order, with what this run took.
+    let listed: Vec<&str> = r["route_list"].as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap()).collect();
+    let list: Vec<&str> = llora_model::route_list::all().iter().map(|route| route.name).collect();
+    assert_eq!(listed, list, "{r}");
+    let used =
+        |name: &str| r["route_list"].as_array().unwrap().iter().find(|x| x["name"] == name).unwrap()["used"].clone();
+    assert_eq!(used("FP8 SwiGLU kernel (ours, NVRTC)"), true, "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");

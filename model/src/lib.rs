@@ -25,6 +25,7 @@ pub mod precision;
 pub mod profile;
 pub mod recompute;
 pub mod rope;
+pub mod route_list;
 pub mod routes;
 pub mod saved;
 pub mod scoped;

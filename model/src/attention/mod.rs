@@ -25,7 +25,7 @@ mod fused;
 mod varlen;
 
 pub use fused::{FusedKernel, verify};
-pub use varlen::{VarlenSpans, verify as verify_varlen};
+pub use varlen::{VarlenSpans, used as varlen_used, verify as verify_varlen};
 
 use std::cell::Cell;
 use std::sync::Arc;

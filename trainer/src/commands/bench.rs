@@ -714,6 +714,12 @@ fn routes() -> Value {
         "swiglu": if llora_model::precision::swiglu_route::used() { "kernel" } else { "libtorch" },
         // Whether the norms wrote their projections' FP8 input (kernels/rmsnorm_fp8.cu).
         "rms_norm_fp8_codes": llora_model::norm::fp8_route::used(),
+        // Every CUDA route of the one list (llora_model::route_list), and whether this run took
+        // it (null: the route does not count its uses).
+        "route_list": llora_model::route_list::all()
+            .iter()
+            .map(|r| json!({"name": r.name, "part": r.part, "used": r.used.map(|used| used())}))
+            .collect::<Vec<_>>(),
     })
 }
 

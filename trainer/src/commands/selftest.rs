@@ -18,7 +18,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor};
-use llora_model::attention::{FusedKernel, verify, verify_varlen};
+use llora_model::attention::{FusedKernel, verify};
 use llora_model::device::DeviceSpec;
 use llora_model::precision::scaled_mm::check_layer_gemms;
 use serde_json::{Value, json};
@@ -60,50 +60,27 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
     let cuda_routes = llora_model::routes::takes_cuda_routes(dev);
     // The checks this device does not run, named: a part with none run is not "ok".
     let mut skipped: Vec<String> = Vec::new();
-    let mut skip = |names: &[&str]| {
-        if !cuda_routes {
-            skipped.extend(names.iter().map(|n| n.to_string()));
-        }
-    };
     if only("gemm") {
         checks.push(Check::new("bf16 GEMM", true, bf16_gemm(dev)));
         checks.push(Check::new("FP8 GEMMs on _scaled_mm", true, check_layer_gemms(dev)));
-        let swiglu = llora_model::precision::swiglu_route::CHECK;
-        skip(&[llora_model::fp8::CUDA_ROUTES_CHECK, llora_model::fp8::KERNEL_CHECK, swiglu]);
-        if cuda_routes {
-            // Training falls back to the four-pass f32 route without it.
-            let result = llora_model::fp8::cuda_routes(dev)
-                .map(|()| "codes and amaxes equal the f32 route's, bit for bit".to_string());
-            checks.push(Check::new(llora_model::fp8::CUDA_ROUTES_CHECK, false, result));
-            // Delayed scaling falls back to the routes above without it.
-            let result = llora_model::fp8::kernel(dev)
-                .map(|()| "codes, transpose and amax equal the f32 route's, bit for bit".to_string());
-            checks.push(Check::new(llora_model::fp8::KERNEL_CHECK, false, result));
-            // FP8-kept SwiGLU falls back to LibTorch's ops without it.
-            let result = llora_model::precision::swiglu_route::verdict(dev).map(|()| {
-                "codes and scales equal the LibTorch route's bit for bit, h and gradients within a bf16 ulp".to_string()
-            });
-            checks.push(Check::new(llora_model::precision::swiglu_route::CHECK, false, result));
-        }
     }
     if only("attention") {
         checks.extend(attention(dev, cuda_routes));
-        skip(&["attention CUDA kernels (cudnn, flash, efficient, flash-varlen)"]);
-    }
-    if only("norm") {
-        skip(&["RMSNorm fused kernels", llora_model::norm::fp8_route::CHECK]);
-    }
-    if only("norm") && cuda_routes {
-        // Norms fall back to the composite without them.
-        for kind in [Kind::BFloat16, Kind::Float] {
-            let result = llora_model::norm::verify_fused_kernels(dev, kind)
-                .map(|()| "forward and backward match the definition in f64".to_string());
-            checks.push(Check::new(format!("RMSNorm fused kernels {kind:?}"), false, result));
+        if !cuda_routes {
+            skipped.push("attention CUDA kernels (cudnn, flash, efficient)".into());
         }
-        // Without it each FP8 GEMM after a norm quantises the norm's output itself.
-        let result = llora_model::norm::fp8_route::verdict(dev)
-            .map(|()| "1/rms, output and codes equal the LibTorch route's (a bf16 ulp, codes bit for bit)".to_string());
-        checks.push(Check::new(llora_model::norm::fp8_route::CHECK, false, result));
+    }
+    // Every CUDA route from the one list, in its part: training falls back to the route's
+    // reference without it, so none is required.
+    for route in llora_model::route_list::all().iter().filter(|r| only(r.part)) {
+        if !cuda_routes {
+            skipped.push(route.name.into());
+            continue;
+        }
+        let t = Instant::now();
+        let result =
+            (route.check)(dev).map(|()| format!("{} ({:.0} ms)", route.passed, t.elapsed().as_secs_f64() * 1e3));
+        checks.push(Check::new(route.name, false, result));
     }
     if only("dropout") {
         checks.push(Check::new("dropout mask redrawn in backward", true, dropout_redraw(&device)));
@@ -196,15 +173,6 @@ fn attention(dev: tch::Device, cuda_routes: bool) -> Vec<Check> {
         let any = out.iter().any(|c| c.ok && c.name.contains("BFloat16"));
         let result = if any { Ok("at least one fused bf16 kernel passed".into()) } else { Err("none passed".into()) };
         out.push(Check::new("attention bf16 fused kernel available", true, result));
-        // Packed rows fall back to one kernel per document without it.
-        let t = Instant::now();
-        let result = verify_varlen(dev, Kind::BFloat16, 64, 8, 128).map(|()| {
-            format!(
-                "packed rows' forward and backward match plain LibTorch ({:.0} ms)",
-                t.elapsed().as_secs_f64() * 1e3
-            )
-        });
-        out.push(Check::new("attention cuda-flash-varlen BFloat16 (packed rows)", false, result));
     }
     out
 }
