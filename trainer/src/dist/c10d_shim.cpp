@@ -34,6 +34,21 @@ struct Group {
 
 using llora_shim::guarded;
 
+// Sets `key` of `store` to `len` bytes.
+int set_bytes(c10d::Store& store, const char* key, const uint8_t* data, size_t len, char** err) {
+  return guarded(err, [&] { store.set(std::string(key), std::vector<uint8_t>(data, data + len)); });
+}
+
+// The bytes of `key` in `store` (waits up to its timeout), malloc'd for the caller.
+int get_bytes(c10d::Store& store, const char* key, uint8_t** data, size_t* len, char** err) {
+  return guarded(err, [&] {
+    auto v = store.get(std::string(key));
+    *data = static_cast<uint8_t*>(std::malloc(v.size() + 1));
+    if (!v.empty()) std::memcpy(*data, v.data(), v.size());
+    *len = v.size();
+  });
+}
+
 // The job's store, shared by the groups made on it.
 struct StoreBox {
   c10::intrusive_ptr<c10d::TCPStore> tcp;
@@ -79,19 +94,12 @@ int llora_c10d_store_check(void* s, const char* key, int* exists, char** err) {
 
 // Sets `key` (a full key) to `len` bytes.
 int llora_c10d_store_put(void* s, const char* key, const uint8_t* data, size_t len, char** err) {
-  auto* box = static_cast<StoreBox*>(s);
-  return guarded(err, [&] { box->tcp->set(std::string(key), std::vector<uint8_t>(data, data + len)); });
+  return set_bytes(*static_cast<StoreBox*>(s)->tcp, key, data, len, err);
 }
 
 // The bytes of `key` (a full key; waits up to the store's timeout), malloc'd for the caller.
 int llora_c10d_store_fetch(void* s, const char* key, uint8_t** data, size_t* len, char** err) {
-  auto* box = static_cast<StoreBox*>(s);
-  return guarded(err, [&] {
-    auto v = box->tcp->get(std::string(key));
-    *data = static_cast<uint8_t*>(std::malloc(v.size() + 1));
-    if (!v.empty()) std::memcpy(*data, v.data(), v.size());
-    *len = v.size();
-  });
+  return get_bytes(*static_cast<StoreBox*>(s)->tcp, key, data, len, err);
 }
 
 // The backend of a new group on `s`'s store: 0 = Gloo (CPU tensors), 1 = NCCL (CUDA tensors).
@@ -241,18 +249,11 @@ int llora_c10d_barrier(void* g, char** err) {
 
 // Store: set a key (bytes), get one (waits up to the group's timeout), add to a counter.
 int llora_c10d_store_set(void* g, const char* key, const uint8_t* data, size_t len, char** err) {
-  auto* group = static_cast<Group*>(g);
-  return guarded(err, [&] { group->store->set(std::string(key), std::vector<uint8_t>(data, data + len)); });
+  return set_bytes(*static_cast<Group*>(g)->store, key, data, len, err);
 }
 
 int llora_c10d_store_get(void* g, const char* key, uint8_t** data, size_t* len, char** err) {
-  auto* group = static_cast<Group*>(g);
-  return guarded(err, [&] {
-    auto v = group->store->get(std::string(key));
-    *data = static_cast<uint8_t*>(std::malloc(v.size() + 1));
-    if (!v.empty()) std::memcpy(*data, v.data(), v.size());
-    *len = v.size();
-  });
+  return get_bytes(*static_cast<Group*>(g)->store, key, data, len, err);
 }
 
 // Sets c10's log threshold (0 info, 1 warning, 2 error, 3 fatal) and returns the one it replaces. Raised
