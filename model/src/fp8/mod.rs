@@ -4,10 +4,9 @@
 //! | idea | where |
 //! |---|---|
 //! | the formats E4M3 / E5M2, and an exact scalar emulation of torch's cast | [`format`](mod@format) |
-//! | the recipe: delayed-scaling settings and one tensor's amax history and scale | [`recipe`] |
+//! | the recipe: delayed-scaling settings, one tensor's amax history and scale, a linear's three | [`recipe`] |
 //! | quantise / dequantise / amax, each on the fastest route its device checked | [`quantize`] |
 //! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
-//! | each linear layer's three scale states (input, weight, gradient) | `precision/scaling.rs` |
 //! | the FP8 linear: GEMM operands, what is saved for backward | `precision/linear.rs`, `precision/nodes.rs` |
 //! | the GEMMs on `_scaled_mm` (and the CPU's emulation) | `precision/scaled_mm.rs` |
 //! | frozen weights stored as codes + scale | `precision/weights.rs` |

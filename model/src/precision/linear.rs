@@ -9,9 +9,9 @@ use tch::Kind;
 
 use super::bf16;
 use super::scaled_mm::{Fp8Operand, fp8_gemm};
-use super::scaling::{LinearScales, Role, scale_of};
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
+use crate::fp8::recipe::{LinearScales, Role, scale_of};
 use crate::fp8::{Fp8Format, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;
 

@@ -30,7 +30,7 @@
 //! autodiff nodes (the quantised linear layer of a parameter or of a stored frozen weight,
 //! DoRA's weight terms, SwiGLU); `linear.rs` one linear layer's precision and scaling state and
 //! its GEMMs on LibTorch tensors (the weight is the layer's: `lora.rs` `BaseWeight`, one enum,
-//! passed in as a `LinearWeight`); `scaling.rs` its delayed-scaling states; `weights.rs` frozen
+//! passed in as a `LinearWeight`; its delayed-scaling states are `fp8/recipe.rs`'s); `weights.rs` frozen
 //! weights stored in bf16, FP8 or NF4, and converting one to its storage (`nf4.rs` the format); `scaled_mm.rs`
 //! the FP8 GEMM; `bf16.rs`, `blocked.rs` GEMM helpers; `spec.rs` what runs in which dtype.
 
@@ -40,16 +40,15 @@ mod linear;
 pub mod nf4;
 mod nodes;
 pub mod scaled_mm;
-mod scaling;
 mod spec;
 pub mod swiglu_route;
 pub(crate) mod weights;
 
+pub use crate::fp8::recipe::{LinearScales, Role};
 pub use linear::{LinearQuant, LinearWeight, offer_input_codes, sharing_input_codes};
 pub use nodes::{
     LowPrecisionBackend, frozen_linear, quant_linear, stored_row_terms, swiglu, take_saved_bytes, weight_row_terms,
 };
-pub use scaling::{LinearScales, Role};
 
 pub use crate::shard::FrozenWeight;
 pub use spec::{AdapterCompute, Compute, Nf4Spec, PrecisionSpec, Storage};
