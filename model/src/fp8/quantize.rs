@@ -19,20 +19,39 @@ use crate::kernels::fp8_quantize::{self, CurrentArgs, QuantizeArgs};
 /// the CPU the faster: its two-pass route runs through temporaries and scalar cast loops). Both
 /// give the same codes. Each call is counted by route ([`take_quantiser_counts`]).
 pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
-    if kernel_route(x)
-        && let Ok(q) = quantize_kernel(x, scale, format)
-    {
-        count(Route::Kernel);
-        return q;
+    through_routes(
+        x,
+        kernel_route(x).then_some(|| quantize_kernel(x, scale, format)),
+        || quantize_clamped(x, scale, format),
+        || quantize_via_f32(x, scale, format),
+    )
+}
+
+/// The quantiser's route chain, written once: `kernel` (our kernel, where `x` takes it) unless
+/// it fails, else LibTorch's two passes where `x`'s device passed their check and they run,
+/// else through an f32 copy. All give the same codes; the route taken is counted.
+fn through_routes<T>(
+    x: &tch::Tensor,
+    kernel: Option<impl FnOnce() -> Result<T, KernelError>>,
+    two_pass: impl FnOnce() -> Result<T, tch::TchError>,
+    via_f32: impl FnOnce() -> T,
+) -> T {
+    match kernel.map(|k| k()) {
+        Some(Ok(done)) => {
+            count(Route::Kernel);
+            return done;
+        }
+        Some(Err(e)) => tracing::warn!("our FP8 quantise kernel failed, the LibTorch route runs: {e}"),
+        None => {}
     }
     if two_pass_route(x)
-        && let Ok(q) = quantize_clamped(x, scale, format)
+        && let Ok(done) = two_pass()
     {
         count(Route::TwoPass);
-        return q;
+        return done;
     }
     count(Route::ViaF32);
-    quantize_via_f32(x, scale, format)
+    via_f32()
 }
 
 /// [`quantize_tch`] and `x`'s amax (a 0-dim f32 tensor, as [`amax_on_device`]): in one read
@@ -303,27 +322,22 @@ pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
 pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
     // Our kernel takes the amax inside its launch: under a context-parallel amax group the
     // LibTorch route, whose amax is a pass of its own, reduced over the group.
-    if kernel_route(x) && x.numel() > 0 && !super::amax_group::active() {
-        match quantize_current_kernel(x, format) {
-            Ok(done) => {
-                count(Route::Kernel);
-                return done;
-            }
-            Err(e) => tracing::warn!("our current-scaling kernel failed, the LibTorch route runs: {e}"),
-        }
-    }
-    let (scale, scale_inv) = current_scale(x, format);
-    let codes = match two_pass_route(x).then(|| quantize_clamped_by(x, &scale, &scale_inv, format)) {
-        Some(Ok(codes)) => {
-            count(Route::TwoPass);
-            codes
-        }
-        _ => {
-            count(Route::ViaF32);
-            quantize_via_f32_by(x, &scale, format)
-        }
-    };
-    (codes, scale_inv)
+    let kernel = kernel_route(x) && x.numel() > 0 && !super::amax_group::active();
+    // The LibTorch routes' scale, computed on the device only when one of them runs.
+    let scales = std::cell::OnceCell::new();
+    let scales_of = || scales.get_or_init(|| current_scale(x, format));
+    through_routes(
+        x,
+        kernel.then_some(|| quantize_current_kernel(x, format)),
+        || {
+            let (scale, scale_inv) = scales_of();
+            Ok((quantize_clamped_by(x, scale, scale_inv, format)?, scale_inv.shallow_clone()))
+        },
+        || {
+            let (scale, scale_inv) = scales_of();
+            (quantize_via_f32_by(x, scale, format), scale_inv.shallow_clone())
+        },
+    )
 }
 
 /// [`quantize_current_on_device`] on our kernels (`kernels/fp8_quantize.cu`): an amax pass,
