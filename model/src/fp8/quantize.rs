@@ -21,7 +21,7 @@ use crate::kernels::fp8_quantize::{self, CurrentArgs, QuantizeArgs};
 pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
     through_routes(
         x,
-        kernel_route(x).then_some(|| quantize_kernel(x, scale, format)),
+        kernel_route(x).then_some(|| quantize_kernel(x, scale, format, None)),
         || quantize_clamped(x, scale, format),
         || quantize_via_f32(x, scale, format),
     )
@@ -58,11 +58,8 @@ fn through_routes<T>(
 /// of `x` on our kernel where it runs, else the amax and then the quantiser's route.
 pub fn quantize_and_amax(x: &tch::Tensor, scale: f32, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
     if kernel_route(x) && x.numel() > 0 {
-        let x = x.contiguous();
-        let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
         let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
-        let args = QuantizeArgs { x: &x, out: &out, out_t: None, amax: Some(&amax), scale, format };
-        if fp8_quantize::quantize(&args).is_ok() {
+        if let Ok(out) = quantize_kernel(x, scale, format, Some(&amax)) {
             count(Route::Kernel);
             return (out, amax.reshape([] as [i64; 0]));
         }
@@ -71,11 +68,17 @@ pub fn quantize_and_amax(x: &tch::Tensor, scale: f32, format: Fp8Format) -> (tch
     (quantize_tch(x, scale, format), amax)
 }
 
-/// [`quantize_tch`] on our kernel (`kernels/fp8_quantize.cu`): one read of x, no temporary.
-fn quantize_kernel(x: &tch::Tensor, scale: f32, format: Fp8Format) -> Result<tch::Tensor, KernelError> {
+/// [`quantize_tch`] on our kernel (`kernels/fp8_quantize.cu`): one read of x, no temporary;
+/// with `amax` (`[1]` f32, zeroed), x's amax folded into it in the same read.
+fn quantize_kernel(
+    x: &tch::Tensor,
+    scale: f32,
+    format: Fp8Format,
+    amax: Option<&tch::Tensor>,
+) -> Result<tch::Tensor, KernelError> {
     let x = x.contiguous();
     let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
-    fp8_quantize::quantize(&QuantizeArgs { x: &x, out: &out, out_t: None, amax: None, scale, format })?;
+    fp8_quantize::quantize(&QuantizeArgs { x: &x, out: &out, out_t: None, amax, scale, format })?;
     Ok(out)
 }
 
