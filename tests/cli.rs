@@ -969,7 +969,10 @@ fn a_huge_world_is_refused_not_wrapped() {
     let (stdout, stderr) = text(&out);
     assert!(!out.status.success() && stdout.is_empty(), "{stdout}");
     assert!(
-        stderr.contains("train.micro_batch_size = 2 × --world = 9223372036854775810 multiply past 2^64"),
+        stderr.contains(
+            "train.micro_batch_size = 2 × data-parallel groups (--world = 9223372036854775810 / \
+             train.context_parallel = 1) = 9223372036854775810 multiply past 2^64"
+        ),
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
