@@ -107,6 +107,17 @@ impl Drop for Handle {
 /// c10's log threshold that keeps errors only (c10d's warnings each carry a C++ stack).
 const C10_ERRORS: c_int = 2;
 
+/// c10's warnings off from here on (a higher threshold already set stays): c10d logs each
+/// failed read of a dead peer's store as a warning with ~25 lines of C++ frames, a failure
+/// llora reports itself in one line. Errors (NCCL's watchdog, say) still print.
+pub fn quiet_c10_warnings() {
+    // SAFETY: sets an integer of c10's.
+    unsafe {
+        let old = llora_c10d_log_level(C10_ERRORS);
+        llora_c10d_log_level(old.max(C10_ERRORS));
+    }
+}
+
 /// `f` with c10's logs off (restored after): connection attempts to a store whose server is
 /// not up yet, each of which c10d logs as a warning, then an error, with ~25 lines of C++
 /// frames; the caller reports the failure itself.
@@ -425,13 +436,8 @@ impl ProcessGroup {
 
     fn fail(&self, op: &'static str, message: String) -> DistError {
         tracing::debug!(op, "c10d's message, as it came: {message}");
-        // The probes of the peers' heartbeats that follow may each meet a dead store: c10's
-        // warnings are off from here on (the group has failed).
-        // SAFETY: sets an integer of c10's (a higher threshold a user set stays).
-        unsafe {
-            let old = llora_c10d_log_level(C10_ERRORS);
-            llora_c10d_log_level(old.max(C10_ERRORS));
-        }
+        // The probes of the peers' heartbeats that follow may each meet a dead store.
+        quiet_c10_warnings();
         let message = plain_c10d_message(&message);
         let (rank, world, lost) = (self.members[self.world.rank], self.whole, self.lost_ranks());
         DistError::Collective { op, rank, world, lost, message }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tracing::info;
 
-use super::c10d::{Store, without_c10_logs};
+use super::c10d::{Store, quiet_c10_warnings, without_c10_logs};
 use super::collective::DistError;
 use super::world::{DistConfig, World};
 
@@ -36,6 +36,18 @@ fn key(world: &World, rank: usize) -> String {
 /// came. Returns the store for the world's group.
 pub(super) fn rendezvous(world: &World, serve: bool, timeout: Duration) -> Result<Store, DistError> {
     JOINING.store(true, Ordering::SeqCst);
+    // A peer that dies takes the store's reads with it, each logged by c10d with its C++ stack
+    // (by the heartbeat thread too, before any collective fails): llora names the lost rank in
+    // one line instead. TORCH_CPP_LOG_LEVEL, when set, keeps c10's warnings.
+    if std::env::var_os("TORCH_CPP_LOG_LEVEL").is_none() {
+        quiet_c10_warnings();
+    }
+    without_c10_logs(|| meet(world, serve, timeout))
+}
+
+/// [`rendezvous`] with c10's logs off (each failed attempt to reach a store that is not up yet,
+/// or has died, is a warning or an error with its C++ stack; the failure is reported here).
+fn meet(world: &World, serve: bool, timeout: Duration) -> Result<Store, DistError> {
     let started = Instant::now();
     let store = connect(world, serve, timeout)?;
     let fail = |m: String| DistError::setup(world, m);
@@ -91,7 +103,7 @@ fn connect(world: &World, serve: bool, timeout: Duration) -> Result<Store, DistE
     let started = Instant::now();
     loop {
         let left = timeout.saturating_sub(started.elapsed());
-        match without_c10_logs(|| Store::connect(world, serve, left.min(NOTE_EVERY), timeout)) {
+        match Store::connect(world, serve, left.min(NOTE_EVERY), timeout) {
             Ok(store) => return Ok(store),
             Err(m) if serve || started.elapsed() >= timeout => {
                 return Err(DistError::setup(
