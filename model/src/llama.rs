@@ -19,9 +19,8 @@ pub use crate::rope::{apply_rope, rope_tables, rope_tables_at};
 use crate::saved::Saved;
 
 use crate::dropout::BlockSeeds;
-use crate::precision::{
-    Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, sharing_input_codes, swiglu, tch_device,
-};
+use crate::fp8::{SharedCodes, WriteCodes};
+use crate::precision::{Compute, FrozenWeight, LinearScales, PrecisionSpec, Storage, swiglu, tch_device};
 use crate::shard::{Sharding, WeightShard};
 
 /// Where a forward's tokens are: RoPE's tables at their positions and, for packed rows, where
@@ -110,10 +109,11 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// The delayed input scale of the projection(s) reading the normed input (the fused qkv,
-    /// or q: k and v share it), where it exists ([`LoraLinear::fp8_input_scale`]).
-    pub fn fp8_input_scale(&self, train: bool) -> Option<f32> {
-        self.qkv_proj.as_ref().or(self.q_proj.as_ref())?.fp8_input_scale(train)
+    /// What the norm before attention is asked to write for the projection(s) reading its
+    /// output (the fused qkv, or q: k and v share its scale), handed over in `to`
+    /// ([`LoraLinear::codes_to_write`]).
+    pub fn codes_to_write(&self, train: bool, to: &SharedCodes) -> Option<WriteCodes> {
+        self.qkv_proj.as_ref().or(self.q_proj.as_ref())?.codes_to_write(train, to)
     }
 
     /// What attention keeps for backward per token: q and k after RoPE, v (K/V at their own
@@ -165,14 +165,15 @@ impl Attention {
         all.into_iter().filter_map(|(k, l)| Some((k, l?))).collect()
     }
 
-    /// Causal self-attention; on packed rows, within each document.
+    /// Causal self-attention; on packed rows, within each document. The projections take
+    /// x's FP8 codes from `x_codes` (quantised once for q, k and v, or written by the norm).
     ///
     /// # Shapes
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
-    pub fn forward(&self, x: Tensor<3>, at: &Positions, train: bool) -> Tensor<3> {
+    pub fn forward(&self, x: Tensor<3>, x_codes: Option<&SharedCodes>, at: &Positions, train: bool) -> Tensor<3> {
         let [b, s, _] = x.dims();
-        let (q, k, v) = self.qkv(x, at.cos.clone(), at.sin.clone(), train);
+        let (q, k, v) = self.qkv(x, x_codes, at.cos.clone(), at.sin.clone(), train);
         let out = match (&at.context, &at.packed) {
             (Some(cp), _) => crate::attention::context_attention(q, k, v, cp.clone()),
             (None, None) => causal_attention(q, k, v),
@@ -191,7 +192,7 @@ impl Attention {
     /// - output: `[batch, new, d]`
     pub fn forward_cached(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, cache: &mut LayerKv) -> Tensor<3> {
         let [b, s, _] = x.dims();
-        let (q, k, v) = self.qkv(x, cos, sin, false);
+        let (q, k, v) = self.qkv(x, None, cos, sin, false);
         let prefill = cache.is_none();
         let (k, v) = match cache.take() {
             Some((ck, cv)) => (Tensor::cat(vec![ck, k], 2), Tensor::cat(vec![cv, v], 2)),
@@ -205,27 +206,37 @@ impl Attention {
         self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), false)
     }
 
-    /// Queries, keys and values in heads, RoPE applied to q and k.
+    /// Queries, keys and values in heads, RoPE applied to q and k; x's FP8 codes taken from
+    /// `x_codes`.
     ///
     /// # Shapes
     /// - x: `[batch, seq, d]`; cos, sin: `[1 or batch, 1, seq, head_dim]`
     /// - output: q `[batch, H, seq, hd]`, k and v `[batch, KV, seq, hd]`
-    fn qkv(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, train: bool) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    fn qkv(
+        &self,
+        x: Tensor<3>,
+        x_codes: Option<&SharedCodes>,
+        cos: Tensor<4>,
+        sin: Tensor<4>,
+        train: bool,
+    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
         let [b, s, _] = x.dims();
         let (h, kv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let (q, k, v) = match (&self.qkv_proj, &self.q_proj, &self.k_proj, &self.v_proj) {
             (Some(qkv), ..) => {
-                let fused = qkv.forward(x, train);
+                let fused = qkv.forward_reading(x, x_codes, train);
                 (
                     fused.clone().narrow(2, 0, h * hd),
                     fused.clone().narrow(2, h * hd, kv * hd),
                     fused.narrow(2, (h + kv) * hd, kv * hd),
                 )
             }
-            // One input, quantised once for the three FP8 GEMMs.
-            (None, Some(q), Some(k), Some(v)) => {
-                sharing_input_codes(|| (q.forward(x.clone(), train), k.forward(x.clone(), train), v.forward(x, train)))
-            }
+            // One input, quantised once for the three FP8 GEMMs (by the first, or the norm).
+            (None, Some(q), Some(k), Some(v)) => (
+                q.forward_reading(x.clone(), x_codes, train),
+                k.forward_reading(x.clone(), x_codes, train),
+                v.forward_reading(x, x_codes, train),
+            ),
             _ => unreachable!("the loader builds either qkv_proj or all of q/k/v_proj"),
         };
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
@@ -274,23 +285,25 @@ impl Mlp {
         vec![(BlockLinear::Gate, gate_proj), (BlockLinear::Up, up_proj), (BlockLinear::Down, down_proj)]
     }
 
+    /// Gate and up take x's FP8 codes from `x_codes` (quantised once for both, or written by
+    /// the norm).
+    ///
     /// # Shapes
     /// - x: `[batch, seq, d]`
     /// - output: `[batch, seq, d]`
-    pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let (gate, up) =
-            sharing_input_codes(|| (self.gate_proj.forward(x.clone(), train), self.up_proj.forward(x, train)));
+    pub fn forward(&self, x: Tensor<3>, x_codes: Option<&SharedCodes>, train: bool) -> Tensor<3> {
+        let gate = self.gate_proj.forward_reading(x.clone(), x_codes, train);
+        let up = self.up_proj.forward_reading(x, x_codes, train);
         // The fused op keeps only gate and up for backward (Burn's composite keeps four
         // tensors of this size); it is a LibTorch extension. Where our FP8 kernel runs it also
         // writes h's codes at down_proj's input scale, which down_proj's GEMM then takes.
-        sharing_input_codes(|| {
-            let hidden = if tch_device(&gate.device()).is_some() {
-                swiglu(gate, up, self.storage, self.down_proj.fp8_input_scale(train))
-            } else {
-                silu(gate) * up
-            };
-            self.down_proj.forward(hidden, train)
-        })
+        let h_codes = SharedCodes::new();
+        let hidden = if tch_device(&gate.device()).is_some() {
+            swiglu(gate, up, self.storage, self.down_proj.codes_to_write(train, &h_codes))
+        } else {
+            silu(gate) * up
+        };
+        self.down_proj.forward_reading(hidden, Some(&h_codes), train)
     }
 }
 
@@ -333,17 +346,19 @@ impl DecoderLayer {
         let split = at.context.as_ref().map(|cp| cp.split);
         crate::dropout::over_split(split, || {
             // Each norm writes, beside its output, the FP8 codes its projections would make
-            // (where our kernel runs and the projections' input scale exists), offered within
-            // the scope.
-            let attn = sharing_input_codes(|| {
-                let scale = self.self_attn.fp8_input_scale(train);
-                self.self_attn.forward(self.input_layernorm.forward_fp8(x.clone(), scale), at, train)
-            });
+            // (where our kernel runs and the projections' input scale exists) and hands them
+            // over; where it does not, the first projection makes them for the others.
+            let attn = {
+                let codes = SharedCodes::new();
+                let normed = self.input_layernorm.forward_fp8(x.clone(), self.self_attn.codes_to_write(train, &codes));
+                self.self_attn.forward(normed, Some(&codes), at, train)
+            };
             let h = x + attn;
-            let mlp = sharing_input_codes(|| {
-                let scale = self.mlp.gate_proj.fp8_input_scale(train);
-                self.mlp.forward(self.post_attention_layernorm.forward_fp8(h.clone(), scale), train)
-            });
+            let mlp = {
+                let codes = SharedCodes::new();
+                let write = self.mlp.gate_proj.codes_to_write(train, &codes);
+                self.mlp.forward(self.post_attention_layernorm.forward_fp8(h.clone(), write), Some(&codes), train)
+            };
             h + mlp
         })
     }
@@ -355,7 +370,7 @@ impl DecoderLayer {
     /// As [`Attention::forward_cached`].
     pub fn forward_cached(&self, x: Tensor<3>, cos: Tensor<4>, sin: Tensor<4>, cache: &mut LayerKv) -> Tensor<3> {
         let h = x.clone() + self.self_attn.forward_cached(self.input_layernorm.forward(x), cos, sin, cache);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), false)
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), None, false)
     }
 
     /// Builds decoder layer `layer` of a model of `c` from `weights`, each part loading itself

@@ -26,8 +26,11 @@ use burn::module::{Ignored, Module, Param};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
 use crate::config::LlamaConfig;
+use crate::fp8::{SharedCodes, WriteCodes};
 use crate::layout::{BlockLinear, LinearInput};
-use crate::precision::{FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, frozen_linear, quant_linear};
+use crate::precision::{
+    FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, frozen_linear, quant_linear, quant_linear_reading,
+};
 use crate::saved::Saved;
 
 /// A linear layer `y = x·Wᵀ` with frozen `W` and an optional LoRA adapter.
@@ -295,11 +298,11 @@ impl LoraLinear {
     /// # Shapes
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
-    fn base(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
+    fn base(&self, x: Tensor<3>, train: bool, shared: Option<&SharedCodes>) -> Tensor<3> {
         match (&self.weight, &self.quant) {
-            (BaseWeight::Param(w), Some(q)) => quant_linear(x, w.val(), q, train),
+            (BaseWeight::Param(w), Some(q)) => quant_linear_reading(x, w.val(), q, train, shared),
             (BaseWeight::Param(w), None) => linear_t(x, w.val()),
-            (BaseWeight::Stored(w), Some(q)) => frozen_linear(x, &w.0, q, train),
+            (BaseWeight::Stored(w), Some(q)) => frozen_linear(x, &w.0, q, train, shared),
             (BaseWeight::Stored(_), None) => unreachable!("a stored weight is built with its precision state"),
         }
     }
@@ -336,13 +339,30 @@ impl LoraLinear {
         self.quant.as_ref()?.ready_input_scale(train)
     }
 
+    /// What the op writing this layer's input is asked to write beside it for the base GEMM
+    /// (its codes at [`Self::fp8_input_scale`], handed over in `to`); `None` where the GEMM
+    /// will not quantise with a delayed scale.
+    pub fn codes_to_write(&self, train: bool, to: &SharedCodes) -> Option<WriteCodes> {
+        Some(WriteCodes { scale: self.fp8_input_scale(train)?, to: to.clone() })
+    }
+
     /// `x·Wᵀ (+ adapter)`, PEFT's `lora.Linear` forward (with DoRA, its `DoraLinearVariant`).
     ///
     /// # Shapes
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
     pub fn forward(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
-        let base = self.base(x.clone(), train);
+        self.forward_reading(x, None, train)
+    }
+
+    /// [`Self::forward`] with the base GEMM taking `x`'s FP8 codes from `shared`, where
+    /// another reader of `x` made them or its writer handed them over (quantised once for
+    /// q/k/v, gate/up).
+    ///
+    /// # Shapes
+    /// As [`Self::forward`].
+    pub fn forward_reading(&self, x: Tensor<3>, shared: Option<&SharedCodes>, train: bool) -> Tensor<3> {
+        let base = self.base(x.clone(), train, shared);
         let Some(adapter) = &self.lora else { return base };
         // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
         let dropped = train && adapter.dropout > 0.0;
@@ -358,7 +378,7 @@ impl LoraLinear {
                 let [out, _] = self.dims();
                 let g = cast(m.val() / self.dora_norm(adapter), wide).reshape([1, 1, out]);
                 if dropped {
-                    let base_dropped = cast(self.base(xa, train), wide);
+                    let base_dropped = cast(self.base(xa, train, None), wide);
                     cast(base, wide) + base_dropped * g.clone().sub_scalar(1.0) + update * g
                 } else {
                     (cast(base, wide) + update) * g

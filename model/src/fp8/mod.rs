@@ -7,6 +7,7 @@
 //! | the recipe: delayed-scaling settings, one tensor's amax history and scale, a linear's three | [`recipe`] |
 //! | quantise / dequantise / amax, each on the fastest route its device checked | [`quantize`] |
 //! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
+//! | one input's codes made once and handed to each GEMM reading it (q/k/v, gate/up, down) | [`shared_codes`] |
 //! | the FP8 linear: GEMM operands, what is saved for backward | `precision/linear.rs`, `precision/nodes.rs` |
 //! | the GEMMs on `_scaled_mm` (and the CPU's emulation) | `precision/scaled_mm.rs` |
 //! | frozen weights stored as codes + scale | `precision/weights.rs` |
@@ -25,7 +26,9 @@ pub mod amax_group;
 pub mod format;
 pub mod quantize;
 pub mod recipe;
+pub mod shared_codes;
 
 pub use format::Fp8Format;
 pub use quantize::*;
 pub use recipe::{AmaxAlgo, AmaxSpec, DelayedScaling, scale_for_amax};
+pub use shared_codes::{SharedCodes, WriteCodes};

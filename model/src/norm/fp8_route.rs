@@ -1,10 +1,9 @@
-//! The norm writing the next GEMMs' FP8 input (#50 item 4): where the projections after a norm
-//! run FP8 GEMMs with a delayed input scale already made, our kernel
-//! (`kernels/rmsnorm_fp8.cu`) writes the bf16 output, its 1/rms and the output's E4M3 codes
-//! and amax in one pass, and offers the codes to the projections
-//! (`precision::offer_input_codes`): q, k and v (or gate and up) then quantise nothing.
-//! Checked on first use against the LibTorch route (logged either way); elsewhere the norm
-//! runs as before. Untested on a GPU until the bundle ran there (docs/gpu.md).
+//! The norm writing the next GEMMs' FP8 input: where the projections after a norm run FP8
+//! GEMMs with a delayed input scale already made, our kernel (`kernels/rmsnorm_fp8.cu`) writes
+//! the bf16 output, its 1/rms and the output's E4M3 codes and amax in one pass, and hands the
+//! codes to the projections in the [`crate::fp8::SharedCodes`] the decoder block gives both:
+//! q, k and v (or gate and up) then quantise nothing. Checked on first use against the
+//! LibTorch route (logged either way); elsewhere the norm runs as before (status: docs/gpu.md).
 
 use crate::fp8::format::Fp8Format;
 use crate::kernels::checks::host_bytes;
@@ -113,15 +112,16 @@ mod tests {
     use burn::tensor::{DType, Device, Distribution, Tensor};
 
     use crate::fp8::AmaxSpec;
+    use crate::fp8::SharedCodes;
     use crate::lora::LoraLinear;
     use crate::norm::RmsNorm;
-    use crate::precision::{Compute, PrecisionSpec, sharing_input_codes};
+    use crate::precision::{Compute, PrecisionSpec};
 
     /// On the CPU standing in for CUDA: the norm's codes reach the projection after it. Two
-    /// FP8 layers read the norm's output; once their input scale exists, inside a scope the
-    /// norm writes the codes and neither layer quantises its input (no quantisation counted:
-    /// the norm's kernel wrote them), and their outputs are bit for bit those of the layers
-    /// quantising the same norm output themselves.
+    /// FP8 layers read the norm's output; once their input scale exists, the norm writes the
+    /// codes into the handle both layers are given and neither layer quantises its input (no
+    /// quantisation counted: the norm's kernel wrote them), and their outputs are bit for bit
+    /// those of the layers quantising the same norm output themselves.
     #[test]
     fn the_norm_offers_its_codes_to_the_projections() {
         let _rng = crate::device::torch_rng_lock();
@@ -151,17 +151,17 @@ mod tests {
         let scale = q.fp8_input_scale(true);
         assert!(scale.is_some() && scale == k.fp8_input_scale(true));
         let _ = crate::fp8::take_quantiser_counts();
-        let (n, yq, yk) = sharing_input_codes(|| {
-            let n = norm.forward_fp8(x.clone(), scale);
-            (n.clone(), q.forward(n.clone(), true), k.forward(n, true))
-        });
+        let codes = SharedCodes::new();
+        let n = norm.forward_fp8(x.clone(), q.codes_to_write(true, &codes));
+        let (yq, yk) =
+            (q.forward_reading(n.clone(), Some(&codes), true), k.forward_reading(n.clone(), Some(&codes), true));
         let counts = crate::fp8::take_quantiser_counts();
         assert_eq!(counts.kernel + counts.two_pass + counts.via_f32, 0, "{counts:?}: the layers quantised their input");
         assert!(super::used());
         let bits = |t: Tensor<3>| {
             t.cast(DType::F32).into_data().into_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
-        // Outside the scope each layer quantises the same norm output itself.
+        // Without the handle each layer quantises the same norm output itself.
         assert_eq!(bits(yq), bits(q.forward(n.clone(), true)));
         assert_eq!(bits(yk), bits(k.forward(n, true)));
         assert!(crate::fp8::take_quantiser_counts().kernel >= 2);

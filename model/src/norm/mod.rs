@@ -21,6 +21,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, LibTorch, backe
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Tensor};
 
+use crate::fp8::{Fp8Format, WriteCodes};
 use crate::precision::PrecisionSpec;
 use crate::saved::Saved;
 
@@ -57,19 +58,19 @@ impl RmsNorm {
         self.forward_fp8(x, None)
     }
 
-    /// [`Self::forward`], also writing the output's E4M3 codes at `scale` (the next FP8
-    /// GEMMs' delayed input scale) where our kernel runs ([`fp8_route`]), offered to those
-    /// GEMMs inside a `precision::sharing_input_codes` scope.
+    /// [`Self::forward`], also writing the output's E4M3 codes at `codes.scale` (the next FP8
+    /// GEMMs' delayed input scale) where our kernel runs ([`fp8_route`]), handed to those
+    /// GEMMs in `codes.to`.
     ///
     /// # Shapes
     /// As [`Self::forward`].
-    pub fn forward_fp8(&self, x: Tensor<3>, scale: Option<f32>) -> Tensor<3> {
+    pub fn forward_fp8(&self, x: Tensor<3>, codes: Option<WriteCodes>) -> Tensor<3> {
         if matches!(x.device().inner().as_dispatch(), DispatchDevice::LibTorch(_)) {
             Tensor::from_dispatch(<Dispatch as FusedRmsNormBackend>::rms_norm(
                 x.into_dispatch(),
                 self.weight.val().into_dispatch(),
                 self.eps,
-                scale,
+                codes,
             ))
         } else {
             self.composite(x)
@@ -92,9 +93,9 @@ impl RmsNorm {
 #[backend_extension(Autodiff, LibTorch)]
 pub trait FusedRmsNormBackend: Backend {
     /// `w · x / √(mean(x²) + ε)` over the last dimension, in x's dtype (statistics in f32).
-    /// With `codes_scale`, the output's FP8 codes are offered to the next GEMMs where our
-    /// kernel runs ([`RmsNorm::forward_fp8`]).
-    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, codes_scale: Option<f32>) -> FloatTensor<Self>;
+    /// With `codes`, the output's FP8 codes are handed to the next GEMMs where our kernel
+    /// runs ([`RmsNorm::forward_fp8`]).
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, codes: Option<WriteCodes>) -> FloatTensor<Self>;
 }
 
 /// The norm's output and `inv_rms` (f32, `[.., 1]`), and whether the fused CUDA kernel made them.
@@ -105,13 +106,12 @@ fn norm_forward(
     x: &tch::Tensor,
     w: &tch::Tensor,
     eps: f64,
-    codes_scale: Option<f32>,
+    codes: Option<WriteCodes>,
 ) -> (tch::Tensor, tch::Tensor, bool) {
-    if let Some(scale) = codes_scale.filter(|_| fp8_route::takes_kernel(x)) {
-        match fp8_route::forward(x, w, eps, scale, false) {
+    if let Some(write) = codes.filter(|_| fp8_route::takes_kernel(x)) {
+        match fp8_route::forward(x, w, eps, write.scale, false) {
             Ok(n) => {
-                let d = *x.size().last().expect("a norm input has a last dimension");
-                crate::precision::offer_input_codes(&n.y.reshape([-1, d]), scale, n.codes, n.amax);
+                write.to.offer(n.codes, n.amax, write.scale, Fp8Format::E4M3);
                 // LibTorch's fused backward reads the same 1/rms where it passed its check.
                 return (n.y, n.inv_rms, cuda::usable(x));
             }
@@ -130,8 +130,8 @@ fn norm_forward(
 }
 
 impl FusedRmsNormBackend for LibTorch {
-    fn rms_norm(x: TchTensor, w: TchTensor, eps: f64, codes_scale: Option<f32>) -> TchTensor {
-        TchTensor::new(norm_forward(&x.tensor, &w.tensor, eps, codes_scale).0)
+    fn rms_norm(x: TchTensor, w: TchTensor, eps: f64, codes: Option<WriteCodes>) -> TchTensor {
+        TchTensor::new(norm_forward(&x.tensor, &w.tensor, eps, codes).0)
     }
 }
 
@@ -192,10 +192,10 @@ impl Backward<LibTorch, 2> for RmsNormBackward {
 }
 
 impl<C: CheckpointStrategy> FusedRmsNormBackend for Autodiff<LibTorch, C> {
-    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, codes_scale: Option<f32>) -> FloatTensor<Self> {
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, codes: Option<WriteCodes>) -> FloatTensor<Self> {
         let nodes = [x.node(), w.node()];
         let (x, w) = (x.into_primitive(), w.into_primitive());
-        let (y, r, fused) = norm_forward(&x.tensor, &w.tensor, eps, codes_scale);
+        let (y, r, fused) = norm_forward(&x.tensor, &w.tensor, eps, codes);
         let y = TchTensor::new(y);
         match RmsNormBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(RmsNormState { x, w, r: TchTensor::new(r), fused }, y),

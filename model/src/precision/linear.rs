@@ -12,130 +12,10 @@ use super::scaled_mm::{Fp8Operand, fp8_gemm};
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
 use crate::fp8::recipe::{LinearScales, Role, scale_of};
-use crate::fp8::{Fp8Format, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch};
+use crate::fp8::{
+    Fp8Format, SharedCodes, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch,
+};
 use crate::shard::FrozenWeight;
-
-/// One quantisation per shared input (#50 item 2): q, k and v (and gate and up) read one
-/// input, and their input scales, made from the same amax history, are equal, so within
-/// [`sharing_input_codes`] the input's codes and amax are made once and reused by every
-/// projection asking at the same scale and format. Bitwise the same as quantising each time.
-mod shared_input {
-    use std::cell::{Cell, RefCell};
-
-    use crate::fp8::format::Fp8Format;
-
-    /// The input last quantised in the current scope, its codes and amax.
-    struct Last {
-        /// The input itself (kept alive for the scope: its address cannot be reused meanwhile).
-        x: tch::Tensor,
-        /// Its version counter when quantised (an in-place change since misses).
-        version: i64,
-        scale: u32,
-        format: Fp8Format,
-        codes: tch::Tensor,
-        amax: tch::Tensor,
-    }
-
-    thread_local! {
-        /// Whether this thread is inside [`super::sharing_input_codes`].
-        static ON: Cell<bool> = const { Cell::new(false) };
-        static LAST: RefCell<Option<Last>> = const { RefCell::new(None) };
-    }
-
-    impl Last {
-        fn is(&self, x: &tch::Tensor, scale: f32, format: Fp8Format) -> bool {
-            // The same values: the same storage, as many of them, contiguous both (a view of
-            // `[b, s, d]` as `[b·s, d]` is the same input), unchanged since.
-            self.x.data_ptr() == x.data_ptr()
-                && self.x.numel() == x.numel()
-                && self.x.size().last() == x.size().last()
-                && self.x.is_contiguous()
-                && x.is_contiguous()
-                && self.x.kind() == x.kind()
-                && self.x.device() == x.device()
-                && self.version == x.internal_version()
-                && self.scale == scale.to_bits()
-                && self.format == format
-        }
-    }
-
-    /// [`crate::fp8::quantize_and_amax`], reusing the scope's last result for the same input at
-    /// the same scale and format. No borrow is held while quantising.
-    pub(super) fn quantize_and_amax(x: &tch::Tensor, scale: f32, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
-        if !ON.with(Cell::get) {
-            return crate::fp8::quantize_and_amax(x, scale, format);
-        }
-        let hit = LAST.with(|l| {
-            l.borrow()
-                .as_ref()
-                .filter(|last| last.is(x, scale, format))
-                .map(|last| (last.codes.shallow_clone(), last.amax.shallow_clone()))
-        });
-        if let Some(found) = hit {
-            return found;
-        }
-        let (codes, amax) = crate::fp8::quantize_and_amax(x, scale, format);
-        let last = Last {
-            x: x.shallow_clone(),
-            version: x.internal_version(),
-            scale: scale.to_bits(),
-            format,
-            codes: codes.shallow_clone(),
-            amax: amax.shallow_clone(),
-        };
-        LAST.with(|l| *l.borrow_mut() = Some(last));
-        (codes, amax)
-    }
-
-    /// Offers `x`'s codes at `scale` and its amax, made elsewhere (the norm before the
-    /// projections writes them beside its output), to the next GEMMs in the scope; nothing
-    /// outside a scope.
-    pub(super) fn offer(x: &tch::Tensor, scale: f32, format: Fp8Format, codes: tch::Tensor, amax: tch::Tensor) {
-        if ON.with(Cell::get) {
-            let last = Last {
-                x: x.shallow_clone(),
-                version: x.internal_version(),
-                scale: scale.to_bits(),
-                format,
-                codes,
-                amax,
-            };
-            LAST.with(|l| *l.borrow_mut() = Some(last));
-        }
-    }
-
-    /// Turns sharing on for this thread until dropped, then restores what was before and lets
-    /// go of the kept input.
-    pub(super) struct Scope(bool);
-
-    impl Scope {
-        pub(super) fn enter() -> Self {
-            Self(ON.with(|on| on.replace(true)))
-        }
-    }
-
-    impl Drop for Scope {
-        fn drop(&mut self) {
-            ON.with(|on| on.set(self.0));
-            LAST.with(|l| l.borrow_mut().take());
-        }
-    }
-}
-
-/// Runs `f` (the projections reading one input: q/k/v, gate/up) with forward-GEMM inputs
-/// quantised once per input, scale and format on this thread (see `shared_input`); the
-/// input and its codes are let go when `f` returns.
-pub fn sharing_input_codes<T>(f: impl FnOnce() -> T) -> T {
-    let _scope = shared_input::Scope::enter();
-    f()
-}
-
-/// Offers the E4M3 codes of `x` at `scale` and its amax (0-dim f32), made by the op that wrote
-/// `x` (the norm before q/k/v or gate/up), to the forward GEMMs inside the current
-/// [`sharing_input_codes`] scope that quantise `x` at that scale; outside a scope, nothing.
-pub fn offer_input_codes(x: &tch::Tensor, scale: f32, codes: tch::Tensor, amax: tch::Tensor) {
-    shared_input::offer(x, scale, Fp8Format::E4M3, codes, amax);
-}
 
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
 /// nodes of its uses (which record amaxes into it).
@@ -203,20 +83,28 @@ impl LinearQuant {
     /// recorded in training. Once the role has a scale (every use after its first), the amax
     /// is taken in the same pass as the codes where our kernel runs
     /// ([`crate::fp8::quantize_and_amax`]) and stays on the device until
-    /// [`Self::take_lazy_amaxes`]: quantising waits for nothing. The first use, and evaluation
-    /// of a never-trained layer, read the amax first ([`scale_of`]). No lock is held while
-    /// quantising (its first use runs the routes' checks).
-    fn quantize_delayed(&self, role: Role, x: &tch::Tensor, format: Fp8Format, train: bool) -> (tch::Tensor, f32) {
+    /// [`Self::take_lazy_amaxes`]: quantising waits for nothing; with `shared`, codes another
+    /// reader of `x` made (or its writer handed over) are taken instead. The first use, and
+    /// evaluation of a never-trained layer, read the amax first ([`scale_of`]). No lock is held
+    /// while quantising (its first use runs the routes' checks).
+    fn quantize_delayed(
+        &self,
+        role: Role,
+        x: &tch::Tensor,
+        format: Fp8Format,
+        train: bool,
+        shared: Option<&SharedCodes>,
+    ) -> (tch::Tensor, f32) {
         let (ready, scale) = {
             let st = self.scales.lock().unwrap();
             let state = st.get(role);
             (train && state.initialized && x.numel() > 0, state.scale)
         };
         if ready {
-            let (codes, amax) = if role == Role::Input {
-                shared_input::quantize_and_amax(x, scale, format)
-            } else {
-                crate::fp8::quantize_and_amax(x, scale, format)
+            let make = || crate::fp8::quantize_and_amax(x, scale, format);
+            let (codes, amax) = match shared {
+                Some(shared) => shared.get_or_make(x, scale, format, make),
+                None => make(),
             };
             self.lazy.lock().unwrap()[role as usize].push(amax);
             return (codes, scale);
@@ -346,14 +234,22 @@ impl LinearQuant {
         };
         let (codes, s) = match scale {
             Some(s) => (quantize_tch(w, s, Fp8Format::E4M3), s),
-            None => self.quantize_delayed(Role::Weight, w, Fp8Format::E4M3, train),
+            None => self.quantize_delayed(Role::Weight, w, Fp8Format::E4M3, train, None),
         };
         Fp8Weight { codes, transposed: None, scale_inv: 1.0 / s, scale: s }
     }
 
     /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
-    /// for the weight gradient. The output is in the activations' dtype.
-    pub(super) fn forward(&self, x_in: &TchTensor, w: &LinearWeight, train: bool, keep_input: bool) -> LinearForward {
+    /// for the weight gradient; an FP8 GEMM takes its input's codes from `shared` where they
+    /// are there. The output is in the activations' dtype.
+    pub(super) fn forward(
+        &self,
+        x_in: &TchTensor,
+        w: &LinearWeight,
+        train: bool,
+        keep_input: bool,
+        shared: Option<&SharedCodes>,
+    ) -> LinearForward {
         // Kept inputs are clones of `x_in` (sharing its storage count), never fresh wrappers:
         // burn-tch writes in place into storage it believes unique.
         let x = &x_in.tensor;
@@ -363,7 +259,7 @@ impl LinearQuant {
         let fp8_store = self.spec.fp8_activations;
         let (y, saved, w_scale) = match self.spec.compute {
             Compute::Fp8 => {
-                let (q, s) = self.quantize_delayed(Role::Input, &x2, Fp8Format::E4M3, train);
+                let (q, s) = self.quantize_delayed(Role::Input, &x2, Fp8Format::E4M3, train, shared);
                 let wq = self.fp8_weight(w, None, train);
                 // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
                 let y = fp8_gemm(
@@ -437,7 +333,7 @@ impl LinearQuant {
         let (dx, fp8_grad) = match self.spec.compute {
             Compute::Fp32 | Compute::Bf16 => (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), None),
             Compute::Fp8 => {
-                let (q, s) = self.quantize_delayed(Role::Grad, &g2, Fp8Format::E5M2, true);
+                let (q, s) = self.quantize_delayed(Role::Grad, &g2, Fp8Format::E5M2, true, None);
                 // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
                 let dx = want_dx.then(|| {
                     let wq = self.fp8_weight(w, Some(st.w_scale), true);

@@ -45,9 +45,10 @@ pub mod swiglu_route;
 pub(crate) mod weights;
 
 pub use crate::fp8::recipe::{LinearScales, Role};
-pub use linear::{LinearQuant, LinearWeight, offer_input_codes, sharing_input_codes};
+pub use linear::{LinearQuant, LinearWeight};
 pub use nodes::{
-    LowPrecisionBackend, frozen_linear, quant_linear, stored_row_terms, swiglu, take_saved_bytes, weight_row_terms,
+    LowPrecisionBackend, frozen_linear, quant_linear, quant_linear_reading, stored_row_terms, swiglu, take_saved_bytes,
+    weight_row_terms,
 };
 
 pub use crate::shard::FrozenWeight;
@@ -71,7 +72,7 @@ mod tests {
     use burn::tensor::Tensor;
 
     use super::*;
-    use crate::fp8::{AmaxSpec, Fp8Format};
+    use crate::fp8::{AmaxSpec, Fp8Format, SharedCodes};
     use crate::lora::LoraLinear;
     use burn::tensor::{Device, Distribution, TensorData, Tolerance};
 
@@ -197,10 +198,10 @@ mod tests {
         assert!(kernel == plain, "outputs, gradients or scales differ on the kernel's route");
     }
 
-    /// Three projections of one input (q, k, v) inside `sharing_input_codes` quantise the
-    /// input once per step where outside they quantise it three times, and give the same
-    /// outputs, gradients and next scales bit for bit over three steps (the scales, made from
-    /// one amax history, stay equal); a changed input in the scope is quantised anew.
+    /// Three projections of one input (q, k, v) handed one [`SharedCodes`] quantise the input
+    /// once per step where without it they quantise it three times, and give the same outputs,
+    /// gradients and next scales bit for bit over three steps (the scales, made from one amax
+    /// history, stay equal); a handle at another scale is not taken.
     #[test]
     fn projections_of_one_input_share_its_codes() {
         let _rng = crate::device::torch_rng_lock();
@@ -217,14 +218,15 @@ mod tests {
             for _ in 0..3 {
                 let x = x0.clone().require_grad();
                 let _ = crate::fp8::take_quantiser_counts();
-                let project = || -> Vec<Tensor<2>> {
-                    quants
-                        .iter()
-                        .zip(&ws)
-                        .map(|(q, w)| quant_linear(x.clone().unsqueeze::<3>(), w.clone(), q, true).squeeze::<2>())
-                        .collect()
-                };
-                let ys = if share { sharing_input_codes(project) } else { project() };
+                let codes = share.then(SharedCodes::new);
+                let ys: Vec<Tensor<2>> = quants
+                    .iter()
+                    .zip(&ws)
+                    .map(|(q, w)| {
+                        quant_linear_reading(x.clone().unsqueeze::<3>(), w.clone(), q, true, codes.as_ref())
+                            .squeeze::<2>()
+                    })
+                    .collect();
                 let c = crate::fp8::take_quantiser_counts();
                 counts.push(c.kernel + c.two_pass + c.via_f32);
                 let loss = ys
@@ -249,13 +251,23 @@ mod tests {
         // scale then and shares nothing): x for each projection and each one's W (a
         // parameter) apart; x once shared.
         assert_eq!((&apart_counts[1..], &shared_counts[1..]), (&[6, 6][..], &[4, 4][..]));
-        // A different input in the scope is not mistaken for the last one.
+        // Codes handed over at another scale are not taken: the layer quantises at its own.
         let q = Arc::new(LinearQuant::new(fp8_spec(true, false)));
-        let y = |x: Tensor<2>| host(&quant_linear(x.unsqueeze::<3>(), ws[0].clone(), &q, true).squeeze::<2>().inner());
-        let _ = y(x0.clone());
+        let y = |x: Tensor<2>, codes: Option<&SharedCodes>| {
+            host(&quant_linear_reading(x.unsqueeze::<3>(), ws[0].clone(), &q, true, codes).squeeze::<2>().inner())
+        };
+        let _ = y(x0.clone(), None);
         q.update();
-        let (a, b) = sharing_input_codes(|| (y(x0.clone()), y(x0.clone() * 2.0)));
-        assert_ne!(a, b);
+        let scale = q.ready_input_scale(true).unwrap();
+        let zeros = || tch::Tensor::zeros([n as i64, k as i64], (Fp8Format::E4M3.kind(), tch::Device::Cpu));
+        let handed = |at: f32| {
+            let codes = SharedCodes::new();
+            codes.offer(zeros(), tch::Tensor::from(1.0f32), at, Fp8Format::E4M3);
+            codes
+        };
+        let own = y(x0.clone(), None);
+        assert_eq!(y(x0.clone(), Some(&handed(scale * 2.0))), own);
+        assert_ne!(y(x0.clone(), Some(&handed(scale))), own, "codes at its scale are taken");
     }
 
     /// On bf16 activations (as training in FP8 runs them) the FP8 GEMMs write bf16: y and dx

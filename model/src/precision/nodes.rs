@@ -16,7 +16,7 @@ use tch::Kind;
 
 use super::linear::{LinearQuant, LinearState, LinearWeight};
 use super::spec::Storage;
-use crate::fp8::{Fp8Format, dequantize_with, quantize_current_on_device};
+use crate::fp8::{Fp8Format, SharedCodes, WriteCodes, dequantize_with, quantize_current_on_device};
 use crate::shard::FrozenWeight;
 
 /// Bytes of activations the ops in this module saved for backward since the last
@@ -37,26 +37,50 @@ pub fn take_saved_bytes() -> usize {
 /// - w: `[out, in]`, a parameter (trainable or not)
 /// - output: `[batch, seq, out]`
 pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
+    quant_linear_reading(x, w, quant, train, None)
+}
+
+/// [`quant_linear`] taking its input's FP8 codes from `shared` where another reader of `x`
+/// made them (or its writer handed them over).
+///
+/// # Shapes
+/// As [`quant_linear`].
+pub fn quant_linear_reading(
+    x: Tensor<3>,
+    w: Tensor<2>,
+    quant: &Arc<LinearQuant>,
+    train: bool,
+    shared: Option<&SharedCodes>,
+) -> Tensor<3> {
     Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(
         x.into_dispatch(),
         w.into_dispatch(),
         quant.clone(),
         train,
+        shared.cloned(),
     ))
 }
 
 /// [`quant_linear`] of a frozen weight stored in reduced precision or sharded: no gradient
 /// for the weight, none kept of the input.
+/// The input's FP8 codes are taken from `shared` as [`quant_linear_reading`] takes them.
 ///
 /// # Shapes
 /// - x: `[batch, seq, in]`; w: `[out, in]`
 /// - output: `[batch, seq, out]`
-pub fn frozen_linear(x: Tensor<3>, w: &FrozenWeight, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
+pub fn frozen_linear(
+    x: Tensor<3>,
+    w: &FrozenWeight,
+    quant: &Arc<LinearQuant>,
+    train: bool,
+    shared: Option<&SharedCodes>,
+) -> Tensor<3> {
     Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::frozen_linear(
         x.into_dispatch(),
         w.clone(),
         quant.clone(),
         train,
+        shared.cloned(),
     ))
 }
 
@@ -91,12 +115,12 @@ pub fn stored_row_terms(a: Tensor<2>, w: &FrozenWeight, quant: &Arc<LinearQuant>
 /// # Shapes
 /// - gate, up: `[batch, seq, I]`
 /// - output: `[batch, seq, I]`
-pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage, h_scale: Option<f32>) -> Tensor<3> {
+pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage, h_codes: Option<WriteCodes>) -> Tensor<3> {
     Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::swiglu(
         gate.into_dispatch(),
         up.into_dispatch(),
         storage,
-        h_scale,
+        h_codes,
     ))
 }
 
@@ -109,15 +133,22 @@ pub trait LowPrecisionBackend: Backend {
         w: FloatTensor<Self>,
         quant: Arc<LinearQuant>,
         train: bool,
+        shared: Option<SharedCodes>,
     ) -> FloatTensor<Self>;
     /// See [`frozen_linear`].
-    fn frozen_linear(x: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self>;
+    fn frozen_linear(
+        x: FloatTensor<Self>,
+        w: FrozenWeight,
+        quant: Arc<LinearQuant>,
+        train: bool,
+        shared: Option<SharedCodes>,
+    ) -> FloatTensor<Self>;
     /// See [`swiglu`].
     fn swiglu(
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,
         storage: Storage,
-        h_scale: Option<f32>,
+        h_codes: Option<WriteCodes>,
     ) -> FloatTensor<Self>;
     /// `‖Wᵢ‖²` per row, f32, untracked (see [`weight_row_terms`]).
     fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
@@ -130,15 +161,27 @@ pub trait LowPrecisionBackend: Backend {
 }
 
 impl LowPrecisionBackend for LibTorch {
-    fn quant_linear(x: TchTensor, w: TchTensor, quant: Arc<LinearQuant>, train: bool) -> TchTensor {
-        TchTensor::new(quant.forward(&x, &LinearWeight::Param(w), train, false).y)
+    fn quant_linear(
+        x: TchTensor,
+        w: TchTensor,
+        quant: Arc<LinearQuant>,
+        train: bool,
+        shared: Option<SharedCodes>,
+    ) -> TchTensor {
+        TchTensor::new(quant.forward(&x, &LinearWeight::Param(w), train, false, shared.as_ref()).y)
     }
 
-    fn frozen_linear(x: TchTensor, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> TchTensor {
-        TchTensor::new(quant.forward(&x, &LinearWeight::Stored(w), train, false).y)
+    fn frozen_linear(
+        x: TchTensor,
+        w: FrozenWeight,
+        quant: Arc<LinearQuant>,
+        train: bool,
+        shared: Option<SharedCodes>,
+    ) -> TchTensor {
+        TchTensor::new(quant.forward(&x, &LinearWeight::Stored(w), train, false, shared.as_ref()).y)
     }
 
-    fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage, _h_scale: Option<f32>) -> TchTensor {
+    fn swiglu(gate: TchTensor, up: TchTensor, _storage: Storage, _h_codes: Option<WriteCodes>) -> TchTensor {
         TchTensor::new(gate.tensor.silu() * &up.tensor)
     }
 
@@ -250,30 +293,23 @@ fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tens
         .ok()
 }
 
-/// SwiGLU's forward on our kernel, keeping gate and up as its E4M3 codes and, with `h_scale`
-/// (down_proj's delayed input scale), offering h's codes to down_proj's GEMM inside the
-/// caller's `sharing_input_codes` scope: `None` where the route is not taken or fails
-/// (logged; the LibTorch ops run).
+/// SwiGLU's forward on our kernel, keeping gate and up as its E4M3 codes and, with `h_codes`
+/// (down_proj's delayed input scale and the handle down_proj reads), handing over h's codes:
+/// `None` where the route is not taken or fails (logged; the LibTorch ops run).
 fn kernel_forward(
     gate: &TchTensor,
     up: &TchTensor,
     storage: Storage,
-    h_scale: Option<f32>,
+    h_codes: Option<&WriteCodes>,
 ) -> Option<(TchTensor, (Kept, Kept))> {
     if !super::swiglu_route::takes_kernel(&gate.tensor, storage) {
         return None;
     }
-    let f = super::swiglu_route::forward(&gate.tensor, &up.tensor, h_scale)
+    let f = super::swiglu_route::forward(&gate.tensor, &up.tensor, h_codes.map(|w| w.scale))
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU forward failed, LibTorch's runs: {e}"))
         .ok()?;
-    if let (Some(hc), Some(scale)) = (&f.h_codes, h_scale) {
-        let i = *f.h.size().last().expect("h has a last dimension");
-        super::linear::offer_input_codes(
-            &f.h.reshape([-1, i]),
-            scale,
-            hc.codes.reshape([-1, i]),
-            hc.amax.reshape([] as [i64; 0]),
-        );
+    if let (Some(hc), Some(write)) = (&f.h_codes, h_codes) {
+        write.to.offer(hc.codes.shallow_clone(), hc.amax.reshape([] as [i64; 0]), write.scale, Fp8Format::E4M3);
     }
     let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(TchTensor::new(codes), TchTensor::new(f.scale_inv.get(i)));
     Some((TchTensor::new(f.h), (keep(f.gate_codes, 0), keep(f.up_codes, 1))))
@@ -316,6 +352,7 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
         w: FloatTensor<Self>,
         quant: Arc<LinearQuant>,
         train: bool,
+        shared: Option<SharedCodes>,
     ) -> FloatTensor<Self> {
         use burn::backend::ops::FloatTensorOps;
         let w_trainable = <Self as FloatTensorOps<Self>>::float_is_require_grad(&w);
@@ -325,7 +362,7 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
                 let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
                 let w = LinearWeight::Param(w);
-                let fwd = quant.forward(&x, &w, train, w_trainable);
+                let fwd = quant.forward(&x, &w, train, w_trainable, shared.as_ref());
                 if let Some((saved, _)) = &fwd.saved {
                     SAVED_BYTES.fetch_add(saved.bytes(), Ordering::Relaxed);
                 }
@@ -334,23 +371,29 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
             }
             OpsKind::UnTracked(prep) => {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
-                prep.finish(TchTensor::new(quant.forward(&x, &LinearWeight::Param(w), train, false).y))
+                prep.finish(TchTensor::new(quant.forward(&x, &LinearWeight::Param(w), train, false, shared.as_ref()).y))
             }
         }
     }
 
-    fn frozen_linear(x: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>, train: bool) -> FloatTensor<Self> {
+    fn frozen_linear(
+        x: FloatTensor<Self>,
+        w: FrozenWeight,
+        quant: Arc<LinearQuant>,
+        train: bool,
+        shared: Option<SharedCodes>,
+    ) -> FloatTensor<Self> {
         let w = LinearWeight::Stored(w);
         match FrozenLinearBackward.prepare::<C>([x.node()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let x = x.into_primitive();
                 let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
-                let fwd = quant.forward(&x, &w, train, false);
+                let fwd = quant.forward(&x, &w, train, false, shared.as_ref());
                 let state = LinearState { quant, w, saved: None, w_scale: fwd.w_scale, x_size, x_kind };
                 prep.finish(state, TchTensor::new(fwd.y))
             }
             OpsKind::UnTracked(prep) => {
-                prep.finish(TchTensor::new(quant.forward(&x.into_primitive(), &w, train, false).y))
+                prep.finish(TchTensor::new(quant.forward(&x.into_primitive(), &w, train, false, shared.as_ref()).y))
             }
         }
     }
@@ -375,13 +418,13 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,
         storage: Storage,
-        h_scale: Option<f32>,
+        h_codes: Option<WriteCodes>,
     ) -> FloatTensor<Self> {
         let nodes = [gate.node(), up.node()];
         match SwigluBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let (gate, up) = (gate.into_primitive(), up.into_primitive());
-                let (out, state) = kernel_forward(&gate, &up, storage, h_scale).unwrap_or_else(|| {
+                let (out, state) = kernel_forward(&gate, &up, storage, h_codes.as_ref()).unwrap_or_else(|| {
                     (
                         TchTensor::new(gate.tensor.silu() * &up.tensor),
                         (Kept::keep(gate, storage), Kept::keep(up, storage)),

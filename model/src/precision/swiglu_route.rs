@@ -288,9 +288,9 @@ mod tests {
     }
 
     /// On the CPU standing in for CUDA: SwiGLU's h codes reach down_proj. Once down_proj's
-    /// input scale exists, inside a scope the route writes h's codes at it and down_proj
-    /// quantises nothing, and its output is bit for bit that of down_proj quantising the same h
-    /// itself (outside a scope).
+    /// input scale exists, the route writes h's codes at it into the handle down_proj is given
+    /// and down_proj quantises nothing, and its output is bit for bit that of down_proj
+    /// quantising the same h itself (without the handle).
     #[test]
     fn swiglu_offers_h_codes_to_down_proj() {
         #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
@@ -312,22 +312,21 @@ mod tests {
             BurnTensor::<3>::random([2, 3, i], Distribution::Normal(0.0, k), &device).cast(DType::BF16).require_grad()
         };
         let (gate, up) = (input(3.0), input(1.0));
-        let h = || crate::precision::swiglu(gate.clone(), up.clone(), Storage::Fp8, down.fp8_input_scale(true));
+        let codes = crate::fp8::SharedCodes::new();
+        let h = || crate::precision::swiglu(gate.clone(), up.clone(), Storage::Fp8, down.codes_to_write(true, &codes));
         let _ = down.forward(h(), true);
         down.quant.as_ref().unwrap().update();
         assert!(down.fp8_input_scale(true).is_some());
-        let (h_used, y) = crate::precision::sharing_input_codes(|| {
-            let h = h();
-            let _ = crate::fp8::take_quantiser_counts();
-            (h.clone(), down.forward(h, true))
-        });
+        let h_used = h();
+        let _ = crate::fp8::take_quantiser_counts();
+        let y = down.forward_reading(h_used.clone(), Some(&codes), true);
         let counts = crate::fp8::take_quantiser_counts();
         assert_eq!(counts.kernel + counts.two_pass + counts.via_f32, 0, "{counts:?}: down_proj quantised h");
         let bits = |t: BurnTensor<3>| {
             t.cast(DType::F32).into_data().into_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
         assert_eq!(bits(y), bits(down.forward(h_used, true)));
-        assert!(crate::fp8::take_quantiser_counts().kernel >= 1, "outside a scope down_proj quantises h");
+        assert!(crate::fp8::take_quantiser_counts().kernel >= 1, "without the handle down_proj quantises h");
     }
 
     /// The kernels against the LibTorch route on a GPU: gate/up codes, inverse scales and h's

@@ -1,0 +1,80 @@
+//! One activation's FP8 codes, made once and handed to every GEMM that reads it.
+//!
+//! q, k and v (gate and up) read one input, and their input scales, made from one amax history,
+//! are equal: quantising that input once serves all three. The decoder block makes a
+//! [`SharedCodes`] per such input and hands it, in the open, to the op that writes the input
+//! (RMSNorm writes its output's codes in the same pass where our kernel runs; SwiGLU writes
+//! h's for down_proj) and to each projection reading it. The first projection to need codes
+//! that nobody wrote makes them; the others take them. Bitwise the same as quantising each
+//! time: the same input, scale and format give the same codes.
+
+use std::sync::{Arc, Mutex};
+
+use super::format::Fp8Format;
+
+/// Codes of one input at one scale and format, and the input's amax (0-dim f32, on its device).
+#[derive(Debug)]
+struct Made {
+    codes: tch::Tensor,
+    amax: tch::Tensor,
+    scale: u32,
+    format: Fp8Format,
+    numel: i64,
+}
+
+/// The FP8 codes of one activation that several GEMMs read (see the module doc): empty until
+/// the writer or the first reader fills it. A handle: clones share the codes.
+#[derive(Debug, Clone, Default)]
+pub struct SharedCodes(Arc<Mutex<Option<Made>>>);
+
+impl SharedCodes {
+    /// An empty handle for one input.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Hands over the codes of the input at `scale` and its amax (0-dim f32), made by the op
+    /// that wrote the input.
+    ///
+    /// # Shapes
+    /// - codes: the input's shape (or a view of it), `format`'s dtype
+    pub fn offer(&self, codes: tch::Tensor, amax: tch::Tensor, scale: f32, format: Fp8Format) {
+        let made = Made { numel: codes.numel() as i64, codes, amax, scale: scale.to_bits(), format };
+        *self.0.lock().unwrap() = Some(made);
+    }
+
+    /// The codes of `x` at `scale` and `format` and its amax: those handed over, or made by
+    /// `make` (then kept for the next reader). Codes at another scale, format or size are not
+    /// taken (the reader quantises itself). No lock is held while `make` runs.
+    ///
+    /// # Shapes
+    /// - x: any; output: codes shaped as x, amax 0-dim f32
+    pub fn get_or_make(
+        &self,
+        x: &tch::Tensor,
+        scale: f32,
+        format: Fp8Format,
+        make: impl FnOnce() -> (tch::Tensor, tch::Tensor),
+    ) -> (tch::Tensor, tch::Tensor) {
+        let found = self.0.lock().unwrap().as_ref().and_then(|m| {
+            let fits = m.scale == scale.to_bits() && m.format == format && m.numel == x.numel() as i64;
+            fits.then(|| (m.codes.reshape(x.size()), m.amax.shallow_clone()))
+        });
+        if let Some(found) = found {
+            return found;
+        }
+        let (codes, amax) = make();
+        self.offer(codes.shallow_clone(), amax.shallow_clone(), scale, format);
+        (codes, amax)
+    }
+}
+
+/// What an op writing a GEMM's input is asked to write beside it: the input's codes at the
+/// GEMM's delayed input scale, handed over in `to`.
+#[derive(Debug, Clone)]
+pub struct WriteCodes {
+    /// The reading GEMMs' delayed input scale.
+    pub scale: f32,
+    /// Where the readers take the codes.
+    pub to: SharedCodes,
+}
