@@ -17,7 +17,8 @@ pub struct Route {
     pub check: fn(tch::Device) -> Result<(), String>,
     /// What passing the check says, for the self-test's detail.
     pub passed: &'static str,
-    /// Whether a run in this process took it (routes that count their uses).
+    /// Whether a run in this process took it (routes that record their uses: their
+    /// [`crate::routes::Verdicts`]).
     pub used: Option<fn() -> bool>,
 }
 
@@ -30,50 +31,50 @@ static ROUTES: [Route; 7] = [
     Route {
         name: crate::fp8::CUDA_ROUTES_CHECK,
         part: "gemm",
-        check: crate::fp8::cuda_routes,
+        check: crate::fp8::cuda_routes_checked_on,
         passed: "codes and amaxes equal the f32 route's, bit for bit",
         used: None,
     },
     Route {
         name: crate::fp8::KERNEL_CHECK,
         part: "gemm",
-        check: crate::fp8::kernel,
+        check: crate::fp8::kernel_checked_on,
         passed: "codes, transpose and amax equal the f32 route's, bit for bit",
         used: None,
     },
     Route {
         name: crate::precision::swiglu_route::CHECK,
         part: "gemm",
-        check: crate::precision::swiglu_route::verdict,
+        check: crate::precision::swiglu_route::checked_on,
         passed: "codes and scales equal the LibTorch route's bit for bit, h and gradients within a bf16 ulp",
-        used: Some(crate::precision::swiglu_route::used),
+        used: Some(|| crate::precision::swiglu_route::ROUTE.used()),
     },
     Route {
         name: "attention cuda-flash-varlen BFloat16 (packed rows)",
         part: "attention",
         check: |device| crate::attention::verify_varlen(device, Kind::BFloat16, 64, 8, 128),
         passed: "packed rows' forward and backward match plain LibTorch",
-        used: Some(crate::attention::varlen_used),
+        used: Some(|| crate::attention::VARLEN_ROUTE.used()),
     },
     Route {
         name: "RMSNorm fused kernels BFloat16",
         part: "norm",
         check: |device| crate::norm::verify_fused_kernels(device, Kind::BFloat16),
         passed: "forward and backward match the definition in f64",
-        used: Some(crate::norm::fused_kernels_used),
+        used: Some(|| crate::norm::FUSED_KERNELS_ROUTE.used()),
     },
     Route {
         name: "RMSNorm fused kernels Float",
         part: "norm",
         check: |device| crate::norm::verify_fused_kernels(device, Kind::Float),
         passed: "forward and backward match the definition in f64",
-        used: Some(crate::norm::fused_kernels_used),
+        used: Some(|| crate::norm::FUSED_KERNELS_ROUTE.used()),
     },
     Route {
         name: crate::norm::fp8_route::CHECK,
         part: "norm",
-        check: crate::norm::fp8_route::verdict,
+        check: crate::norm::fp8_route::checked_on,
         passed: "1/rms, output and codes equal the LibTorch route's (a bf16 ulp, codes bit for bit)",
-        used: Some(crate::norm::fp8_route::used),
+        used: Some(|| crate::norm::fp8_route::ROUTE.used()),
     },
 ];

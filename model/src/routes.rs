@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// The environment variable that makes the CPU take the CUDA routes when set to `1`.
@@ -112,8 +113,10 @@ pub fn stands_in(device: tch::Device) -> bool {
     device == tch::Device::Cpu && on_cpu()
 }
 
-/// The first-use verdicts of one route, per key (a device, a device and dtype, an attention
-/// problem): each key's check runs once, logged either way, with no lock held while it runs.
+/// One route's state: its first-use verdicts, per key (a device, a device and dtype, an
+/// attention problem), each key's check run once, logged either way, with no lock held while
+/// it runs; and whether a run in this process took the route (`llora bench` reports it
+/// through [`crate::route_list`]).
 pub struct Verdicts<K> {
     /// What the route is, as logs and `llora selftest` name it.
     route: &'static str,
@@ -121,6 +124,8 @@ pub struct Verdicts<K> {
     fallback: &'static str,
     /// Per key: `None` while its check runs, then the check's result.
     map: Mutex<Option<HashMap<K, Verdict>>>,
+    /// Whether the route ran in this process.
+    used: AtomicBool,
 }
 
 /// A key's check: `None` while it runs, then its result.
@@ -129,7 +134,17 @@ type Verdict = Option<Result<(), String>>;
 impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
     /// An empty table for `route`, whose reference is `fallback`.
     pub const fn new(route: &'static str, fallback: &'static str) -> Self {
-        Self { route, fallback, map: Mutex::new(None) }
+        Self { route, fallback, map: Mutex::new(None), used: AtomicBool::new(false) }
+    }
+
+    /// Records that the route ran.
+    pub fn mark_used(&self) {
+        self.used.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the route has run in this process.
+    pub fn used(&self) -> bool {
+        self.used.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<HashMap<K, Verdict>>> {

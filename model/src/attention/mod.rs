@@ -25,7 +25,7 @@ mod fused;
 mod varlen;
 
 pub use fused::{FusedKernel, verify};
-pub use varlen::{VarlenSpans, used as varlen_used, verify as verify_varlen};
+pub use varlen::{ROUTE as VARLEN_ROUTE, VarlenSpans, verify as verify_varlen};
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -45,7 +45,7 @@ use crate::packing::PackedRows;
 /// The fused kernels attention has run with so far in this process (bench JSON names them).
 pub fn kernels_used() -> Vec<&'static str> {
     let mut used = fused::kernels_used();
-    if varlen::used() {
+    if varlen::ROUTE.used() {
         used.push("cuda-flash-varlen");
     }
     used

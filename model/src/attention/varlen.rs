@@ -13,7 +13,6 @@
 //! attention on each document).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::libtorch::TchTensor;
 
@@ -105,7 +104,7 @@ pub fn forward(
     } else {
         cuda::flash_varlen_forward(&tq, &tk, &tv, &spans.cu.tensor, spans.max_len, causal)?
     };
-    USED.store(true, Ordering::Relaxed);
+    ROUTE.mark_used();
     let kept = VarlenKept {
         spans: spans.clone(),
         seed: MaybeTensor::keep(f.philox_seed),
@@ -238,16 +237,8 @@ fn stand_in_backward(
     Ok((dq?, dk?, dv?))
 }
 
-/// Whether the variable-length kernel has run in this process (bench JSON names it).
-static USED: AtomicBool = AtomicBool::new(false);
-
-/// Whether [`forward`] has run in this process.
-pub fn used() -> bool {
-    USED.load(Ordering::Relaxed)
-}
-
-/// The verdict of [`verify`] per kind of problem.
-static VERDICTS: crate::routes::Verdicts<Problem> =
+/// The route: the verdict of [`verify`] per kind of problem, and whether [`forward`] ran.
+pub static ROUTE: crate::routes::Verdicts<Problem> =
     crate::routes::Verdicts::new("packed attention: cuda-flash-varlen", "one fused kernel per document instead");
 
 /// Whether packed rows of problem `p` take the variable-length kernel: bf16/f16 on a device
@@ -257,7 +248,7 @@ pub fn usable(p: Problem) -> bool {
     if !matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) || !crate::routes::fused_routes() {
         return false;
     }
-    VERDICTS.passed(p, || verify(p.device, p.kind, p.heads, p.kv_heads, p.head_dim))
+    ROUTE.passed(p, || verify(p.device, p.kind, p.heads, p.kv_heads, p.head_dim))
 }
 
 /// Checks the variable-length kernel on `device`, forward and backward, against plain
@@ -417,7 +408,7 @@ mod tests {
                 single_token: false,
             };
             assert!(usable(p));
-            assert_eq!(VERDICTS.verdict(p), Some(true));
+            assert_eq!(ROUTE.verdict(p), Some(true));
             assert!(!usable(Problem { kind: tch::Kind::Float, ..p }), "f32 takes one kernel per document");
         });
     }

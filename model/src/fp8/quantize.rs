@@ -108,7 +108,7 @@ fn check_values() -> tch::Tensor {
 }
 
 /// [`check_kernel`] on `device` once per process, its result kept (`llora selftest`).
-pub fn kernel(device: tch::Device) -> Result<(), String> {
+pub fn kernel_checked_on(device: tch::Device) -> Result<(), String> {
     KERNEL.check(device, || check_kernel(device))
 }
 
@@ -243,7 +243,7 @@ pub fn cuda_routes_checked(device: tch::Device) -> bool {
 
 /// [`check_cuda_routes`] on `device` once per process, its result kept (`llora selftest` reports
 /// it; training asks [`cuda_routes_checked`]).
-pub fn cuda_routes(device: tch::Device) -> Result<(), String> {
+pub fn cuda_routes_checked_on(device: tch::Device) -> Result<(), String> {
     CUDA_ROUTES.check(device, || check_cuda_routes(device))
 }
 
@@ -570,7 +570,7 @@ mod tests {
             let codes = quantize_tch(&x, 1.5, Fp8Format::E4M3);
             let (current, _) = quantize_current_on_device(&x, Fp8Format::E5M2);
             let counts = take_quantiser_counts();
-            assert_eq!(cuda_routes(tch::Device::Cpu), Ok(()));
+            assert_eq!(cuda_routes_checked_on(tch::Device::Cpu), Ok(()));
             assert!(cuda_routes_checked(tch::Device::Cpu));
             let bits = |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).flatten(0, -1)).unwrap();
             assert_eq!(bits(&codes), bits(&quantize_via_f32(&x, 1.5, Fp8Format::E4M3)));
@@ -583,7 +583,7 @@ mod tests {
             );
             assert_eq!(counts.routes(), ["kernel"]);
             // Both took our kernels (their CPU stand-ins), which passed their own check.
-            assert_eq!(kernel(tch::Device::Cpu), Ok(()));
+            assert_eq!(kernel_checked_on(tch::Device::Cpu), Ok(()));
             assert_eq!(amax_on_device(&x).double_value(&[]), amax_norm(&x).double_value(&[]));
         });
     }

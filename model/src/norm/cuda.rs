@@ -10,7 +10,6 @@
 //! to the activations' dtype before the gain, so in bf16 the two differ by at most an ulp.
 
 use std::ffi::{c_char, c_int};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 unsafe extern "C" {
     fn llora_rms_norm_backward(
@@ -36,7 +35,7 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64) -> Result<(tch::Tenso
     let mut stat = x.size();
     let d = std::mem::replace(stat.last_mut().expect("a norm input has a last dimension"), 1);
     let (y, rstd) = x.f_internal_fused_rms_norm([d].as_slice(), Some(w), eps)?;
-    USED.store(true, Ordering::Relaxed);
+    ROUTE.mark_used();
     // One per row, as `[.., 1]` whatever shape the kernel gave it (a view of the same values).
     Ok((y, rstd.f_reshape(stat)?))
 }
@@ -84,16 +83,8 @@ pub fn backward(
     Ok((own(dx), own(dw)))
 }
 
-/// Whether the fused kernels have run in this process (bench JSON names the norm's route).
-static USED: AtomicBool = AtomicBool::new(false);
-
-/// Whether [`forward`] has run in this process.
-pub fn used() -> bool {
-    USED.load(Ordering::Relaxed)
-}
-
-/// The verdict of [`verify`] per device and dtype.
-static VERDICTS: crate::routes::Verdicts<(tch::Device, tch::Kind)> =
+/// The route: the verdict of [`verify`] per device and dtype, and whether [`forward`] ran.
+pub static ROUTE: crate::routes::Verdicts<(tch::Device, tch::Kind)> =
     crate::routes::Verdicts::new("RMSNorm: LibTorch's fused kernels", "the composite runs");
 
 /// Whether a norm of `x` takes the fused kernels: x on a device that takes the CUDA routes
@@ -108,7 +99,7 @@ pub fn usable(x: &tch::Tensor) -> bool {
     if !matches!(kind, tch::Kind::Float | tch::Kind::BFloat16 | tch::Kind::Half) {
         return false;
     }
-    VERDICTS.passed((device, kind), || verify(device, kind))
+    ROUTE.passed((device, kind), || verify(device, kind))
 }
 
 /// Checks the fused forward and backward on `device` in `kind` against the definition in f64
@@ -186,9 +177,9 @@ mod tests {
                 // the composite, and the verdict comes when that check ends.
                 let key = (tch::Device::Cpu, kind);
                 if !usable(&x) {
-                    crate::routes::tests::until(30, || VERDICTS.verdict(key).is_some());
+                    crate::routes::tests::until(30, || ROUTE.verdict(key).is_some());
                 }
-                assert_eq!(VERDICTS.verdict(key), Some(true), "{kind:?}");
+                assert_eq!(ROUTE.verdict(key), Some(true), "{kind:?}");
             }
             // One row x = (3, 4), w = (1, 2), ε = 0: r = 1/√12.5, n = x·r; dy = (1, 0):
             // dn = (1, 0), mean(dn·n) = 3r/2, dx = r·(dn − n·3r/2), dw = dy·n = (3r, 0).

@@ -13,16 +13,9 @@ use crate::routes::Verdicts;
 /// What the kernel's first-use check is called, in logs and in `llora selftest`.
 pub const CHECK: &str = "FP8 RMSNorm kernel (ours, NVRTC)";
 
-/// The verdict of [`check`] per device.
-static VERDICTS: Verdicts<tch::Device> = Verdicts::new(CHECK, "the norm runs as before and each GEMM quantises");
-
-/// Whether our kernel has run in this process (bench JSON says whether the norms wrote codes).
-static USED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Whether [`forward`] has run our kernel (not the reference) in this process.
-pub fn used() -> bool {
-    USED.load(std::sync::atomic::Ordering::Relaxed)
-}
+/// The route: the verdict of [`check`] per device, and whether [`forward`] ran our kernel
+/// (not the reference).
+pub static ROUTE: Verdicts<tch::Device> = Verdicts::new(CHECK, "the norm runs as before and each GEMM quantises");
 
 /// Whether a norm of `x` takes our kernel: bf16 on a device taking the CUDA routes with
 /// `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there.
@@ -31,12 +24,12 @@ pub fn takes_kernel(x: &tch::Tensor) -> bool {
     x.kind() == tch::Kind::BFloat16
         && crate::routes::takes_cuda_routes(device)
         && crate::routes::fused_routes()
-        && VERDICTS.passed(device, || check(device))
+        && ROUTE.passed(device, || check(device))
 }
 
 /// [`check`] on `device` once per process, its result kept (`llora selftest`).
-pub fn verdict(device: tch::Device) -> Result<(), String> {
-    VERDICTS.check(device, || check(device))
+pub fn checked_on(device: tch::Device) -> Result<(), String> {
+    ROUTE.check(device, || check(device))
 }
 
 /// What the kernel gives: the output, 1/rms per row, and the output's codes and amax.
@@ -69,7 +62,7 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64, scale: f32, reference
         rmsnorm_fp8::stand_in(&args);
     } else {
         rmsnorm_fp8::forward(&args).map_err(|e| e.to_string())?;
-        USED.store(true, std::sync::atomic::Ordering::Relaxed);
+        ROUTE.mark_used();
     }
     let mut stat = x.size();
     *stat.last_mut().expect("checked above") = 1;
@@ -157,7 +150,7 @@ mod tests {
             (q.forward_reading(n.clone(), Some(&codes), true), k.forward_reading(n.clone(), Some(&codes), true));
         let counts = crate::fp8::take_quantiser_counts();
         assert_eq!(counts.kernel + counts.two_pass + counts.via_f32, 0, "{counts:?}: the layers quantised their input");
-        assert!(super::used());
+        assert!(super::ROUTE.used());
         let bits = |t: Tensor<3>| {
             t.cast(DType::F32).into_data().into_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };

@@ -9,7 +9,7 @@ pub(crate) mod composite;
 mod cuda;
 pub mod fp8_route;
 
-pub use cuda::{used as fused_kernels_used, verify as verify_fused_kernels};
+pub use cuda::{ROUTE as FUSED_KERNELS_ROUTE, verify as verify_fused_kernels};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -224,7 +224,7 @@ mod tests {
     fn the_cuda_route_matches_composite_on_the_cpu_standing_in() {
         crate::routes::tests::on_cpu_within(120, "the fused norm node on the CPU", || {
             fused_matches_composite(&Device::libtorch().autodiff());
-            assert!(fused_kernels_used());
+            assert!(FUSED_KERNELS_ROUTE.used());
         });
     }
 
@@ -234,7 +234,7 @@ mod tests {
     fn cuda_fused_matches_composite_forward_and_backward() {
         assert!(tch::Cuda::is_available(), "needs a CUDA device");
         fused_matches_composite(&Device::libtorch_cuda(0).autodiff());
-        assert!(fused_kernels_used());
+        assert!(FUSED_KERNELS_ROUTE.used());
     }
 
     fn fused_matches_composite(device: &Device) {

@@ -14,16 +14,8 @@ use super::spec::Storage;
 /// What the kernel's first-use check is called, in logs and in `llora selftest`.
 pub const CHECK: &str = "FP8 SwiGLU kernel (ours, NVRTC)";
 
-/// The verdict of [`check`] per device.
-static VERDICTS: Verdicts<tch::Device> = Verdicts::new(CHECK, "LibTorch's SwiGLU and quantiser run");
-
-/// Whether our kernel's forward has run in this process (bench JSON names SwiGLU's route).
-static USED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Whether [`forward`] has run our kernel in this process.
-pub fn used() -> bool {
-    USED.load(std::sync::atomic::Ordering::Relaxed)
-}
+/// The route: the verdict of [`check`] per device, and whether [`forward`] ran our kernel.
+pub static ROUTE: Verdicts<tch::Device> = Verdicts::new(CHECK, "LibTorch's SwiGLU and quantiser run");
 
 /// Whether SwiGLU of `gate` kept as `storage` takes our kernel: FP8 storage, bf16 inputs, a
 /// device taking the CUDA routes with `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there;
@@ -36,12 +28,12 @@ pub fn takes_kernel(gate: &tch::Tensor, storage: Storage) -> bool {
         && gate.kind() == tch::Kind::BFloat16
         && crate::routes::takes_cuda_routes(device)
         && crate::routes::fused_routes()
-        && VERDICTS.passed(device, || check(device))
+        && ROUTE.passed(device, || check(device))
 }
 
 /// [`check`] on `device` once per process, its result kept (`llora selftest`).
-pub fn verdict(device: tch::Device) -> Result<(), String> {
-    VERDICTS.check(device, || check(device))
+pub fn checked_on(device: tch::Device) -> Result<(), String> {
+    ROUTE.check(device, || check(device))
 }
 
 /// What the kernel's forward gives: h, and gate's and up's codes with their inverse scales.
@@ -113,7 +105,7 @@ pub fn forward(gate: &tch::Tensor, up: &tch::Tensor, h_scale: Option<f32>) -> Re
     if !swiglu_fp8::forward(&args).map_err(|e| e.to_string())? {
         reference_forward(&args);
     }
-    USED.store(true, std::sync::atomic::Ordering::Relaxed);
+    ROUTE.mark_used();
     Ok(out)
 }
 

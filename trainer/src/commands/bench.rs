@@ -709,11 +709,11 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
 fn routes() -> Value {
     json!({
         "attn_impl": llora_model::attention::kernels_used(),
-        "rms_norm": if llora_model::norm::fused_kernels_used() { "cuda-fused" } else { "composite" },
+        "rms_norm": if llora_model::norm::FUSED_KERNELS_ROUTE.used() { "cuda-fused" } else { "composite" },
         // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
-        "swiglu": if llora_model::precision::swiglu_route::used() { "kernel" } else { "libtorch" },
+        "swiglu": if llora_model::precision::swiglu_route::ROUTE.used() { "kernel" } else { "libtorch" },
         // Whether the norms wrote their projections' FP8 input (kernels/rmsnorm_fp8.cu).
-        "rms_norm_fp8_codes": llora_model::norm::fp8_route::used(),
+        "rms_norm_fp8_codes": llora_model::norm::fp8_route::ROUTE.used(),
         // Every CUDA route of the one list (llora_model::route_list), and whether this run took
         // it (null: the route does not count its uses).
         "route_list": llora_model::route_list::all()
