@@ -166,6 +166,21 @@ fn no_import_circles_in_any_crate() {
     }
 }
 
+/// Our CUDA kernels (`model/src/kernels/`) are argument checks and launches: outside their
+/// tests they name nothing of the model but the FP8 formats, no route and no stand-in: a route
+/// decides when a kernel runs, never the other way.
+#[test]
+fn kernels_import_no_route() {
+    let src = common_root().join("model/src");
+    let mods = modules(&src);
+    let allowed = |m: &Module| m.first().is_some_and(|f| f == "kernels") || *m == ["fp8", "format"];
+    for (m, path) in mods.iter().filter(|(m, _)| m.first().is_some_and(|f| f == "kernels")) {
+        let named = references(m, &code(&std::fs::read_to_string(path).unwrap()), &mods);
+        let outside: Vec<_> = named.iter().filter(|n| !allowed(n)).map(|n| n.join("::")).collect();
+        assert!(outside.is_empty(), "{}: names {outside:?}", path.display());
+    }
+}
+
 /// Positive controls: the check finds a circle through `crate::` paths, and one between a
 /// parent re-exporting its child (a bare child path) and the child importing the parent's item
 /// (`use super::{..}`); it ignores test modules and comments, and a chain that does not close

@@ -196,17 +196,9 @@ pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), Strin
     // A check runs on one rank alone: its amaxes are its own (a reduction would wait for
     // ranks that never reach it).
     let check = || crate::fp8::amax_group::with_amax_group(None, check);
-    std::panic::catch_unwind(AssertUnwindSafe(check))
-        .unwrap_or_else(|payload| Err(format!("the check panicked: {}", panic_message(&payload))))
-}
-
-/// The message a caught panic carried.
-pub fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
-    payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "a panic without a message".into())
+    std::panic::catch_unwind(AssertUnwindSafe(check)).unwrap_or_else(|payload| {
+        Err(format!("the check panicked: {}", crate::kernels::nvrtc::panic_message(&payload)))
+    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,8 @@
 //! | the GEMMs on `_scaled_mm` (and the CPU's emulation) | `precision/scaled_mm.rs` |
 //! | frozen weights stored as codes + scale | `precision/weights.rs` |
 //! | FP8-kept SwiGLU input, RMSNorm writing codes | `precision/swiglu_route.rs`, `norm/fp8_route.rs` |
-//! | our NVRTC kernels and their CPU stand-ins | `kernels/` |
+//! | our NVRTC kernels (argument checks, launches) | `kernels/` |
+//! | what each kernel computes in LibTorch ops: its reference and CPU stand-in | [`stand_ins`] |
 //! | a route's first-use check and fallback | `routes.rs` |
 //! | the step's end: amaxes max-reduced over ranks, then every scale updated | the trainer's `engine/step.rs` (`LlamaForCausalLM::update_fp8_scales`) |
 //!
@@ -27,6 +28,7 @@ pub mod format;
 pub mod quantize;
 pub mod recipe;
 pub mod shared_codes;
+pub mod stand_ins;
 
 pub use format::Fp8Format;
 pub use quantize::*;

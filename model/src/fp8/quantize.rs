@@ -78,7 +78,10 @@ fn quantize_kernel(
 ) -> Result<tch::Tensor, KernelError> {
     let x = x.contiguous();
     let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
-    fp8_quantize::quantize(&QuantizeArgs { x: &x, out: &out, out_t: None, amax, scale, format })?;
+    let args = QuantizeArgs { x: &x, out: &out, out_t: None, amax, scale, format };
+    if !fp8_quantize::quantize(&args)? {
+        super::stand_ins::quantize::delayed(&args);
+    }
     Ok(out)
 }
 
@@ -126,7 +129,9 @@ pub fn check_kernel(device: tch::Device) -> Result<(), String> {
             let (out, out_t) = (x.empty_like().to_kind(format.kind()), x.tr().contiguous().to_kind(format.kind()));
             let amax = tch::Tensor::zeros([1], (tch::Kind::Float, device));
             let args = QuantizeArgs { x: &x, out: &out, out_t: Some(&out_t), amax: Some(&amax), scale, format };
-            fp8_quantize::quantize(&args).map_err(|e| format!("{what}: {e}"))?;
+            if !fp8_quantize::quantize(&args).map_err(|e| format!("{what}: {e}"))? {
+                super::stand_ins::quantize::delayed(&args);
+            }
             let want = quantize_via_f32(&x, scale, format);
             if host_bytes(&out) != host_bytes(&want) || host_bytes(&out_t) != host_bytes(&want.tr().contiguous()) {
                 return Err(format!("{what}: codes differ from the f32 route"));
@@ -350,7 +355,10 @@ fn quantize_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(tch::T
     let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
     let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
     let scale_inv = tch::Tensor::zeros([] as [i64; 0], (tch::Kind::Float, x.device()));
-    fp8_quantize::quantize_current(&CurrentArgs { x: &x, out: &out, amax: &amax, scale_inv: &scale_inv, format })?;
+    let args = CurrentArgs { x: &x, out: &out, amax: &amax, scale_inv: &scale_inv, format };
+    if !fp8_quantize::quantize_current(&args)? {
+        super::stand_ins::quantize::current(&args);
+    }
     Ok((out, scale_inv))
 }
 

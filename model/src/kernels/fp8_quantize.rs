@@ -155,18 +155,16 @@ pub fn check_current(a: &CurrentArgs<'_>) -> Result<&'static str, KernelError> {
 }
 
 /// Current scaling on x's CUDA device in two launches (the amax, then the codes), on the
-/// default stream, nothing read back.
-pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<(), KernelError> {
+/// default stream, nothing read back: `Ok(true)`. `Ok(false)` for a CPU tensor: nothing
+/// launched, the caller runs the stand-in (`fp8::stand_ins`).
+pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
     let kernel = check_current(a)?;
-    let Some(index) = cuda_index(a.x, kernel)? else {
-        stand_in_current(a);
-        return Ok(());
-    };
+    let Some(index) = cuda_index(a.x, kernel)? else { return Ok(false) };
     let _ = a.amax.shallow_clone().zero_();
     let mut n = a.x.numel() as i64;
     if n == 0 {
         let _ = a.scale_inv.shallow_clone().fill_(1.0);
-        return Ok(());
+        return Ok(true);
     }
     let blocks = grid_stride(n);
     let (mut x, mut out, mut amax, mut inv) =
@@ -180,53 +178,19 @@ pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<(), KernelError> {
     let mut p =
         [arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut inv), arg(&mut n), arg(&mut limit), arg(&mut e5m2)];
     // SAFETY: the current-scaling kernel's parameters in order and type; checked above.
-    unsafe { launch_kernel(&SOURCE, index, kernel, blocks, THREADS, &mut p) }
-}
-
-/// Current scaling in LibTorch ops (the CPU stand-in): the amax, `max / amax` in f32 (1 where
-/// that is not finite or zero), the codes through f32.
-fn stand_in_current(a: &CurrentArgs<'_>) {
-    let _no_grad = tch::no_grad_guard();
-    let amax = a.x.to_kind(tch::Kind::Float).abs().max();
-    let mut scale = amax.full_like(f64::from(a.format.max())) / &amax;
-    let _ = scale.nan_to_num_(1.0, 1.0, 1.0);
-    let _ = scale.g_add_(&scale.eq(0.0));
-    a.amax.shallow_clone().copy_(&amax.reshape([1]));
-    a.scale_inv.shallow_clone().copy_(&scale.reciprocal().reshape(a.scale_inv.size()));
-    let limit = f64::from(a.format.max());
-    let codes = (a.x.to_kind(tch::Kind::Float) * &scale).clamp(-limit, limit).to_kind(a.format.kind());
-    a.out.shallow_clone().copy_(&codes);
-}
-
-/// What the kernel computes, in LibTorch ops: on the CPU under `LLORA_CUDA_ROUTES_ON_CPU=1`
-/// it stands in for the kernel, so that the route's control flow (first-use check, verdict,
-/// counting) runs in CI; the arithmetic is the LibTorch route's (scale in f32, clamp, cast).
-fn stand_in(a: &QuantizeArgs<'_>) {
-    let _no_grad = tch::no_grad_guard();
-    let limit = f64::from(a.format.max());
-    let codes = (a.x.to_kind(tch::Kind::Float) * f64::from(a.scale)).clamp(-limit, limit).to_kind(a.format.kind());
-    a.out.shallow_clone().copy_(&codes);
-    if let Some(out_t) = a.out_t {
-        out_t.shallow_clone().copy_(&codes.tr());
-    }
-    if let Some(amax) = a.amax {
-        let mine = a.x.to_kind(tch::Kind::Float).abs().max().reshape(amax.size());
-        let folded = amax.maximum(&mine);
-        amax.shallow_clone().copy_(&folded);
-    }
+    unsafe { launch_kernel(&SOURCE, index, kernel, blocks, THREADS, &mut p)? };
+    Ok(true)
 }
 
 /// Quantises as `a` says on its CUDA device, on the device's default stream (LibTorch's
-/// current stream: llora never sets another), without waiting for it.
-pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
+/// current stream: llora never sets another), without waiting for it: `Ok(true)`. `Ok(false)`
+/// for a CPU tensor: nothing launched, the caller runs the stand-in (`fp8::stand_ins`).
+pub fn quantize(a: &QuantizeArgs<'_>) -> Result<bool, KernelError> {
     let launch = check(a)?;
-    let Some(index) = cuda_index(a.x, launch.kernel)? else {
-        stand_in(a);
-        return Ok(());
-    };
+    let Some(index) = cuda_index(a.x, launch.kernel)? else { return Ok(false) };
     let [rows, cols] = launch.dims;
     if rows * cols == 0 {
-        return Ok(());
+        return Ok(true);
     }
     let (mut x, mut out, mut out_t, mut amax) =
         (address(Some(a.x)), address(Some(a.out)), address(a.out_t), address(a.amax));
@@ -242,7 +206,8 @@ pub fn quantize(a: &QuantizeArgs<'_>) -> Result<(), KernelError> {
     params.extend([arg(&mut scale), arg(&mut max), arg(&mut e5m2)]);
     // SAFETY: the arguments match the kernel's signature in order and type (checked above:
     // dtypes, shapes, contiguity, one device), and the tensors outlive the launch's enqueue.
-    unsafe { launch_kernel(&SOURCE, index, launch.kernel, grid, THREADS, &mut params) }
+    unsafe { launch_kernel(&SOURCE, index, launch.kernel, grid, THREADS, &mut params)? };
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -296,11 +261,11 @@ mod tests {
         assert_eq!(check_current(&current(&one, &one)).unwrap(), "llora_fp8_quantize_current_f32");
         refused_current(current(&wide, &one), "amax");
         refused_current(current(&one, &wide), "scale_inv");
-        // CPU tensors pass the checks but never reach a launch.
-        match quantize(&args(&x, &out)) {
-            Err(KernelError::Arguments { what, .. }) => assert!(what.contains("CUDA only"), "{what}"),
-            other => panic!("{other:?}"),
-        }
+        // CPU tensors pass the checks but never reach a launch: nothing is written.
+        let ones = Tensor::ones([3, 5], cpu);
+        assert_eq!(quantize(&args(&ones, &out)), Ok(false));
+        assert_eq!(quantize_current(&current(&one, &Tensor::zeros([], cpu))), Ok(false));
+        assert_eq!(out.to_kind(Kind::Float).abs().max().double_value(&[]), 0.0, "a CPU launch wrote codes");
     }
 
     /// The kernel against LibTorch's route (`quantize_via_f32`'s arithmetic: scale in f32,
@@ -347,7 +312,13 @@ mod tests {
                     let finite = xk.nan_to_num(0.0, 0.0, 0.0);
                     quantize_current(&CurrentArgs { x: &finite, out: &cur, amax: &a1, scale_inv: &i1, format })
                         .unwrap();
-                    stand_in_current(&CurrentArgs { x: &finite, out: &cur_want, amax: &a2, scale_inv: &i2, format });
+                    crate::fp8::stand_ins::quantize::current(&CurrentArgs {
+                        x: &finite,
+                        out: &cur_want,
+                        amax: &a2,
+                        scale_inv: &i2,
+                        format,
+                    });
                     assert_eq!(bits(&cur), bits(&cur_want), "current-scaling codes, {what}");
                     assert_eq!(bits(&i1), bits(&i2), "current scaling's inverse scale, {what}");
                     let want_amax = xk.to_kind(Kind::Float).abs().max().double_value(&[]);

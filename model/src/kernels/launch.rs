@@ -73,7 +73,7 @@ fn load(source: &'static Source, index: usize) -> Result<Loaded, KernelError> {
         }
         Ok(Loaded { functions })
     };
-    std::panic::catch_unwind(attempt).unwrap_or_else(|p| Err(KernelError::Driver(crate::routes::panic_message(&p))))
+    std::panic::catch_unwind(attempt).unwrap_or_else(|p| Err(KernelError::Driver(super::nvrtc::panic_message(&p))))
 }
 
 /// Threads per block of every kernel (`kThreads` in fp8_device.cuh).
@@ -128,13 +128,13 @@ pub unsafe fn launch(
         .map_err(|e| KernelError::Driver(format!("{kernel}: {e:?}")))
 }
 
-/// The CUDA device index of `t`, or why a kernel cannot run on it: the CPU stand-in runs
-/// instead where `LLORA_CUDA_ROUTES_ON_CPU=1` ([`crate::routes::stands_in`]) and `Ok(None)`
-/// says so.
+/// The CUDA device index of `t`, `Ok(None)` for a CPU tensor (nothing launches: the caller
+/// runs the kernel's CPU stand-in, which it does only where the CPU stands in for CUDA), or
+/// why a kernel cannot run on it.
 pub fn cuda_index(t: &tch::Tensor, kernel: &'static str) -> Result<Option<usize>, KernelError> {
     match t.device() {
         tch::Device::Cuda(index) => Ok(Some(index)),
-        other if crate::routes::stands_in(other) => Ok(None),
+        tch::Device::Cpu => Ok(None),
         other => Err(KernelError::Arguments { kernel, what: format!("tensors are on {other:?}: CUDA only") }),
     }
 }

@@ -117,8 +117,17 @@ pub fn compile(source: &Source, arch: &str) -> Result<String, KernelError> {
         Ok(Ok(ptx)) => Ok(ptx.to_src()),
         Ok(Err(cudarc::nvrtc::CompileError::CompileError { log, .. })) => Err(error(log.to_string_lossy().into())),
         Ok(Err(e)) => Err(error(format!("{e:?}"))),
-        Err(panic) => Err(error(crate::routes::panic_message(&panic))),
+        Err(panic) => Err(error(panic_message(&panic))),
     }
+}
+
+/// The message a caught panic carried (a route's first-use check, a kernel's compile or load).
+pub fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 #[cfg(test)]

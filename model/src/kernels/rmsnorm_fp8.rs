@@ -59,16 +59,15 @@ pub fn check(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The forward on x's CUDA device, on the default stream, without waiting.
-pub fn forward(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
+/// The forward on x's CUDA device, on the default stream, without waiting: `Ok(true)`.
+/// `Ok(false)` for a CPU tensor: nothing launched, the caller runs the stand-in
+/// (`fp8::stand_ins`).
+pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
     check(a)?;
-    let Some(index) = cuda_index(a.x, SOURCE.kernels[0])? else {
-        stand_in(a);
-        return Ok(());
-    };
+    let Some(index) = cuda_index(a.x, SOURCE.kernels[0])? else { return Ok(false) };
     let [rows, mut cols] = [a.x.size()[0], a.x.size()[1]];
     if rows * cols == 0 {
-        return Ok(());
+        return Ok(true);
     }
     let (mut x, mut w, mut y, mut r) =
         (address(Some(a.x)), address(Some(a.w)), address(Some(a.y)), address(Some(a.inv_rms)));
@@ -88,30 +87,8 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
         arg(&mut e5m2),
     ];
     // SAFETY: the kernel's parameters in order and type, checked above; one block per row.
-    unsafe { launch(&SOURCE, index, SOURCE.kernels[0], (rows as u32, 1, 1), THREADS, &mut p) }
-}
-
-/// The LibTorch route (the norm's composite, model/src/norm/composite.rs, and the codes as
-/// `quantize_via_f32` makes them): the reference the CUDA test holds the kernel to, and the
-/// CPU stand-in under `LLORA_CUDA_ROUTES_ON_CPU=1`.
-pub fn stand_in(a: &ForwardArgs<'_>) {
-    use crate::norm::composite::{inv_rms, normalised};
-    let _no_grad = tch::no_grad_guard();
-    let r = inv_rms(a.x, a.eps);
-    let y = normalised(a.x, &r) * a.w;
-    a.inv_rms.shallow_clone().copy_(&r);
-    a.y.shallow_clone().copy_(&y);
-    if let Some(c) = &a.y_codes {
-        c.codes.shallow_clone().copy_(&codes_of(&y, c));
-        let folded = c.amax.maximum(&y.to_kind(tch::Kind::Float).abs().max().reshape([1]));
-        c.amax.shallow_clone().copy_(&folded);
-    }
-}
-
-/// y's codes at `c`'s scale as LibTorch's route makes them: float(y) · scale, clamped, cast.
-fn codes_of(y: &tch::Tensor, c: &DelayedCodes<'_>) -> tch::Tensor {
-    let limit = f64::from(c.format.max());
-    (y.to_kind(tch::Kind::Float) * c.scale).clamp(-limit, limit).to_kind(c.format.kind())
+    unsafe { launch(&SOURCE, index, SOURCE.kernels[0], (rows as u32, 1, 1), THREADS, &mut p)? };
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -161,7 +138,7 @@ mod tests {
         let codes = Tensor::zeros([3, 8], (Fp8Format::E4M3.kind(), tch::Device::Cpu));
         let c = DelayedCodes { codes: &codes, scale: &p.r, amax: &p.r, format: Fp8Format::E4M3 };
         assert_refused(check(&ForwardArgs { y_codes: Some(c), ..p.args() }), "y scale");
-        assert_refused(forward(&p.args()), "CUDA only");
+        assert_eq!(forward(&p.args()), Ok(false), "a CPU tensor: nothing launched");
     }
 
     /// With the CPU standing in for CUDA: the route writes HF's LlamaRMSNorm output exactly
@@ -169,7 +146,6 @@ mod tests {
     /// and y's amax.
     #[test]
     fn the_cpu_stand_in_writes_what_the_norm_computes() {
-        let _on = crate::routes::on_cpu_for_this_thread(true);
         let p = Problem::new([5, 24], tch::Device::Cpu);
         let (codes, scale, amax) = (
             Tensor::zeros([5, 24], (Fp8Format::E4M3.kind(), tch::Device::Cpu)),
@@ -177,7 +153,7 @@ mod tests {
             Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
         );
         let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
-        forward(&ForwardArgs { y_codes: Some(c), ..p.args() }).unwrap();
+        crate::fp8::stand_ins::rmsnorm(&ForwardArgs { y_codes: Some(c), ..p.args() });
         // HF's LlamaRMSNorm in plain ops: (x.float() * rsqrt(mean(x²) + eps)).to(bf16) * w.
         let xf = p.x.to_kind(Kind::Float);
         let r = (xf.square().mean_dim(-1, true, Kind::Float) + 1e-5).rsqrt();
@@ -208,7 +184,7 @@ mod tests {
             let amax = Tensor::zeros([1], (Kind::Float, dev));
             let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
             forward(&ForwardArgs { y_codes: Some(c), ..mine.args() }).unwrap();
-            stand_in(&want.args());
+            crate::fp8::stand_ins::rmsnorm(&want.args());
             let rel = ((&mine.r - &want.r) / &want.r).abs().max().double_value(&[]);
             assert!(rel < 1e-6, "inv_rms off by {rel}, {shape:?}");
             let (y, y_want) = (mine.y.to_kind(Kind::Float), want.y.to_kind(Kind::Float));
@@ -216,7 +192,9 @@ mod tests {
             assert!(off <= 1e-30, "y, {shape:?}");
             let bits = |t: &Tensor| host_bytes(t).unwrap();
             let c = DelayedCodes { codes: &codes, scale: &scale, amax: &amax, format: Fp8Format::E4M3 };
-            assert_eq!(bits(&codes), bits(&codes_of(&mine.y, &c)), "codes, {shape:?}");
+            let (own, own_amax) = (codes.empty_like(), amax.zeros_like());
+            crate::fp8::stand_ins::write_delayed_codes(&mine.y, &DelayedCodes { codes: &own, amax: &own_amax, ..c });
+            assert_eq!(bits(&codes), bits(&own), "codes, {shape:?}");
             assert_eq!(amax.double_value(&[0]), y.abs().max().double_value(&[]), "amax, {shape:?}");
         }
     }

@@ -6,6 +6,7 @@
 //! LibTorch route (logged either way); elsewhere the norm runs as before (status: docs/gpu.md).
 
 use crate::fp8::format::Fp8Format;
+use crate::fp8::stand_ins;
 use crate::kernels::checks::host_bytes;
 use crate::kernels::rmsnorm_fp8::{self, DelayedCodes, ForwardArgs};
 use crate::routes::Verdicts;
@@ -59,9 +60,11 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64, scale: f32, reference
     let y_codes = Some(DelayedCodes { codes: &codes, scale: &scale_t, amax: &amax, format: Fp8Format::E4M3 });
     let args = ForwardArgs { x: &x2, w: &w, y: &y, inv_rms: &inv_rms, eps, y_codes };
     if reference {
-        rmsnorm_fp8::stand_in(&args);
+        stand_ins::rmsnorm(&args);
     } else {
-        rmsnorm_fp8::forward(&args).map_err(|e| e.to_string())?;
+        if !rmsnorm_fp8::forward(&args).map_err(|e| e.to_string())? {
+            stand_ins::rmsnorm(&args);
+        }
         ROUTE.mark_used();
     }
     let mut stat = x.size();

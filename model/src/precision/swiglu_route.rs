@@ -5,6 +5,7 @@
 //! (`nodes.rs` `Kept`). Untested on a GPU until the bundle ran there (docs/gpu.md).
 
 use crate::fp8::format::Fp8Format;
+use crate::fp8::stand_ins;
 use crate::kernels::checks::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
 use crate::routes::Verdicts;
@@ -103,7 +104,7 @@ pub fn forward(gate: &tch::Tensor, up: &tch::Tensor, h_scale: Option<f32>) -> Re
     let (out, amax) = (Forward::empty(&gate, h_scale), tch::Tensor::zeros([2], (tch::Kind::Float, gate.device())));
     let args = out.args(&gate, &up, &amax);
     if !swiglu_fp8::forward(&args).map_err(|e| e.to_string())? {
-        reference_forward(&args);
+        stand_ins::swiglu_forward(&args);
     }
     ROUTE.mark_used();
     Ok(out)
@@ -123,7 +124,7 @@ pub fn backward(
     let (grad_gate, grad_up) = (grad.empty_like(), grad.empty_like());
     let args = BackwardArgs { gate_codes, up_codes, scale_inv, grad: &grad, grad_gate: &grad_gate, grad_up: &grad_up };
     if !swiglu_fp8::backward(&args).map_err(|e| e.to_string())? {
-        reference_backward(&args);
+        stand_ins::swiglu_backward(&args);
     }
     Ok((grad_gate, grad_up))
 }
@@ -152,7 +153,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     within_ulp("h", &got.h, &want.h)?;
     // h's codes: those of the kernel's own h (h itself may differ by expf's last bit).
     let (h_got, h_want) = (got.h_codes.as_ref().ok_or("no h codes")?, HCodes::empty(&gate, 0.5));
-    write_delayed_codes(&got.h, &h_want.args());
+    stand_ins::write_delayed_codes(&got.h, &h_want.args());
     if bits(&h_got.codes) != bits(&h_want.codes) || bits(&h_got.amax) != bits(&h_want.amax) {
         return Err("h's codes or amax differ from those of its h".into());
     }
@@ -173,7 +174,7 @@ fn within_ulp(name: &str, got: &tch::Tensor, want: &tch::Tensor) -> Result<(), S
 /// The LibTorch route's forward (the kernel's CPU stand-in) on fresh outputs.
 fn forward_reference(gate: &tch::Tensor, up: &tch::Tensor) -> Forward {
     let (out, amax) = (Forward::empty(gate, None), tch::Tensor::zeros([2], (tch::Kind::Float, gate.device())));
-    reference_forward(&out.args(gate, up, &amax));
+    stand_ins::swiglu_forward(&out.args(gate, up, &amax));
     out
 }
 
@@ -181,7 +182,7 @@ fn forward_reference(gate: &tch::Tensor, up: &tch::Tensor) -> Forward {
 fn backward_reference(f: &Forward, grad: &tch::Tensor) -> (tch::Tensor, tch::Tensor) {
     let (grad_gate, grad_up) = (grad.empty_like(), grad.empty_like());
     let (gate_codes, up_codes, scale_inv) = (&f.gate_codes, &f.up_codes, &f.scale_inv);
-    reference_backward(&BackwardArgs {
+    stand_ins::swiglu_backward(&BackwardArgs {
         gate_codes,
         up_codes,
         scale_inv,
@@ -190,46 +191,6 @@ fn backward_reference(f: &Forward, grad: &tch::Tensor) -> (tch::Tensor, tch::Ten
         grad_up: &grad_up,
     });
     (grad_gate, grad_up)
-}
-
-/// The LibTorch route's forward (nodes.rs: `silu(gate) * up`, `Kept::keep` in FP8, and h's
-/// codes as `quantize_via_f32` makes them): the reference the first-use check and the CUDA
-/// test hold the kernel to, and what runs where the CPU stands in for CUDA.
-pub fn reference_forward(a: &ForwardArgs<'_>) {
-    let _no_grad = tch::no_grad_guard();
-    let h = a.gate.silu() * a.up;
-    a.out.shallow_clone().copy_(&h);
-    for (i, (x, codes)) in [(a.gate, a.gate_codes), (a.up, a.up_codes)].into_iter().enumerate() {
-        let (q, scale_inv) = crate::fp8::quantize_current_on_device(x, Fp8Format::E4M3);
-        codes.shallow_clone().copy_(&q);
-        a.scale_inv.get(i as i64).copy_(&scale_inv);
-        a.amax.get(i as i64).copy_(&crate::fp8::amax_on_device(x));
-    }
-    if let Some(hc) = &a.h {
-        write_delayed_codes(&h, hc);
-    }
-}
-
-/// Writes `h`'s codes at `hc`'s delayed scale (saturating) and folds its amax into `hc`'s, as
-/// the LibTorch route's quantiser does.
-fn write_delayed_codes(h: &tch::Tensor, hc: &swiglu_fp8::DelayedCodes<'_>) {
-    let _no_grad = tch::no_grad_guard();
-    let scale = hc.scale.to_kind(tch::Kind::Float);
-    let limit = f64::from(hc.format.max());
-    let codes = (h.to_kind(tch::Kind::Float) * scale).clamp(-limit, limit).to_kind(hc.format.kind());
-    hc.codes.shallow_clone().copy_(&codes);
-    let folded = hc.amax.maximum(&crate::fp8::amax_on_device(h).reshape([1]));
-    hc.amax.shallow_clone().copy_(&folded);
-}
-
-/// The LibTorch route's backward (nodes.rs `SwigluBackward` on the dequantised inputs).
-pub fn reference_backward(a: &BackwardArgs<'_>) {
-    let _no_grad = tch::no_grad_guard();
-    let kind = a.grad.kind();
-    let gate = crate::fp8::dequantize_with(a.gate_codes, &a.scale_inv.get(0)).to_kind(kind);
-    let up = crate::fp8::dequantize_with(a.up_codes, &a.scale_inv.get(1)).to_kind(kind);
-    a.grad_up.shallow_clone().copy_(&(a.grad * gate.silu()));
-    a.grad_gate.shallow_clone().copy_(&gate.silu_backward(&(a.grad * up)));
 }
 
 #[cfg(test)]
@@ -343,7 +304,7 @@ mod tests {
             let h =
                 |codes, amax| Some(swiglu_fp8::DelayedCodes { codes, scale: &scale, amax, format: Fp8Format::E4M3 });
             assert!(swiglu_fp8::forward(&ForwardArgs { h: h(&hq, &ha), ..mine.args(&gate, &up, &amax) }).unwrap());
-            reference_forward(&ForwardArgs { h: h(&hq_want, &ha_want), ..want.args(&gate, &up, &amax) });
+            stand_ins::swiglu_forward(&ForwardArgs { h: h(&hq_want, &ha_want), ..want.args(&gate, &up, &amax) });
             let bits = |t: &Tensor| host_bytes(t).unwrap();
             assert_eq!(bits(&mine.gate_codes), bits(&want.gate_codes), "gate codes, {shape:?}");
             assert_eq!(bits(&mine.up_codes), bits(&want.up_codes), "up codes, {shape:?}");
