@@ -22,8 +22,8 @@ pub fn quantize_tch(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tens
     through_routes(
         x,
         kernel_route(x).then_some(|| quantize_kernel(x, scale, format, None)),
-        || quantize_clamped(x, scale, format),
-        || quantize_via_f32(x, scale, format),
+        || quantize_clamped(x, Scale::Host(scale), format),
+        || quantize_via_f32(x, Scale::Host(scale), format),
     )
 }
 
@@ -132,7 +132,7 @@ pub fn check_kernel(device: tch::Device) -> Result<(), String> {
             if !fp8_quantize::quantize(&args).map_err(|e| format!("{what}: {e}"))? {
                 super::stand_ins::quantize::delayed(&args);
             }
-            let want = quantize_via_f32(&x, scale, format);
+            let want = quantize_via_f32(&x, Scale::Host(scale), format);
             if host_bytes(&out) != host_bytes(&want) || host_bytes(&out_t) != host_bytes(&want.tr().contiguous()) {
                 return Err(format!("{what}: codes differ from the f32 route"));
             }
@@ -154,7 +154,7 @@ fn check_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(), String
     for x in [x.shallow_clone(), finite.shallow_clone(), finite.zeros_like()] {
         let (codes, scale_inv) = quantize_current_kernel(&x, format).map_err(|e| e.to_string())?;
         let (scale, want_inv) = current_scale(&x, format);
-        let want = quantize_via_f32_by(&x, &scale, format);
+        let want = quantize_via_f32(&x, Scale::Device { s: &scale, inv: &want_inv }, format);
         if host_bytes(&codes) != host_bytes(&want) || host_bytes(&scale_inv) != host_bytes(&want_inv) {
             return Err(format!(
                 "codes or inverse scale differ from the f32 route (amax {})",
@@ -261,17 +261,19 @@ pub fn check_cuda_routes(device: tch::Device) -> Result<(), String> {
     for kind in [tch::Kind::BFloat16, tch::Kind::Float] {
         let x = host.to_kind(kind).to_device(device);
         for (format, scale) in [(Fp8Format::E4M3, 3.7f32), (Fp8Format::E5M2, 1.0 / 64.0)] {
-            let fast = quantize_clamped(&x, scale, format).map_err(|e| format!("two-pass {kind:?} {format:?}: {e}"))?;
-            let want = quantize_via_f32(&x, scale, format);
+            let fast = quantize_clamped(&x, Scale::Host(scale), format)
+                .map_err(|e| format!("two-pass {kind:?} {format:?}: {e}"))?;
+            let want = quantize_via_f32(&x, Scale::Host(scale), format);
             if fast.kind() != format.kind() || host_bytes(&fast) != host_bytes(&want) {
                 return Err(format!("two-pass {kind:?} {format:?}: codes differ from the f32 route"));
             }
         }
         for probe in [x.narrow(0, 0, 4096), x.narrow(0, 4096, 7)] {
             let (scale, scale_inv) = current_scale(&probe, Fp8Format::E4M3);
-            let fast = quantize_clamped_by(&probe, &scale, &scale_inv, Fp8Format::E4M3)
+            let on_device = Scale::Device { s: &scale, inv: &scale_inv };
+            let fast = quantize_clamped(&probe, on_device, Fp8Format::E4M3)
                 .map_err(|e| format!("two-pass current scaling {kind:?}: {e}"))?;
-            if host_bytes(&fast) != host_bytes(&quantize_via_f32_by(&probe, &scale, Fp8Format::E4M3)) {
+            if host_bytes(&fast) != host_bytes(&quantize_via_f32(&probe, on_device, Fp8Format::E4M3)) {
                 return Err(format!("two-pass current scaling {kind:?}: codes differ from the f32 route"));
             }
         }
@@ -285,40 +287,88 @@ pub fn check_cuda_routes(device: tch::Device) -> Result<(), String> {
     Ok(())
 }
 
-/// [`quantize_tch`] as two passes: x clamped to `±max/scale` in its own dtype, then one
-/// multiply that reads it, scales it in f32 (the scale is a 1-element f32 tensor, so the
-/// multiply's common dtype is f32) and stores the product cast to FP8: on CUDA one kernel
+/// A per-tensor scale `s` (codes = x·s): known on the host (delayed scaling), or as 0-dim f32
+/// tensors `s` and `1/s` on x's device (current scaling: never read back).
+#[derive(Clone, Copy)]
+enum Scale<'a> {
+    Host(f32),
+    Device { s: &'a tch::Tensor, inv: &'a tch::Tensor },
+}
+
+/// [`quantize_tch`] as two passes: x clamped to `±max/s` in its own dtype, then one multiply
+/// that reads it, scales it in f32 (the scale is a 1-element f32 tensor, so the multiply's
+/// common dtype is f32) and stores the product cast to FP8: on CUDA one kernel
 /// (TensorIterator casts as it stores), on the CPU through an f32 temporary. The codes are the
 /// f32 route's bit for bit: an unclamped value gives the same f32 product; a clamped one gives
 /// the bound rounded to x's dtype (within 2⁻⁹) times the scale, within 2⁻⁸ of ±max, which both
 /// formats round to ±max, as the f32 route's saturated value; NaN stays NaN.
-fn quantize_clamped(x: &tch::Tensor, scale: f32, format: Fp8Format) -> Result<tch::Tensor, tch::TchError> {
-    let bound = f64::from(format.max()) / f64::from(scale);
-    let s = tch::Tensor::f_full([1], f64::from(scale), (tch::Kind::Float, x.device()))?;
-    let clamped = x.f_clamp(-bound, bound)?;
+fn quantize_clamped(x: &tch::Tensor, scale: Scale<'_>, format: Fp8Format) -> Result<tch::Tensor, tch::TchError> {
+    let max = f64::from(format.max());
     let out = tch::Tensor::f_empty(x.size(), (format.kind(), x.device()))?;
-    clamped.f_mul_out(&out, &s)
+    match scale {
+        Scale::Host(s) => {
+            let bound = max / f64::from(s);
+            let s = tch::Tensor::f_full([1], f64::from(s), (tch::Kind::Float, x.device()))?;
+            x.f_clamp(-bound, bound)?.f_mul_out(&out, &s)
+        }
+        Scale::Device { s, inv } => {
+            let bound = inv.f_mul_scalar(max)?;
+            let clamped = x.f_clamp_tensor(Some(&bound.f_neg()?), Some(&bound))?;
+            clamped.f_mul_out(&out, &s.f_view([1])?)
+        }
+    }
 }
 
 /// [`quantize_tch`] through an f32 copy: cast, scale, clamp, cast.
-fn quantize_via_f32(x: &tch::Tensor, scale: f32, format: Fp8Format) -> tch::Tensor {
+fn quantize_via_f32(x: &tch::Tensor, scale: Scale<'_>, format: Fp8Format) -> tch::Tensor {
     let max = f64::from(format.max());
-    // In place: one f32 temporary, not two (a 70B MLP weight is 0.94 GB in f32). A bf16 input
-    // is scaled in f32: scaling in bf16 would round once before the FP8 cast rounds again.
-    let mut scaled = if x.kind() == tch::Kind::Float {
-        x * f64::from(scale)
-    } else {
-        x.to_kind(tch::Kind::Float) * f64::from(scale)
+    // One f32 temporary, scaled and clamped in place (a 70B MLP weight is 0.94 GB in f32), and
+    // never x itself: `to_kind` of an f32 tensor to f32 is that tensor. A bf16 input is scaled
+    // in f32: scaling in bf16 would round once before the FP8 cast rounds again.
+    let mut scaled = match (x.kind() == tch::Kind::Float, scale) {
+        (true, Scale::Host(s)) => x * f64::from(s),
+        (true, Scale::Device { s, .. }) => x * s,
+        (false, scale) => {
+            let mut t = x.to_kind(tch::Kind::Float);
+            let _ = match scale {
+                Scale::Host(s) => t.g_mul_scalar_(f64::from(s)),
+                Scale::Device { s, .. } => t.g_mul_(s),
+            };
+            t
+        }
     };
     let _ = scaled.clamp_(-max, max);
     scaled.to_kind(format.kind())
 }
 
+/// An inverse scale `1/s` that codes are multiplied by: an f32 on the host (delayed scaling)
+/// or a 0-dim f32 tensor on the codes' device (current scaling).
+pub trait ScaleInv {
+    /// `x · self`, in place.
+    fn scale_in_place(&self, x: &mut tch::Tensor);
+}
+
+impl ScaleInv for f32 {
+    fn scale_in_place(&self, x: &mut tch::Tensor) {
+        let _ = x.g_mul_scalar_(f64::from(*self));
+    }
+}
+
+impl ScaleInv for &tch::Tensor {
+    fn scale_in_place(&self, x: &mut tch::Tensor) {
+        let _ = x.g_mul_(self);
+    }
+}
+
 /// `float(q) · scale_inv` in f32.
-pub fn dequantize_tch(q: &tch::Tensor, scale_inv: f32) -> tch::Tensor {
-    // In place: the f32 copy is the result (a second one would double a weight's peak).
+///
+/// # Shapes
+/// - q: any, FP8 codes; output: as q, f32
+pub fn dequantize(q: &tch::Tensor, scale_inv: impl ScaleInv) -> tch::Tensor {
+    // In place on the f32 copy (a second one would double a weight's peak); codes are never
+    // f32, so the copy is never q itself.
     let mut x = q.to_kind(tch::Kind::Float);
-    let _ = x.g_mul_scalar_(f64::from(scale_inv));
+    scale_inv.scale_in_place(&mut x);
     x
 }
 
@@ -339,11 +389,11 @@ pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::T
         kernel.then_some(|| quantize_current_kernel(x, format)),
         || {
             let (scale, scale_inv) = scales_of();
-            Ok((quantize_clamped_by(x, scale, scale_inv, format)?, scale_inv.shallow_clone()))
+            Ok((quantize_clamped(x, Scale::Device { s: scale, inv: scale_inv }, format)?, scale_inv.shallow_clone()))
         },
         || {
             let (scale, scale_inv) = scales_of();
-            (quantize_via_f32_by(x, scale, format), scale_inv.shallow_clone())
+            (quantize_via_f32(x, Scale::Device { s: scale, inv: scale_inv }, format), scale_inv.shallow_clone())
         },
     )
 }
@@ -374,37 +424,6 @@ fn current_scale(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tenso
     let _ = scale.g_add_(&scale.eq(0.0));
     let scale_inv = scale.reciprocal();
     (scale, scale_inv)
-}
-
-/// [`quantize_clamped`] with the scale a 0-dim f32 tensor on x's device (and its inverse): x
-/// clamped to `±max·(1/s)` in its own dtype, then one multiply stored as FP8. The same codes
-/// as [`quantize_via_f32_by`], for the reason [`quantize_clamped`] gives.
-fn quantize_clamped_by(
-    x: &tch::Tensor,
-    scale: &tch::Tensor,
-    scale_inv: &tch::Tensor,
-    format: Fp8Format,
-) -> Result<tch::Tensor, tch::TchError> {
-    let bound = scale_inv.f_mul_scalar(f64::from(format.max()))?;
-    let clamped = x.f_clamp_tensor(Some(&bound.f_neg()?), Some(&bound))?;
-    let out = tch::Tensor::f_empty(x.size(), (format.kind(), x.device()))?;
-    clamped.f_mul_out(&out, &scale.f_view([1])?)
-}
-
-/// `clamp(x·s, ±max)` cast to FP8 through an f32 copy, the scale a 0-dim f32 tensor.
-fn quantize_via_f32_by(x: &tch::Tensor, scale: &tch::Tensor, format: Fp8Format) -> tch::Tensor {
-    let max = f64::from(format.max());
-    let mut scaled = x.to_kind(tch::Kind::Float);
-    let _ = scaled.g_mul_(scale);
-    let _ = scaled.clamp_(-max, max);
-    scaled.to_kind(format.kind())
-}
-
-/// `float(q) · scale_inv` in f32, the factor a 0-dim f32 tensor on q's device.
-pub fn dequantize_with(q: &tch::Tensor, scale_inv: &tch::Tensor) -> tch::Tensor {
-    let mut x = q.to_kind(tch::Kind::Float);
-    let _ = x.g_mul_(scale_inv);
-    x
 }
 
 /// `max |x|` as an f32 (NaN if x holds a NaN; 0 for an empty tensor), over the whole sequence
@@ -443,6 +462,25 @@ mod tests {
     use crate::fp8::format::checks::{assert_codes_match, same_value};
     use crate::fp8::recipe::scale_for_amax;
     use tch::{Kind, Tensor};
+
+    /// Quantising never writes to its input, whatever the route, the scale's home (host or
+    /// device) and the input's dtype. (`to_kind` of an f32 tensor to f32 is the tensor itself:
+    /// scaling "the f32 copy" in place scaled the caller's activations, so the adapters kept in
+    /// FP8 under `fp8_activations` with f32 activations saw x·s.)
+    #[test]
+    fn quantising_leaves_its_input_untouched() {
+        for on_cpu in [false, true] {
+            let _on = crate::routes::on_cpu_for_this_thread(on_cpu);
+            for kind in [Kind::Float, Kind::BFloat16] {
+                let x = Tensor::from_slice(&[1.0f32, -2.0, 3.0, 1e-3]).to_kind(kind);
+                let before = host_bytes(&x).unwrap();
+                let _ = quantize_current_on_device(&x, Fp8Format::E4M3);
+                let _ = quantize_tch(&x, 7.0, Fp8Format::E5M2);
+                let _ = quantize_and_amax(&x, 7.0, Fp8Format::E4M3);
+                assert_eq!(host_bytes(&x).unwrap(), before, "{kind:?}, CUDA routes on the CPU: {on_cpu}");
+            }
+        }
+    }
 
     /// NaN stays NaN (with its sign bit), infinities overflow like torch, and the scaled
     /// quantiser saturates to ±max instead.
@@ -495,7 +533,7 @@ mod tests {
             let want = format.quantize_slice(&xs, scale);
             let bad = codes.iter().zip(&want).filter(|(a, b)| a != b).count();
             assert_eq!(bad, 0, "{format:?}: {bad} of {n} scaled codes differ from the emulation");
-            let deq = Vec::<f32>::try_from(&dequantize_tch(&q, 1.0 / scale)).unwrap();
+            let deq = Vec::<f32>::try_from(&dequantize(&q, 1.0 / scale)).unwrap();
             let emu = format.dequantize_slice(&want, 1.0 / scale);
             assert!(deq.iter().zip(&emu).all(|(a, b)| same_value(*a, *b)));
         }
@@ -525,9 +563,10 @@ mod tests {
                 let values = Vec::<f32>::try_from(&x.to_kind(Kind::Float)).unwrap();
                 let want = format.quantize_slice(&values, scale);
                 let bits = |t: &Tensor| Vec::<u8>::try_from(&t.view_dtype(Kind::Uint8)).unwrap();
-                let two_pass = quantize_clamped(&x, scale, format).unwrap();
+                let two_pass = quantize_clamped(&x, Scale::Host(scale), format).unwrap();
                 assert_eq!(two_pass.kind(), format.kind());
-                for (route, got) in [("two-pass", bits(&two_pass)), ("f32", bits(&quantize_via_f32(&x, scale, format)))]
+                for (route, got) in
+                    [("two-pass", bits(&two_pass)), ("f32", bits(&quantize_via_f32(&x, Scale::Host(scale), format)))]
                 {
                     let bad: Vec<_> = got.iter().zip(&want).zip(&values).filter(|((a, b), _)| a != b).take(3).collect();
                     assert!(bad.is_empty(), "{format:?} scale {scale} {route}: {bad:?}");
@@ -581,9 +620,12 @@ mod tests {
             assert_eq!(cuda_routes_checked_on(tch::Device::Cpu), Ok(()));
             assert!(cuda_routes_checked(tch::Device::Cpu));
             let bits = |t: &tch::Tensor| Vec::<u8>::try_from(&t.view_dtype(tch::Kind::Uint8).flatten(0, -1)).unwrap();
-            assert_eq!(bits(&codes), bits(&quantize_via_f32(&x, 1.5, Fp8Format::E4M3)));
+            assert_eq!(bits(&codes), bits(&quantize_via_f32(&x, Scale::Host(1.5), Fp8Format::E4M3)));
             let (scale, _) = current_scale(&x, Fp8Format::E5M2);
-            assert_eq!(bits(&current), bits(&quantize_via_f32_by(&x, &scale, Fp8Format::E5M2)));
+            assert_eq!(
+                bits(&current),
+                bits(&quantize_via_f32(&x, Scale::Device { s: &scale, inv: &scale.reciprocal() }, Fp8Format::E5M2))
+            );
             assert_eq!(
                 counts,
                 QuantiserCounts { kernel: 2, two_pass: 0, via_f32: 0 },
@@ -633,7 +675,7 @@ mod tests {
                 // CUDA's two-pass route, run here: the same codes.
                 let (scale, inv) = current_scale(x, format);
                 if matches!(x.kind(), tch::Kind::Float | tch::Kind::BFloat16) {
-                    let two_pass = quantize_clamped_by(x, &scale, &inv, format).unwrap();
+                    let two_pass = quantize_clamped(x, Scale::Device { s: &scale, inv: &inv }, format).unwrap();
                     assert_eq!(bits(&two_pass), bits(&host_data), "case {i} {format:?}: two-pass codes");
                 }
                 let s = scale_inv.double_value(&[]) as f32;
@@ -643,8 +685,8 @@ mod tests {
                     "case {i} {format:?}: 1/scale {s} vs {}",
                     host_scale_inv
                 );
-                let back = dequantize_with(&codes, &scale_inv);
-                let want = dequantize_tch(&host_data, host_scale_inv);
+                let back = dequantize(&codes, &scale_inv);
+                let want = dequantize(&host_data, host_scale_inv);
                 let same = back.isnan().eq_tensor(&want.isnan()).all().int64_value(&[]) == 1
                     && back
                         .nan_to_num(0.0, None, None)

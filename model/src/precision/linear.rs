@@ -12,9 +12,7 @@ use super::scaled_mm::{Fp8Operand, fp8_gemm};
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
 use crate::fp8::recipe::{LinearScales, Role, scale_of};
-use crate::fp8::{
-    Fp8Format, SharedCodes, amax_tch, dequantize_tch, dequantize_with, quantize_current_on_device, quantize_tch,
-};
+use crate::fp8::{Fp8Format, SharedCodes, amax_tch, dequantize, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;
 
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
@@ -307,13 +305,13 @@ impl LinearQuant {
             SavedInput::AsIs(x) => {
                 let x = x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]);
                 match self.spec.compute {
-                    Compute::Fp8 => dequantize_tch(&quantize_tch(&x, in_scale, Fp8Format::E4M3), 1.0 / in_scale),
+                    Compute::Fp8 => dequantize(&quantize_tch(&x, in_scale, Fp8Format::E4M3), 1.0 / in_scale),
                     _ => x.to_kind(Kind::Float),
                 }
             }
             SavedInput::Bf16(x) => x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]).to_kind(Kind::Float),
-            SavedInput::Fp8(q, scale_inv) => dequantize_tch(&q.tensor, *scale_inv),
-            SavedInput::Fp8Current(q, scale_inv) => dequantize_with(&q.tensor, &scale_inv.tensor),
+            SavedInput::Fp8(q, scale_inv) => dequantize(&q.tensor, *scale_inv),
+            SavedInput::Fp8Current(q, scale_inv) => dequantize(&q.tensor, &scale_inv.tensor),
         }
     }
 
@@ -359,7 +357,7 @@ impl LinearQuant {
                 // values), made only here: a frozen base weight's backward never makes an f32
                 // copy of its `[tokens, out]` gradient.
                 let gd = match &fp8_grad {
-                    Some((q, s)) => dequantize_tch(q, 1.0 / s),
+                    Some((q, s)) => dequantize(q, 1.0 / s),
                     None => g2.to_kind(Kind::Float),
                 };
                 let kind = match w {

@@ -94,6 +94,31 @@ mod tests {
         xs.iter().fold(0.0f32, |m, x| m.max(x.abs()))
     }
 
+    /// Keeping a layer's input in FP8 (`fp8_activations`) changes what backward reads, never
+    /// the forward: under fp32 and bf16 compute on f32 activations the output, and the input
+    /// itself, equal those without it bit for bit (the kept codes were once made by scaling
+    /// the f32 input in place: an adapter's GEMM then read x·s).
+    #[test]
+    fn inputs_kept_in_fp8_leave_the_forward_alone() {
+        let _rng = crate::device::torch_rng_lock();
+        let device = Device::libtorch().autodiff();
+        device.seed(4);
+        let x0 = Tensor::<2>::random([6, 8], Distribution::Normal(0.0, 2.0), &device);
+        let w = Tensor::<2>::random([4, 8], Distribution::Normal(0.0, 0.3), &device).require_grad();
+        for compute in [Compute::Fp32, Compute::Bf16] {
+            let y = |fp8_activations: bool| {
+                let x = x0.clone().require_grad();
+                let q = Arc::new(LinearQuant::new(PrecisionSpec { compute, fp8_activations, ..Default::default() }));
+                let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &q, true).squeeze::<2>();
+                let y = host(&y.cast(burn::tensor::DType::F32));
+                (y, host(&x))
+            };
+            let (plain, kept) = (y(false), y(true));
+            assert_eq!(kept.1, host(&x0), "{compute:?}: the input changed");
+            assert_eq!(kept.0, plain.0, "{compute:?}: the output changed");
+        }
+    }
+
     /// Quantise-dequantise on the host with the scalar emulation.
     fn qdq(xs: &[f32], scale: f32, f: Fp8Format) -> Vec<f32> {
         f.dequantize_slice(&f.quantize_slice(xs, scale), 1.0 / scale)

@@ -16,7 +16,7 @@ use tch::Kind;
 
 use super::linear::{LinearQuant, LinearState, LinearWeight};
 use super::spec::Storage;
-use crate::fp8::{Fp8Format, SharedCodes, WriteCodes, dequantize_with, quantize_current_on_device};
+use crate::fp8::{Fp8Format, SharedCodes, WriteCodes, dequantize, quantize_current_on_device};
 use crate::shard::FrozenWeight;
 
 /// Bytes of activations the ops in this module saved for backward since the last
@@ -264,7 +264,7 @@ impl Kept {
     fn get(&self, kind: Kind) -> tch::Tensor {
         match self {
             Self::Plain(t) => t.tensor.to_kind(kind),
-            Self::Fp8(q, scale_inv) => dequantize_with(&q.tensor, &scale_inv.tensor).to_kind(kind),
+            Self::Fp8(q, scale_inv) => dequantize(&q.tensor, &scale_inv.tensor).to_kind(kind),
         }
     }
 

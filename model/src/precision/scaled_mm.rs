@@ -20,7 +20,7 @@ use std::sync::{Once, OnceLock};
 
 use tch::{Kind, Tensor};
 
-use crate::fp8::{Fp8Format, dequantize_tch, quantize_tch};
+use crate::fp8::{Fp8Format, dequantize, quantize_tch};
 
 /// FP8 GEMMs run since the last [`take_gemm_counts`], by path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -101,9 +101,9 @@ pub fn cpu_path() -> (CpuPath, f64, f64) {
 /// # Shapes
 /// - a: `[m, k]`; b: `[k, n]`; output: `[m, n]`
 fn emulated(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind) -> Tensor {
-    let x = dequantize_tch(a.codes, a.scale_inv);
+    let x = dequantize(a.codes, a.scale_inv);
     super::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, |blk| {
-        x.f_matmul(&dequantize_tch(blk, b.scale_inv)).map(|y| y.to_kind(out))
+        x.f_matmul(&dequantize(blk, b.scale_inv)).map(|y| y.to_kind(out))
     })
     .expect("a GEMM of valid shapes")
 }
@@ -172,7 +172,7 @@ pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: boo
     };
     count(|c| c.fallback += 1);
     WARNED.call_once(|| tracing::warn!("FP8 GEMM falls back to f32 on the dequantised operands: {refused}"));
-    dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv)).to_kind(out)
+    dequantize(a.codes, a.scale_inv).matmul(&dequantize(b.codes, b.scale_inv)).to_kind(out)
 }
 
 /// `_scaled_mm` itself, on column blocks of `b` on the CPU (its CPU kernel converts both
@@ -221,9 +221,9 @@ pub fn check_layer_gemms(device: tch::Device) -> Result<String, String> {
         let err = (got.to_kind(Kind::Float) - want).abs().max().double_value(&[]);
         err / want.abs().max().double_value(&[]).max(1e-30)
     };
-    let wd = dequantize_tch(&w, 1.0 / 64.0);
-    let ey = rel(&y, &dequantize_tch(&x, 1.0 / 16.0).matmul(&wd.tr()));
-    let edx = rel(&dx, &dequantize_tch(&g, 1.0 / 1024.0).matmul(&wd));
+    let wd = dequantize(&w, 1.0 / 64.0);
+    let ey = rel(&y, &dequantize(&x, 1.0 / 16.0).matmul(&wd.tr()));
+    let edx = rel(&dx, &dequantize(&g, 1.0 / 1024.0).matmul(&wd));
     if ey > 1.0 / 128.0 || edx > 1.0 / 128.0 {
         return Err(format!("relative error y {ey:.2e}, dx {edx:.2e} (bf16 output allows 7.8e-3)"));
     }
@@ -248,7 +248,7 @@ mod tests {
                 let w = quantize_tch(&Tensor::randn([n, k], (Kind::Float, tch::Device::Cpu)), 64.0, Fp8Format::E4M3);
                 let (a, b) =
                     (Fp8Operand { codes: &a, scale_inv: 0.125 }, Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 });
-                let want = dequantize_tch(a.codes, a.scale_inv).matmul(&dequantize_tch(b.codes, b.scale_inv));
+                let want = dequantize(a.codes, a.scale_inv).matmul(&dequantize(b.codes, b.scale_inv));
                 let scale = want.abs().max().double_value(&[]);
                 // torch's CPU kernel itself, and the path `fp8_gemm` takes on this CPU.
                 let direct = |out, fast| scaled_mm(a, b, out, fast).unwrap();

@@ -218,7 +218,7 @@ mod tests {
         let _on = crate::routes::on_cpu_for_this_thread(true);
         let (gate, up) = inputs([4, 9], tch::Device::Cpu);
         let f = forward(&gate, &up, Some(0.25)).unwrap();
-        let decode = |codes: &Tensor, i: i64| crate::fp8::dequantize_with(codes, &f.scale_inv.get(i));
+        let decode = |codes: &Tensor, i: i64| crate::fp8::dequantize(codes, &f.scale_inv.get(i));
         let (g, u) = (decode(&f.gate_codes, 0), decode(&f.up_codes, 1));
         let off =
             |x: &Tensor, y: &Tensor| (x.to_kind(Kind::Float) - y.to_kind(Kind::Float)).abs().max().double_value(&[]);

@@ -6,7 +6,7 @@ use tch::Kind;
 
 use super::nf4;
 use super::spec::{Compute, PrecisionSpec};
-use crate::fp8::{Fp8Format, dequantize_tch, quantize_tch};
+use crate::fp8::{Fp8Format, dequantize, quantize_tch};
 
 /// Elements converted at a time when storing a weight (16 MB of f32).
 const CONVERT_CHUNK: usize = 1 << 22;
@@ -220,7 +220,7 @@ impl StoredWeight {
         match self {
             Self::F32(w) => w.tensor.shallow_clone(),
             Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
-            Self::Fp8 { codes, scale_inv, .. } => dequantize_tch(&codes.tensor, *scale_inv),
+            Self::Fp8 { codes, scale_inv, .. } => dequantize(&codes.tensor, *scale_inv),
             Self::Nf4 { .. } => self.dequantize_to(Kind::Float),
         }
     }

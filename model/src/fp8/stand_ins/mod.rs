@@ -47,8 +47,8 @@ pub fn swiglu_forward(a: &swiglu_fp8::ForwardArgs<'_>) {
 pub fn swiglu_backward(a: &swiglu_fp8::BackwardArgs<'_>) {
     let _no_grad = tch::no_grad_guard();
     let kind = a.grad.kind();
-    let gate = crate::fp8::dequantize_with(a.gate_codes, &a.scale_inv.get(0)).to_kind(kind);
-    let up = crate::fp8::dequantize_with(a.up_codes, &a.scale_inv.get(1)).to_kind(kind);
+    let gate = crate::fp8::dequantize(a.gate_codes, &a.scale_inv.get(0)).to_kind(kind);
+    let up = crate::fp8::dequantize(a.up_codes, &a.scale_inv.get(1)).to_kind(kind);
     a.grad_up.shallow_clone().copy_(&(a.grad * gate.silu()));
     a.grad_gate.shallow_clone().copy_(&gate.silu_backward(&(a.grad * up)));
 }
