@@ -28,7 +28,7 @@ const CPU_F32_GEMM_WORKSPACE: f64 = 36.0 * MB;
 /// at d 8192 is the largest: docs/performance.md, M15).
 const CPU_ADAPTER_GEMM_WORKSPACE: f64 = 21.0 * MB;
 /// Elements of a weight one CPU GEMM converts to f32 at a time: `_scaled_mm` on FP8 codes
-/// (`precision/scaled_mm.rs`) and bf16 GEMMs routed through f32 (`precision/bf16.rs`).
+/// (`fp8/gemm.rs`) and bf16 GEMMs routed through f32 (`precision/bf16.rs`).
 const CPU_GEMM_BLOCK_ELEMENTS: f64 = llora_model::precision::blocked::BLOCK_ELEMENTS as f64;
 /// Bytes of logits one chunk of the fused LM-head cross-entropy holds (`loss.rs`).
 const LCE_CHUNK_BYTES: f64 = 32.0 * MB;
@@ -443,7 +443,7 @@ fn gemm_workspace(s: &Shape) -> f64 {
     let alloc = |bytes: f64| allocated(bytes, s.target);
     let (_, largest) = block_linears(&s.model);
     // torch's CPU `_scaled_mm` converts its operands to f32: the whole first operand and a
-    // column block of the second (scaled_mm.rs), with its transpose and f32 output.
+    // column block of the second (fp8/gemm.rs), with its transpose and f32 output.
     let block = largest.min(CPU_GEMM_BLOCK_ELEMENTS);
     let cpu_fp8 = if s.target == Target::Cpu { alloc(t * i * 4.0) + 3.0 * alloc(block * 4.0) } else { 0.0 };
     // The f32 upcast of the widest adapter input (f32 adapters on bf16 activations).

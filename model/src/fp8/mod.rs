@@ -9,12 +9,12 @@
 //! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
 //! | one input's codes made once and handed to each GEMM reading it (q/k/v, gate/up, down) | [`shared_codes`] |
 //! | the FP8 linear: GEMM operands, what is saved for backward | `precision/linear.rs`, `precision/nodes.rs` |
-//! | the GEMMs on `_scaled_mm` (and the CPU's emulation) | `precision/scaled_mm.rs` |
+//! | the GEMMs on `_scaled_mm` (and the CPU's emulation), counted by route | [`gemm`] |
 //! | frozen weights stored as codes + scale | `precision/weights.rs` |
 //! | FP8-kept SwiGLU input, RMSNorm writing codes | `precision/swiglu_route.rs`, `norm/fp8_route.rs` |
 //! | our NVRTC kernels (argument checks, launches) | `kernels/` |
 //! | what each kernel computes in LibTorch ops: its reference and CPU stand-in | [`stand_ins`] |
-//! | a route's first-use check and fallback | `routes.rs` |
+//! | a route's first-use check and fallback; every route in one list (`llora selftest`, `llora bench`) | `routes.rs`, `route_list.rs` |
 //! | the step's end: amaxes max-reduced over ranks, then every scale updated | the trainer's `engine/step.rs` (`LlamaForCausalLM::update_fp8_scales`) |
 //!
 //! A tensor is quantised as `q = cast(clamp(x·s, ±max))` and stands for `float(q) · (1/s)`.
@@ -25,6 +25,7 @@
 
 pub mod amax_group;
 pub mod format;
+pub mod gemm;
 pub mod quantize;
 pub mod recipe;
 pub mod shared_codes;

@@ -8,9 +8,9 @@ use burn::backend::libtorch::TchTensor;
 use tch::Kind;
 
 use super::bf16;
-use super::scaled_mm::{Fp8Operand, fp8_gemm};
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
+use crate::fp8::gemm::{Fp8Operand, fp8_gemm};
 use crate::fp8::recipe::{LinearScales, Role, scale_of};
 use crate::fp8::{Fp8Format, SharedCodes, amax_tch, dequantize, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;

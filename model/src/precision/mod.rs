@@ -31,15 +31,14 @@
 //! DoRA's weight terms, SwiGLU); `linear.rs` one linear layer's precision and scaling state and
 //! its GEMMs on LibTorch tensors (the weight is the layer's: `lora.rs` `BaseWeight`, one enum,
 //! passed in as a `LinearWeight`; its delayed-scaling states are `fp8/recipe.rs`'s); `weights.rs` frozen
-//! weights stored in bf16, FP8 or NF4, and converting one to its storage (`nf4.rs` the format); `scaled_mm.rs`
-//! the FP8 GEMM; `bf16.rs`, `blocked.rs` GEMM helpers; `spec.rs` what runs in which dtype.
+//! weights stored in bf16, FP8 or NF4, and converting one to its storage (`nf4.rs` the format); the FP8
+//! GEMM is `fp8/gemm.rs`; `bf16.rs`, `blocked.rs` GEMM helpers; `spec.rs` what runs in which dtype.
 
 pub mod bf16;
 pub mod blocked;
 mod linear;
 pub mod nf4;
 mod nodes;
-pub mod scaled_mm;
 mod spec;
 pub mod swiglu_route;
 pub(crate) mod weights;
@@ -159,13 +158,13 @@ mod tests {
         for fp8_activations in [false, true] {
             let quant = Arc::new(LinearQuant::new(fp8_spec(fp8_activations, false)));
             let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
-            let _ = scaled_mm::take_gemm_counts();
+            let _ = crate::fp8::gemm::take_gemm_counts();
             let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
             let grads = (y.clone() * g0.clone()).sum().backward();
             let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
             // y and dx ran as FP8 GEMMs (on the CPU: `_scaled_mm` or its emulation, whichever
             // the probe chose); dW (a trainable FP8 weight) is emulated in f32.
-            let c = scaled_mm::take_gemm_counts();
+            let c = crate::fp8::gemm::take_gemm_counts();
             assert_eq!((c.scaled_mm + c.emulated, c.fallback), (2, 0), "{c:?}");
 
             let (xh, wh, gh) = (host(&x0), host(&w0), host(&g0));

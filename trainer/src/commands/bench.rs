@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_model::device::{DeviceSpec, HeapBytes};
-use llora_model::precision::scaled_mm::take_gemm_counts;
+use llora_model::fp8::gemm::take_gemm_counts;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -428,7 +428,7 @@ struct Timed {
     /// Bytes the linear layers and SwiGLU saved for backward in the last step.
     saved_bytes: usize,
     /// FP8 GEMMs of the last step: on `_scaled_mm`, and fallen back to f32.
-    fp8_gemms: llora_model::precision::scaled_mm::GemmCounts,
+    fp8_gemms: llora_model::fp8::gemm::GemmCounts,
     /// FP8 quantisations of each step, by route (our kernel, two-pass, or through f32).
     quantiser: Vec<llora_model::fp8::QuantiserCounts>,
     /// Seconds per layer in the context-parallel K/V exchange (forward and backward), per timed step.
@@ -537,7 +537,7 @@ impl Timed {
             "fp8_gemms_scaled_mm": g.scaled_mm, "fp8_gemms_emulated": g.emulated, "fp8_gemms_fallback": g.fallback,
             // Which FP8 GEMM the CPU runs, and the probe's seconds for one 128³ GEMM of each.
             "fp8_cpu_gemm": (g.emulated + g.scaled_mm > 0 && !cuda).then(|| {
-                let (path, t_scaled, t_emulated) = llora_model::precision::scaled_mm::cpu_path();
+                let (path, t_scaled, t_emulated) = llora_model::fp8::gemm::cpu_path();
                 json!({"path": path.name(), "scaled_mm_s": t_scaled, "emulated_s": t_emulated})
             }),
             // The FP8 quantiser route(s) each step took, and the last step's quantisations by route.

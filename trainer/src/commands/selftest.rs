@@ -20,7 +20,7 @@ use std::time::Instant;
 use burn::tensor::{Device, Tensor};
 use llora_model::attention::{FusedKernel, verify};
 use llora_model::device::DeviceSpec;
-use llora_model::precision::scaled_mm::check_layer_gemms;
+use llora_model::fp8::gemm::check_layer_gemms;
 use serde_json::{Value, json};
 use tch::Kind;
 

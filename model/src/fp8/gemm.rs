@@ -102,7 +102,7 @@ pub fn cpu_path() -> (CpuPath, f64, f64) {
 /// - a: `[m, k]`; b: `[k, n]`; output: `[m, n]`
 fn emulated(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind) -> Tensor {
     let x = dequantize(a.codes, a.scale_inv);
-    super::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, |blk| {
+    crate::precision::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, |blk| {
         x.f_matmul(&dequantize(blk, b.scale_inv)).map(|y| y.to_kind(out))
     })
     .expect("a GEMM of valid shapes")
@@ -187,7 +187,7 @@ fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) 
     if device.is_cuda() {
         return call(b.codes);
     }
-    super::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, call)
+    crate::precision::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, call)
 }
 
 /// A layer's forward (E4M3 x E4M3) and input-gradient (E5M2 x E4M3) GEMMs on `device`, in the
@@ -242,7 +242,9 @@ mod tests {
     fn scaled_mm_equals_the_dequantised_gemm() {
         tch::manual_seed(5);
         // The last shape is cut into column blocks on the CPU.
-        for (m, k, n) in [(32, 64, 48), (7, 33, 5), (4, 4096, 4097 + (super::super::blocked::BLOCK_ELEMENTS / 4096))] {
+        for (m, k, n) in
+            [(32, 64, 48), (7, 33, 5), (4, 4096, 4097 + (crate::precision::blocked::BLOCK_ELEMENTS / 4096))]
+        {
             for a_format in [Fp8Format::E4M3, Fp8Format::E5M2] {
                 let a = quantize_tch(&Tensor::randn([m, k], (Kind::Float, tch::Device::Cpu)), 8.0, a_format);
                 let w = quantize_tch(&Tensor::randn([n, k], (Kind::Float, tch::Device::Cpu)), 64.0, Fp8Format::E4M3);
