@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sample packing against padding (#39), on a synthetic chat-like corpus, in one run: llora
+# Sample packing against padding, on a synthetic chat-like corpus, in one run: llora
 # padded (micro-batches of 8 samples padded to their longest, as TRL/axolotl pad by default),
 # llora packed (rows of 4096 tokens, every sample attending only to itself) and PyTorch + HF
 # transformers + PEFT padded (scripts/peer/padded_train.py, the same batches of 8), on the

@@ -65,7 +65,7 @@ fn fails_naming(args: &[&str], needles: &[&str]) {
     }
 }
 
-/// Issue #29: a LoRA target that matches no module is refused before anything runs (it used
+/// A LoRA target that matches no module is refused before anything runs (it used
 /// to give a model without adapters that panicked in backward).
 #[test]
 fn lora_targets_matching_nothing_are_refused() {
@@ -143,7 +143,7 @@ fn data_synth_prepare_inspect_round_trip() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("64 rows, 64 valid, 0 bad"), "{stdout}");
-    // Its packing report (#39): the file's own token count in rows of 1024; packed rows at
+    // Its packing report: the file's own token count in rows of 1024; packed rows at
     // least the tokens' worth of full rows, and at most one of them half empty or less.
     let got: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     let tokens: usize = a.iter().map(|s| s.input_ids.len()).sum();
@@ -546,7 +546,7 @@ fn gpu_check_reports_a_hung_process_and_goes_on() {
 }
 
 /// The launch and synchronisation budgets of a training step, held on the CPU so that a new
-/// per-layer readback or a cast storm is caught without a GPU (issue #37): one host-device
+/// per-layer readback or a cast storm is caught without a GPU: one host-device
 /// synchronisation per optimizer step in fp32 and bf16 (loss and gradient norms read together),
 /// two in FP8 (plus delayed scaling's amaxes, once), none more with accumulation or recomputed
 /// blocks; a bf16 step dispatches at most 1.15x the ops of an fp32 one, an FP8 step 2.6x. The
@@ -591,7 +591,7 @@ fn step_budgets_of_syncs_and_ops_hold_on_the_cpu() {
     assert!(!out.status.success() && text(&out).1.contains("--trace"), "{}", text(&out).1);
 }
 
-/// Command flags get the validation of the config keys they stand for (#29): each bad value is
+/// Command flags get the validation of the config keys they stand for: each bad value is
 /// refused before anything runs, with the flag named, a non-zero exit and no panic.
 #[test]
 fn bad_flags_are_refused_naming_the_flag() {
@@ -639,7 +639,7 @@ fn bad_flags_are_refused_naming_the_flag() {
     }
 }
 
-/// No command writes over its own input (#29): `data prepare --out` onto `--input` and `plot
+/// No command writes over its own input: `data prepare --out` onto `--input` and `plot
 /// --out` onto a run's metrics.jsonl are refused and the input is left as it was; commands
 /// that would write or find nothing say so with a non-zero exit.
 #[test]
@@ -668,7 +668,7 @@ fn outputs_never_overwrite_inputs() {
     assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "{\"step\": 1}\n");
 }
 
-/// `data synth` and `data prepare` never replace an earlier output unless told to (#28): a
+/// `data synth` and `data prepare` never replace an earlier output unless told to: a
 /// second run onto the same `--out` is refused and leaves it byte for byte; `--overwrite`
 /// replaces it whole.
 #[test]
@@ -706,7 +706,7 @@ fn data_outputs_are_replaced_only_on_request() {
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 2, "no temporary files or directories left: {left:?}");
 
-    // --overwrite replaces only what the command writes (#41): a file or folder of the user's in
+    // --overwrite replaces only what the command writes: a file or folder of the user's in
     // the directory makes it refuse, plain and --chat, and everything stays as it was.
     std::fs::write(synth_dir.join("notes.txt"), b"mine").unwrap();
     std::fs::create_dir(synth_dir.join("keep")).unwrap();
@@ -726,7 +726,7 @@ fn data_outputs_are_replaced_only_on_request() {
         assert!(synth_dir.join("keep").is_dir() && std::fs::read(&train).unwrap() == now);
     }
 
-    // `plot --out` never replaces an existing file unless told to (#41).
+    // `plot --out` never replaces an existing file unless told to.
     let run = dir.path().join("run");
     std::fs::create_dir(&run).unwrap();
     std::fs::write(run.join("metrics.jsonl"), "{\"samples\": 8, \"loss\": 2.0}\n").unwrap();
@@ -743,7 +743,7 @@ fn data_outputs_are_replaced_only_on_request() {
 }
 
 /// Sizes that used to end in an OOM kill or a long hang are refused before anything is
-/// allocated or written (#29), saying what is needed: sequences past the model's positions,
+/// allocated or written, saying what is needed: sequences past the model's positions,
 /// a run whose planned peak (`llora plan`) is more than the machine's memory, synthetic
 /// corpora too large to hold; and a `model.path` that [model.pretrain] could not fill is found
 /// before pre-training, not after.
@@ -831,7 +831,7 @@ fn bpe_tokenizer(dir: &std::path::Path, specials: bool) -> std::path::PathBuf {
     path
 }
 
-/// Issue #41 items 13, 15, 17: a 64 MB JSONL line is skipped unread (counted as too long, the
+/// A 64 MB JSONL line is skipped unread (counted as too long, the
 /// peak RSS within 32 MB of the same file without it), errors name the file's line (blank lines
 /// counted, JSON and content errors alike), and a tokenizer without `<s>`/`<|begin_of_text|>`
 /// is blamed on --tokenizer, not on a row.
@@ -879,7 +879,7 @@ fn raw_rows_are_bounded_and_named_by_their_line() {
     }
 }
 
-/// Issue #41 item 19: inputs that used to be accepted silently are refused before any work,
+/// Inputs that used to be accepted silently are refused before any work,
 /// each naming what is wrong: a device size without a unit, a WORLD_SIZE that is no number, a
 /// NaN plot target, fewer MLPerf runs than a score needs.
 #[test]

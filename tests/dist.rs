@@ -133,7 +133,7 @@ fn two_ranks_under_torchrun_match_one_process_and_pass_the_checker() {
     let (passed, said) = common::mlperf_check(&logs[0]);
     assert!(passed, "official checker rejected the 2-rank log:\n{said}");
 
-    // The same job with each sequence split over the two ranks (#51) also succeeds, and its
+    // The same job with each sequence split over the two ranks also succeeds, and its
     // log, recording context_parallelism 2 and GBS 8 over one data-parallel group, passes.
     let cp = dir.path().join("cp");
     let mut args = vec!["train".to_string()];
@@ -172,7 +172,7 @@ fn uneven_eval_set_gives_the_same_loss_on_one_and_two_ranks() {
     assert!((a[0] - b[0]).abs() <= 1e-12 * a[0], "eval loss {} on one process, {} on two ranks", a[0], b[0]);
 }
 
-/// Packed rows (#39) on two ranks train to bitwise the single process's adapters and give its
+/// Packed rows on two ranks train to bitwise the single process's adapters and give its
 /// eval losses: both ranks pack the one global order the same way and each takes its share
 /// of every step's rows; the packed eval rows, in batches of 1, are shared out too.
 #[test]
@@ -180,7 +180,7 @@ fn packed_rows_on_two_ranks_match_one_process() {
     two_ranks_match_one_process(&["data.max_seq_len=512", "data.packing=true"]);
 }
 
-/// QLoRA (#40): an NF4 base in bf16 on two ranks trains to the single process's adapters.
+/// QLoRA: an NF4 base in bf16 on two ranks trains to the single process's adapters.
 #[test]
 fn an_nf4_base_on_two_ranks_matches_one_process() {
     two_ranks_match_one_process(&["data.max_seq_len=128", "model.quantize=\"nf4\"", "precision.compute=\"bf16\""]);
@@ -458,7 +458,7 @@ fn sharded_frozen_weights_train_to_the_unsharded_adapters() {
     }
 }
 
-/// Rank 0 decides where a data-parallel run writes and every rank follows (#28): into a
+/// Rank 0 decides where a data-parallel run writes and every rank follows: into a
 /// directory holding a finished run, both ranks go to `DIR-2` and the finished run stays as it
 /// was; into an interrupted run, both ranks refuse (rank 1 with rank 0's reason) and nothing
 /// is written.
@@ -541,7 +541,7 @@ fn uninterrupted_reference(dir: &Path, config: &str) -> (PathBuf, PathBuf) {
     (whole, run)
 }
 
-/// #25's Must-show 1: under `torchrun --max-restarts 2`, rank 1 is SIGKILLed after the run's
+/// Under `torchrun --max-restarts 2`, rank 1 is SIGKILLed after the run's
 /// second checkpoint. torchrun restarts both ranks; the new attempt forms its group (it used
 /// to fail with "cannot join the gloo group ... Connection refused": the store still held the
 /// dead attempt's addresses; keys are scoped to TORCHELASTIC_RESTART_COUNT), finds the
@@ -581,7 +581,7 @@ fn a_rank_killed_under_torchrun_restarts_resumes_and_matches_one_process() {
     assert!(interrupted <= 1 && resumed == [serde_json::json!({})], "{interrupted} {resumed:?}");
 }
 
-/// #25 Must-show 4, a multi-node rehearsal on one machine: two torchrun "nodes" of 2 ranks
+/// A multi-node rehearsal on one machine: two torchrun "nodes" of 2 ranks
 /// each (`--nnodes 2 --node-rank N`, static rendezvous on 127.0.0.1). Node 1 is SIGKILLed whole
 /// (its torchrun agent and ranks 2 and 3) after the checkpoint of step 4; node 0's ranks stop within 60 s naming
 /// ranks 2 and 3. Both nodes started again resume the run by themselves and end with bitwise
@@ -642,7 +642,7 @@ fn two_nodes_of_two_ranks_lose_a_node_and_resume_by_themselves() {
     assert!(adapter(&whole) == adapter(&run), "adapters differ after losing a node at step {at} and resuming");
 }
 
-/// #37 item 2 (the CPU half): a rank that fails at exit after the run finished (as NCCL's
+/// A rank that fails at exit after the run finished (as NCCL's
 /// abort at exit did) makes torchrun restart the job; the restarted attempt recognises its
 /// job's finished run (`launcher-job`), reports its outcome and trains nothing: one run_start
 /// and one run_stop (success) in the result log, the adapter as the finished run wrote it, and
@@ -709,7 +709,7 @@ fn step_losses(run_dir: &Path) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Issue #51 must-show 1: a 3-step run whose sequences are split over `cp` ranks
+/// A 3-step run whose sequences are split over `cp` ranks
 /// (`train.context_parallel`), `procs` ranks under torchrun in all (data-parallel groups ×
 /// cp), against one process on the same batches (fp32; dropout 0 unless `extra` sets it):
 /// every step's loss and gradient norm and every eval loss within 1e-6 relative; after the 3
@@ -845,7 +845,7 @@ fn context_parallel_4_and_2x2_match_one_process() {
     context_parallel_matches_one_process(4, 2, &["model.preset=\"demo-llama3\""]);
 }
 
-/// Issue #51 must-show 3: SIGKILL rank 1 of a context-parallel 2 run (the ranks share every
+/// SIGKILL rank 1 of a context-parallel 2 run (the ranks share every
 /// sequence: rank 0 is inside attention's K/V exchange with it): rank 0 exits non-zero within
 /// 60 s naming rank 1, without a panic, its last checkpoint intact; the job resumed from it
 /// under torchrun ends with bitwise the adapters of an uninterrupted context-parallel run.
@@ -956,7 +956,7 @@ fn ranks_with_different_context_parallel_sizes_are_refused_naming_them() {
     assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
 }
 
-/// Issue #51 must-show 2 at a size CI affords (docs/performance.md has the 32k-token run): a
+/// At a size CI affords (docs/performance.md has the 32k-token run): a
 /// Llama-3-style 8192-token sequence (`demo-llama3-long`) that `llora plan` says fits no
 /// single rank of 550 MiB (exit 3, no recipe, every block recomputed included) gets context
 /// parallelism 2 as its recipe on 2 ranks; trained so on 2 ranks (`bench --cp 2`), each rank's

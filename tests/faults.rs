@@ -1,4 +1,4 @@
-//! Runs that survive faults (#25), through the binary: a damaged newest checkpoint falls back
+//! Runs that survive faults, through the binary: a damaged newest checkpoint falls back
 //! to the previous one, a full disk during a checkpoint keeps the previous one resumable, and a
 //! job preempted with SIGTERM and requeued (as SLURM does) resumes by itself. Each run ends
 //! with the adapters of an uninterrupted run.
@@ -54,7 +54,7 @@ fn resume(run: &Path) -> Output {
     llora(&["train", "--resume", run.to_str().unwrap()])
 }
 
-/// #25 Must-show 2: the newest checkpoint truncated, or one byte flipped: the resumed run warns
+/// The newest checkpoint truncated, or one byte flipped: the resumed run warns
 /// naming the file, continues from the previous checkpoint and ends with the uninterrupted
 /// run's adapters. Both checkpoints damaged: a clear error naming each file.
 #[test]
@@ -132,7 +132,7 @@ fn du(dir: &Path) -> u64 {
         .sum()
 }
 
-/// #25 Must-show 3: the disk fills while the second checkpoint is written, through llora's
+/// The disk fills while the second checkpoint is written, through llora's
 /// injected ENOSPC (`LLORA_FAULT_ENOSPC_AFTER_BYTES`) everywhere, and also through a real tmpfs
 /// with room for one checkpoint and a half where one can be mounted (root with
 /// CAP_SYS_ADMIN; the test says whether it could). The run stops with exit 1 and an error
@@ -193,7 +193,7 @@ fn fills_then_resumes(mut cmd: Command, base: &Path, whole: &Path) {
     assert!(adapter(whole) == adapter(&copy), "adapters differ after a full disk and a resume");
 }
 
-/// #25 item 4: SIGTERM (what SLURM sends before it preempts a job) checkpoints at the next
+/// SIGTERM (what SLURM sends before it preempts a job) checkpoints at the next
 /// step boundary and exits 130. Started again by hand, the same command refuses (run.resume
 /// is `launcher`); with another config under SLURM it refuses naming the key; requeued under
 /// SLURM (`SLURM_JOB_ID`, `SLURM_RESTART_COUNT=1`) it resumes by itself, in the same
@@ -238,7 +238,7 @@ fn a_preempted_job_requeued_by_slurm_resumes_by_itself() {
     assert!(adapter(&whole) == adapter(&run), "adapters differ after SIGTERM at step {at} and a requeue");
 }
 
-/// #25 Must-show 5, the failure paths before the first step: the training data is read after
+/// The failure paths before the first step: the training data is read after
 /// run_start (the MLPerf rules forbid touching it before), so data this model cannot take (ids
 /// of a 32,000-token vocabulary for the 512-token demo model) fails there, naming the row, and
 /// the result log still ends with run_stop `aborted`.

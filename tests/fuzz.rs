@@ -1,4 +1,4 @@
-//! Fuzz harness (#29, #48): proptest over config values, the file parsers (HF config.json,
+//! Fuzz harness: proptest over config values, the file parsers (HF config.json,
 //! safetensors headers and index, parquet, adapter_config.json), every command's flags (now
 //! and then with standard output a closed pipe), LoRA pattern keys and repeated signals,
 //! asserting no panic, no hang past a bound, and no success on input that is invalid by
@@ -101,7 +101,7 @@ fn config_overrides() {
     proptest!(runner(400), |(key in prop::sample::select(keys.clone()), value in hostile_value(), garbage in prop::bool::weighted(0.05))| {
         let key = if garbage { format!("{key}.x") } else { key };
         let parsed = format!("{key}={value}").parse::<Override>();
-        // An integer past i64 and an unquoted list are refused saying how to write them (#48).
+        // An integer past i64 and an unquoted list are refused saying how to write them.
         if value.len() >= 20 && value.bytes().all(|b| b.is_ascii_digit()) {
             prop_assert!(parsed.as_ref().is_err_and(|e| e.contains("out of range")), "{key}={value}: {parsed:?}");
         }
@@ -456,7 +456,7 @@ fn peft_key_matches(key: &str, name: &str) -> bool {
 /// `rank_pattern` / `alpha_pattern` with hostile keys and values, built on a 2-layer `demo`
 /// (d 128, KV width 64): never a panic; a model that builds has every key matching an adapted
 /// module by PEFT's rule, each adapter's rank what the matching key says (or `lora.rank`), no
-/// rank above its module's smaller dimension, and finite positive scales (#48: pattern keys).
+/// rank above its module's smaller dimension, and finite positive scales (pattern keys).
 #[test]
 #[allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
 fn pattern_keys() {
@@ -516,7 +516,7 @@ fn pattern_keys() {
 /// Training sent SIGINT or SIGTERM one to three times, at random gaps after its second step
 /// (so that later signals land in the step, the checkpoint write or the exit): never a silent
 /// loss. One or two signals end 130 with a checkpoint and the resume hint; a third may take
-/// the hard exit, 131, saying the checkpoint was not written (#48: signals twice).
+/// the hard exit, 131, saying the checkpoint was not written (signals twice).
 #[test]
 fn repeated_signals() {
     let dir = tempfile::tempdir().unwrap();

@@ -250,7 +250,7 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
     ));
 }
 
-/// Per-module ranks and alphas and layer selection (#40 item 3), on a GQA checkpoint: PEFT's
+/// Per-module ranks and alphas and layer selection, on a GQA checkpoint: PEFT's
 /// `rank_pattern` (a suffix key and a full-name key), `alpha_pattern` and `layers_to_transform`
 /// give the same loss, logits and LoRA gradients in llora; an adapter llora builds from the same
 /// settings loads in PEFT with its logits, and its merged export gives them in transformers.
@@ -301,7 +301,7 @@ fn rank_alpha_patterns_and_layer_selection_match_peft() {
     adapter_and_merged_export_load_in_hf_with(&dir, spec);
 }
 
-/// rsLoRA (#40 item 1), on a GQA checkpoint: loss, logits and every LoRA gradient of a PEFT
+/// rsLoRA, on a GQA checkpoint: loss, logits and every LoRA gradient of a PEFT
 /// `use_rslora` adapter equal PEFT's (r 16, α 32: α/√r = 8 where α/r would be 2, so the scale
 /// is what is checked); an rsLoRA adapter llora saves loads in PEFT with its logits, and its
 /// merged export gives them in transformers alone.
@@ -321,7 +321,7 @@ fn rslora_matches_peft_in_and_out() {
     );
 }
 
-/// DoRA (#40 item 2), on a GQA checkpoint with every projection adapted: a PEFT `use_dora`
+/// DoRA, on a GQA checkpoint with every projection adapted: a PEFT `use_dora`
 /// adapter (B and the magnitudes away from their initial values) gives PEFT's loss, logits and
 /// LoRA and magnitude gradients; three AdamW steps (clip, weight decay on the magnitudes too)
 /// follow torch's; a DoRA adapter llora saves loads in PEFT with its logits, and its merged
@@ -354,7 +354,7 @@ fn llama3_fixture() -> PathBuf {
     )
 }
 
-/// #24 Must-show 1: the Llama-3-style checkpoint's hidden states, logits, loss (1e-5) and LoRA
+/// The Llama-3-style checkpoint's hidden states, logits, loss (1e-5) and LoRA
 /// gradients equal HF + PEFT's.
 #[test]
 fn llama3_style_checkpoint_matches_hf_peft() {
@@ -364,7 +364,7 @@ fn llama3_style_checkpoint_matches_hf_peft() {
     check_parity(&dir);
 }
 
-/// #24 Must-show 1: on the Llama-3-style checkpoint, llora's adapter loads in PEFT with the same
+/// On the Llama-3-style checkpoint, llora's adapter loads in PEFT with the same
 /// logits, and its merged export (tied head, llama3 RoPE and eos list in config.json) loads in
 /// transformers with them too.
 #[test]
@@ -722,7 +722,7 @@ fn adapted_in_layer(model: &llora_model::LlamaForCausalLM, l: usize) -> Vec<Stri
         .collect()
 }
 
-/// Issue #29: the 70B MLPerf config's targets (`qkv_proj`, `o_proj`, named for the
+/// The 70B MLPerf config's targets (`qkv_proj`, `o_proj`, named for the
 /// reference's fused checkpoint) on a GQA checkpoint that stores q, k and v apart (the usual
 /// HF layout) adapt q, k, v and o in every layer, the saved adapter_config.json says so, and
 /// PEFT loads that adapter onto the same base with the same logits.
@@ -859,7 +859,7 @@ fn bf16_fixture_args(bf16_adapters: bool) -> Vec<&'static str> {
     args
 }
 
-/// Issue #22, bf16 made real: on a GQA checkpoint with adapters on every target, llora's bf16
+/// bf16 for real: on a GQA checkpoint with adapters on every target, llora's bf16
 /// (bf16 weights, activations and GEMMs; f32 adapters, norm statistics, softmax and loss)
 /// against HF transformers + PEFT run in bf16 (the same base rounded to bf16, PEFT's f32
 /// adapters), both measured from HF's fp32 run: the loss no further from fp32 than twice PEFT's
@@ -875,7 +875,7 @@ fn bf16_matches_hf_peft_in_bf16() {
     assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Auto, 1.25);
 }
 
-/// Issue #50 item 5: with `precision.adapter_compute = "bf16"` (bf16 adapter GEMMs, no f32 copy
+/// With `precision.adapter_compute = "bf16"` (bf16 adapter GEMMs, no f32 copy
 /// of each adapted input) llora's bf16 against PEFT's bf16 with its adapters loaded in bf16
 /// (`autocast_adapter_dtype=False`, which runs them the same way), both from HF's fp32 run:
 /// the same bounds as [`bf16_matches_hf_peft_in_bf16`]. Against PEFT's default f32 adapters
@@ -1038,7 +1038,7 @@ fn generate_against_hf(precision: &str, new: usize) -> (serde_json::Value, serde
     ]);
     assert_eq!(ours["prompt_ids"][0], 128000, "the tokenizer's <|begin_of_text|> starts the prompt");
     if precision == "fp32" {
-        // Past max_position_embeddings: refused before any token, nothing streamed (#41 item 14).
+        // Past max_position_embeddings: refused before any token, nothing streamed.
         let far = "1000000000";
         let out =
             common::llora(&["generate", "--model", b, "--tokenizer", t, "--prompt", prompt, "--max-new-tokens", far]);
@@ -1050,7 +1050,7 @@ fn generate_against_hf(precision: &str, new: usize) -> (serde_json::Value, serde
     (ours, hf)
 }
 
-/// #24 Must-show 4: `llora generate` (KV-cached, greedy) continues a prompt exactly as HF
+/// `llora generate` (KV-cached, greedy) continues a prompt exactly as HF
 /// transformers' greedy `generate` does, 64 new tokens, on the Llama-3-style checkpoint with its
 /// PEFT adapter.
 #[test]
@@ -1255,7 +1255,7 @@ fn hf_peft_per_document(
     read_all(&out).into_iter().map(|(n, (_, b, _))| (n, f32s(&b))).collect()
 }
 
-/// #39 Must-show 1: packed rows give every document the loss and LoRA gradients it has alone in
+/// Packed rows give every document the loss and LoRA gradients it has alone in
 /// HF transformers + PEFT (fp32, 1e-5): a row that one document fills, a row whose two
 /// documents end exactly at its end, a row of nine tiny documents and padding; and the same
 /// documents unpacked (a row each, padded) give the same per-document sums and gradients.
@@ -1354,7 +1354,7 @@ fn packed_documents_match_hf_peft_on(dir: &Path, eval_cli: bool) {
     }
 }
 
-/// #40 item 4, the format: llora's NF4 equals bitsandbytes' `quantize_4bit` (CPU, blocksize 64)
+/// The format: llora's NF4 equals bitsandbytes' `quantize_4bit` (CPU, blocksize 64)
 /// bit for bit on a 64·1001 + 37-value tensor (a last partial block, an odd count): packed
 /// codes, absmaxes and dequantised values; the 8-bit dynamic map of double quantisation is
 /// bitsandbytes' to the bit, and its scales dequantise within one 8-bit code step of
@@ -1417,7 +1417,7 @@ fn nf4_matches_bitsandbytes() {
     eprintln!("double-quantised scales equal to the bit: {exact} of {}", ours.len());
 }
 
-/// #40 item 5 for QLoRA: with `model.quantize = "nf4"` (blocks of 64, fp32 compute) llora's
+/// For QLoRA: with `model.quantize = "nf4"` (blocks of 64, fp32 compute) llora's
 /// per-sample losses and LoRA gradients equal HF + PEFT's on the same base quantised and
 /// dequantised by bitsandbytes (`scripts/peer/nf4_base.py`): the same weights to the bit with
 /// single quantisation (loss 1e-5; measured 1.4e-7, gradients 1.2e-6). With double

@@ -1,4 +1,4 @@
-//! A rerun never destroys an earlier run (#28), through the binary: a run into a taken
+//! A rerun never destroys an earlier run, through the binary: a run into a taken
 //! `run.dir` writes beside it, an interrupted run is refused and resumes, `--overwrite` puts
 //! the earlier run back when the new one fails before saving anything, and `--resume` refuses
 //! what cannot apply to its checkpoint.
@@ -172,9 +172,9 @@ fn resuming_a_live_run_names_it() {
 
 /// A checkpoint that cannot be written (the file-size limit stands in for a full disk: writes
 /// fail with EFBIG) stops the run with an error naming the file, and leaves no temporary file
-/// or half-written checkpoint behind (#29; `.tmp-PID` files and `.resume.tmp/` stayed).
-/// A run refused while its model is built (a pattern key that sets nothing) leaves no outputs
-/// (#48 item 23): the corrected rerun takes the same run.dir, not `DIR-2`.
+/// or half-written checkpoint behind (`.tmp-PID` files and `.resume.tmp/` stayed).
+/// A run refused while its model is built (a pattern key that sets nothing) leaves no outputs:
+/// the corrected rerun takes the same run.dir, not `DIR-2`.
 #[test]
 fn a_run_refused_at_model_load_leaves_its_run_dir_free() {
     let dir = tempfile::tempdir().unwrap();

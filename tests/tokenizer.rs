@@ -251,7 +251,7 @@ fn js3_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
     node_encode("tests/js/llama3_encode.mjs", js, strings)
 }
 
-/// #24 Must-show 2: the Llama 3 tokenizer.json of scripts/llama3-tokenizer.sh, as llora reads
+/// The Llama 3 tokenizer.json of scripts/llama3-tokenizer.sh, as llora reads
 /// plain text, equals llama3-tokenizer-js (an independent JS BPE) token for token on the
 /// varied corpus plus text that spells special tokens, which stays text.
 #[test]
@@ -337,7 +337,7 @@ fn prepared(out: &Path) -> Vec<llora_data::Sample> {
     llora_data::parquet_io::read_parquet(out, &opts).unwrap().0
 }
 
-/// #24 Must-show 3: `llora data prepare --format chat` gives transformers' apply_chat_template
+/// `llora data prepare --format chat` gives transformers' apply_chat_template
 /// ids for every conversation, and its labels are exactly the assistant turns: each run of
 /// labelled tokens decodes to one assistant message as the Llama 3 template writes it (trimmed)
 /// followed by `<|eot_id|>`, in order. Bad rows are named, or skipped and counted; a message

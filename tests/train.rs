@@ -96,7 +96,7 @@ fn reaching_the_target_logs_an_mlperf_run() {
     // PEFT-format adapter and per-step metrics are left in the run directory.
     assert!(run_dir.join("adapter/adapter_model.safetensors").is_file());
     assert!(run_dir.join("adapter/adapter_config.json").is_file());
-    // The adapter was in place before run_stop was logged (#41: a kill between the two must
+    // The adapter was in place before run_stop was logged (a kill between the two must
     // never leave a logged run_stop without its adapter), and no temporary folder is left.
     let mtime = |p: &std::path::Path| std::fs::metadata(p).unwrap().modified().unwrap();
     assert!(mtime(&run_dir.join("adapter/adapter_model.safetensors")) <= mtime(&run_dir.join("result_0.txt")));
@@ -161,10 +161,10 @@ fn the_70b_config_fails_early_without_weights() {
 
 /// The README's main job in small: pre-train the demo base, fine-tune it with LoRA to the
 /// benchmark's 0.925, and hand the result log to the official MLPerf compliance checker. Then
-/// issue #6's convergence check: the same run with FP8 compute, FP8 activation storage and FP8
+/// the convergence check: the same run with FP8 compute, FP8 activation storage and FP8
 /// base weights reaches the target within 15% more samples, and `llora plot` draws both.
 /// All of it is `llora train` as the README runs it (embedded config, its relative paths, in a
-/// scratch working directory), so it also shows #28: every run keeps the earlier ones
+/// scratch working directory), so it also shows that every run keeps the earlier ones
 /// (`runs/tiny-cpu`, then `-2`, `-3`), and the plain command run again succeeds with the same
 /// adapters, leaving the first run's files byte for byte as they were.
 #[test]
@@ -214,7 +214,7 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
             let (passed, said) = common::mlperf_check(&broken);
             assert!(!passed && said.contains("global_batch_size"), "a log without global_batch_size passed:\n{said}");
             // Another benchmark's log, a ruleset the checker lacks: one line each, no Python
-            // traceback, no argparse usage (#41 item 16).
+            // traceback, no argparse usage.
             let other = dir.path().join("bert.txt");
             std::fs::write(&other, text.replace("llama2_70b_lora", "bert")).unwrap();
             let stderr_of = |out: &std::process::Output| String::from_utf8_lossy(&out.stderr).to_string();
@@ -262,7 +262,7 @@ fn demo_runs_in_fp32_and_fp8_pass_the_checker_and_converge_alike() {
     assert!(std::fs::read(again).unwrap() == before[3], "the same command (one thread) trains the same adapters");
 }
 
-/// #24's end-to-end, as the README runs it (`scripts/demo-chat.sh`, here with the built binary):
+/// End-to-end, as the README runs it (`scripts/demo-chat.sh`, here with the built binary):
 /// the synthetic task as Llama-3-style conversations through the chat template, a tied,
 /// llama3-RoPE model pre-trained (tied full fine-tuning) and LoRA-trained to the target, then
 /// `llora generate --chat` answering held-out conversations it never trained on: each answer
@@ -317,7 +317,7 @@ fn sigkilled_fp8_run_resumes_to_the_same_adapters() {
     assert!(scales.get("model.layers.0.self_attn.q_proj.lora_A").is_none(), "{scales}");
 }
 
-/// The same with DoRA in bf16 (#40 item 2): the magnitudes and their moments are in the
+/// The same with DoRA in bf16: the magnitudes and their moments are in the
 /// checkpoint, and the dropout branch's second base GEMM redraws the same mask on resume; the
 /// adapter says `use_dora` and carries a magnitude per adapted module.
 #[test]
@@ -335,7 +335,7 @@ fn sigkilled_dora_bf16_run_resumes_to_the_same_adapters() {
     assert_eq!(count("lora_magnitude_vector"), count("lora_A.weight"), "{names:?}");
 }
 
-/// The same with packed rows (#39): the data position inside a packing window (its start and
+/// The same with packed rows: the data position inside a packing window (its start and
 /// the rows taken) is in the checkpoint, so the resumed run packs and trains the same rows; the
 /// steps took more documents than rows.
 #[test]
@@ -560,7 +560,7 @@ fn resume_validates_its_overrides() {
 }
 
 /// A resumed run whose training file changed since its checkpoint (here: 8 rows where the
-/// checkpoint had read 16 of 64) fails naming the file and the checkpoint's position (#29; it
+/// checkpoint had read 16 of 64) fails naming the file and the checkpoint's position (it
 /// said only "position index 16 is past the shard's 8 samples").
 #[test]
 fn resuming_on_changed_data_names_the_file() {

@@ -437,7 +437,7 @@ mod tests {
         assert_eq!((c.rope_theta, c.num_key_value_heads, c.head_dim), (500000.0, 2, 4));
     }
 
-    /// Issue #41 item 10: with both keys, transformers 5.23's `LlamaConfig.from_pretrained`
+    /// With both keys, transformers 5.23's `LlamaConfig.from_pretrained`
     /// (checked by hand: llama3 `rope_scaling` + top-level `rope_theta` 500000 beside
     /// `rope_parameters` `{"rope_type": "default", "rope_theta": 10000}` gives llama3 and
     /// 500000) takes `rope_scaling`; so does llora, in both orders of disagreement.
@@ -461,7 +461,7 @@ mod tests {
         assert!(e.contains("factor = \"8\" is not a number"), "{e}");
     }
 
-    /// Issue #41 item 19: a stop or start id outside the vocabulary is refused, naming it.
+    /// A stop or start id outside the vocabulary is refused, naming it.
     #[test]
     fn special_ids_must_be_in_the_vocabulary() {
         let with = |ids: &str| {

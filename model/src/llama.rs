@@ -777,7 +777,7 @@ impl LlamaForCausalLM {
     }
 
     /// Reads back, in one host-device transfer, the amaxes the step's FP8 GEMMs left on the
-    /// device, and records them in their scaling states (see `LinearQuant::scale_for`).
+    /// device, and records them in their scaling states (`LinearQuant::record_amax`).
     pub fn settle_fp8_amaxes(&self) {
         let quants = self.quant_states();
         let (mut owners, mut parts) = (Vec::new(), Vec::new());

@@ -540,7 +540,7 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
 mod tests {
     use super::*;
 
-    /// An adapter trained on an NF4 base says so in its file's metadata (#48 item 10), which
+    /// An adapter trained on an NF4 base says so in its file's metadata, which
     /// `export --merged` reads; one trained on a full-precision base says nothing.
     #[test]
     fn an_adapter_records_an_nf4_base() {
@@ -661,7 +661,7 @@ mod tests {
             sel(r#"".*\\.1\\.self_attn\\.(q|k)_proj""#, "null").unwrap(),
             [l(1, "self_attn.q_proj"), l(1, "self_attn.k_proj")]
         );
-        // A layer past the model's is named as such (#48 item 17), not blamed on the targets.
+        // A layer past the model's is named as such, not blamed on the targets.
         let with_layers = |layers: &str| {
             let v = format!(
                 r#"{{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "layers_to_transform": {layers}}}"#

@@ -5,8 +5,8 @@
 //! RMSNorm kernels, the fused attention kernels and their choice, the variable-length kernel of
 //! packed rows) is checked against a reference the first time a device meets it and falls back
 //! to that reference when the check fails. That control flow is the dangerous part of code
-//! written where it cannot run: a lock held across the FP8 check, which re-entered its own
-//! route, hung every FP8 run of the second GPU run. Two rules live here:
+//! written where it cannot run: a lock held across the FP8 check, which re-enters its own
+//! route, hangs every FP8 run. Two rules live here:
 //! - [`Verdicts`] never holds its lock while a check runs. A caller that arrives while a check
 //!   of the same key runs (the check itself re-entering the route it checks, or another
 //!   thread) gets the reference route, which is what the check compares with, so the result is

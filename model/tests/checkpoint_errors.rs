@@ -135,7 +135,7 @@ fn truncated_shard_and_bad_config_are_errors() {
 }
 
 /// A negative `rms_norm_eps` (the norm's 1/√ turns NaN) is refused with the field named, not
-/// evaluated to a null loss (#29).
+/// evaluated to a null loss.
 #[test]
 fn negative_rms_norm_eps_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -148,7 +148,7 @@ fn negative_rms_norm_eps_is_refused() {
 }
 
 /// A checkpoint with tensors its config.json does not describe (here a second layer's) is
-/// refused with the count and the first name, not loaded as a smaller model (#29); the RoPE
+/// refused with the count and the first name, not loaded as a smaller model; the RoPE
 /// buffer transformers itself ignores is accepted.
 #[test]
 fn unused_tensors_are_refused() {

@@ -1209,7 +1209,7 @@ mod tests {
     }
 
     /// A list whose strings the shell unquoted, and an integer past i64, are refused naming
-    /// the fix (#48 items 21 and 27), where taken as strings they were split into wrong module
+    /// the fix, where taken as strings they were split into wrong module
     /// names or reported as "invalid type: string"; quoted lists and bare words still work.
     #[test]
     fn overrides_that_are_no_words_say_how_to_write_them() {
@@ -1266,8 +1266,7 @@ mod tests {
         assert_eq!(c, again);
     }
 
-    /// `lora.rank_pattern`, `alpha_pattern`, `layers_to_transform` reach the adapters' spec (#40
-    /// item 3); a key that is no regular expression and a rank of 0 are refused, named.
+    /// `lora.rank_pattern`, `alpha_pattern`, `layers_to_transform` reach the adapters' spec; a key that is no regular expression and a rank of 0 are refused, named.
     #[test]
     fn lora_patterns_reach_the_spec_and_bad_ones_are_named() {
         let ov = |s: &str| s.parse::<Override>().unwrap();
@@ -1394,7 +1393,7 @@ mod tests {
         );
     }
 
-    /// `lora.rslora` reaches the adapters: α/√r instead of α/r (#40 item 1).
+    /// `lora.rslora` reaches the adapters: α/√r instead of α/r.
     #[test]
     fn rslora_sets_the_adapter_scale() {
         let plain = Config::load(None, &[]).unwrap().lora.clone();

@@ -254,7 +254,7 @@ mod tests {
         }
     }
 
-    /// Logs of another benchmark, or of several systems, are refused naming the log (#41).
+    /// Logs of another benchmark, or of several systems, are refused naming the log.
     #[test]
     fn scores_one_benchmark_on_one_system() {
         let runs = || vec![run(3.0, "success"), run(1.0, "success"), run(10.0, "success")];

@@ -126,7 +126,7 @@ pub fn write_dir_atomic(out: &Path, fill: impl FnOnce(&Path) -> anyhow::Result<(
 mod tests {
     use super::*;
 
-    /// A file output into a missing folder is refused naming the folder (#48 item 24); into
+    /// A file output into a missing folder is refused naming the folder; into
     /// an existing one, or the working directory, it is not.
     #[test]
     fn a_file_output_needs_its_folder() {

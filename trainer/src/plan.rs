@@ -811,7 +811,7 @@ fn no_fit_advice(s: &Shape) -> String {
 mod tests {
     use super::*;
 
-    /// When nothing fits, the advice names only changes the run has not made (#48 item 16):
+    /// When nothing fits, the advice names only changes the run has not made:
     /// FP8 weights when it has none, one layout when it keeps two, neither when it has both.
     #[test]
     fn advice_when_nothing_fits_names_only_what_is_left() {
@@ -984,7 +984,7 @@ mod tests {
         assert!(b.peak <= 80.0 * GB);
     }
 
-    /// Issue #51: context parallelism N holds 1/N of each sequence's tokens (the saved
+    /// Context parallelism N holds 1/N of each sequence's tokens (the saved
     /// activations, the final norm and loss, the workspace fall by N), plus the exchange,
     /// counted by hand: the whole sequence's K/V (8 heads × 128 = 1024 wide at 70B) in bf16,
     /// their f32 gradients, and this rank's f32 dq and merged output (8192 wide).
@@ -1005,7 +1005,7 @@ mod tests {
         assert_eq!(line(&b2, "context-parallel K/V exchange"), Some(want));
     }
 
-    /// Issue #51: the recipe splits a sequence over ranks only when nothing else fits: Llama 3
+    /// The recipe splits a sequence over ranks only when nothing else fits: Llama 3
     /// 8B at 131072 tokens (Llama 3.1's context) in bf16 fits no single 80 GiB GPU even with
     /// every block recomputed (at 65536 it does, recomputing), and on 2 GPUs it takes context
     /// parallelism 2 (where it fits, with the fewest blocks recomputed); at 8192 tokens one
@@ -1092,7 +1092,7 @@ mod tests {
         assert_eq!((r.recompute_layers, r.shard_frozen_weights), (0, false));
     }
 
-    /// One 141 GB GPU (issue #37 item 6): the 70B's FP8 weights in both layouts (130560 MB:
+    /// One 141 GB GPU: the 70B's FP8 weights in both layouts (130560 MB:
     /// 2 B per value) leave no room, every block recomputed or not; in one layout they take
     /// exactly half, and the search finds that recipe with the fewest recomputed blocks.
     #[test]

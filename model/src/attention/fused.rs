@@ -43,7 +43,7 @@ impl FusedKernel {
 /// A kernel output that its backward takes back and that the kernel may leave undefined: the
 /// cumulative sequence lengths of flash / cuDNN for dense (not variable-length) inputs, the
 /// philox seed and offset of every CUDA kernel without dropout. `TchTensor::new` reads a
-/// tensor's storage, which an undefined tensor lacks (the first GPU run panicked there), so an
+/// tensor's storage, which an undefined tensor lacks (it panics), so an
 /// undefined output is kept as `None` and handed back as an undefined tensor.
 #[derive(Debug, Clone)]
 pub struct MaybeTensor(Option<TchTensor>);
@@ -489,7 +489,7 @@ mod tests {
     /// lengths and no philox state (undefined tensors). The saved state keeps them as undefined
     /// (cloned as the autodiff node clones it), hands them back undefined, and the backward is
     /// reached: on the CPU, where the CUDA kernels do not exist, it fails with an error rather
-    /// than the panic in `TchTensor::new` that the first GPU run hit.
+    /// than a panic in `TchTensor::new`.
     #[test]
     fn undefined_kernel_outputs_stay_undefined_through_the_saved_state() {
         let (b, h, s, hd) = (1, 2, 8, 16);

@@ -180,7 +180,7 @@ pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: boo
 fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Result<Tensor, tch::TchError> {
     let device = a.codes.device();
     // Filled on the device: a host scalar copied from pageable memory would make the host wait
-    // for the device at every GEMM (two synchronisations per FP8 GEMM on the first GPU run).
+    // for the device at every GEMM (two synchronisations per FP8 GEMM).
     let scalar = |v: f32| Tensor::full([] as [i64; 0], f64::from(v), (Kind::Float, device));
     let (sa, sb) = (scalar(a.scale_inv), scalar(b.scale_inv));
     let call = |b: &Tensor| a.codes.f_internal_scaled_mm(b, &sa, &sb, None::<Tensor>, None::<Tensor>, out, fast_accum);

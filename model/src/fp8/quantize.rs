@@ -604,7 +604,7 @@ mod tests {
 
     /// The CUDA route logic on the CPU (`LLORA_CUDA_ROUTES_ON_CPU`): the first quantisation
     /// runs the routes' check, which quantises and takes the amax itself and so asks for the
-    /// verdict being made (the second GPU run's self-deadlock: a lock held across the check).
+    /// verdict being made (a lock held across the check would deadlock here).
     /// It ends within the time limit, passes, and later quantisations take our kernel's route
     /// (delayed and current scaling, its CPU stand-in here) and the ∞-norm amax, counted, with
     /// the f32 route's codes.

@@ -1,7 +1,7 @@
 //! Launching `fp8_quantize.cu`: FP8 codes of a bf16 or f32 tensor, optionally its transpose,
 //! and its amax, in one read of the input ([`quantize`]). The argument checks ([`check`]) run
-//! anywhere; launching needs CUDA tensors and is untested on a GPU until the bundle's CUDA test
-//! (`a_launch_equals_the_libtorch_route`) ran on one.
+//! anywhere; launching needs CUDA tensors (the CUDA test: `a_launch_equals_the_libtorch_route`;
+//! status on GPUs: docs/gpu.md).
 
 use std::ffi::c_void;
 

@@ -1,8 +1,8 @@
 //! Loading and launching our kernels on a CUDA device, shared by every kernel's launch code:
 //! each [`Source`] is compiled for the device's architecture and loaded once per device and
 //! process in the device's primary context (LibTorch's), and launched on the default stream
-//! (LibTorch's current stream: llora never sets another). CUDA-only and untested on a GPU
-//! until the bundle's CUDA tests ran on one (docs/gpu.md).
+//! (LibTorch's current stream: llora never sets another). CUDA-only (status on GPUs:
+//! docs/gpu.md).
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};

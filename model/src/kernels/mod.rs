@@ -1,7 +1,8 @@
-//! CUDA kernels of our own, compiled at run time with NVRTC (issue #50): fusions LibTorch's op
+//! CUDA kernels of our own, compiled at run time with NVRTC: fusions LibTorch's op
 //! set cannot express without temporaries (FP8 quantisation with its amax and transpose in
 //! one read). Each kernel's CUDA C source sits beside the Rust that launches it
-//! (`fp8_quantize.cu` + `fp8_quantize.rs`) and stands alone: it compiles with
+//! (`fp8_quantize.cu` + `fp8_quantize.rs`), after the device helpers every source shares
+//! (`fp8_device.cuh`, prepended to it in its [`Source`]): compiled with
 //! `--gpu-architecture=compute_90 -default-device -std=c++17` and `-I` of the NVIDIA include
 //! folders beside the torch wheel, nothing else.
 //!
@@ -9,8 +10,9 @@
 //! the torch wheel's NVIDIA packages (`<site-packages>/nvidia/*/lib`, found from where
 //! LibTorch was loaded, or `LLORA_NVIDIA_ROOT`), `libcuda` from the driver. So llora builds on
 //! a machine without CUDA, CI compiles every kernel on the CPU (`tests` below), and a GPU node
-//! compiles each once per process. Launching is CUDA-only and untested on a GPU until the
-//! bundle's CUDA tests ran there (docs/gpu.md).
+//! compiles each once per process. Launching is CUDA-only (status on GPUs: docs/gpu.md); a
+//! launch on CPU tensors launches nothing, and the route runs the kernel's CPU stand-in
+//! (`fp8::stand_ins`). No file here names a route.
 
 pub mod checks;
 pub mod fp8_quantize;

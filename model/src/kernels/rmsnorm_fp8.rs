@@ -1,7 +1,7 @@
 //! Launching `rmsnorm_fp8.cu`: RMSNorm's forward writing its bf16 output, the rows' f32
 //! 1/rms and, when asked, the output's FP8 codes for the next GEMMs ([`forward`]). The
-//! argument checks run anywhere; launching needs CUDA tensors and is untested on a GPU until
-//! the bundle's CUDA test (`a_launch_equals_the_libtorch_route`) ran on one.
+//! argument checks run anywhere; launching needs CUDA tensors (the CUDA test:
+//! `a_launch_equals_the_libtorch_route`; status on GPUs: docs/gpu.md).
 
 pub use super::checks::DelayedCodes;
 use super::checks::{Expect, codes_params};

@@ -1,8 +1,8 @@
 //! Launching `swiglu_fp8.cu`: SwiGLU's forward writing bf16 h, down_proj's FP8 input and
 //! gate/up kept as E4M3 codes ([`forward`]), and its backward reading those codes
-//! ([`backward`]). The argument checks run anywhere; launching needs CUDA tensors and is
-//! untested on a GPU until the bundle's CUDA test (`precision::swiglu_route`'s
-//! `launches_equal_the_libtorch_route`, against the LibTorch route held there) ran on one.
+//! ([`backward`]). The argument checks run anywhere; launching needs CUDA tensors (the CUDA
+//! test is `precision::swiglu_route`'s `launches_equal_the_libtorch_route`, against the
+//! LibTorch route; status on GPUs: docs/gpu.md).
 
 pub use super::checks::DelayedCodes;
 use super::checks::{Expect, codes_params};

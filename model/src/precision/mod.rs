@@ -32,7 +32,7 @@
 //! its GEMMs on LibTorch tensors (the weight is the layer's: `lora.rs` `BaseWeight`, one enum,
 //! passed in as a `LinearWeight`; its delayed-scaling states are `fp8/recipe.rs`'s); `weights.rs` frozen
 //! weights stored in bf16, FP8 or NF4, and converting one to its storage (`nf4.rs` the format); the FP8
-//! GEMM is `fp8/gemm.rs`; `bf16.rs`, `blocked.rs` GEMM helpers; `spec.rs` what runs in which dtype.
+//! GEMM is `fp8/gemm.rs`; `bf16.rs`, `blocked.rs` GEMM helpers; `swiglu_route.rs` SwiGLU's FP8 route on our kernel; `spec.rs` what runs in which dtype.
 
 pub mod bf16;
 pub mod blocked;

@@ -2,7 +2,7 @@
 //! (`kernels/swiglu_fp8.cu`) writes h and keeps gate and up as E4M3 codes in one pass, and its
 //! backward reads the codes directly; where the kernel has not passed its first-use check
 //! (once per device, against the LibTorch route, logged either way) LibTorch's ops run
-//! (`nodes.rs` `Kept`). Untested on a GPU until the bundle ran there (docs/gpu.md).
+//! (`nodes.rs` `Kept`). Status on GPUs: docs/gpu.md.
 
 use crate::fp8::format::Fp8Format;
 use crate::fp8::stand_ins;

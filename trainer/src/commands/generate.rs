@@ -213,7 +213,7 @@ mod tests {
         }
     }
 
-    /// Issue #41 items 13, 19: a conversation or prompt too long in bytes for the model's
+    /// A conversation or prompt too long in bytes for the model's
     /// positions is refused before it is read whole or tokenised (a BPE tokenizer bounds bytes
     /// per token); an empty conversation, or one ending with the assistant, has nothing to answer.
     #[test]

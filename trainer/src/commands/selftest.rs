@@ -231,7 +231,7 @@ fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
     let s = t.elapsed().as_secs_f64() / reps as f64;
     let bytes = (big.len() * 4) as f64;
     let busbw = if n > 1 { 2.0 * (n - 1) as f64 / n as f64 * bytes / s / 1e9 } else { 0.0 };
-    // Ended here, on success, while CUDA is up (the first GPU run aborted at exit without it).
+    // Ended here, on success, while CUDA is up (without it the process aborts at exit).
     comm.shutdown().map_err(|e| e.to_string())?;
     Ok(format!("{label}: sum exact; 64 MB in {:.2} ms, bus bandwidth {busbw:.1} GB/s", s * 1e3))
 }

@@ -245,7 +245,7 @@ fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
 /// (the heartbeat thread stopped and joined, then NCCL's communicators finalised while CUDA is
 /// up), an abort when dropped without it (an error path: a peer may be gone). Either way the
 /// shim's group is freed by this thread before `main` returns, never by the heartbeat thread
-/// after it (the first GPU run's SIGABRT at exit).
+/// after it (that aborts the process at exit with SIGABRT).
 pub struct ProcessGroup {
     handle: Arc<Handle>,
     /// This group as a world of its own (a subgroup's rank and size are within it).

@@ -420,7 +420,7 @@ mod tests {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     }
 
-    /// Issue #41 item 9: two Gloo ranks (threads of this test, a real TCPStore) with the same
+    /// Two Gloo ranks (threads of this test, a real TCPStore) with the same
     /// data paths: equal files pass; a file whose content differs on rank 1 (a node with another
     /// copy) fails on both ranks naming rank 1 and the key; one that is missing on rank 1 too.
     #[test]
@@ -484,7 +484,7 @@ mod tests {
         }
     }
 
-    /// Issue #41 item 18: gloo's and NCCL's messages as they come (copied from real failures)
+    /// Gloo's and NCCL's messages as they come (copied from real failures)
     /// lose their C++ locations and stack lines and keep what happened, addresses included.
     #[test]
     fn c10d_messages_lose_their_cpp_locations() {

@@ -298,7 +298,7 @@ mod tests {
     use super::*;
 
     /// A run directory whose checkpoints an `--overwrite` moved into `.replaced` says where
-    /// they are and how to continue them (#48 item 25); one with none says there are none.
+    /// they are and how to continue them; one with none says there are none.
     #[test]
     fn no_checkpoint_points_at_the_replaced_run() {
         let dir = tempfile::tempdir().unwrap();
@@ -349,7 +349,7 @@ mod tests {
         assert!(err.contains("1 bytes") && err.contains("truncated"), "{err}");
     }
 
-    /// A manifest vouches for exactly its checkpoint (#41): one listing no file, skipping a
+    /// A manifest vouches for exactly its checkpoint: one listing no file, skipping a
     /// file, claiming another step or naming a path outside is refused, with the reason named;
     /// and a checkpoint whose contents `open` rejects falls back to the previous one.
     #[test]

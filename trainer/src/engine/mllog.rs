@@ -406,7 +406,7 @@ mod tests {
         rows.map(|r| (r["event_type"].as_str().unwrap().into(), r["key"].as_str().unwrap().into())).collect()
     }
 
-    /// A packed run says its unit once, beside the dataset sizes (#48 item 8): `train_samples`
+    /// A packed run says its unit once, beside the dataset sizes: `train_samples`
     /// and `eval_samples` in packed rows, as `samples_count`, the documents as llora's keys.
     #[test]
     fn a_packed_run_names_its_sample_unit() {

@@ -363,7 +363,7 @@ mod tests {
     use super::*;
 
     /// Moments of the wrong size, missing after a step, or of no parameter are refused naming
-    /// the moment (#41: a wrong shape used to panic in burn's Add on every retry); before the
+    /// the moment (a wrong shape used to panic in burn's Add on every retry); before the
     /// first step none are needed.
     #[test]
     fn moments_must_match_their_parameters() {

@@ -489,9 +489,9 @@ mod tests {
 
     /// The issue's recompute check: loss and every LoRA gradient with all 4 blocks (and with 2)
     /// recomputed equal the plain backward's, with dropout on, in fp32 and in FP8 with FP8
-    /// activations; the FP8 case on packed rows (#39: documents of 20 + 28 and 10 + 5 + 30
+    /// activations; the FP8 case on packed rows (documents of 20 + 28 and 10 + 5 + 30
     /// tokens, the second row with padding), whose layout the recomputed blocks must see too;
-    /// and in bf16 over an NF4 base (#40: QLoRA, its weights decoded again in the recompute).
+    /// and in bf16 over an NF4 base (QLoRA, its weights decoded again in the recompute).
     #[test]
     fn recomputed_blocks_give_the_plain_gradients() {
         let _rng = llora_model::device::torch_rng_lock();
@@ -597,7 +597,7 @@ mod tests {
         }
     }
 
-    /// Issue #51 must-show 1's gradients, read directly: the ranks of a context-parallel group
+    /// Gradients, read directly: the ranks of a context-parallel group
     /// (threads, [`ThreadGroup`]), each with the same model (B random, so that A's gradients
     /// are not zero) and the same batch of 2 rows of 50 tokens (padded to the split), their
     /// loss shares and LoRA gradients added over the group, against one process: 2 and 4
