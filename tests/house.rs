@@ -208,6 +208,41 @@ fn common_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The issue tags in the comments of `text` (`issue #N`, `#N item K`, `(#N)`, `#N must-show`),
+/// each as its line: history belongs in commits, a comment says why.
+fn issue_tags(text: &str) -> Vec<String> {
+    let tag = Regex::new(r"(?i)issue #\d|#\d+ (item|must)|\(#\d+\b|#\d+[:;,)]").unwrap();
+    let comment = Regex::new(r"^\s*(//|#[^!\[])").unwrap();
+    text.lines().filter(|l| comment.is_match(l) && tag.is_match(l)).map(|l| l.trim().to_string()).collect()
+}
+
+/// No code comment names an issue, in any crate, test or script.
+#[test]
+fn no_issue_tags_in_code_comments() {
+    let root = common_root();
+    let mut found = Vec::new();
+    let mut stack: Vec<PathBuf> =
+        ["model", "data", "trainer", "tests", "scripts"].iter().map(|d| root.join(d)).collect();
+    while let Some(dir) = stack.pop() {
+        for path in std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()) {
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| ["rs", "sh", "py"].iter().any(|x| e == *x)) {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                found.extend(issue_tags(&text).into_iter().map(|l| format!("{}: {l}", path.display())));
+            }
+        }
+    }
+    assert!(found.is_empty(), "issue tags in comments:\n{}", found.join("\n"));
+    // Positive controls.
+    for line in
+        ["/// refused (#41 item 3).", "// issue #50: fusions", "# packing (#39), in one run", "//! #24 Must-show 1"]
+    {
+        assert_eq!(issue_tags(line).len(), 1, "{line}");
+    }
+    assert!(issue_tags("let x = \"#41\"; // a colour #fff").is_empty());
+}
+
 /// The longest a function may be, in lines from its `fn` to its closing brace: one screen
 /// (the house issue's rule; tests aside).
 const MAX_FUNCTION_LINES: usize = 100;
