@@ -14,17 +14,22 @@
 # (torch/lib and every nvidia/*/lib folder), so a binary built here runs against the node's
 # own torch wheel, which must be the version built against (llora --version names it).
 #
-# Usage: scripts/gpu-bundle.sh [--torch VERSION] OUT        (VERSION defaults to 2.11.0)
+# Usage: scripts/gpu-bundle.sh [--torch VERSION] [--max-mb N] OUT   (VERSION defaults to 2.11.0)
+#   --max-mb N   fail when the bundle is over N MB (for a transfer that caps what it carries,
+#                e.g. 60 for a 64 MiB call); no limit by default
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TORCH=2.11.0
 OUT=
+MAX_MB=
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --torch) [[ $# -ge 2 ]] || { echo "gpu-bundle.sh: --torch needs a version, e.g. --torch 2.11.0" >&2; exit 2; }
       TORCH=$2; shift ;;
     --torch=*) TORCH=${1#--torch=} ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --max-mb) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "gpu-bundle.sh: --max-mb needs a whole number of MB, e.g. --max-mb 60" >&2; exit 2; }
+      MAX_MB=$2; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     -*) echo "gpu-bundle.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
     *) [[ -z $OUT ]] || { echo "gpu-bundle.sh: one OUT folder, not '$OUT' and '$1'" >&2; exit 2; }
       OUT=$1 ;;
@@ -93,7 +98,7 @@ SH
 chmod +x "$OUT/gpu-check.sh"
 echo "$built" >"$OUT/VERSION"
 du -sh "$OUT"
-# The machines it goes to take 64 MiB per call with the checkout: stay well under.
 size_mb=$(du -sm "$OUT" | cut -f1)
-((size_mb <= 60)) || { echo "gpu-bundle.sh: $OUT is $size_mb MB, over the 60 MB a GPU call can carry" >&2; exit 1; }
+[[ -z $MAX_MB ]] || ((size_mb <= MAX_MB)) ||
+  { echo "gpu-bundle.sh: $OUT is $size_mb MB, over the --max-mb $MAX_MB asked for" >&2; exit 1; }
 echo "gpu-bundle.sh: $OUT holds llora $built; on the node: $OUT/gpu-check.sh" >&2
