@@ -73,9 +73,9 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
         named(&attention, name);
     }
     // Every route of the one list is checked in its part, whatever the list holds (a route
-    // added to llora_model::route_list appears here without touching selftest).
+    // added to llora_model::diagnostics::all_routes appears here without touching selftest).
     let parts = [("gemm", &gemm), ("norm", &norm), ("attention", &attention)];
-    for route in llora_model::route_list::all() {
+    for route in llora_model::diagnostics::all_routes() {
         let (_, checks) = parts.iter().find(|(p, _)| *p == route.part).expect("a part selftest runs");
         named(checks, route.name);
     }
@@ -119,7 +119,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["rms_norm_fp8_codes"], true, "{r}");
     // The bench lists every route of the one list, in its order, with what this run took.
     let listed: Vec<&str> = r["route_list"].as_array().unwrap().iter().map(|x| x["name"].as_str().unwrap()).collect();
-    let list: Vec<&str> = llora_model::route_list::all().iter().map(|route| route.name).collect();
+    let list: Vec<&str> = llora_model::diagnostics::all_routes().iter().map(|route| route.name).collect();
     assert_eq!(listed, list, "{r}");
     let used =
         |name: &str| r["route_list"].as_array().unwrap().iter().find(|x| x["name"] == name).unwrap()["used"].clone();

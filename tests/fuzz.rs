@@ -481,7 +481,7 @@ fn pattern_keys() {
         ..base.clone()
     };
     let model = build(&control).expect("the control spec");
-    let v0 = model.layers[0].linear(llora_model::layout::BlockLinear::V).unwrap();
+    let v0 = model.layers[0].linear(llora_model::BlockLinear::V).unwrap();
     assert_eq!(v0.lora.as_ref().unwrap().a.val().dims(), [8, 128]);
     let ranks = prop_oneof![Just(0usize), Just(1), Just(8), Just(64), Just(65), Just(129), Just(100_000), 1usize..200];
     let alphas = prop_oneof![Just(0.0f64), Just(-1.0), Just(f64::NAN), Just(f64::INFINITY), Just(1e300), 0.5f64..64.0];

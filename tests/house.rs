@@ -216,6 +216,15 @@ fn issue_tags(text: &str) -> Vec<String> {
     text.lines().filter(|l| comment.is_match(l) && tag.is_match(l)).map(|l| l.trim().to_string()).collect()
 }
 
+/// The model crate's surface stays small: what the trainer needs, plus `diagnostics` for
+/// selftest and bench; the rest is `pub(crate)` (a newcomer reads the public modules first).
+#[test]
+fn the_model_crate_exposes_at_most_15_modules() {
+    let lib = std::fs::read_to_string(common_root().join("model/src/lib.rs")).unwrap();
+    let public: Vec<&str> = lib.lines().filter_map(|l| l.strip_prefix("pub mod ")).collect();
+    assert!(public.len() <= 15, "{} public modules: {public:?}", public.len());
+}
+
 /// No code comment names an issue, in any crate, test or script.
 #[test]
 fn no_issue_tags_in_code_comments() {

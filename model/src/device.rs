@@ -3,6 +3,7 @@
 //! Burn 0.22 dispatches backends at run time from the [`Device`]; this module turns the
 //! config's `run.device` string into one and sets the thread count the backend uses.
 
+pub use crate::profile::{shim_status, to_host};
 use std::fmt;
 use std::str::FromStr;
 

@@ -34,7 +34,6 @@ unsafe extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     fn llora_set_device(device: c_int, err: *mut *mut c_char) -> c_int;
-    fn llora_current_device() -> c_int;
 }
 
 /// A C shim's (status, message) as a Result: `ok != 0` is success; otherwise `err` is the
@@ -183,13 +182,6 @@ pub fn set_current_device(index: usize) -> Result<(), String> {
     // SAFETY: plain call; err receives a malloc'd message on failure.
     check(unsafe { llora_set_device(index as c_int, &mut err) }, err)
         .map_err(|e| format!("cannot make cuda:{index} the current device: {e}"))
-}
-
-/// This thread's current CUDA device, `None` where there is no accelerator.
-pub fn current_device() -> Option<usize> {
-    // SAFETY: plain call.
-    let d = unsafe { llora_current_device() };
-    usize::try_from(d).ok()
 }
 
 #[cfg(test)]

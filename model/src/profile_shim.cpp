@@ -126,13 +126,5 @@ int llora_set_device(int device, char** err) {
   return guarded(err, [&] { at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(device)); });
 }
 
-// The current accelerator device index.
-int llora_current_device() {
-  try {
-    return static_cast<int>(at::accelerator::getDeviceIndex());
-  } catch (...) {
-    return -1;
-  }
-}
 
 }  // extern "C"

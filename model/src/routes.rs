@@ -89,10 +89,12 @@ pub fn on_cpu() -> bool {
 }
 
 /// Restores a thread's earlier override when dropped (see [`on_cpu_for_this_thread`]).
+#[cfg(test)]
 pub type OnCpuOverride = crate::scoped::Restore<Option<bool>>;
 
 /// Sets [`on_cpu`] for this thread until the returned guard is dropped, whatever the
 /// environment says: tests run on threads of one process, so they cannot set the variable.
+#[cfg(test)]
 pub fn on_cpu_for_this_thread(on: bool) -> OnCpuOverride {
     crate::scoped::set(&FORCED, Some(on))
 }

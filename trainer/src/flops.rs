@@ -15,7 +15,7 @@
 //! Not counted: recomputed blocks' second forward (overhead, not model work, as in Megatron's
 //! and MLPerf's "model FLOPs"), norms, softmax, RoPE and other elementwise work.
 
-use llora_model::layout::BlockLinear;
+use llora_model::BlockLinear;
 use llora_model::{LlamaConfig, LlamaForCausalLM};
 use serde_json::{Value, json};
 

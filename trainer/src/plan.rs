@@ -7,9 +7,9 @@
 //! `scripts/bench-memory.sh` tabulates the two (docs/memory.md).
 
 use llora_model::LlamaConfig;
-use llora_model::layout::{BlockLinear, LinearInput};
+pub use llora_model::Saved;
 use llora_model::precision::{Compute, PrecisionSpec};
-pub use llora_model::saved::Saved;
+use llora_model::{BlockLinear, LinearInput};
 use serde_json::{Value, json};
 
 /// CPU: the process's resident memory before the model exists (LibTorch's libraries, the

@@ -21,17 +21,18 @@ pub mod nvrtc;
 pub mod rmsnorm_fp8;
 pub mod swiglu_fp8;
 
-pub use nvrtc::{KernelError, Source, compile, nvidia_root};
-
-/// Every kernel source llora compiles.
-pub const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE];
-
-/// The virtual architectures CI compiles every source for (Hopper, Blackwell).
-pub const CI_ARCHES: &[&str] = &["compute_90", "compute_100"];
+pub use nvrtc::KernelError;
 
 #[cfg(test)]
 mod tests {
+    use super::nvrtc::{Source, compile};
     use super::*;
+
+    /// Every kernel source llora compiles.
+    const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE];
+
+    /// The virtual architectures CI compiles every source for (Hopper, Blackwell).
+    const CI_ARCHES: &[&str] = &["compute_90", "compute_100"];
 
     /// What CI holds every kernel to: each source compiles with NVRTC for Hopper and Blackwell
     /// on a machine without a GPU, and its PTX defines every kernel the launch code looks up.

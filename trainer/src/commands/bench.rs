@@ -544,7 +544,7 @@ impl Timed {
             "fp8_quantiser_routes": self.quantiser.iter().map(|c| c.routes()).collect::<Vec<_>>(),
             "fp8_quantisations": self.quantiser.last().map(|c| json!({"kernel": c.kernel, "two_pass": c.two_pass, "f32": c.via_f32})),
             // The CPU took the CUDA routes (LLORA_CUDA_ROUTES_ON_CPU=1): control flow, not kernels.
-            "cuda_routes_on_cpu": !cuda && llora_model::routes::on_cpu(),
+            "cuda_routes_on_cpu": !cuda && llora_model::diagnostics::on_cpu(),
         })
     }
 }
@@ -572,13 +572,17 @@ fn merged(parts: impl IntoIterator<Item = Value>) -> Value {
 
 /// After the timed steps: one step counted (the op observer costs time, so it never runs in a
 /// timed step), and one traced when `--trace` asks (on the GPU's timeline too when `cuda`).
-fn extra_steps(stepper: &mut Stepper, built: &mut Built, cuda: bool) -> anyhow::Result<llora_model::profile::Counts> {
-    let counter = llora_model::profile::Counter::start().map_err(anyhow::Error::msg)?;
+fn extra_steps(
+    stepper: &mut Stepper,
+    built: &mut Built,
+    cuda: bool,
+) -> anyhow::Result<llora_model::diagnostics::Counts> {
+    let counter = llora_model::diagnostics::Counter::start().map_err(anyhow::Error::msg)?;
     stepper.step(built)?;
     let counts = counter.finish();
     if let Some(path) = stepper.args.trace.as_deref().map(|p| trace_path(p, stepper.dist)) {
         anyhow::ensure!(!path.exists(), "--trace: {} already exists: llora never writes over a file", path.display());
-        let trace = llora_model::profile::Trace::start(cuda).map_err(anyhow::Error::msg)?;
+        let trace = llora_model::diagnostics::Trace::start(cuda).map_err(anyhow::Error::msg)?;
         stepper.step(built)?;
         trace.finish(&path).map_err(anyhow::Error::msg)?;
         // Kineto reports some failures to write (a rename) in its log only.
@@ -626,12 +630,13 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         _ => None,
     };
     if let Some(n) = cuda_index {
-        llora_model::profile::reset_device_peaks(n).map_err(anyhow::Error::msg)?;
+        llora_model::diagnostics::reset_device_peaks(n).map_err(anyhow::Error::msg)?;
     }
     let timed = timed_steps(&mut stepper, &mut built)?;
     let (heap_peak, heap_resident_peak) = heap_peak.finish();
     // The caching allocator's peaks over warm-up and timed steps (what `llora plan` predicts).
-    let device_peaks = cuda_index.map(llora_model::profile::device_peaks).transpose().map_err(anyhow::Error::msg)?;
+    let device_peaks =
+        cuda_index.map(llora_model::diagnostics::device_peaks).transpose().map_err(anyhow::Error::msg)?;
     // Read before the extra counted/traced steps and the one-block measurement below (the
     // profiler's buffers are not the step's memory).
     let peak_rss = peak_rss_mb();
@@ -682,16 +687,7 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
         "heap_in_use_before_build_mb": r1(built.heap.0), "heap_in_use_after_build_mb": r1(built.heap.1),
         "peak_heap_in_use_mb": r1(heap_peak), "peak_heap_resident_mb": r1(heap_resident_peak),
     });
-    let run = json!({
-        // Per optimizer step, counted on one extra step (`llora_model::profile`): LibTorch ops
-        // dispatched, and host-device synchronisations (scalar reads + llora's host reads).
-        "ops_per_step": counts.ops, "host_syncs_per_step": counts.host_syncs,
-        "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()),
-        "loadavg_start": la0, "loadavg_end": loadavg(),
-        "build_s": (built.build_s * 100.0).round() / 100.0,
-        "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
-            "cuda": llora_model::device::libtorch_cuda()},
-    });
+    let run = run_json(&counts, la0, built.build_s);
     // This rank's tokens: under context parallelism the group's ranks share each sequence.
     let tokens = (seqs * args.seq_len) as f64 / args.cp.max(1) as f64;
     Ok(merged([
@@ -704,19 +700,33 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     ]))
 }
 
+/// What ran: ops and syncs per step, the implementation and its versions, the machine's load.
+fn run_json(counts: &llora_model::diagnostics::Counts, loadavg_start: Option<Vec<f64>>, build_s: f64) -> Value {
+    json!({
+        // Per optimizer step, counted on one extra step (`llora_model::diagnostics`): LibTorch ops
+        // dispatched, and host-device synchronisations (scalar reads + llora's host reads).
+        "ops_per_step": counts.ops, "host_syncs_per_step": counts.host_syncs,
+        "impl": format!("llora (burn 0.22.1 + {})", llora_model::device::libtorch_summary()),
+        "loadavg_start": loadavg_start, "loadavg_end": loadavg(),
+        "build_s": (build_s * 100.0).round() / 100.0,
+        "versions": {"llora": env!("CARGO_PKG_VERSION"), "burn": "0.22.1", "torch": llora_model::device::libtorch_version(),
+            "cuda": llora_model::device::libtorch_cuda()},
+    })
+}
+
 /// The kernel routes the run took (CUDA's, or their CPU stand-ins under
 /// `LLORA_CUDA_ROUTES_ON_CPU=1`); the FP8 quantisers' are in `fp8_quantiser_routes`.
 fn routes() -> Value {
     json!({
         "attn_impl": llora_model::attention::kernels_used(),
-        "rms_norm": if llora_model::norm::FUSED_KERNELS_ROUTE.used() { "cuda-fused" } else { "composite" },
+        "rms_norm": if llora_model::diagnostics::RMS_NORM_FUSED_ROUTE.used() { "cuda-fused" } else { "composite" },
         // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
-        "swiglu": if llora_model::precision::swiglu_route::ROUTE.used() { "kernel" } else { "libtorch" },
+        "swiglu": if llora_model::diagnostics::SWIGLU_FP8_ROUTE.used() { "kernel" } else { "libtorch" },
         // Whether the norms wrote their projections' FP8 input (kernels/rmsnorm_fp8.cu).
-        "rms_norm_fp8_codes": llora_model::norm::fp8_route::ROUTE.used(),
-        // Every CUDA route of the one list (llora_model::route_list), and whether this run took
+        "rms_norm_fp8_codes": llora_model::diagnostics::RMS_NORM_FP8_ROUTE.used(),
+        // Every CUDA route of the one list (llora_model::diagnostics::all_routes), and whether this run took
         // it (null: the route does not count its uses).
-        "route_list": llora_model::route_list::all()
+        "route_list": llora_model::diagnostics::all_routes()
             .iter()
             .map(|r| json!({"name": r.name, "part": r.part, "used": r.used.map(|used| used())}))
             .collect::<Vec<_>>(),

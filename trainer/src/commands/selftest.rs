@@ -57,7 +57,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
     let mut checks = Vec::new();
     // The CUDA routes' checks run on CUDA, and on the CPU standing in for it
     // (LLORA_CUDA_ROUTES_ON_CPU=1: the same control flow, the kernels as composites).
-    let cuda_routes = llora_model::routes::takes_cuda_routes(dev);
+    let cuda_routes = llora_model::diagnostics::takes_cuda_routes(dev);
     // The checks this device does not run, named: a part with none run is not "ok".
     let mut skipped: Vec<String> = Vec::new();
     if only("gemm") {
@@ -72,7 +72,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
     }
     // Every CUDA route from the one list, in its part: training falls back to the route's
     // reference without it, so none is required.
-    for route in llora_model::route_list::all().iter().filter(|r| only(r.part)) {
+    for route in llora_model::diagnostics::all_routes().iter().filter(|r| only(r.part)) {
         if !cuda_routes {
             skipped.push(route.name.into());
             continue;
@@ -184,7 +184,7 @@ fn dropout_redraw(device: &Device) -> Result<String, String> {
     let train = device.clone().autodiff();
     train.seed(11);
     let x = Tensor::<1>::ones([1 << 16], &train).require_grad();
-    let y = llora_model::dropout::dropout(x.clone(), p);
+    let y = llora_model::diagnostics::dropout(x.clone(), p);
     let grads = y.clone().sum().backward();
     let g = x.grad(&grads).ok_or("no gradient reached x")?;
     let values = |t: Tensor<1>| t.into_data().try_to_vec::<f32>().map_err(|e| format!("{e:?}"));

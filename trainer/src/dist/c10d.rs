@@ -236,7 +236,7 @@ impl Drop for Work {
 /// Turns the shim's (status, message) into a Result.
 fn check(ok: c_int, err: *mut c_char) -> Result<(), String> {
     // SAFETY: `err` comes from the c10d shim, which mallocs it for llora_c10d_free.
-    unsafe { llora_model::profile::shim_status(ok, err, "c10d", llora_c10d_free) }
+    unsafe { llora_model::device::shim_status(ok, err, "c10d", llora_c10d_free) }
 }
 
 /// A c10d process group with its store, and a heartbeat that tells which rank was lost.

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use burn::tensor::Tensor;
-use llora_model::params::ParamMut;
+use llora_model::ParamMut;
 
 use crate::config::{OptimConfig, ScheduleConfig};
 

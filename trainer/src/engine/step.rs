@@ -10,8 +10,8 @@ use llora_data::Sample;
 use llora_data::batch::{Collated, Padding, eval_batches, eval_rows};
 use llora_data::packing::Packing;
 use llora_model::LlamaForCausalLM;
+use llora_model::PackedRows;
 use llora_model::loss::Labels;
-use llora_model::packing::PackedRows;
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
@@ -85,7 +85,7 @@ pub fn micro_batch_grads(
     recompute: usize,
 ) -> anyhow::Result<(f64, Vec<Tensor<1>>, f64, f64)> {
     let g = grads_on_device(model, mb, norm, recompute, true)?;
-    let loss = llora_model::profile::to_host(g.loss).convert::<f32>().try_into_vec::<f32>().expect("f32")[0] as f64;
+    let loss = llora_model::device::to_host(g.loss).convert::<f32>().try_into_vec::<f32>().expect("f32")[0] as f64;
     Ok((loss, g.grads, g.forward_s, g.backward_s))
 }
 
@@ -271,8 +271,7 @@ fn read_losses_and_norms(losses: Vec<Tensor<1>>, grads: &[Tensor<1>]) -> (Vec<f6
     if parts.is_empty() {
         return (vec![], vec![]);
     }
-    let host =
-        llora_model::profile::to_host(Tensor::cat(parts, 0)).convert::<f32>().try_into_vec::<f32>().expect("f32");
+    let host = llora_model::device::to_host(Tensor::cat(parts, 0)).convert::<f32>().try_into_vec::<f32>().expect("f32");
     let values: Vec<f64> = host.into_iter().map(f64::from).collect();
     (values[..m].to_vec(), values[m..].to_vec())
 }
