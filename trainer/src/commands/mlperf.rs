@@ -9,6 +9,7 @@ use tracing::{error, info};
 
 use crate::cli::MlperfCommand;
 use crate::config::{Config, TINY_CPU_NAME};
+use crate::engine::train::Request;
 use crate::mlperf::{Score, result_files, score_dir};
 
 /// Runs one `llora mlperf` subcommand.
@@ -75,13 +76,14 @@ pub fn run_many(
             out.display()
         );
     }
-    crate::engine::train::prepare_base(config, dist.world.size)?;
+    crate::commands::pretrain::prepare_base(config, dist.world.size)?;
     for i in 0..runs {
         let mut c = config.clone();
         c.run.seed = config.run.seed.wrapping_add(i as u64);
         c.run.dir = out.join(format!("run_{i}"));
         info!(run = i, seed = c.run.seed, dir = %c.run.dir.display(), "mlperf run {}/{runs}", i + 1);
-        let log = match crate::engine::train::run(&c, config_name, dist, false) {
+        let request = Request::Config { config: c.clone(), name: config_name.to_string(), overwrite: false };
+        let log = match crate::engine::train::run(request, dist) {
             Ok(outcome) => outcome.result_log,
             Err(e) => {
                 error!(run = i, "run failed: {e:#}");

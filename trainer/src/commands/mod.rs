@@ -10,5 +10,6 @@ pub mod generate;
 pub mod mlperf;
 pub mod plan;
 pub mod plot;
+pub mod pretrain;
 pub mod selftest;
 pub mod train;

@@ -17,7 +17,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
                 "train.context_parallel",
             )?;
             let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
-            let outcome = train::resume(resumed, &dist)?;
+            let outcome = train::run(train::Request::Resume(resumed), &dist)?;
             dist.shutdown()?;
             (outcome, target)
         }
@@ -30,10 +30,11 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
                 config.train.context_parallel,
                 "train.context_parallel",
             )?;
-            train::prepare_base(&config, dist.world.size)?;
-            let outcome = train::run(&config, &name, &dist, args.overwrite)?;
+            crate::commands::pretrain::prepare_base(&config, dist.world.size)?;
+            let target = (config.eval.target_loss, config.schedule.max_steps);
+            let outcome = train::run(train::Request::Config { config, name, overwrite: args.overwrite }, &dist)?;
             dist.shutdown()?;
-            (outcome, (config.eval.target_loss, config.schedule.max_steps))
+            (outcome, target)
         }
     };
     let (outcome, (target, max_steps)) = outcome;

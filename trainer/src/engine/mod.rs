@@ -1,5 +1,6 @@
-//! The training engine, read top-down: `train.rs` is the run (setup, the loop, evaluation,
-//! checkpoints, the finish); `step.rs` one optimizer step (micro-batches, gradients, the
+//! The training engine, read top-down: `train.rs` is the run in one page (the ranks agree, the
+//! start decided once), `setup.rs` everything before the first step, `trainer.rs` the loop
+//! (evaluation, checkpoints, the finish), `records.rs` the run's records; `step.rs` one optimizer step (micro-batches, gradients, the
 //! all-reduce, clipping) and evaluation; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
 //! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `events.rs` what a
 //! run emits (start, step, eval, checkpoint, stop) and the `Observer`s that record it:
@@ -11,7 +12,11 @@ pub mod events;
 pub mod mllog;
 pub mod observe;
 pub mod optim;
+pub mod outcome;
+pub mod records;
 pub mod resume;
 pub mod run_dir;
+pub mod setup;
 pub mod step;
 pub mod train;
+pub mod trainer;

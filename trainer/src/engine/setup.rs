@@ -1,0 +1,367 @@
+//! Everything before the first step, in the result log's order: the device, the preflight
+//! checks, `init_start`, the model and its adapters (or the checkpoint's state), warm-up,
+//! every rank ready, `run_start`, the data.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use burn::tensor::{Device, Int, Tensor};
+use llora_data::Sample;
+use llora_data::batch::{Geometry, RowOrder, StepBatch, train_batches};
+use llora_data::loader::SampleOrder;
+use llora_data::packing::PackedOrder;
+use llora_data::parquet_io::{ReadOptions, read_parquet};
+use llora_data::prefetch::Prefetched;
+use llora_data::synth::{Synth, SynthConfig};
+use llora_model::checkpoint::HfCheckpoint;
+use llora_model::shard::Sharding;
+use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
+use tracing::info;
+
+use crate::config::{Config, Trainable};
+use crate::dist::Dist;
+use crate::engine::events::RunEvent;
+use crate::engine::mllog::now_ms;
+use crate::engine::observe::StopSignal;
+use crate::engine::optim::AdamW;
+use crate::engine::records::Records;
+use crate::engine::resume::{self, Checkpoint, TrainState};
+use crate::engine::run_dir;
+use crate::engine::trainer::Trainer;
+
+impl<'a> Trainer<'a> {
+    /// Everything before the first step (the ranks have agreed on `config`), in the result
+    /// log's order: device, `init_start`, model and adapters, optimizer (or the checkpoint's
+    /// state), warm-up, every rank ready, `run_start`, data.
+    pub fn setup(
+        config: &'a Config,
+        name: &str,
+        dist: &'a Dist,
+        resumed: Option<Checkpoint>,
+        claim: run_dir::Claim,
+    ) -> anyhow::Result<Self> {
+        let (device_spec, device) = start_device(config, name, dist)?;
+        check_inputs(config, dist.world.size)?;
+        let geometry = geometry(config, dist.data_share())?;
+        let fresh = resumed.is_none();
+        let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);
+        let mut records = Records::open(config, name, dist, geometry, (!fresh).then_some(start_step))?;
+        records.emit(RunEvent::Init);
+        let spec = config.lora.clone();
+        let train_device = device.clone().autodiff();
+        train_device.seed(config.run.seed);
+        let (model, mut state) = match ready_model(config, &spec, dist, resumed, &device, &train_device) {
+            Ok(ready) => ready,
+            Err(e) => {
+                // Nothing ran: a fresh run leaves no outputs, so that the corrected rerun
+                // takes this run.dir rather than the next free one.
+                if fresh {
+                    records.discard(config, dist.is_main());
+                }
+                return Err(e);
+            }
+        };
+        // Every rank is ready before the clock starts.
+        dist.comm.barrier()?;
+        if fresh {
+            state.progress.run_start_ms = now_ms();
+        }
+        records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
+        let samples = state.progress.samples;
+        let data = records.stop_on_error(samples, load_datasets(config, model.config.vocab_size))?;
+        records.emit(data_event(config, &data));
+        info!(train = data.train.len(), eval = data.eval.len(), "data ready");
+        let batches = records.stop_on_error(samples, batches(config, &data, &state.progress, geometry, fresh))?;
+        records.emit(RunEvent::Block { samples });
+        let base_name = config
+            .model
+            .path
+            .as_ref()
+            .map_or_else(|| config.model.preset.clone().unwrap_or_default(), |p| p.display().to_string());
+        Ok(Self {
+            config,
+            name: name.to_string(),
+            dist,
+            device,
+            train_device,
+            model,
+            state,
+            spec,
+            base_name,
+            config_toml: config.to_toml(),
+            resumed: !fresh,
+            eval_set: data.eval,
+            batches,
+            records,
+            result_log: config.run.dir.join(run_dir::RESULT_LOG),
+            stop: StopSignal::install()?,
+            tokens_here: 0,
+            t_train: Instant::now(),
+            peak_tflops: peak_tflops(config, &device_spec, dist.is_main()),
+            claim,
+        })
+    }
+}
+
+/// The peak MFU is measured against: `logging.peak_tflops` when set, else on a CUDA device the
+/// dense bf16 peak of a GPU llora knows by name (logged once on the main rank).
+fn peak_tflops(config: &Config, device: &llora_model::device::DeviceSpec, main: bool) -> Option<f64> {
+    if config.logging.peak_tflops > 0.0 {
+        return Some(config.logging.peak_tflops);
+    }
+    let llora_model::device::DeviceSpec::Cuda(index) = device else { return None };
+    let name = crate::flops::gpu_name(*index)?;
+    let found = crate::flops::gpu_peak_tflops(&name);
+    if main {
+        match found {
+            Some((bf16, fp8)) => {
+                info!(gpu = %name, bf16_tflops = bf16, fp8_tflops = fp8, "MFU against the GPU's dense bf16 peak")
+            }
+            None => info!(gpu = %name, "no known peak for this GPU: set logging.peak_tflops for an MFU column"),
+        }
+    }
+    found.map(|(bf16, _)| bf16)
+}
+
+/// Fails before any work when inputs are absent (a 70B run should not load 140 GB first) or
+/// the run cannot fit.
+fn check_inputs(config: &Config, world: usize) -> anyhow::Result<()> {
+    if let Some(p) = &config.model.path {
+        anyhow::ensure!(
+            p.is_dir(),
+            "model.path = {}: no such directory (download the HF checkpoint there, or set model.path{})",
+            p.display(),
+            if config.model.pretrain.is_some() { "; `llora train` makes it from [model.pretrain]" } else { "" }
+        );
+    }
+    check_data_files(config)?;
+    crate::plan::check_fits(config, world)
+}
+
+/// The data files the config names exist.
+pub(crate) fn check_data_files(config: &Config) -> anyhow::Result<()> {
+    for (key, p) in [("data.train", &config.data.train), ("data.eval", &config.data.eval)] {
+        if let Some(p) = p {
+            anyhow::ensure!(p.is_file(), "{key} = {}: no such file", p.display());
+        }
+    }
+    Ok(())
+}
+
+/// Starts this rank's device and says what runs where (main rank).
+fn start_device(config: &Config, name: &str, dist: &Dist) -> anyhow::Result<(llora_model::device::DeviceSpec, Device)> {
+    let (world, comm) = (&dist.world, dist.comm.as_ref());
+    let device_spec = dist.device(config.run.device);
+    let device = device_spec
+        .init(config.run.threads)
+        .with_context(|| format!("cannot start on run.device = \"{}\" (rank {})", config.run.device, world.rank))?;
+    if dist.is_main() {
+        info!(
+            config = name,
+            backend = %device_spec.backend_name(),
+            device = %device_spec,
+            threads = device_spec.effective_threads(config.run.threads),
+            ranks = world.size,
+            collectives = comm.backend(),
+            "llora {} starting",
+            env!("CARGO_PKG_VERSION")
+        );
+    }
+    Ok((device_spec, device))
+}
+
+/// How a global batch splits over the ranks and their micro-batches.
+///
+/// `(rank, world)` is this rank's data-parallel share: under context parallelism the ranks of
+/// one group read the same sequences.
+fn geometry(config: &Config, (rank, world): (usize, usize)) -> anyhow::Result<Geometry> {
+    let t = &config.train;
+    let g = Geometry { global: t.global_batch_size, micro: t.micro_batch_size, rank, world };
+    let ranks = if t.context_parallel > 1 { "data-parallel groups (ranks / train.context_parallel)" } else { "ranks" };
+    let per_step = crate::plan::checked_product(&[("train.micro_batch_size", g.micro), (ranks, g.world)])?;
+    anyhow::ensure!(
+        g.global.is_multiple_of(per_step),
+        "train.global_batch_size = {} must be a multiple of train.micro_batch_size × ranks = {} × {} = {per_step}",
+        g.global,
+        g.micro,
+        g.world,
+    );
+    Ok(g)
+}
+
+/// The model with its adapters and the state training starts from: the checkpoint's, or fresh
+/// after the warm-up passes.
+fn ready_model(
+    config: &Config,
+    spec: &LoraSpec,
+    dist: &Dist,
+    resumed: Option<Checkpoint>,
+    device: &Device,
+    train_device: &Device,
+) -> anyhow::Result<(LlamaForCausalLM, TrainState)> {
+    let sharding = dist.sharding(config.train.shard_frozen_weights);
+    let mut model = load_model(config, spec, sharding, train_device)?;
+    model.context = dist.context_parallel();
+    info!(
+        base_parameters = model.config.num_parameters(),
+        lora_parameters = model.num_lora_parameters(),
+        base_weight_mb = model.base_weight_bytes() >> 20,
+        frozen_weights = if model.is_sharded() { "sharded" } else { "replicated" },
+        "model ready"
+    );
+    let mut state = TrainState { progress: resume::Progress::default(), optim: AdamW::new(config.optim.clone()) };
+    match resumed {
+        Some(mut ckpt) => ckpt.restore(&mut model, &mut state, device)?,
+        None => {
+            // Warm-up passes must not leave amaxes of random tokens in the scaling state.
+            let scales = model.fp8_scales();
+            warm_up(&model, config, train_device)?;
+            model.set_fp8_scales(&scales)?;
+        }
+    }
+    Ok((model, state))
+}
+
+/// The datasets' sizes in the schedule's unit: documents, or packed rows (the training set
+/// packed in file order; the shuffled epochs' rows differ by a few).
+fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> {
+    let (train, eval) = (data.train.len(), data.eval.len());
+    let Some(packing) = config.data.packing() else { return RunEvent::Data { train, eval, packed_documents: None } };
+    let rows = |set: &[Sample]| {
+        let lengths: Vec<usize> = set.iter().map(|s| s.input_ids.len()).collect();
+        llora_data::packing::stats(&lengths, packing).rows
+    };
+    RunEvent::Data { train: rows(&data.train), eval: rows(&data.eval), packed_documents: Some((train, eval)) }
+}
+
+/// The training stream from where `progress` stands: one global order for every rank, each
+/// taking its micro-batches of every global batch; packed into rows when the config packs.
+fn batches(
+    config: &Config,
+    data: &Datasets,
+    progress: &resume::Progress,
+    geometry: Geometry,
+    fresh: bool,
+) -> anyhow::Result<Prefetched<StepBatch>> {
+    let position = progress.position;
+    let order = SampleOrder::new(data.train.len(), config.run.seed, true, position).with_context(|| {
+        let source = config.data.train.as_ref().map_or("data.synthetic".into(), |p| p.display().to_string());
+        let n = data.train.len();
+        match fresh {
+            true => format!("the training data ({source}: {n} samples)"),
+            false => format!(
+                "the training data ({source}: {n} samples) does not fit the checkpoint's data position (epoch {}, \
+                 sample {}): was the file changed since the run started?",
+                position.epoch, position.index
+            ),
+        }
+    })?;
+    let order = match config.data.packing() {
+        None => RowOrder::Samples(order),
+        Some(packing) => {
+            let lengths = Arc::new(data.train.iter().map(|s| s.input_ids.len()).collect());
+            RowOrder::Packed(PackedOrder::new(order, lengths, packing, position.packed_rows)?)
+        }
+    };
+    let padding = config.data.padding.padding(config.data.max_seq_len);
+    Ok(train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers))
+}
+
+/// The training and evaluation sets.
+struct Datasets {
+    train: Arc<Vec<Sample>>,
+    eval: Arc<Vec<Sample>>,
+}
+
+fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
+    let d = &config.data;
+    if let Some(syn) = &d.synthetic {
+        let synth = Synth::new(SynthConfig {
+            vocab,
+            max_seq_len: d.max_seq_len,
+            topics: syn.topics,
+            summary_len: syn.summary_len,
+            copy_len: syn.copy_len,
+            seed: syn.seed,
+        })
+        .context("data.synthetic")?;
+        return Ok(Datasets {
+            train: Arc::new(synth.samples(0, syn.train_samples)),
+            eval: Arc::new(synth.samples(1, syn.eval_samples)),
+        });
+    }
+    let opts = ReadOptions { vocab, max_seq_len: d.max_seq_len, on_bad_row: d.on_bad_row };
+    let read = |p: &Option<PathBuf>, key: &str| -> anyhow::Result<Vec<Sample>> {
+        let path = p.as_ref().with_context(|| format!("{key} is not set"))?;
+        anyhow::ensure!(path.is_file(), "{key} = {}: no such file", path.display());
+        let (rows, _) = read_parquet(path, &opts)?;
+        anyhow::ensure!(!rows.is_empty(), "{key} = {}: no usable rows", path.display());
+        Ok(rows)
+    };
+    Ok(Datasets { train: Arc::new(read(&d.train, "data.train")?), eval: Arc::new(read(&d.eval, "data.eval")?) })
+}
+
+/// The base model with adapters, from a checkpoint or a preset.
+fn load_model(
+    config: &Config,
+    spec: &LoraSpec,
+    sharding: Option<Sharding>,
+    device: &Device,
+) -> anyhow::Result<LlamaForCausalLM> {
+    let full = config.model.trainable == Trainable::All;
+    let opts = BuildOptions {
+        lora: (!full).then_some(spec),
+        trainable: full,
+        precision: Some(config.precision_spec()),
+        sharding,
+    };
+    match &config.model.path {
+        Some(path) => {
+            let ckpt = HfCheckpoint::open(path).with_context(|| format!("model.path = {}", path.display()))?;
+            if let Some(preset) = &config.model.preset {
+                let want = LlamaConfig::preset(preset)?;
+                let got = &ckpt.config;
+                anyhow::ensure!(
+                    (got.hidden_size, got.num_hidden_layers, got.num_attention_heads, got.num_key_value_heads)
+                        == (
+                            want.hidden_size,
+                            want.num_hidden_layers,
+                            want.num_attention_heads,
+                            want.num_key_value_heads
+                        ),
+                    "model.path {} is not a {preset} checkpoint (d {}, {} layers, {} heads, {} KV heads)",
+                    path.display(),
+                    got.hidden_size,
+                    got.num_hidden_layers,
+                    got.num_attention_heads,
+                    got.num_key_value_heads
+                );
+            }
+            ckpt.load_model(&opts, device)
+        }
+        None => {
+            let preset = config.model.preset.as_deref().expect("validated: path or preset");
+            LlamaForCausalLM::random(&LlamaConfig::preset(preset)?, &opts, device)
+        }
+    }
+}
+
+/// Forward + backward passes on random tokens of the run's shape, then the gradients are
+/// dropped: the adapters, the optimizer and the data order are untouched.
+fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) -> anyhow::Result<()> {
+    let (b, s) = (config.train.micro_batch_size, config.data.max_seq_len);
+    for _ in 0..config.train.warmup_batches {
+        let ids = Tensor::<2, Int>::random(
+            [b, s],
+            burn::tensor::Distribution::Uniform(0.0, model.config.vocab_size as f64),
+            device,
+        );
+        let labels = ids.clone();
+        // The step's own path (block-wise when recomputing or sharded), so the warm-up
+        // allocates what the steps will.
+        drop(model.recomputed_backward(ids, labels, None, 1.0, config.train.recompute_layers, || ())?);
+    }
+    Ok(())
+}

@@ -1,0 +1,370 @@
+//! The training loop: [`Trainer`] owns everything it touches; [`Trainer::train`] steps, maybe
+//! evaluates, maybe checkpoints, until the target or `max_steps`, then finishes (outputs,
+//! `run_stop`, plot, the compliance check). Its set-up is `setup.rs`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use burn::module::Module;
+use burn::tensor::Device;
+use llora_data::Sample;
+use llora_data::batch::StepBatch;
+use llora_data::prefetch::Prefetched;
+use llora_model::checkpoint::save_hf_checkpoint;
+use llora_model::peft::save_peft_adapter;
+use llora_model::{LlamaForCausalLM, LoraSpec};
+use tracing::{debug_span, info};
+
+use crate::config::{Averaging, Config, Trainable};
+use crate::dist::{Dist, ReduceOp};
+use crate::engine::events::RunStatus;
+use crate::engine::events::{RunEvent, StepReport};
+use crate::engine::mllog::now_ms;
+use crate::engine::observe::StopSignal;
+use crate::engine::optim::lr_at;
+use crate::engine::outcome::{Interrupted, Outcome};
+use crate::engine::records::Records;
+use crate::engine::resume::{self, TrainState};
+use crate::engine::run_dir;
+use crate::engine::step::{
+    EvalBatching, MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload,
+};
+
+/// Everything the training loop touches.
+pub struct Trainer<'a> {
+    pub(super) config: &'a Config,
+    pub(super) name: String,
+    pub(super) dist: &'a Dist,
+    /// The device without autodiff (evaluation).
+    pub(super) device: Device,
+    /// The same device with autodiff (training).
+    pub(super) train_device: Device,
+    pub(super) model: LlamaForCausalLM,
+    pub(super) state: TrainState,
+    pub(super) spec: LoraSpec,
+    pub(super) base_name: String,
+    pub(super) config_toml: String,
+    pub(super) resumed: bool,
+    pub(super) eval_set: Arc<Vec<Sample>>,
+    pub(super) batches: Prefetched<StepBatch>,
+    /// The run's records, each an observer of its events.
+    pub(super) records: Records,
+    pub(super) result_log: PathBuf,
+    pub(super) stop: StopSignal,
+    /// Tokens and wall time since this process started training (for tokens/s).
+    pub(super) tokens_here: usize,
+    pub(super) t_train: Instant,
+    /// Dense bf16 peak TFLOP/s of one device, for MFU: `logging.peak_tflops`, else the known
+    /// peak of the GPU's name (`flops::gpu_peak_tflops`); `None`: MFU is not reported.
+    pub(super) peak_tflops: Option<f64>,
+    /// The run directory; what `--overwrite` replaced is deleted once this run saved something.
+    pub(super) claim: run_dir::Claim,
+}
+
+impl Trainer<'_> {
+    /// The loop (see [`Self::steps`]); whatever fails in it ends the result log with an
+    /// aborted `run_stop`, except an interruption, which a resumed run continues.
+    pub fn train(&mut self) -> anyhow::Result<Outcome> {
+        let outcome = self.steps();
+        if let Err(e) = &outcome {
+            let event = match e.is::<Interrupted>() {
+                true => RunEvent::Interrupted,
+                false => RunEvent::Stop {
+                    samples: self.state.progress.samples,
+                    status: RunStatus::Aborted,
+                    time_ms: now_ms(),
+                },
+            };
+            self.records.emit(event);
+        }
+        outcome
+    }
+
+    /// Step, maybe evaluate, maybe checkpoint, until the target or `max_steps`.
+    fn steps(&mut self) -> anyhow::Result<Outcome> {
+        let status = loop {
+            if self.state.progress.step >= self.config.schedule.max_steps {
+                break RunStatus::Aborted;
+            }
+            let stop = self.step()?;
+            kill_point(self.state.progress.step);
+            if self.eval_due() && self.evaluate()? {
+                break RunStatus::Success;
+            }
+            if stop || self.checkpoint_due() {
+                let dir = self.checkpoint()?;
+                if stop {
+                    let (step, run_dir) = (self.state.progress.step, self.config.run.dir.clone());
+                    return Err(Interrupted { step, checkpoint: dir, run_dir }.into());
+                }
+            }
+        };
+        self.finish(status)
+    }
+}
+
+/// Fault injection for the resume tests: with `LLORA_FAULT_KILL_AT_STEP=N` the process
+/// SIGKILLs itself once step N has run (its metrics written, its checkpoint not), as a lost
+/// node dies: a kill point chosen by step, so a failing test replays exactly.
+fn kill_point(step: usize) {
+    static AT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let at = *AT.get_or_init(|| std::env::var("LLORA_FAULT_KILL_AT_STEP").ok()?.parse().ok());
+    if at == Some(step) {
+        // SAFETY: getpid and kill have no preconditions; SIGKILL ends the process here.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+impl<'a> Trainer<'a> {
+    /// One optimizer step on the next global batch; returns whether the ranks agreed to stop
+    /// (SIGINT/SIGTERM on any of them). A failed step ends the result log as aborted.
+    fn step(&mut self) -> anyhow::Result<bool> {
+        let (config, comm) = (self.config, self.dist.comm.as_ref());
+        let step = self.state.progress.step;
+        let lr = lr_at(step, config.optim.lr, &config.schedule);
+        let batch = {
+            let _span = debug_span!("data", step = step + 1).entered();
+            self.batches.next().expect("the training stream is endless")
+        };
+        let full = config.model.trainable == Trainable::All;
+        let batch_tokens: usize = batch.lengths.iter().sum();
+        let adapters = crate::flops::Adapters::of(&self.model);
+        let flops: f64 = batch
+            .lengths
+            .iter()
+            .map(|&n| crate::flops::Flops::sequence(&self.model.config, adapters, n, full).total() as f64)
+            .sum();
+        let micro: Vec<MicroBatch> = batch
+            .micro_batches
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let seed = Some(dropout_seed(config.run.seed, step, batch.first_micro + i));
+                MicroBatch { seed, ..upload(m, &self.train_device) }
+            })
+            .collect();
+        let t_step = Instant::now();
+        let opts = StepOptions {
+            lr,
+            clip_grad_norm: config.optim.clip_grad_norm,
+            recompute_layers: config.train.recompute_layers,
+            sync_phases: false,
+        };
+        let stats = train_step(&mut self.model, &mut self.state.optim, comm, micro, batch.target_tokens, opts)
+            .and_then(|s| {
+                // Ranks stop together, after the same step, or their collectives would not match.
+                let mut stop = [f64::from(u8::from(self.stop.raised()))];
+                comm.all_reduce_f64(&mut stop, ReduceOp::Max)?;
+                Ok((s, stop[0] > 0.0))
+            });
+        let (s, stop): (StepStats, bool) = stats.with_context(|| format!("step {}", step + 1))?;
+        if !s.loss.is_finite() || !s.grad_norm.is_finite() {
+            anyhow::bail!(
+                "step {}: the loss is {} and the gradient norm {}: training cannot go on from non-finite values \
+                 (a non-finite base weight, an lr too high for this run, or fp8 scales out of range); \
+                 the last checkpoint is still in {}",
+                step + 1,
+                s.loss,
+                s.grad_norm,
+                config.run.dir.display()
+            );
+        }
+        let step_s = t_step.elapsed().as_secs_f64();
+        let p = &mut self.state.progress;
+        p.step = step + 1;
+        p.samples += config.train.global_batch_size;
+        p.tokens_seen += batch_tokens;
+        p.position = batch.position_after;
+        self.tokens_here += batch_tokens;
+        let tok_s = self.tokens_here as f64 / self.t_train.elapsed().as_secs_f64();
+        // Model FLOPs of the whole global batch over the step's wall time, per rank.
+        let tflops = flops / step_s / 1e12 / self.dist.world.size as f64;
+        let report = StepReport {
+            step: p.step,
+            samples: p.samples,
+            loss: s.loss,
+            lr,
+            grad_norm: s.grad_norm,
+            tokens_per_s: tok_s,
+            step_s,
+            tflops,
+            mfu: self.peak_tflops.map(|peak| tflops / peak),
+            target_tokens: batch.target_tokens,
+            documents: config.data.packing.then_some(batch.lengths.len()),
+        };
+        self.records.emit(RunEvent::Step(&report));
+        Ok(stop)
+    }
+
+    /// Whether this step ends an evaluation interval that counts (MLPerf skips the first few).
+    fn eval_due(&mut self) -> bool {
+        // `interval` is a whole number of global batches (Config::eval_interval_samples).
+        if !self.state.progress.samples.is_multiple_of(self.config.eval_interval_samples()) {
+            return false;
+        }
+        self.state.progress.evals_done += 1;
+        self.state.progress.evals_done > self.config.eval_skip_first()
+    }
+
+    /// Evaluates on the whole eval set (sharded across ranks) and logs it; true at the target.
+    fn evaluate(&mut self) -> anyhow::Result<bool> {
+        let (config, samples) = (self.config, self.state.progress.samples);
+        self.records.emit(RunEvent::EvalStart { samples });
+        let loss = {
+            let _span = debug_span!("eval", samples).entered();
+            let how = EvalBatching {
+                batch_size: config.eval.batch_size,
+                workers: config.data.eval_workers,
+                padding: config.data.padding.padding(config.data.max_seq_len),
+                packing: config.data.packing(),
+            };
+            evaluate(
+                &self.model.valid(),
+                &self.eval_set,
+                how,
+                &self.device,
+                self.dist.comm.as_ref(),
+                self.dist.data_share(),
+            )?
+        };
+        let eval_loss = match config.eval.averaging {
+            Averaging::PerToken => loss.per_token,
+            Averaging::PerSample => loss.per_sample,
+        };
+        let (step, target) = (self.state.progress.step, config.eval.target_loss);
+        self.records.emit(RunEvent::Eval { step, samples, eval_loss, target });
+        self.state.progress.last_eval = Some(eval_loss);
+        let reached = eval_loss <= target;
+        if !reached {
+            self.records.emit(RunEvent::Block { samples });
+        }
+        Ok(reached)
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        let every = self.config.run.checkpoint_every;
+        every > 0 && self.state.progress.step.is_multiple_of(every)
+    }
+
+    /// Rank 0 writes a resumable checkpoint; every rank waits for it, so none runs ahead of (or
+    /// exits before) a checkpoint the job may resume from.
+    fn checkpoint(&mut self) -> anyhow::Result<PathBuf> {
+        self.verify_replicas()?;
+        let mut dir = crate::engine::checkpoints::root(&self.config.run.dir);
+        if self.dist.is_main() {
+            let adapter =
+                (self.config.model.trainable == Trainable::Lora).then_some((&self.spec, self.base_name.as_str()));
+            let keep = self.config.run.keep_checkpoints;
+            dir = resume::save(&self.config.run.dir, keep, &self.config_toml, &self.state, &mut self.model, adapter)?;
+            self.claim.settle();
+            self.records.emit(RunEvent::Checkpoint { step: self.state.progress.step, dir: &dir });
+        }
+        self.dist.comm.barrier()?;
+        Ok(dir)
+    }
+
+    /// Checks that every rank holds the same trainable parameters (their f64 sums and sums of
+    /// squares agree exactly): a replica that drifted (a nondeterministic kernel, a rank fed
+    /// other data) would otherwise train on silently.
+    fn verify_replicas(&mut self) -> anyhow::Result<()> {
+        let comm = self.dist.comm.as_ref();
+        if comm.world_size() == 1 {
+            return Ok(());
+        }
+        let (mut sum, mut sq) = (0f64, 0f64);
+        for (_, p) in self.model.trainable_params_mut() {
+            let v = p.flat().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+            for x in v {
+                sum += f64::from(x);
+                sq += f64::from(x) * f64::from(x);
+            }
+        }
+        let all = comm.all_gather_f64(&[sum, sq])?;
+        let differ: Vec<usize> = (1..comm.world_size()).filter(|r| all[2 * r..2 * r + 2] != all[..2]).collect();
+        anyhow::ensure!(
+            differ.is_empty(),
+            "after step {}: the trainable parameters of ranks {differ:?} differ from rank 0's (checksums {all:?})",
+            self.state.progress.step
+        );
+        Ok(())
+    }
+
+    /// The run's final weights (rank 0): the adapters in PEFT format, or the full HF checkpoint,
+    /// written beside their place and renamed into it whole.
+    fn save_outputs(&mut self) -> anyhow::Result<std::path::PathBuf> {
+        let run_dir = &self.config.run.dir;
+        Ok(match self.config.model.trainable {
+            Trainable::All => {
+                let dir = run_dir.join(run_dir::FULL_CHECKPOINT);
+                let model = &mut self.model;
+                crate::paths::write_dir_atomic(&dir, |tmp| save_hf_checkpoint(model, tmp))?;
+                dir
+            }
+            Trainable::Lora => {
+                let dir = run_dir.join(run_dir::ADAPTER);
+                let (model, spec, base) = (&self.model, &self.spec, &self.base_name);
+                crate::paths::write_dir_atomic(&dir, |tmp| save_peft_adapter(model, spec, tmp, base))?;
+                dir
+            }
+        })
+    }
+
+    /// Rank 0 saves the adapters (or the full checkpoint), each swapped in whole, then logs
+    /// `run_stop` stamped with the training's end (a run whose log has a `run_stop` always has
+    /// its adapters: a kill while saving leaves an interrupted run that `--resume` completes),
+    /// then draws the loss plot.
+    fn finish(&mut self, status: RunStatus) -> anyhow::Result<Outcome> {
+        self.verify_replicas()?;
+        let run_stop = now_ms();
+        let samples = self.state.progress.samples;
+        let saved = if self.dist.is_main() { Some(self.save_outputs()?) } else { None };
+        self.records.emit(RunEvent::Stop { samples, status, time_ms: run_stop });
+        let ttt = run_stop.saturating_sub(self.state.progress.run_start_ms) as f64 / 1000.0;
+        let last_eval = self.state.progress.last_eval;
+        let outcome = Outcome {
+            status,
+            samples,
+            eval_loss: last_eval,
+            time_to_train_s: ttt,
+            result_log: self.result_log.clone(),
+        };
+        let Some(saved) = saved else { return Ok(outcome) };
+        let run_dir = &self.config.run.dir;
+        self.claim.settle();
+        let plot = run_dir.join(run_dir::PLOT);
+        let curve = crate::plot::Curve {
+            label: self.name.clone(),
+            train: self.records.metrics.train.clone(),
+            eval: self.records.metrics.eval.clone(),
+        };
+        if let Err(e) = crate::plot::loss_svg(&plot, &[curve], self.config.eval.target_loss) {
+            tracing::warn!("cannot draw {}: {e:#}", plot.display());
+        }
+        info!(status = status.name(), samples, time_to_train_s = format!("{ttt:.1}"), result_log = %self.result_log.display(),
+            saved = %saved.display(), plot = %plot.display(), "run finished");
+        crate::outln!(
+            "status: {}  samples: {samples}  eval_loss: {}  time_to_train: {:.1} s ({:.2} min){}  run.dir: {}",
+            status.name(),
+            last_eval.map_or("n/a".into(), |l| format!("{l:.4}")),
+            ttt,
+            ttt / 60.0,
+            if self.resumed { " (resumed: includes the interruption)" } else { "" },
+            run_dir.display()
+        );
+        if self.config.mlperf.check {
+            let verdict = crate::compliance::check(&self.result_log, crate::compliance::DEFAULT_RULESET)?;
+            anyhow::ensure!(
+                verdict.passed,
+                "{}: the MLPerf compliance checker rejected the result log:\n{}",
+                self.result_log.display(),
+                verdict.output
+            );
+            info!(result_log = %self.result_log.display(), "the MLPerf compliance checker accepts the result log");
+        }
+        Ok(outcome)
+    }
+}
