@@ -55,7 +55,7 @@ shapes=(${SHARD_SHAPES:-small:512:fp32 llama2-70b-1layer:512:fp8})
       | python3 -c "import json,sys; d=json.load(sys.stdin); d['sharded']=bool('$shard'); print(json.dumps(d))" >>"$out"
   done
 done
-plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 tiny:1024:bf16:0:1 small:1024:bf16:0:1 small:2048:fp32:0:1 small:2048:bf16:0:1 \
+plan_shapes=(${PLAN_SHAPES:-tiny:1024:fp32:0:1 tiny:1024:bf16:0:1 tiny:4096:bf16:0:1 tiny:4096:fp8:0:1 small:1024:bf16:0:1 small:2048:fp32:0:1 small:2048:bf16:0:1 \
   small:4096:fp32:8:1 small:4096:bf16:8:1 small:4096:fp8:4:1 small:1024:fp32:0:2s llama2-70b-1layer:2048:fp32:0:1 \
   llama2-70b-1layer:2048:bf16:0:1 llama2-70b-1layer:1024:fp8:0:1 llama2-70b-1layer:1024:fp8:0:1:purge})
 [[ $sections == *plan* ]] && for shape in "${plan_shapes[@]}"; do
