@@ -162,26 +162,69 @@ pub fn signal_after_two_steps(args: &[String], run_dir: &Path, signal: &str) -> 
 }
 
 /// [`signal_after_two_steps`] with the signal sent `times` times in a row (as `timeout` and
-/// launchers do: the child, then its group).
+/// launchers do: the child, then its group), each after llora acknowledged the one before:
+/// two signals sent back to back may reach the process as one (a pending signal is not
+/// queued twice), which would test the kernel's timing, not llora.
 pub fn signals_after_two_steps(args: &[String], run_dir: &Path, signal: &str, times: usize) -> Output {
-    signals_after_steps(args, run_dir, signal, &vec![std::time::Duration::ZERO; times.saturating_sub(1)])
+    signals(args, run_dir, signal, &vec![std::time::Duration::ZERO; times.saturating_sub(1)], true)
 }
 
 /// Starts `llora ARGS`, sends `signal` once its metrics show two steps and again after each
 /// of `gaps` (so that a later one lands in the step, the checkpoint write or the exit), and
 /// returns how it ended.
 pub fn signals_after_steps(args: &[String], run_dir: &Path, signal: &str, gaps: &[std::time::Duration]) -> Output {
-    let child = llora_command(&root(), &strs(args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    signals(args, run_dir, signal, gaps, false)
+}
+
+/// The lines llora writes to stderr when a signal reaches it (`llora: SIGTERM: stopping ...`,
+/// `llora: signal again ...`, `llora: signal a third time ...`).
+fn acknowledged(stderr: &[u8]) -> usize {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .filter(|l| l.starts_with("llora: SIG") || l.starts_with("llora: signal"))
+        .count()
+}
+
+fn signals(args: &[String], run_dir: &Path, signal: &str, gaps: &[std::time::Duration], acks: bool) -> Output {
+    use std::io::Read;
+    let mut child = llora_command(&root(), &strs(args)).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    // stderr read as it comes, so that each signal can wait for the one before to be seen.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut pipe = child.stderr.take().unwrap();
+    let reader = {
+        let seen = seen.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                seen.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        })
+    };
     let started = std::time::Instant::now();
     while !std::fs::read_to_string(run_dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2) {
         assert!(started.elapsed().as_secs() < 300, "no step after 5 minutes");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let pid = child.id().to_string();
-    for gap in std::iter::once(&std::time::Duration::ZERO).chain(gaps) {
+    for (sent, gap) in std::iter::once(&std::time::Duration::ZERO).chain(gaps).enumerate() {
         std::thread::sleep(*gap);
+        let waited = std::time::Instant::now();
+        while acks && acknowledged(&seen.lock().unwrap()) < sent && child.try_wait().unwrap().is_none() {
+            assert!(waited.elapsed().as_secs() < 60, "llora did not acknowledge signal {sent} within 60 s");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         // The process may be gone by a later signal: that is one way for it to end.
         let _ = Command::new("kill").args([&format!("-{signal}"), &pid]).stderr(std::process::Stdio::null()).status();
     }
-    child.wait_with_output().unwrap()
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    let stderr = std::mem::take(&mut *seen.lock().unwrap());
+    let mut stdout = Vec::new();
+    if let Some(mut out) = child.stdout.take() {
+        let _ = out.read_to_end(&mut stdout);
+    }
+    Output { status, stdout, stderr }
 }
