@@ -4,9 +4,9 @@
 # to `cargo test`.
 #
 #   ./scripts/test.sh            # everything (what CI runs)
-#   ./scripts/test.sh --quick    # the unit tier: each crate's own tests and the house rules
-#                                #   (tests/house.rs), no end-to-end runs (well under 3 minutes
-#                                #   on 2 cores once built)
+#   ./scripts/test.sh --quick    # the unit tier: each crate's own tests, model/tests and the
+#                                #   house rules (tests/house.rs), no end-to-end runs (the
+#                                #   README's test map has every file, its needs and its time)
 #
 # Tests run in the release profile: the tiny-model training tests are ~10x slower unoptimised,
 # and the demo uses the same profile, so one build of the dependencies serves both.
@@ -29,7 +29,7 @@ fi
 cargo fmt --all --check || { echo "test.sh: run 'cargo fmt --all' (the tree is not formatted)" >&2; exit 1; }
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 if ((QUICK)); then
-  cargo test --release --workspace --lib --test house "$@"
+  cargo test --release --workspace --lib --test house --test checkpoint_errors "$@"
 else
   cargo test --release --workspace "$@"
 fi

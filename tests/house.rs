@@ -225,6 +225,25 @@ fn the_model_crate_exposes_at_most_15_modules() {
     assert!(public.len() <= 15, "{} public modules: {public:?}", public.len());
 }
 
+/// The README's test map names every test file (`tests/*.rs`, each crate's `tests/*.rs`), so
+/// that what a file checks, needs and costs is written somewhere.
+#[test]
+fn the_readme_maps_every_test_file() {
+    let root = common_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut missing = Vec::new();
+    for dir in ["tests", "model/tests", "data/tests", "trainer/tests"] {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+        for path in entries.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "rs")) {
+            let name = format!("{dir}/{}", path.file_name().unwrap().to_string_lossy());
+            if !readme.contains(&format!("| `{name}` |")) {
+                missing.push(name);
+            }
+        }
+    }
+    assert!(missing.is_empty(), "not in the README's test map: {missing:?}");
+}
+
 /// No code comment names an issue, in any crate, test or script.
 #[test]
 fn no_issue_tags_in_code_comments() {
