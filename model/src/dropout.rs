@@ -35,7 +35,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, LibTorch, backend_extension};
 use burn::tensor::{Device, Distribution, Tensor};
 use std::cell::Cell;
 
-use crate::context::ContextSplit;
+use crate::context_parallel::ContextSplit;
 
 thread_local! {
     /// The split of the sequence the current block runs on (see [`over_split`]).

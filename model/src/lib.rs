@@ -3,7 +3,7 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
-pub mod context;
+pub mod context_parallel;
 pub mod device;
 pub mod diagnostics;
 pub(crate) mod dropout;

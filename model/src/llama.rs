@@ -39,7 +39,7 @@ pub struct Positions {
     pub varlen: Option<Arc<VarlenSpans>>,
     /// Under context parallelism: this rank's share of the sequence (cos and sin are then at
     /// its tokens' global positions) and the attention over the group.
-    pub context: Option<Arc<crate::attention::context::ContextAttention>>,
+    pub context: Option<Arc<crate::attention::gathered_kv::ContextAttention>>,
 }
 
 impl Positions {
@@ -496,7 +496,7 @@ pub struct LlamaForCausalLM {
     /// The context-parallel group this rank shares each sequence with; `None`: every rank
     /// runs whole sequences.
     #[module(skip)]
-    pub context: Option<crate::context::ContextParallel>,
+    pub context: Option<crate::context_parallel::ContextParallel>,
 }
 
 impl LlamaForCausalLM {
@@ -578,7 +578,7 @@ impl LlamaForCausalLM {
         &self,
         [b, s]: [usize; 2],
         packed: Option<&Arc<PackedRows>>,
-        cp: &crate::context::ContextParallel,
+        cp: &crate::context_parallel::ContextParallel,
         device: &Device,
     ) -> anyhow::Result<Positions> {
         let split = cp.split(s);
@@ -607,7 +607,8 @@ impl LlamaForCausalLM {
         let (cos, sin) = self.rope(split.padded, device);
         let index = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(index, [rows * n]), device);
         let gather = |t: Tensor<4>| t.reshape([split.padded, hd]).select(0, index.clone()).reshape([rows, 1, n, hd]);
-        let context = crate::attention::context::ContextAttention { split, group: cp.group.clone(), packed: padded };
+        let context =
+            crate::attention::gathered_kv::ContextAttention { split, group: cp.group.clone(), packed: padded };
         Ok(Positions {
             cos: gather(cos),
             sin: gather(sin),
@@ -763,7 +764,7 @@ impl LlamaForCausalLM {
     }
 
     /// Every linear layer's reduced-precision state, base before adapter, in module order.
-    fn quant_states(&self) -> Vec<&crate::precision::LinearQuant> {
+    fn quant_states(&self) -> Vec<&crate::precision::LinearPrecision> {
         let mut out = Vec::new();
         for (_, linear) in self.named_linears() {
             if let Some(q) = &linear.quant {
@@ -777,7 +778,7 @@ impl LlamaForCausalLM {
     }
 
     /// Reads back, in one host-device transfer, the amaxes the step's FP8 GEMMs left on the
-    /// device, and records them in their scaling states (`LinearQuant::record_amax`).
+    /// device, and records them in their scaling states (`LinearPrecision::record_amax`).
     pub fn settle_fp8_amaxes(&self) {
         let quants = self.quant_states();
         let (mut owners, mut parts) = (Vec::new(), Vec::new());

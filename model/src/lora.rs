@@ -29,7 +29,8 @@ use crate::config::LlamaConfig;
 use crate::fp8::{SharedCodes, WriteCodes};
 use crate::layout::{BlockLinear, LinearInput};
 use crate::precision::{
-    FrozenWeight, LinearQuant, PrecisionSpec, StoredWeight, frozen_linear, quant_linear, quant_linear_reading,
+    FrozenWeight, LinearPrecision, PrecisionSpec, StoredWeight, frozen_linear, precision_linear,
+    precision_linear_reading,
 };
 use crate::saved::Saved;
 
@@ -43,7 +44,7 @@ pub struct LoraLinear {
     /// Precision and scaling state of the layer's GEMMs (`None`: plain f32 through Burn's
     /// linear, on backends other than LibTorch).
     #[module(skip)]
-    pub quant: Option<Arc<LinearQuant>>,
+    pub quant: Option<Arc<LinearPrecision>>,
 }
 
 /// A linear layer's base weight, in the one place it lives.
@@ -106,7 +107,7 @@ pub struct LoraAdapter {
     pub dropout: f64,
     /// Reduced-precision states of the A and B GEMMs (`None`: f32).
     #[module(skip)]
-    pub quant: Option<[Arc<LinearQuant>; 2]>,
+    pub quant: Option<[Arc<LinearPrecision>; 2]>,
 }
 
 pub use crate::lora_spec::{LoraSpec, TARGET_MODULES};
@@ -192,7 +193,7 @@ impl LoraAdapter {
     /// - output: `[batch, seq, out]`
     pub fn update(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
         let up = match &self.quant {
-            Some([qa, qb]) => quant_linear(quant_linear(x, self.a.val(), qa, train), self.b.val(), qb, train),
+            Some([qa, qb]) => precision_linear(precision_linear(x, self.a.val(), qa, train), self.b.val(), qb, train),
             None => linear_t(linear_t(x, self.a.val()), self.b.val()),
         };
         up.mul_scalar(self.scale)
@@ -215,7 +216,11 @@ impl LoraLinear {
 
     /// A frozen layer whose weight is already stored in reduced precision or sharded.
     pub fn from_stored(stored: FrozenWeight, spec: &PrecisionSpec) -> Self {
-        Self { weight: BaseWeight::Stored(Ignored(stored)), lora: None, quant: Some(Arc::new(LinearQuant::new(*spec))) }
+        Self {
+            weight: BaseWeight::Stored(Ignored(stored)),
+            lora: None,
+            quant: Some(Arc::new(LinearPrecision::new(*spec))),
+        }
     }
 
     /// Attaches an adapter.
@@ -250,7 +255,7 @@ impl LoraLinear {
     }
 
     /// Switches the layer (and its adapter) to `spec`, through the LibTorch op of
-    /// [`quant_linear`] (f32 included: one code path for every precision on LibTorch): frozen
+    /// [`precision_linear`] (f32 included: one code path for every precision on LibTorch): frozen
     /// base weights are stored in bf16 or FP8 when `spec` asks, dropping the f32 parameter. On
     /// other devices only plain f32 is possible, and the layer stays on Burn's linear.
     pub fn set_precision(&mut self, spec: &PrecisionSpec, device: &Device) {
@@ -271,10 +276,10 @@ impl LoraLinear {
                 self.weight = BaseWeight::Stored(Ignored(FrozenWeight::Whole(stored)));
             }
         }
-        self.quant = Some(Arc::new(LinearQuant::new(*spec)));
+        self.quant = Some(Arc::new(LinearPrecision::new(*spec)));
         if let Some(a) = &mut self.lora {
             let adapters = spec.for_adapters();
-            a.quant = Some([Arc::new(LinearQuant::new(adapters)), Arc::new(LinearQuant::new(adapters))]);
+            a.quant = Some([Arc::new(LinearPrecision::new(adapters)), Arc::new(LinearPrecision::new(adapters))]);
         }
     }
 
@@ -300,7 +305,7 @@ impl LoraLinear {
     /// - output: `[batch, seq, out]`
     fn base(&self, x: Tensor<3>, train: bool, shared: Option<&SharedCodes>) -> Tensor<3> {
         match (&self.weight, &self.quant) {
-            (BaseWeight::Param(w), Some(q)) => quant_linear_reading(x, w.val(), q, train, shared),
+            (BaseWeight::Param(w), Some(q)) => precision_linear_reading(x, w.val(), q, train, shared),
             (BaseWeight::Param(w), None) => linear_t(x, w.val()),
             (BaseWeight::Stored(w), Some(q)) => frozen_linear(x, &w.0, q, train, shared),
             (BaseWeight::Stored(_), None) => unreachable!("a stored weight is built with its precision state"),

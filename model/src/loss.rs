@@ -104,7 +104,7 @@ pub fn target_rows_loss(
     lm_head: Tensor<2>,
     labels: impl Into<Labels>,
     packed: Option<&PackedRows>,
-    split: Option<&crate::context::ContextSplit>,
+    split: Option<&crate::context_parallel::ContextSplit>,
 ) -> LossSums {
     let [b, local, d] = hidden.dims();
     let v = lm_head.dims()[0];

@@ -19,9 +19,9 @@
 //! bind through `sdpa_shim.cpp` (built by `model/build.rs`).
 
 mod choice;
-pub mod context;
 mod cuda;
 mod fused;
+pub mod gathered_kv;
 mod varlen;
 
 pub use fused::{FusedKernel, verify};
@@ -204,12 +204,17 @@ pub fn packed_causal_attention(
 }
 
 /// Causal attention of this rank's share of a context-parallel sequence (`cp`) over the whole
-/// sequence, keys and values gathered from the group ([`context`]).
+/// sequence, keys and values gathered from the group ([`gathered_kv`]).
 ///
 /// # Shapes
 /// - q: `[batch, heads, local, head_dim]`; k, v: `[batch, kv_heads, local, head_dim]`
 /// - output: as q
-pub fn context_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, cp: Arc<context::ContextAttention>) -> Tensor<4> {
+pub fn context_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    cp: Arc<gathered_kv::ContextAttention>,
+) -> Tensor<4> {
     Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::context_attention(
         q.into_dispatch(),
         k.into_dispatch(),
@@ -260,12 +265,12 @@ pub trait FusedAttentionBackend: Backend {
     ) -> FloatTensor<Self>;
 
     /// Causal attention of this rank's share of a context-parallel sequence over the whole of
-    /// it ([`context`]).
+    /// it ([`gathered_kv`]).
     fn context_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        cp: Arc<context::ContextAttention>,
+        cp: Arc<gathered_kv::ContextAttention>,
     ) -> FloatTensor<Self>;
 }
 
@@ -278,8 +283,13 @@ impl FusedAttentionBackend for LibTorch {
         varlen::forward(&q.tensor, &k.tensor, &v.tensor, &spans, true).expect("packed attention forward").out
     }
 
-    fn context_attention(q: TchTensor, k: TchTensor, v: TchTensor, cp: Arc<context::ContextAttention>) -> TchTensor {
-        context::forward(&q.tensor, &k.tensor, &v.tensor, &cp).expect("context-parallel attention forward").out
+    fn context_attention(
+        q: TchTensor,
+        k: TchTensor,
+        v: TchTensor,
+        cp: Arc<gathered_kv::ContextAttention>,
+    ) -> TchTensor {
+        gathered_kv::forward(&q.tensor, &k.tensor, &v.tensor, &cp).expect("context-parallel attention forward").out
     }
 }
 
@@ -294,8 +304,8 @@ struct ContextState {
     q: TchTensor,
     k: TchTensor,
     v: TchTensor,
-    saved: context::ContextSaved,
-    cp: Arc<context::ContextAttention>,
+    saved: gathered_kv::ContextSaved,
+    cp: Arc<gathered_kv::ContextAttention>,
 }
 
 impl Backward<LibTorch, 3> for ContextAttentionBackward {
@@ -305,8 +315,9 @@ impl Backward<LibTorch, 3> for ContextAttentionBackward {
         let [node_q, node_k, node_v] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
         let st = ops.state;
-        let (dq, dk, dv) = context::backward(&grad.tensor, &st.q.tensor, &st.k.tensor, &st.v.tensor, &st.saved, &st.cp)
-            .expect("context-parallel attention backward");
+        let (dq, dk, dv) =
+            gathered_kv::backward(&grad.tensor, &st.q.tensor, &st.k.tensor, &st.v.tensor, &st.saved, &st.cp)
+                .expect("context-parallel attention backward");
         for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
             if let Some(node) = node {
                 grads.register::<LibTorch>(node.id, TchTensor::new(g));
@@ -374,11 +385,12 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        cp: Arc<context::ContextAttention>,
+        cp: Arc<gathered_kv::ContextAttention>,
     ) -> FloatTensor<Self> {
         let nodes = [q.node(), k.node(), v.node()];
         let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
-        let saved = context::forward(&q.tensor, &k.tensor, &v.tensor, &cp).expect("context-parallel attention forward");
+        let saved =
+            gathered_kv::forward(&q.tensor, &k.tensor, &v.tensor, &cp).expect("context-parallel attention forward");
         match ContextAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 // One TchTensor shared by the state and the output (see `tracked`).

@@ -19,7 +19,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use crate::context::ContextGroup;
+use crate::context_parallel::ContextGroup;
 
 thread_local! {
     /// The group the amaxes of the current scope are reduced over.
@@ -47,14 +47,14 @@ pub fn active() -> bool {
 /// - amax: `[]`; output: `[]`
 pub fn reduced(amax: tch::Tensor) -> tch::Tensor {
     let Some(group) = GROUP.with(|g| g.borrow().clone()) else { return amax };
-    if crate::context::failed() {
+    if crate::context_parallel::failed() {
         return amax;
     }
     match group.all_gather(&amax.reshape([1])) {
         // torch's max propagates NaN: one rank's NaN amax is the group's.
         Ok(all) => all.max(),
         Err(e) => {
-            crate::context::record_failure(format!("FP8 amax reduction: {e:#}"));
+            crate::context_parallel::record_failure(format!("FP8 amax reduction: {e:#}"));
             amax
         }
     }

@@ -8,7 +8,7 @@
 
 use super::format::Fp8Format;
 use crate::kernels::KernelError;
-use crate::kernels::checks::host_bytes;
+use crate::kernels::args::host_bytes;
 use crate::kernels::fp8_quantize::{self, CurrentArgs, QuantizeArgs};
 
 /// Saturating quantisation on a LibTorch tensor: `clamp(x·scale, ±max)` cast to the 1-byte

@@ -143,7 +143,7 @@ pub fn check_current(a: &CurrentArgs<'_>) -> Result<&'static str, KernelError> {
     } else {
         "llora_fp8_quantize_current_f32"
     };
-    let e = super::checks::Expect { kernel, device: a.x.device(), shape: &[1] };
+    let e = super::args::Expect { kernel, device: a.x.device(), shape: &[1] };
     e.tensor("amax", a.amax, tch::Kind::Float, None)?;
     let inv = a.scale_inv;
     if inv.kind() != tch::Kind::Float || inv.numel() != 1 || inv.device() != a.x.device() {
@@ -213,7 +213,7 @@ pub fn quantize(a: &QuantizeArgs<'_>) -> Result<bool, KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::checks::host_bytes;
+    use crate::kernels::args::host_bytes;
     use tch::{Kind, Tensor};
 
     fn args<'a>(x: &'a Tensor, out: &'a Tensor) -> QuantizeArgs<'a> {

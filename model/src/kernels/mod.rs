@@ -14,7 +14,7 @@
 //! launch on CPU tensors launches nothing, and the route runs the kernel's CPU stand-in
 //! (`fp8::stand_ins`). No file here names a route.
 
-pub mod checks;
+pub mod args;
 pub mod fp8_quantize;
 pub mod launch;
 pub mod nvrtc;

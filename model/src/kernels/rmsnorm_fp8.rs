@@ -3,8 +3,8 @@
 //! argument checks run anywhere; launching needs CUDA tensors (the CUDA test:
 //! `a_launch_equals_the_libtorch_route`; status on GPUs: docs/gpu.md).
 
-pub use super::checks::DelayedCodes;
-use super::checks::{Expect, codes_params};
+pub use super::args::DelayedCodes;
+use super::args::{Expect, codes_params};
 use super::launch::{THREADS, address, arg, cuda_index, launch};
 use super::nvrtc::{KernelError, Source};
 
@@ -95,7 +95,7 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
 mod tests {
     use super::*;
     use crate::fp8::format::Fp8Format;
-    use crate::kernels::checks::{assert_refused, host_bytes};
+    use crate::kernels::args::{assert_refused, host_bytes};
     use tch::{Kind, Tensor};
 
     struct Problem {

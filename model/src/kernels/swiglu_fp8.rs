@@ -4,8 +4,8 @@
 //! test is `precision::swiglu_route`'s `launches_equal_the_libtorch_route`, against the
 //! LibTorch route; status on GPUs: docs/gpu.md).
 
-pub use super::checks::DelayedCodes;
-use super::checks::{Expect, codes_params};
+pub use super::args::DelayedCodes;
+use super::args::{Expect, codes_params};
 use super::launch::{THREADS, address, arg, cuda_index, grid_stride, launch};
 use super::nvrtc::{KernelError, Source};
 use crate::fp8::format::Fp8Format;
@@ -148,7 +148,7 @@ pub fn backward(a: &BackwardArgs<'_>) -> Result<bool, KernelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::checks::assert_refused;
+    use crate::kernels::args::assert_refused;
     use tch::{Kind, Tensor};
 
     /// Tensors for a `[rows, cols]` problem on `dev`.

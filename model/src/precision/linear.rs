@@ -18,7 +18,7 @@ use crate::shard::FrozenWeight;
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
 /// nodes of its uses (which record amaxes into it).
 #[derive(Debug)]
-pub struct LinearQuant {
+pub struct LinearPrecision {
     /// The precision it runs in.
     pub spec: PrecisionSpec,
     /// The delayed-scaling states.
@@ -71,7 +71,7 @@ impl SavedInput {
     }
 }
 
-impl LinearQuant {
+impl LinearPrecision {
     /// A fresh state.
     pub fn new(spec: PrecisionSpec) -> Self {
         Self { spec, scales: Mutex::new(LinearScales::new()), lazy: Mutex::new(Default::default()) }
@@ -394,7 +394,7 @@ pub(super) struct LinearForward {
 /// State of a quantised linear node.
 #[derive(Debug, Clone)]
 pub(super) struct LinearState {
-    pub(super) quant: Arc<LinearQuant>,
+    pub(super) quant: Arc<LinearPrecision>,
     /// The weight (a parameter shares the model's storage; no copy).
     pub(super) w: LinearWeight,
     /// The saved input and the scale it was quantised with (weight gradient only).

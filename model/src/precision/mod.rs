@@ -44,10 +44,10 @@ pub mod swiglu_route;
 pub(crate) mod weights;
 
 pub use crate::fp8::recipe::{LinearScales, Role};
-pub use linear::{LinearQuant, LinearWeight};
+pub use linear::{LinearPrecision, LinearWeight};
 pub use nodes::{
-    LowPrecisionBackend, frozen_linear, quant_linear, quant_linear_reading, stored_row_terms, swiglu, take_saved_bytes,
-    weight_row_terms,
+    PrecisionBackend, frozen_linear, precision_linear, precision_linear_reading, stored_row_terms, swiglu,
+    take_saved_bytes, weight_row_terms,
 };
 
 pub use crate::shard::FrozenWeight;
@@ -107,8 +107,9 @@ mod tests {
         for compute in [Compute::Fp32, Compute::Bf16] {
             let y = |fp8_activations: bool| {
                 let x = x0.clone().require_grad();
-                let q = Arc::new(LinearQuant::new(PrecisionSpec { compute, fp8_activations, ..Default::default() }));
-                let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &q, true).squeeze::<2>();
+                let q =
+                    Arc::new(LinearPrecision::new(PrecisionSpec { compute, fp8_activations, ..Default::default() }));
+                let y = precision_linear(x.clone().unsqueeze::<3>(), w.clone(), &q, true).squeeze::<2>();
                 let y = host(&y.cast(burn::tensor::DType::F32));
                 (y, host(&x))
             };
@@ -156,10 +157,10 @@ mod tests {
         let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
         let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
         for fp8_activations in [false, true] {
-            let quant = Arc::new(LinearQuant::new(fp8_spec(fp8_activations, false)));
+            let quant = Arc::new(LinearPrecision::new(fp8_spec(fp8_activations, false)));
             let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
             let _ = crate::fp8::gemm::take_gemm_counts();
-            let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
+            let y = precision_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
             let grads = (y.clone() * g0.clone()).sum().backward();
             let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
             // y and dx ran as FP8 GEMMs (on the CPU: `_scaled_mm` or its emulation, whichever
@@ -180,7 +181,7 @@ mod tests {
             assert!(diff > 1e-3 * amax(&exact), "FP8 output equals f32 ({diff:e})");
             // A trainable weight keeps its input: 1 byte + scale in FP8, else 4 bytes.
             let _ = take_saved_bytes();
-            let _y = quant_linear(x0.clone().unsqueeze::<3>(), w0.clone().require_grad(), &quant, true);
+            let _y = precision_linear(x0.clone().unsqueeze::<3>(), w0.clone().require_grad(), &quant, true);
             assert_eq!(take_saved_bytes(), if fp8_activations { n * k + 4 } else { n * k * 4 });
         }
     }
@@ -199,12 +200,12 @@ mod tests {
         let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
         let run = |on: bool| {
             let _switch = crate::routes::on_cpu_for_this_thread(on);
-            let quant = Arc::new(LinearQuant::new(fp8_spec(true, false)));
+            let quant = Arc::new(LinearPrecision::new(fp8_spec(true, false)));
             let _ = crate::fp8::take_quantiser_counts();
             let mut last = Vec::new();
             for _ in 0..3 {
                 let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
-                let y = quant_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
+                let y = precision_linear(x.clone().unsqueeze::<3>(), w.clone(), &quant, true).squeeze::<2>();
                 let grads = (y.clone() * g0.clone()).sum().backward();
                 last = [host(&y.inner()), host(&x.grad(&grads).unwrap()), host(&w.grad(&grads).unwrap())].concat();
                 quant.update();
@@ -236,7 +237,7 @@ mod tests {
         let ws: Vec<_> = (0..3).map(|_| Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device)).collect();
         let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device);
         let run = |share: bool| {
-            let quants: Vec<_> = (0..3).map(|_| Arc::new(LinearQuant::new(fp8_spec(true, false)))).collect();
+            let quants: Vec<_> = (0..3).map(|_| Arc::new(LinearPrecision::new(fp8_spec(true, false)))).collect();
             let mut out = Vec::new();
             let mut counts = Vec::new();
             for _ in 0..3 {
@@ -247,7 +248,7 @@ mod tests {
                     .iter()
                     .zip(&ws)
                     .map(|(q, w)| {
-                        quant_linear_reading(x.clone().unsqueeze::<3>(), w.clone(), q, true, codes.as_ref())
+                        precision_linear_reading(x.clone().unsqueeze::<3>(), w.clone(), q, true, codes.as_ref())
                             .squeeze::<2>()
                     })
                     .collect();
@@ -276,9 +277,9 @@ mod tests {
         // parameter) apart; x once shared.
         assert_eq!((&apart_counts[1..], &shared_counts[1..]), (&[6, 6][..], &[4, 4][..]));
         // Codes handed over at another scale are not taken: the layer quantises at its own.
-        let q = Arc::new(LinearQuant::new(fp8_spec(true, false)));
+        let q = Arc::new(LinearPrecision::new(fp8_spec(true, false)));
         let y = |x: Tensor<2>, codes: Option<&SharedCodes>| {
-            host(&quant_linear_reading(x.unsqueeze::<3>(), ws[0].clone(), &q, true, codes).squeeze::<2>().inner())
+            host(&precision_linear_reading(x.unsqueeze::<3>(), ws[0].clone(), &q, true, codes).squeeze::<2>().inner())
         };
         let _ = y(x0.clone(), None);
         q.update();
@@ -306,9 +307,9 @@ mod tests {
         let x0 = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.5), &device).cast(DType::BF16);
         let w0 = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 0.2), &device);
         let g0 = Tensor::<2>::random([n, m], Distribution::Normal(0.0, 1e-3), &device).cast(DType::BF16);
-        let quant = Arc::new(LinearQuant::new(fp8_spec(true, false)));
+        let quant = Arc::new(LinearPrecision::new(fp8_spec(true, false)));
         let x = x0.clone().require_grad();
-        let y = quant_linear(x.clone().unsqueeze::<3>(), w0.clone(), &quant, true).squeeze::<2>();
+        let y = precision_linear(x.clone().unsqueeze::<3>(), w0.clone(), &quant, true).squeeze::<2>();
         assert_eq!(y.dtype(), DType::BF16);
         let grads = (y.clone() * g0.clone()).sum().backward();
         let dx = x.grad(&grads).unwrap();
@@ -334,11 +335,11 @@ mod tests {
     #[test]
     fn the_next_step_uses_the_previous_amax() {
         let device = Device::libtorch().autodiff();
-        let quant = Arc::new(LinearQuant::new(fp8_spec(false, false)));
+        let quant = Arc::new(LinearPrecision::new(fp8_spec(false, false)));
         let w = Tensor::<2>::from_data(TensorData::new(vec![1.0f32], [1, 1]), &device);
         let run = |v: f32| {
             host(
-                &quant_linear(
+                &precision_linear(
                     Tensor::<3>::from_data(TensorData::new(vec![v, -v / 2.0], [1, 2, 1]), &device),
                     w.clone(),
                     &quant,

@@ -14,7 +14,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, LibTorch, back
 use burn::tensor::Tensor;
 use tch::Kind;
 
-use super::linear::{LinearQuant, LinearState, LinearWeight};
+use super::linear::{LinearPrecision, LinearState, LinearWeight};
 use super::spec::Storage;
 use crate::fp8::{Fp8Format, SharedCodes, WriteCodes, dequantize, quantize_current_on_device};
 use crate::shard::FrozenWeight;
@@ -36,23 +36,23 @@ pub fn take_saved_bytes() -> usize {
 /// - x: `[batch, seq, in]`
 /// - w: `[out, in]`, a parameter (trainable or not)
 /// - output: `[batch, seq, out]`
-pub fn quant_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearQuant>, train: bool) -> Tensor<3> {
-    quant_linear_reading(x, w, quant, train, None)
+pub fn precision_linear(x: Tensor<3>, w: Tensor<2>, quant: &Arc<LinearPrecision>, train: bool) -> Tensor<3> {
+    precision_linear_reading(x, w, quant, train, None)
 }
 
-/// [`quant_linear`] taking its input's FP8 codes from `shared` where another reader of `x`
+/// [`precision_linear`] taking its input's FP8 codes from `shared` where another reader of `x`
 /// made them (or its writer handed them over).
 ///
 /// # Shapes
-/// As [`quant_linear`].
-pub fn quant_linear_reading(
+/// As [`precision_linear`].
+pub fn precision_linear_reading(
     x: Tensor<3>,
     w: Tensor<2>,
-    quant: &Arc<LinearQuant>,
+    quant: &Arc<LinearPrecision>,
     train: bool,
     shared: Option<&SharedCodes>,
 ) -> Tensor<3> {
-    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::quant_linear(
+    Tensor::from_dispatch(<Dispatch as PrecisionBackend>::precision_linear(
         x.into_dispatch(),
         w.into_dispatch(),
         quant.clone(),
@@ -61,9 +61,9 @@ pub fn quant_linear_reading(
     ))
 }
 
-/// [`quant_linear`] of a frozen weight stored in reduced precision or sharded: no gradient
+/// [`precision_linear`] of a frozen weight stored in reduced precision or sharded: no gradient
 /// for the weight, none kept of the input.
-/// The input's FP8 codes are taken from `shared` as [`quant_linear_reading`] takes them.
+/// The input's FP8 codes are taken from `shared` as [`precision_linear_reading`] takes them.
 ///
 /// # Shapes
 /// - x: `[batch, seq, in]`; w: `[out, in]`
@@ -71,11 +71,11 @@ pub fn quant_linear_reading(
 pub fn frozen_linear(
     x: Tensor<3>,
     w: &FrozenWeight,
-    quant: &Arc<LinearQuant>,
+    quant: &Arc<LinearPrecision>,
     train: bool,
     shared: Option<&SharedCodes>,
 ) -> Tensor<3> {
-    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::frozen_linear(
+    Tensor::from_dispatch(<Dispatch as PrecisionBackend>::frozen_linear(
         x.into_dispatch(),
         w.clone(),
         quant.clone(),
@@ -90,11 +90,11 @@ pub fn frozen_linear(
 /// # Shapes
 /// - a: `[r, in]`; w: `[out, in]`, a parameter
 /// - output: `[out]` and `[r, out]`
-pub fn weight_row_terms(a: Tensor<2>, w: Tensor<2>, quant: &Arc<LinearQuant>) -> (Tensor<1>, Tensor<2>) {
+pub fn weight_row_terms(a: Tensor<2>, w: Tensor<2>, quant: &Arc<LinearPrecision>) -> (Tensor<1>, Tensor<2>) {
     let w = w.detach();
-    let row_sq = <Dispatch as LowPrecisionBackend>::weight_row_sq(w.clone().into_dispatch(), quant.clone());
+    let row_sq = <Dispatch as PrecisionBackend>::weight_row_sq(w.clone().into_dispatch(), quant.clone());
     let aw =
-        <Dispatch as LowPrecisionBackend>::times_weight_t(a.detach().into_dispatch(), w.into_dispatch(), quant.clone());
+        <Dispatch as PrecisionBackend>::times_weight_t(a.detach().into_dispatch(), w.into_dispatch(), quant.clone());
     (Tensor::from_dispatch(row_sq), Tensor::from_dispatch(aw))
 }
 
@@ -102,10 +102,10 @@ pub fn weight_row_terms(a: Tensor<2>, w: Tensor<2>, quant: &Arc<LinearQuant>) ->
 ///
 /// # Shapes
 /// As [`weight_row_terms`].
-pub fn stored_row_terms(a: Tensor<2>, w: &FrozenWeight, quant: &Arc<LinearQuant>) -> (Tensor<1>, Tensor<2>) {
+pub fn stored_row_terms(a: Tensor<2>, w: &FrozenWeight, quant: &Arc<LinearPrecision>) -> (Tensor<1>, Tensor<2>) {
     let a = a.detach();
-    let row_sq = <Dispatch as LowPrecisionBackend>::stored_row_sq(a.clone().into_dispatch(), w.clone(), quant.clone());
-    let aw = <Dispatch as LowPrecisionBackend>::stored_times_weight_t(a.into_dispatch(), w.clone(), quant.clone());
+    let row_sq = <Dispatch as PrecisionBackend>::stored_row_sq(a.clone().into_dispatch(), w.clone(), quant.clone());
+    let aw = <Dispatch as PrecisionBackend>::stored_times_weight_t(a.into_dispatch(), w.clone(), quant.clone());
     (Tensor::from_dispatch(row_sq), Tensor::from_dispatch(aw))
 }
 
@@ -116,7 +116,7 @@ pub fn stored_row_terms(a: Tensor<2>, w: &FrozenWeight, quant: &Arc<LinearQuant>
 /// - gate, up: `[batch, seq, I]`
 /// - output: `[batch, seq, I]`
 pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage, h_codes: Option<WriteCodes>) -> Tensor<3> {
-    Tensor::from_dispatch(<Dispatch as LowPrecisionBackend>::swiglu(
+    Tensor::from_dispatch(<Dispatch as PrecisionBackend>::swiglu(
         gate.into_dispatch(),
         up.into_dispatch(),
         storage,
@@ -126,12 +126,12 @@ pub fn swiglu(gate: Tensor<3>, up: Tensor<3>, storage: Storage, h_codes: Option<
 
 /// Backend extension: the reduced-precision ops.
 #[backend_extension(Autodiff, LibTorch)]
-pub trait LowPrecisionBackend: Backend {
-    /// See [`quant_linear`].
-    fn quant_linear(
+pub trait PrecisionBackend: Backend {
+    /// See [`precision_linear`].
+    fn precision_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
-        quant: Arc<LinearQuant>,
+        quant: Arc<LinearPrecision>,
         train: bool,
         shared: Option<SharedCodes>,
     ) -> FloatTensor<Self>;
@@ -139,7 +139,7 @@ pub trait LowPrecisionBackend: Backend {
     fn frozen_linear(
         x: FloatTensor<Self>,
         w: FrozenWeight,
-        quant: Arc<LinearQuant>,
+        quant: Arc<LinearPrecision>,
         train: bool,
         shared: Option<SharedCodes>,
     ) -> FloatTensor<Self>;
@@ -151,20 +151,20 @@ pub trait LowPrecisionBackend: Backend {
         h_codes: Option<WriteCodes>,
     ) -> FloatTensor<Self>;
     /// `‖Wᵢ‖²` per row, f32, untracked (see [`weight_row_terms`]).
-    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearPrecision>) -> FloatTensor<Self>;
     /// `a·Wᵀ`, f32, untracked (see [`weight_row_terms`]).
-    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearPrecision>) -> FloatTensor<Self>;
     /// `‖Wᵢ‖²` of a stored weight, f32, untracked, on `like`'s device (see [`stored_row_terms`]).
-    fn stored_row_sq(like: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    fn stored_row_sq(like: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearPrecision>) -> FloatTensor<Self>;
     /// `a·Wᵀ` of a stored weight, f32, untracked (see [`stored_row_terms`]).
-    fn stored_times_weight_t(a: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self>;
+    fn stored_times_weight_t(a: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearPrecision>) -> FloatTensor<Self>;
 }
 
-impl LowPrecisionBackend for LibTorch {
-    fn quant_linear(
+impl PrecisionBackend for LibTorch {
+    fn precision_linear(
         x: TchTensor,
         w: TchTensor,
-        quant: Arc<LinearQuant>,
+        quant: Arc<LinearPrecision>,
         train: bool,
         shared: Option<SharedCodes>,
     ) -> TchTensor {
@@ -174,7 +174,7 @@ impl LowPrecisionBackend for LibTorch {
     fn frozen_linear(
         x: TchTensor,
         w: FrozenWeight,
-        quant: Arc<LinearQuant>,
+        quant: Arc<LinearPrecision>,
         train: bool,
         shared: Option<SharedCodes>,
     ) -> TchTensor {
@@ -185,27 +185,27 @@ impl LowPrecisionBackend for LibTorch {
         TchTensor::new(gate.tensor.silu() * &up.tensor)
     }
 
-    fn weight_row_sq(w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
+    fn weight_row_sq(w: TchTensor, quant: Arc<LinearPrecision>) -> TchTensor {
         TchTensor::new(quant.weight_row_sq(&LinearWeight::Param(w)))
     }
 
-    fn times_weight_t(a: TchTensor, w: TchTensor, quant: Arc<LinearQuant>) -> TchTensor {
+    fn times_weight_t(a: TchTensor, w: TchTensor, quant: Arc<LinearPrecision>) -> TchTensor {
         TchTensor::new(quant.times_weight_t(&a.tensor, &LinearWeight::Param(w)))
     }
 
-    fn stored_row_sq(_like: TchTensor, w: FrozenWeight, quant: Arc<LinearQuant>) -> TchTensor {
+    fn stored_row_sq(_like: TchTensor, w: FrozenWeight, quant: Arc<LinearPrecision>) -> TchTensor {
         TchTensor::new(quant.weight_row_sq(&LinearWeight::Stored(w)))
     }
 
-    fn stored_times_weight_t(a: TchTensor, w: FrozenWeight, quant: Arc<LinearQuant>) -> TchTensor {
+    fn stored_times_weight_t(a: TchTensor, w: FrozenWeight, quant: Arc<LinearPrecision>) -> TchTensor {
         TchTensor::new(quant.times_weight_t(&a.tensor, &LinearWeight::Stored(w)))
     }
 }
 
 #[derive(Debug)]
-struct QuantLinearBackward;
+struct PrecisionLinearBackward;
 
-impl Backward<LibTorch, 2> for QuantLinearBackward {
+impl Backward<LibTorch, 2> for PrecisionLinearBackward {
     type State = LinearState;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
@@ -346,18 +346,18 @@ impl Backward<LibTorch, 2> for SwigluBackward {
     }
 }
 
-impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
-    fn quant_linear(
+impl<C: CheckpointStrategy> PrecisionBackend for Autodiff<LibTorch, C> {
+    fn precision_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
-        quant: Arc<LinearQuant>,
+        quant: Arc<LinearPrecision>,
         train: bool,
         shared: Option<SharedCodes>,
     ) -> FloatTensor<Self> {
         use burn::backend::ops::FloatTensorOps;
         let w_trainable = <Self as FloatTensorOps<Self>>::float_is_require_grad(&w);
         let nodes = [x.node(), w.node()];
-        match QuantLinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
+        match PrecisionLinearBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let (x, w) = (x.into_primitive(), w.into_primitive());
                 let (x_size, x_kind) = (x.tensor.size(), x.tensor.kind());
@@ -379,7 +379,7 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
     fn frozen_linear(
         x: FloatTensor<Self>,
         w: FrozenWeight,
-        quant: Arc<LinearQuant>,
+        quant: Arc<LinearPrecision>,
         train: bool,
         shared: Option<SharedCodes>,
     ) -> FloatTensor<Self> {
@@ -398,19 +398,19 @@ impl<C: CheckpointStrategy> LowPrecisionBackend for Autodiff<LibTorch, C> {
         }
     }
 
-    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+    fn weight_row_sq(w: FloatTensor<Self>, quant: Arc<LinearPrecision>) -> FloatTensor<Self> {
         Self::from_inner(LibTorch::weight_row_sq(Self::inner(w), quant))
     }
 
-    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+    fn times_weight_t(a: FloatTensor<Self>, w: FloatTensor<Self>, quant: Arc<LinearPrecision>) -> FloatTensor<Self> {
         Self::from_inner(LibTorch::times_weight_t(Self::inner(a), Self::inner(w), quant))
     }
 
-    fn stored_row_sq(like: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+    fn stored_row_sq(like: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearPrecision>) -> FloatTensor<Self> {
         Self::from_inner(LibTorch::stored_row_sq(Self::inner(like), w, quant))
     }
 
-    fn stored_times_weight_t(a: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearQuant>) -> FloatTensor<Self> {
+    fn stored_times_weight_t(a: FloatTensor<Self>, w: FrozenWeight, quant: Arc<LinearPrecision>) -> FloatTensor<Self> {
         Self::from_inner(LibTorch::stored_times_weight_t(Self::inner(a), w, quant))
     }
 

@@ -6,7 +6,7 @@
 
 use crate::fp8::format::Fp8Format;
 use crate::fp8::stand_ins;
-use crate::kernels::checks::host_bytes;
+use crate::kernels::args::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
 use crate::routes::Verdicts;
 

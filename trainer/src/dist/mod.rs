@@ -8,12 +8,12 @@
 
 mod c10d;
 mod collective;
-mod context;
+mod cp_group;
 mod startup;
 mod world;
 
 pub use collective::{Backend, Collective, DistError, InFlight, PendingBytes, ReduceOp, plain_c10d_message};
-pub use context::ContextComm;
+pub use cp_group::ContextComm;
 pub use startup::announce_startup_failure;
 pub use world::{BackendChoice, DistConfig, Launcher, World};
 
@@ -140,9 +140,9 @@ impl Dist {
     }
 
     /// The model's view of [`Self::context`].
-    pub fn context_parallel(&self) -> Option<llora_model::context::ContextParallel> {
+    pub fn context_parallel(&self) -> Option<llora_model::context_parallel::ContextParallel> {
         let group = self.context.clone()?;
-        Some(llora_model::context::ContextParallel { group })
+        Some(llora_model::context_parallel::ContextParallel { group })
     }
 
     /// (this rank's data-parallel group, the number of groups): what the data is shared out by.
@@ -215,7 +215,7 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize, named:
         world.size
     );
     let context = if context > 1 {
-        let (group, _, members) = context::layout(world.rank, context);
+        let (group, _, members) = cp_group::layout(world.rank, context);
         let sub = c10d::ProcessGroup::subgroup(&world, &format!("context_{group}"), members, backend, timeout)?;
         Some(Arc::new(ContextComm::new(Arc::new(sub))))
     } else {

@@ -4,7 +4,7 @@
 //! all-reduce, clipping) and evaluation; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
 //! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `events.rs` what a
 //! run emits (start, step, eval, checkpoint, stop) and the `Observer`s that record it:
-//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress (and the stop signal). The commands
+//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress, `stop_signal.rs` SIGINT/SIGTERM. The commands
 //! (`crate::commands`) call it; it parses no arguments.
 
 pub mod checkpoints;
@@ -18,5 +18,6 @@ pub mod resume;
 pub mod run_dir;
 pub mod setup;
 pub mod step;
+pub mod stop_signal;
 pub mod train;
 pub mod trainer;

@@ -88,7 +88,7 @@ const SCALES: &str = "fp8_scales.json";
 /// newest `keep` (see `checkpoints.rs`); returns its directory.
 ///
 /// `adapter` is the LoRA spec and base-model name for the PEFT copy (None for full fine-tuning).
-pub fn save(
+pub fn save_checkpoint(
     run_dir: &Path,
     keep: usize,
     config_toml: &str,

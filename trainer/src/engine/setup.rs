@@ -24,11 +24,11 @@ use crate::config::{Config, Trainable};
 use crate::dist::Dist;
 use crate::engine::events::RunEvent;
 use crate::engine::mllog::now_ms;
-use crate::engine::observe::StopSignal;
 use crate::engine::optim::AdamW;
 use crate::engine::records::Records;
 use crate::engine::resume::{self, Checkpoint, TrainState};
 use crate::engine::run_dir;
+use crate::engine::stop_signal::StopSignal;
 use crate::engine::trainer::Trainer;
 
 impl<'a> Trainer<'a> {

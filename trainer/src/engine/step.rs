@@ -158,7 +158,7 @@ fn grads_of(
         (loss.clone().inner(), vec![loss.backward()], forward_s)
     };
     // A context-parallel collective that failed inside attention (a lost rank) ends the step here.
-    llora_model::context::take_failure()?;
+    llora_model::context_parallel::take_failure()?;
     let g: Vec<Tensor<1>> = model
         .trainable_params_mut()
         .iter()
@@ -422,7 +422,7 @@ pub fn evaluate(
         mine += 1;
         let mb = upload(batch, device);
         let out = model.loss(mb.ids, mb.labels, mb.packed.as_ref(), false)?;
-        llora_model::context::take_failure()?;
+        llora_model::context_parallel::take_failure()?;
         loss_sums.extend(out.loss_sum.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32"));
         tokens.extend(out.tokens.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32"));
     }
@@ -580,7 +580,7 @@ mod tests {
         }
     }
 
-    impl llora_model::context::ContextGroup for ThreadGroup {
+    impl llora_model::context_parallel::ContextGroup for ThreadGroup {
         fn rank(&self) -> usize {
             self.rank
         }
@@ -651,7 +651,7 @@ mod tests {
                     .into_iter()
                     .map(|group| {
                         let mut model = model(preset);
-                        model.context = Some(llora_model::context::ContextParallel { group: Arc::new(group) });
+                        model.context = Some(llora_model::context_parallel::ContextParallel { group: Arc::new(group) });
                         model
                     })
                     .collect();
@@ -680,7 +680,7 @@ mod tests {
                     token_losses(&one.to_data().to_vec::<f32>().unwrap(), &(0..50).collect::<Vec<_>>(), &ids, &labels);
                 let mut split = std::collections::BTreeMap::new();
                 for (rank, r) in ranks.iter().enumerate() {
-                    let at = llora_model::context::ContextSplit::new(50, rank, n).local_positions();
+                    let at = llora_model::context_parallel::ContextSplit::new(50, rank, n).local_positions();
                     split.extend(token_losses(&r.2, &at, &ids, &labels));
                 }
                 assert_eq!(split.len(), one.len(), "{what}: target tokens");
@@ -753,7 +753,7 @@ mod tests {
                 .into_iter()
                 .map(|group| {
                     let mut model = model();
-                    model.context = Some(llora_model::context::ContextParallel { group: Arc::new(group) });
+                    model.context = Some(llora_model::context_parallel::ContextParallel { group: Arc::new(group) });
                     model
                 })
                 .collect();

@@ -22,7 +22,6 @@ use crate::dist::{Dist, ReduceOp};
 use crate::engine::events::RunStatus;
 use crate::engine::events::{RunEvent, StepReport};
 use crate::engine::mllog::now_ms;
-use crate::engine::observe::StopSignal;
 use crate::engine::optim::lr_at;
 use crate::engine::outcome::{Interrupted, Outcome};
 use crate::engine::records::Records;
@@ -31,6 +30,7 @@ use crate::engine::run_dir;
 use crate::engine::step::{
     EvalBatching, MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload,
 };
+use crate::engine::stop_signal::StopSignal;
 
 /// Everything the training loop touches.
 pub struct Trainer<'a> {
@@ -259,7 +259,14 @@ impl<'a> Trainer<'a> {
             let adapter =
                 (self.config.model.trainable == Trainable::Lora).then_some((&self.spec, self.base_name.as_str()));
             let keep = self.config.run.keep_checkpoints;
-            dir = resume::save(&self.config.run.dir, keep, &self.config_toml, &self.state, &mut self.model, adapter)?;
+            dir = resume::save_checkpoint(
+                &self.config.run.dir,
+                keep,
+                &self.config_toml,
+                &self.state,
+                &mut self.model,
+                adapter,
+            )?;
             self.claim.settle();
             self.records.emit(RunEvent::Checkpoint { step: self.state.progress.step, dir: &dir });
         }

@@ -168,13 +168,13 @@ pub fn budget(s: &Shape) -> Budget {
 /// Tokens of one micro-batch on this rank: under context parallelism its share of each
 /// (padded) sequence.
 pub(super) fn tokens(s: &Shape) -> f64 {
-    let split = llora_model::context::ContextSplit::new(s.seq_len, 0, s.context_parallel.max(1));
+    let split = llora_model::context_parallel::ContextSplit::new(s.seq_len, 0, s.context_parallel.max(1));
     (s.micro_batch * split.local_len()) as f64
 }
 
 /// Context parallelism's transients in one block's attention backward (its peak): the group's
 /// keys and values gathered in the activations' dtype and their f32 gradients over the whole
-/// sequence (summed over the group in place: `dist/context.rs`), and this rank's f32 query
+/// sequence (summed over the group in place: `dist/cp_group.rs`), and this rank's f32 query
 /// gradient and merged output.
 pub(super) fn context_exchange(s: &Shape) -> Option<Line> {
     let n = s.context_parallel;
@@ -182,7 +182,7 @@ pub(super) fn context_exchange(s: &Shape) -> Option<Line> {
         return None;
     }
     let c = &s.model;
-    let split = llora_model::context::ContextSplit::new(s.seq_len, 0, n);
+    let split = llora_model::context_parallel::ContextSplit::new(s.seq_len, 0, n);
     let whole = (s.micro_batch * split.padded) as f64 * (c.num_key_value_heads * c.head_dim) as f64;
     let e = s.precision.activation_bytes();
     let alloc = |bytes: f64| allocated(bytes, s.target);

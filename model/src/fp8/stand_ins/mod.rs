@@ -7,7 +7,7 @@
 //! [`quantize`], which names no route (the quantise route calls it).
 
 use crate::fp8::format::Fp8Format;
-use crate::kernels::checks::DelayedCodes;
+use crate::kernels::args::DelayedCodes;
 use crate::kernels::{rmsnorm_fp8, swiglu_fp8};
 
 pub mod quantize;

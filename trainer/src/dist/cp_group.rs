@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use llora_model::context::ContextGroup;
+use llora_model::context_parallel::ContextGroup;
 
 use super::collective::Collective;
 

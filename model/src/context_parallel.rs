@@ -6,7 +6,7 @@
 //! `2N-1-i`, so that under the causal mask every rank attends over the same number of
 //! key-query pairs. RoPE positions stay global, packed rows keep their documents, and the loss
 //! of each position is counted on the rank that holds it (the ranks' sums add up to one
-//! process's). Attention itself is `attention/context.rs`.
+//! process's). Attention itself is `attention/gathered_kv.rs`.
 //!
 //! The group is the trainer's (c10d): the model sees it through [`ContextGroup`].
 

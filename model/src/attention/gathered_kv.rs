@@ -1,4 +1,4 @@
-//! Context-parallel attention (`crate::context`): each rank's queries against the whole
+//! Context-parallel attention (`crate::context_parallel`): each rank's queries against the whole
 //! sequence's keys and values, gathered from the group.
 //!
 //! **All-gather of K/V, not a ring.** Every rank gathers the group's keys and values once per
@@ -25,7 +25,7 @@ use std::sync::Arc;
 use burn::backend::libtorch::TchTensor;
 
 use super::fused::{self, Kept, Saved};
-use crate::context::{ContextGroup, ContextSplit};
+use crate::context_parallel::{ContextGroup, ContextSplit};
 use crate::packing::PackedRows;
 
 /// One batch's context-parallel attention problem: the split, the group, and the documents of
@@ -87,7 +87,7 @@ impl ContextAttention {
     }
 
     /// The group's keys or values in global order; zeros once the group has failed (the
-    /// failure recorded: `crate::context::record_failure`).
+    /// failure recorded: `crate::context_parallel::record_failure`).
     ///
     /// # Shapes
     /// - x: `[batch, kv_heads, local, hd]`; output: `[batch, kv_heads, padded, hd]`
@@ -97,13 +97,13 @@ impl ContextAttention {
             size[2] = self.split.padded as i64;
             tch::Tensor::zeros(size, (x.kind(), x.device()))
         };
-        if crate::context::failed() {
+        if crate::context_parallel::failed() {
             return whole();
         }
         match self.group.all_gather(&x.contiguous()) {
             Ok(all) => self.split.global_of(&all, 2),
             Err(e) => {
-                crate::context::record_failure(format!("{e:#}"));
+                crate::context_parallel::record_failure(format!("{e:#}"));
                 whole()
             }
         }
@@ -111,11 +111,11 @@ impl ContextAttention {
 
     /// The sum of `x` over the group; `x` itself once the group has failed.
     fn sum(&self, x: &tch::Tensor) -> tch::Tensor {
-        if crate::context::failed() {
+        if crate::context_parallel::failed() {
             return x.shallow_clone();
         }
         self.group.all_reduce_sum(x).unwrap_or_else(|e| {
-            crate::context::record_failure(format!("{e:#}"));
+            crate::context_parallel::record_failure(format!("{e:#}"));
             x.shallow_clone()
         })
     }

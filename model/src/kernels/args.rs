@@ -1,6 +1,7 @@
-//! Argument checks every kernel's launch code shares: a tensor's dtype, shape, contiguity and
-//! device, each refusal naming the kernel and the argument. They run on any device (the CPU
-//! tests check them).
+//! What every kernel's launch code shares about its arguments: the checks of a tensor's dtype,
+//! shape, contiguity and device (each refusal naming the kernel and the argument; they run on
+//! any device, the CPU tests check them), and the one argument type several kernels take
+//! (`DelayedCodes`: FP8 codes written at a delayed scale, with their amax).
 
 use super::launch::address;
 use super::nvrtc::KernelError;
