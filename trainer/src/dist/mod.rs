@@ -240,7 +240,9 @@ pub fn init_with_context(config: &DistConfig, cuda: bool, context: usize, named:
 /// ([`startup`]).
 fn world_group(world: &World, backend: Backend, timeout: Duration) -> Result<c10d::ProcessGroup, DistError> {
     let store = startup::rendezvous(world, world.serves_store(), timeout)?;
-    c10d::ProcessGroup::new(world, store, backend, timeout)
+    // A second connection to the store, for the ranks' words on forming the group.
+    let watch = c10d::without_c10_logs(|| c10d::Store::connect(world, false, timeout, timeout)).ok();
+    startup::form_group(world, watch, || c10d::ProcessGroup::new(world, store, backend, timeout))
 }
 
 /// Refuses, on every rank, ranks started with different context-parallel sizes, naming each.

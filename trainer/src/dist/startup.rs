@@ -122,6 +122,49 @@ fn connect(world: &World, serve: bool, timeout: Duration) -> Result<Store, DistE
     }
 }
 
+/// How long a rank whose group failed to form waits for every other rank's word about it.
+const GROUP_WORD_WAIT: Duration = Duration::from_secs(5);
+
+/// Rank `rank`'s word on forming the world's group, per launcher attempt.
+fn group_key(world: &World, rank: usize) -> String {
+    format!("llora/attempt_{}/group/{rank}", world.attempt)
+}
+
+/// Forms the world's group with `form` (its store reached and every rank started), each rank
+/// then saying in the store, through a second connection `watch`, whether it formed: a rank
+/// that dies while the group forms (Gloo's and NCCL's errors then name an address, or nothing)
+/// is named as lost by the ranks that outlive it, from the words that never come.
+pub(super) fn form_group<G>(
+    world: &World,
+    watch: Option<Store>,
+    form: impl FnOnce() -> Result<G, DistError>,
+) -> Result<G, DistError> {
+    let formed = form();
+    let Some(watch) = watch else { return formed };
+    let word: &[u8] = if formed.is_ok() { b"formed" } else { b"failed" };
+    let _ = without_c10_logs(|| watch.put(&group_key(world, world.rank), word));
+    let Err(DistError::Setup { message, .. }) = formed else { return formed };
+    let started = Instant::now();
+    let silent = |r: &usize| !without_c10_logs(|| watch.check(&group_key(world, *r))).unwrap_or(false);
+    let mut lost: Vec<usize> = (0..world.size).filter(|r| *r != world.rank).collect();
+    while !lost.is_empty() && started.elapsed() < GROUP_WORD_WAIT {
+        lost.retain(silent);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let why = match lost.as_slice() {
+        [] => message,
+        [r] => format!(
+            "{message}; lost rank {r} while the group formed (no word from it within {} s: it died or hangs)",
+            GROUP_WORD_WAIT.as_secs()
+        ),
+        rs => format!(
+            "{message}; lost ranks {rs:?} while the group formed (no word from them within {} s: they died or hang)",
+            GROUP_WORD_WAIT.as_secs()
+        ),
+    };
+    Err(DistError::setup(world, why))
+}
+
 /// Says in the store that this rank failed before joining its world (`message`: its error), so
 /// that the others stop at once naming it instead of waiting for `dist.timeout_s`. A no-op
 /// unless a launcher started this process as one of several ranks and it never began joining.
@@ -151,5 +194,34 @@ pub fn announce_startup_failure(message: &str) {
             return;
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank whose group failed to form names the peer that said nothing about it as lost
+    /// (a peer SIGKILLed while Gloo connected its mesh: Gloo's error names an address only),
+    /// and not a peer that said it failed too.
+    #[test]
+    fn a_failed_group_names_the_silent_rank_as_lost() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let world = World { master_addr: "127.0.0.1".into(), master_port: port, size: 3, ..World::single() };
+        let server = Store::connect(&world, true, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        let watch = || Store::connect(&world, false, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        // Rank 2 failed too and said so; rank 1 says nothing.
+        server.put(&group_key(&world, 2), b"failed").unwrap();
+        let failed = || Err::<(), _>(DistError::setup(&world, "cannot join the gloo group: Connection refused".into()));
+        let err = form_group(&world, Some(watch()), failed).unwrap_err().to_string();
+        assert!(err.contains("Connection refused") && err.contains("lost rank 1 while the group formed"), "{err}");
+        assert!(!err.contains("rank 2"), "{err}");
+        // Where every peer spoke, the error is the group's own.
+        server.put(&group_key(&world, 1), b"failed").unwrap();
+        let err = form_group(&world, Some(watch()), failed).unwrap_err().to_string();
+        assert!(!err.contains("lost"), "{err}");
+        // A group that formed is returned as it is, and says so.
+        assert_eq!(form_group(&world, Some(watch()), || Ok::<_, DistError>(7)).unwrap(), 7);
+        assert_eq!(server.fetch(&group_key(&world, 0)).unwrap(), b"formed");
     }
 }
