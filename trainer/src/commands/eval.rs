@@ -8,7 +8,7 @@ use llora_model::BuildOptions;
 use llora_model::checkpoint::HfCheckpoint;
 use serde_json::json;
 
-use crate::engine::step::{EvalBatching, evaluate};
+use crate::engine::eval::{EvalBatching, evaluate};
 
 /// `llora eval`: loads a checkpoint (and adapter), evaluates a parquet file, prints the
 /// result as the last line, one JSON object.

@@ -8,6 +8,7 @@
 //! (`crate::commands`) call it; it parses no arguments.
 
 pub mod checkpoints;
+pub mod eval;
 pub mod events;
 pub mod mllog;
 pub mod observe;

@@ -19,6 +19,7 @@ use tracing::{debug_span, info};
 
 use crate::config::{Averaging, Config, Trainable};
 use crate::dist::{Dist, ReduceOp};
+use crate::engine::eval::{EvalBatching, evaluate};
 use crate::engine::events::RunStatus;
 use crate::engine::events::{RunEvent, StepReport};
 use crate::engine::mllog::now_ms;
@@ -27,9 +28,7 @@ use crate::engine::outcome::{Interrupted, Outcome};
 use crate::engine::records::Records;
 use crate::engine::resume::{self, TrainState};
 use crate::engine::run_dir;
-use crate::engine::step::{
-    EvalBatching, MicroBatch, StepOptions, StepStats, dropout_seed, evaluate, train_step, upload,
-};
+use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, train_step, upload};
 use crate::engine::stop_signal::StopSignal;
 
 /// Everything the training loop touches.
