@@ -1,11 +1,12 @@
 //! The training engine, read top-down: `train.rs` is the run in one page (the ranks agree, the
 //! start decided once), `setup.rs` everything before the first step, `trainer.rs` the loop
-//! (evaluation, checkpoints, the finish), `records.rs` the run's records; `step.rs` one optimizer step (micro-batches, gradients, the
-//! all-reduce, clipping) and evaluation; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
-//! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `events.rs` what a
-//! run emits (start, step, eval, checkpoint, stop) and the `Observer`s that record it:
-//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress, `stop_signal.rs` SIGINT/SIGTERM. The commands
-//! (`crate::commands`) call it; it parses no arguments.
+//! (evaluation, checkpoints, the finish), `records.rs` the run's records, `outcome.rs` how a run
+//! ended; `step.rs` one optimizer step (micro-batches, gradients, the all-reduce, clipping),
+//! `eval.rs` an evaluation pass; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
+//! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues; `events.rs`
+//! what a run emits (start, step, eval, checkpoint, stop) and the `Observer`s that record it:
+//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress; `stop_signal.rs`
+//! SIGINT/SIGTERM. The commands (`crate::commands`) call it; it parses no arguments.
 
 pub mod checkpoints;
 pub mod eval;
