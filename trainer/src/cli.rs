@@ -455,18 +455,10 @@ pub fn parse_finite(s: &str) -> Result<f64, String> {
     s.trim().parse::<f64>().ok().filter(|x| x.is_finite()).ok_or_else(|| format!("{s:?} is not a finite number"))
 }
 
-/// `llora bench`: defaults are the peer's (`scripts/peer/step_bench.py`).
+/// `llora bench`: a [`crate::config::Config`] as training reads it, whose defaults are the
+/// peer's recipe (`scripts/peer/step_bench.py`); the flags below `--trace` set config keys.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Model preset (random weights): tiny, tiny-gqa, small, llama2-70b-1layer, ...
-    #[arg(long, default_value = "tiny")]
-    pub preset: String,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 512)]
-    pub seq_len: usize,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
     /// Micro-batches of `--batch` per rank and step (gradient accumulation). Under a launcher
     /// (torchrun) every rank runs them and the gradients are all-reduced: world / cp × accum ×
     /// batch sequences per step.
@@ -481,74 +473,12 @@ pub struct BenchArgs {
     /// RSS before loading + the weights as stored + the largest tensor in f32.
     #[arg(long)]
     pub load: Option<PathBuf>,
-    /// Shard the frozen weights over the launcher's ranks (`train.shard_frozen_weights`).
-    #[arg(long)]
-    pub shard_frozen_weights: bool,
-    /// Split each sequence over this many of the launcher's ranks (`train.context_parallel`);
-    /// the JSON then reports the K/V exchange's seconds per layer.
-    #[arg(long, default_value_t = 1)]
-    pub cp: usize,
-    /// Decoder blocks whose activations are recomputed in backward (`train.recompute_layers`).
-    #[arg(long, default_value_t = 0)]
-    pub recompute_layers: usize,
     /// Timed steps.
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
     /// Untimed warm-up steps.
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    /// Intra-op threads (0 = one per core).
-    #[arg(long, default_value_t = 2)]
-    pub threads: usize,
-    /// `cpu`, `cuda:N` or `flex`.
-    #[arg(long, default_value = "cpu")]
-    pub device: llora_model::device::DeviceSpec,
-    /// Seed of the weights, adapters and dropout (tokens use seed + 1).
-    #[arg(long, default_value_t = 1234)]
-    pub seed: u64,
-    /// LoRA rank.
-    #[arg(long, default_value_t = 16)]
-    pub lora_r: usize,
-    /// LoRA alpha.
-    #[arg(long, default_value_t = 32.0)]
-    pub lora_alpha: f64,
-    /// LoRA dropout.
-    #[arg(long, default_value_t = 0.1)]
-    pub lora_dropout: f64,
-    /// Modules with adapters, comma-separated.
-    #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
-    pub targets: String,
-    /// DoRA adapters (`lora.dora`): a trained magnitude per output row.
-    #[arg(long)]
-    pub dora: bool,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 4e-4)]
-    pub lr: f64,
-    /// AdamW weight decay.
-    #[arg(long, default_value_t = 1e-4)]
-    pub weight_decay: f64,
-    /// Global gradient-norm clip.
-    #[arg(long, default_value_t = 0.3)]
-    pub max_grad_norm: f64,
-    /// GEMM precision of the decoder's linear layers (see `[precision]` in the config).
-    #[arg(long, default_value = "fp32", value_parser = parse_compute)]
-    pub precision: llora_model::precision::Compute,
-    /// The frozen base's storage (`--quantize nf4`: QLoRA).
-    #[command(flatten)]
-    pub quantize: QuantizeArgs,
-    /// Keep saved activations as FP8 + scale.
-    #[arg(long)]
-    pub fp8_activations: bool,
-    /// Keep frozen base weights as FP8 + scale (needs `--precision fp8`).
-    #[arg(long)]
-    pub fp8_weights: bool,
-    /// With `--fp8-weights` on CUDA: one layout, transposed for each backward GEMM
-    /// (`precision.fp8_weights_one_layout`: half the weights' memory).
-    #[arg(long)]
-    pub fp8_weights_one_layout: bool,
-    /// The LoRA adapters' GEMMs: `auto`, `fp32` or `bf16` (`precision.adapter_compute`).
-    #[arg(long, default_value = "auto", value_parser = parse_adapter_compute)]
-    pub adapter_compute: llora_model::precision::AdapterCompute,
     /// Also append the JSON line to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -560,6 +490,16 @@ pub struct BenchArgs {
     /// ranks, each its own: `NAME.rankR.EXT` beside it).
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// The flags that spell config keys (`crate::commands::bench::settings::FLAGS`).
+    #[command(flatten)]
+    pub keys: crate::commands::bench::settings::KeyFlags,
+    /// The frozen base's storage (`--quantize nf4`: QLoRA).
+    #[command(flatten)]
+    pub quantize: QuantizeArgs,
+    /// Any other config key, e.g. `--set precision.amax_history_len=16` (repeatable; after the
+    /// flags).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<Override>,
 }
 
 /// `llora plot`.
@@ -614,11 +554,6 @@ fn parse_compute(s: &str) -> Result<llora_model::precision::Compute, String> {
     serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
 }
 
-/// `--adapter-compute`'s value, spelt as in the config.
-fn parse_adapter_compute(s: &str) -> Result<llora_model::precision::AdapterCompute, String> {
-    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
-}
-
 /// How the frozen base is stored, as `model.quantize` / `model.double_quant` set it in a config.
 #[derive(Debug, Clone, Copy, Args)]
 pub struct QuantizeArgs {
@@ -653,5 +588,19 @@ impl QuantizeArgs {
             block: self.quant_block_size.unwrap_or(d.block),
             double: self.double_quant.unwrap_or(d.double),
         }))
+    }
+}
+
+impl QuantizeArgs {
+    /// The config keys these flags set (`model.quantize`, `model.double_quant`,
+    /// `model.quant_block_size`), after [`QuantizeArgs::nf4`]'s check.
+    pub fn overrides(&self) -> anyhow::Result<Vec<Override>> {
+        let Some(nf4) = self.nf4()? else { return Ok(Vec::new()) };
+        let set = |key: &str, value: toml::Value| Override { key: key.to_string(), value };
+        Ok(vec![
+            set("model.quantize", toml::Value::String("nf4".into())),
+            set("model.double_quant", toml::Value::Boolean(nf4.double)),
+            set("model.quant_block_size", toml::Value::Integer(nf4.block as i64)),
+        ])
     }
 }

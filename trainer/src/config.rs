@@ -855,7 +855,7 @@ impl Config {
     }
 
     /// Parses TOML text and applies overrides, without validation (see [`Config::parse`]).
-    fn from_toml_str(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
+    pub(crate) fn from_toml_str(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
         let mut table: toml::Table = toml::from_str(text)
             .map_err(|e| ConfigError::one(name, format!("TOML syntax: {}", e.to_string().trim_end())))?;
         for o in overrides {

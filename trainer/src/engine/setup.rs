@@ -304,7 +304,7 @@ fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
 }
 
 /// The base model with adapters, from a checkpoint or a preset.
-fn load_model(
+pub(crate) fn load_model(
     config: &Config,
     spec: &LoraSpec,
     sharding: Option<Sharding>,

@@ -6,18 +6,20 @@
 //! lr 4e-4 wd 1e-4 (torch defaults otherwise), global-norm clip 0.3, random token ids with the
 //! first half of each sequence masked (-100), loss = mean over target tokens.
 
+pub mod settings;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_model::device::{DeviceSpec, HeapBytes};
 use llora_model::fp8::gemm::take_gemm_counts;
-use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
+use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 use crate::cli::BenchArgs;
-use crate::config::OptimConfig;
+use crate::config::Config;
 use crate::engine::observe::peak_rss_mb;
 use crate::engine::optim::AdamW;
 use crate::engine::step::{MicroBatch, StepOptions, train_step};
@@ -81,101 +83,82 @@ fn random_batch(
     )
 }
 
+/// What one bench runs: its own counts and outputs, and the run's config.
+pub struct Bench<'a> {
+    /// The command line (the bench's own counts and outputs).
+    pub args: &'a BenchArgs,
+    /// The peer's recipe with the flags' and `--set`'s keys ([`settings::config`]).
+    pub config: Config,
+}
+
+impl Bench<'_> {
+    /// Tokens per sequence (`data.max_seq_len`).
+    fn seq_len(&self) -> usize {
+        self.config.data.max_seq_len
+    }
+
+    /// Sequences per micro-batch (`train.micro_batch_size`).
+    fn batch(&self) -> usize {
+        self.config.train.micro_batch_size
+    }
+
+    /// Ranks sharing one sequence (`train.context_parallel`).
+    fn cp(&self) -> usize {
+        self.config.train.context_parallel
+    }
+
+    /// The device as `run.device` names it.
+    fn device(&self) -> DeviceSpec {
+        self.config.run.device
+    }
+}
+
 /// Runs the benchmark on the launcher's ranks (one process without one) and returns the peer's
 /// JSON record on rank 0 (None on the others).
 pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
-    validate(args)?;
-    let dist =
-        crate::dist::init_with_context(&crate::dist::DistConfig::default(), args.device.is_cuda(), args.cp, "--cp")?;
-    let device = dist.device(args.device);
+    let extra = [args.quantize.overrides()?, args.set.clone()].concat();
+    let bench = Bench { args, config: settings::config(&args.keys, &extra, args.accum)? };
+    validate(&bench)?;
+    let config = &bench.config;
+    let dist = crate::dist::init_with_context(&config.dist, bench.device().is_cuda(), bench.cp(), "--cp")?;
+    let device = dist.device(bench.device());
     let record = match &args.load {
-        Some(dir) => load(args, device, dir)?,
-        None if args.allreduce_values > 0 => allreduce(args, &dist)?,
-        None => train(args, device, &dist)?,
+        Some(dir) => load(&bench, device, dir)?,
+        None if args.allreduce_values > 0 => allreduce(&bench, &dist)?,
+        None => train(&bench, device, &dist)?,
     };
     let main = dist.is_main();
     dist.shutdown()?;
     Ok(main.then_some(record))
 }
 
-/// Checks the flags with the validations of the config keys they stand for (`lora.rank` for
-/// `--lora-r`, ...), plus the bench's own counts and the preset's context length.
-fn validate(args: &BenchArgs) -> anyhow::Result<()> {
-    use crate::config::{OptimConfig, Problems, check_lora, check_threads};
-    let flag = |key: &str| {
-        let name = match key {
-            "lora.rank" => "--lora-r",
-            "lora.alpha" => "--lora-alpha",
-            "lora.dropout" => "--lora-dropout",
-            "lora.targets" => "--targets",
-            "optim.lr" => "--lr",
-            "optim.weight_decay" => "--weight-decay",
-            "optim.clip_grad_norm" => "--max-grad-norm",
-            "run.threads" => "--threads",
-            other => other,
-        };
-        format!("`{name}`")
-    };
-    let mut p = Problems::new(&flag);
-    let targets = args.targets.split(',').map(|t| t.trim().to_string()).collect();
-    let spec = LoraSpec {
-        rank: args.lora_r,
-        alpha: args.lora_alpha,
-        dropout: args.lora_dropout,
-        targets,
-        ..Default::default()
-    };
-    check_lora(&spec, &mut p);
-    let optim = OptimConfig {
-        lr: args.lr,
-        weight_decay: args.weight_decay,
-        clip_grad_norm: args.max_grad_norm,
-        ..OptimConfig::default()
-    };
-    optim.check(&mut p);
-    check_threads(&mut p, "run.threads", args.threads);
-    for (name, value) in [("--batch", args.batch), ("--accum", args.accum), ("--steps", args.steps)] {
+/// Checks the bench's own counts, the preset's context length and which flags the chosen bench
+/// reads (the config's keys were checked as training checks them).
+fn validate(bench: &Bench) -> anyhow::Result<()> {
+    let (args, config) = (bench.args, &bench.config);
+    let flag = |key: &str| format!("`{key}`");
+    let mut p = crate::config::Problems::new(&flag);
+    for (name, value) in [("--accum", args.accum), ("--steps", args.steps)] {
         p.check(value >= 1, name, &value, "must be at least 1");
     }
-    p.check(args.seq_len >= 2, "--seq-len", &args.seq_len, "must be at least 2 (one input and one target token)");
-    p.check((1..=64).contains(&args.cp), "--cp", &args.cp, "must be in 1..=64 (ranks sharing one sequence)");
     // --load and --allreduce-values replace the training steps: what only those read is refused.
     let load = args.load.is_some();
     let other_mode = if load { Some("--load") } else { (args.allreduce_values > 0).then_some("--allreduce-values") };
     if let Some(mode) = other_mode {
         let why = format!("times training steps; {mode} replaces them: drop one of the two");
-        p.check(args.cp == 1, "--cp", &args.cp, &why);
+        p.check(bench.cp() == 1, "--cp", &bench.cp(), &why);
     }
     let why = "--load times loading a checkpoint, --allreduce-values a collective: one bench at a time";
     p.check(!(load && args.allreduce_values > 0), "--allreduce-values", &args.allreduce_values, why);
-    if let Ok(c) = LlamaConfig::preset(&args.preset) {
+    if let Some(Ok(c)) = config.model.preset.as_deref().map(LlamaConfig::preset) {
         let max = c.max_position_embeddings;
-        p.check(
-            args.seq_len <= max,
-            "--seq-len",
-            &args.seq_len,
-            &format!("must be at most the preset's {max} positions"),
-        );
+        let why = format!("must be at most the preset's {max} positions");
+        p.check(bench.seq_len() <= max, "--seq-len", &bench.seq_len(), &why);
     }
     if let Some(trace) = &args.trace {
         p.check(!trace.exists(), "--trace", trace, "already exists: llora never writes over a file");
     }
-    crate::config::check_precision_flags(&precision_spec(args)?, &mut p);
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora bench flags:\n  - {}", problems.join("\n  - ")))
-}
-
-/// The precision `--precision`, `--fp8-activations`, `--fp8-weights` (`--fp8-weights-one-layout`)
-/// and `--quantize` ask for.
-fn precision_spec(args: &BenchArgs) -> anyhow::Result<llora_model::precision::PrecisionSpec> {
-    Ok(llora_model::precision::PrecisionSpec {
-        compute: args.precision,
-        fp8_activations: args.fp8_activations,
-        fp8_weights: args.fp8_weights,
-        fp8_weights_one_layout: args.fp8_weights_one_layout,
-        adapter_compute: args.adapter_compute,
-        nf4: args.quantize.nf4()?,
-        ..Default::default()
-    })
 }
 
 /// The largest [`llora_model::device::heap_bytes`] (in use, and allocator-resident) seen by a
@@ -269,14 +252,15 @@ fn rss_mb() -> Option<f64> {
 }
 
 /// Loads a checkpoint in the asked precision and compares the peak RSS with the loading bound.
-fn load(args: &BenchArgs, spec: DeviceSpec, dir: &std::path::Path) -> anyhow::Result<Value> {
-    let device = spec.init(args.threads)?;
+fn load(bench: &Bench, spec: DeviceSpec, dir: &std::path::Path) -> anyhow::Result<Value> {
+    let threads = bench.config.run.threads;
+    let device = spec.init(threads)?;
     // The runtime's own memory (LibTorch's libraries and allocator) before any weight.
     drop(Tensor::<1>::zeros([1], &device));
     let baseline = rss_mb().unwrap_or(0.0);
     let t = Instant::now();
     let ckpt = llora_model::checkpoint::HfCheckpoint::open(dir)?;
-    let precision = precision_spec(args)?;
+    let precision = bench.config.precision_spec();
     let model = ckpt.load_model(&BuildOptions { precision: Some(precision), ..Default::default() }, &device)?;
     let load_s = t.elapsed().as_secs_f64();
     let mb = |bytes: usize| bytes as f64 / (1 << 20) as f64;
@@ -286,16 +270,17 @@ fn load(args: &BenchArgs, spec: DeviceSpec, dir: &std::path::Path) -> anyhow::Re
     let bound = baseline + stored + largest;
     let r1 = |x: f64| (x * 10.0).round() / 10.0;
     Ok(json!({
-        "load": dir.display().to_string(), "dtype": precision.compute.name(), "fp8_weights": args.fp8_weights,
+        "load": dir.display().to_string(), "dtype": precision.compute.name(), "fp8_weights": precision.fp8_weights,
         "checkpoint_mb": r1(mb(ckpt.file_bytes())), "parameters": model.config.num_parameters(),
         "baseline_rss_mb": r1(baseline), "stored_weights_mb": r1(stored), "largest_tensor_f32_mb": r1(largest),
         "bound_mb": r1(bound), "peak_rss_mb": r1(peak), "peak_over_bound": (peak / bound * 1000.0).round() / 1000.0,
-        "load_s": (load_s * 100.0).round() / 100.0, "threads": args.device.effective_threads(args.threads),
+        "load_s": (load_s * 100.0).round() / 100.0, "threads": bench.device().effective_threads(threads),
     }))
 }
 
 /// Median time of an f32 sum all-reduce of `--allreduce-values` values.
-fn allreduce(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
+fn allreduce(bench: &Bench, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
+    let args = bench.args;
     let comm = dist.comm.as_ref();
     let mut buf = vec![1f32; args.allreduce_values];
     let mut times = Vec::new();
@@ -315,7 +300,7 @@ fn allreduce(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value
         "allreduce_s_max": (quantile(&times, 1.0) * 1e4).round() / 1e4,
         // Bus bandwidth as nccl-tests defines it for all-reduce: bytes · 2(w−1)/w per second.
         "busbw_gb_per_s": (bytes * 2.0 * (comm.world_size() as f64 - 1.0) / comm.world_size() as f64 / med / 1e7).round() / 100.0,
-        "threads": args.device.effective_threads(args.threads),
+        "threads": bench.device().effective_threads(bench.config.run.threads),
     }))
 }
 
@@ -323,7 +308,7 @@ fn allreduce(args: &BenchArgs, dist: &crate::dist::Dist) -> anyhow::Result<Value
 /// batch from the same generator and trains its share, so any world size sees the same data.
 /// On CUDA the phases are timed with the device waited for at each boundary.
 fn bench_step(
-    args: &BenchArgs,
+    bench: &Bench,
     config: &LlamaConfig,
     dist: &crate::dist::Dist,
     model: &mut LlamaForCausalLM,
@@ -333,21 +318,23 @@ fn bench_step(
 ) -> anyhow::Result<crate::engine::step::StepStats> {
     // Under context parallelism the ranks of a group train the same sequences.
     let (rank, world) = dist.data_share();
-    let mut all: Vec<_> = (0..args.accum * world)
-        .map(|_| random_batch(rng, args.batch, args.seq_len, config.vocab_size, device))
+    let accum = bench.args.accum;
+    let mut all: Vec<_> = (0..accum * world)
+        .map(|_| random_batch(rng, bench.batch(), bench.seq_len(), config.vocab_size, device))
         .collect();
     let targets: usize = all.iter().map(|b| b.2).sum();
     let mine: Vec<MicroBatch> = all
         .drain(..)
-        .skip(rank * args.accum)
-        .take(args.accum)
+        .skip(rank * accum)
+        .take(accum)
         .map(|(ids, labels, _)| MicroBatch { ids, labels, packed: None, seed: None })
         .collect();
+    let run = &bench.config;
     let opts = StepOptions {
-        lr: args.lr,
-        clip_grad_norm: args.max_grad_norm,
-        recompute_layers: args.recompute_layers,
-        sync_phases: args.device.is_cuda(),
+        lr: run.optim.lr,
+        clip_grad_norm: run.optim.clip_grad_norm,
+        recompute_layers: run.train.recompute_layers,
+        sync_phases: bench.device().is_cuda(),
     };
     train_step(model, optim, dist.comm.as_ref(), mine, targets, opts)
 }
@@ -372,45 +359,35 @@ fn heap_mb() -> f64 {
     llora_model::device::heap_bytes().unwrap_or_default().in_use as f64 / (1 << 20) as f64
 }
 
-/// Builds the preset with the bench's adapters and precision on `device` (autodiff).
-fn build(args: &BenchArgs, dist: &crate::dist::Dist, device: &Device) -> anyhow::Result<Built> {
+/// Builds the model as training does (`model.path` or `model.preset`, with `[lora]` and the
+/// precision) on `device` (autodiff), and the plan's prediction for the bench's batches.
+fn build(bench: &Bench, dist: &crate::dist::Dist, device: &Device) -> anyhow::Result<Built> {
+    let run = &bench.config;
     let (rss_before, heap_before) = (rss_mb(), heap_mb());
     let t_build = Instant::now();
-    let config = LlamaConfig::preset(&args.preset)?;
-    let spec = LoraSpec {
-        rank: args.lora_r,
-        alpha: args.lora_alpha,
-        dropout: args.lora_dropout,
-        targets: args.targets.split(',').map(str::to_string).collect(),
-        dora: args.dora,
-        ..LoraSpec::default()
-    };
-    let precision = precision_spec(args)?;
-    let plan = crate::plan::budget(&crate::plan::Shape {
-        model: config.clone(),
-        lora: spec.clone(),
-        precision,
-        micro_batch: args.batch,
-        seq_len: args.seq_len,
-        // random_batch: the second half of each row, but its last position, has a target.
-        target_fraction: (args.seq_len - args.seq_len / 2 - 1) as f64 / args.seq_len as f64,
-        recompute_layers: args.recompute_layers,
-        shard_frozen_weights: args.shard_frozen_weights,
-        world: dist.world.size,
-        context_parallel: args.cp,
-        target: if args.device.is_cuda() { crate::plan::Target::Cuda } else { crate::plan::Target::Cpu },
-        threads: args.device.effective_threads(args.threads),
-        native_bf16_gemm: args.device.is_cuda() || llora_model::precision::bf16::native_on_this_cpu(),
-    });
-    let sharding = dist.sharding(args.shard_frozen_weights);
-    let opts = BuildOptions { lora: Some(&spec), trainable: false, precision: Some(precision), sharding };
-    let mut model = LlamaForCausalLM::random(&config, &opts, device)?;
+    let mut shape = crate::plan::shape_of(run, dist.world.size)?;
+    let seq = bench.seq_len();
+    // random_batch: the second half of each row, but its last position, has a target.
+    shape.target_fraction = (seq - seq / 2 - 1) as f64 / seq as f64;
+    shape.threads = bench.device().effective_threads(run.run.threads);
+    let plan = crate::plan::budget(&shape);
+    let sharding = dist.sharding(run.train.shard_frozen_weights);
+    let mut model = crate::engine::setup::load_model(run, &run.lora, sharding, device)?;
     model.context = dist.context_parallel();
     let layer0 = model.layers.first().map_or(Vec::new(), |l| l.linears());
     let weight_bytes = layer0.iter().map(|(_, l)| l.base_weight_bytes()).sum();
     let build_s = t_build.elapsed().as_secs_f64();
     let (rss, heap) = ((rss_before, peak_rss_mb()), (heap_before, heap_mb()));
-    Ok(Built { config, precision, model, plan, weight_bytes, build_s, rss, heap })
+    Ok(Built {
+        config: model.config.clone(),
+        precision: run.precision_spec(),
+        model,
+        plan,
+        weight_bytes,
+        build_s,
+        rss,
+        heap,
+    })
 }
 
 /// What the warm-up and timed steps measured.
@@ -441,7 +418,7 @@ type Window = (Option<(f64, f64)>, f64, Instant);
 /// What every step of a bench uses besides the model: its arguments, the ranks, the optimizer,
 /// the random batches' generator and the device.
 struct Stepper<'a> {
-    args: &'a BenchArgs,
+    bench: &'a Bench<'a>,
     dist: &'a crate::dist::Dist,
     optim: AdamW,
     rng: rand_chacha::ChaCha8Rng,
@@ -451,13 +428,13 @@ struct Stepper<'a> {
 impl Stepper<'_> {
     /// One optimizer step of `built`'s model on fresh random batches.
     fn step(&mut self, built: &mut Built) -> anyhow::Result<crate::engine::step::StepStats> {
-        bench_step(self.args, &built.config, self.dist, &mut built.model, &mut self.optim, &mut self.rng, &self.device)
+        bench_step(self.bench, &built.config, self.dist, &mut built.model, &mut self.optim, &mut self.rng, &self.device)
     }
 }
 
 /// The bench's warm-up and timed steps.
 fn timed_steps(stepper: &mut Stepper, built: &mut Built) -> anyhow::Result<Timed> {
-    let (args, dist) = (stepper.args, stepper.dist);
+    let (args, dist) = (stepper.bench.args, stepper.dist);
     let mut t = Timed { loss: f64::NAN, ..Timed::default() };
     for step in 0..args.warmup + args.steps {
         let (c0, t0) = (cpu_seconds(), Instant::now());
@@ -580,7 +557,7 @@ fn extra_steps(
     let counter = llora_model::diagnostics::Counter::start().map_err(anyhow::Error::msg)?;
     stepper.step(built)?;
     let counts = counter.finish();
-    if let Some(path) = stepper.args.trace.as_deref().map(|p| trace_path(p, stepper.dist)) {
+    if let Some(path) = stepper.bench.args.trace.as_deref().map(|p| trace_path(p, stepper.dist)) {
         anyhow::ensure!(!path.exists(), "--trace: {} already exists: llora never writes over a file", path.display());
         let trace = llora_model::diagnostics::Trace::start(cuda).map_err(anyhow::Error::msg)?;
         stepper.step(built)?;
@@ -607,24 +584,19 @@ fn trace_path(path: &Path, dist: &crate::dist::Dist) -> PathBuf {
 }
 
 /// Timed LoRA steps of a preset on random tokens.
-fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
-    anyhow::ensure!(args.seq_len >= 4, "--seq-len must be at least 4");
-    anyhow::ensure!(args.accum >= 1, "--accum must be at least 1");
-    anyhow::ensure!(args.steps >= 1, "--steps must be at least 1");
+fn train(bench: &Bench, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> anyhow::Result<Value> {
+    let (args, run) = (bench.args, &bench.config);
+    let (seq_len, batch, cp) = (bench.seq_len(), bench.batch(), bench.cp());
+    anyhow::ensure!(seq_len >= 4, "--seq-len must be at least 4");
     let la0 = loadavg();
-    let device = device_spec.init(args.threads)?;
+    let device = device_spec.init(run.run.threads)?;
     let train_device = device.clone().autodiff();
-    train_device.seed(args.seed);
-    let mut built = build(args, dist, &train_device)?;
+    train_device.seed(run.run.seed);
+    let mut built = build(bench, dist, &train_device)?;
     let heap_peak = HeapPeak::start();
-    let optim = AdamW::new(OptimConfig {
-        lr: args.lr,
-        weight_decay: args.weight_decay,
-        clip_grad_norm: args.max_grad_norm,
-        ..OptimConfig::default()
-    });
-    let rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed + 1);
-    let mut stepper = Stepper { args, dist, optim, rng, device: train_device.clone() };
+    let optim = AdamW::new(run.optim.clone());
+    let rng = rand_chacha::ChaCha8Rng::seed_from_u64(run.run.seed + 1);
+    let mut stepper = Stepper { bench, dist, optim, rng, device: train_device.clone() };
     let cuda_index = match device_spec {
         DeviceSpec::Cuda(n) => Some(n),
         _ => None,
@@ -642,30 +614,29 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     let peak_rss = peak_rss_mb();
     let counts = extra_steps(&mut stepper, &mut built, cuda_index.is_some())?;
     let Built { config, precision, model, plan, .. } = &built;
-    let block = block_memory(model, args.batch, args.seq_len, &train_device);
+    let block = block_memory(model, batch, seq_len, &train_device);
     // Per rank: its accum × batch sequences (a 1/cp share of each under context parallelism:
     // the balanced chunks give every rank of a group the same work).
-    let seqs = args.batch * args.accum;
+    let seqs = batch * args.accum;
     let adapters = crate::flops::Adapters::of(model);
-    let flops = crate::flops::Flops::sequence(config, adapters, args.seq_len, false)
-        .times(seqs as u64)
-        .to_json(config, adapters);
+    let flops =
+        crate::flops::Flops::sequence(config, adapters, seq_len, false).times(seqs as u64).to_json(config, adapters);
     let per_step = flops["flops_per_step"].as_f64().unwrap_or(0.0);
     let mut breakdown = flops.as_object().cloned().unwrap_or_default();
     breakdown.remove("flops_per_step");
     let shape = json!({
-        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "dtype": precision.compute.name(),
-        "accum": args.accum, "world": dist.world.size, "context_parallel": args.cp,
-        "recompute_layers": args.recompute_layers, "collectives": dist.comm.backend(),
-        "fp8_activations": args.fp8_activations, "fp8_weights": args.fp8_weights,
-        "fp8_weights_one_layout": args.fp8_weights_one_layout, "dora": args.dora,
+        "preset": run.model.preset, "model_path": run.model.path, "seq_len": seq_len, "batch": batch, "dtype": precision.compute.name(),
+        "accum": args.accum, "world": dist.world.size, "context_parallel": cp,
+        "recompute_layers": run.train.recompute_layers, "collectives": dist.comm.backend(),
+        "fp8_activations": precision.fp8_activations, "fp8_weights": precision.fp8_weights,
+        "fp8_weights_one_layout": precision.fp8_weights_one_layout, "dora": run.lora.dora,
         "adapter_compute": precision.for_adapters().compute.name(),
         "nf4": precision.nf4.map(|n| json!({"block": n.block, "double": n.double})),
         "trainable_params": model.num_lora_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "flops_per_step": per_step, "flops_breakdown": breakdown,
         "warmup": args.warmup, "steps": args.steps,
-        "threads": args.device.effective_threads(args.threads),
+        "threads": bench.device().effective_threads(run.run.threads),
         "trace": args.trace.as_deref().map(|p| trace_path(p, dist).display().to_string()),
         "phases_synchronised": cuda_index.is_some(),
     });
@@ -689,10 +660,10 @@ fn train(args: &BenchArgs, device_spec: DeviceSpec, dist: &crate::dist::Dist) ->
     });
     let run = run_json(&counts, la0, built.build_s);
     // This rank's tokens: under context parallelism the group's ranks share each sequence.
-    let tokens = (seqs * args.seq_len) as f64 / args.cp.max(1) as f64;
+    let tokens = (seqs * seq_len) as f64 / cp.max(1) as f64;
     Ok(merged([
         shape,
-        timed.to_json(tokens, dist.world.size, per_step / args.cp.max(1) as f64),
+        timed.to_json(tokens, dist.world.size, per_step / cp.max(1) as f64),
         memory,
         timed.fp8_json(cuda_index.is_some()),
         run,
