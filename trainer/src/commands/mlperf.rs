@@ -87,7 +87,7 @@ pub fn run_many(
             Ok(outcome) => outcome.result_log,
             Err(e) => {
                 error!(run = i, "run failed: {e:#}");
-                c.run.dir.join(crate::engine::run_dir::RESULT_LOG)
+                c.run.dir.join(crate::engine::outputs::RESULT_LOG)
             }
         };
         if main && log.is_file() {

@@ -7,7 +7,7 @@ use tracing::info;
 
 use crate::config::{Config, PretrainConfig, Trainable};
 use crate::dist::Dist;
-use crate::engine::run_dir;
+use crate::engine::outputs;
 use crate::engine::train::{self, Request, RunStatus};
 
 /// The train command's first step: when `[model.pretrain]` asks for a base and `model.path`
@@ -73,7 +73,7 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     }
     // The checkpoint was written completely in the run directory; one rename publishes it.
-    std::fs::rename(c.run.dir.join(run_dir::FULL_CHECKPOINT), path)
+    std::fs::rename(c.run.dir.join(outputs::FULL_CHECKPOINT), path)
         .with_context(|| format!("cannot move the pre-trained base to {}", path.display()))?;
     info!(path = %path.display(), "pre-trained base saved");
     Ok(())

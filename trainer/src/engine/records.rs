@@ -9,7 +9,7 @@ use crate::dist::Dist;
 use crate::engine::events::{Observer, RunEvent, RunStatus};
 use crate::engine::mllog::{MlperfKeys, RunLog, now_ms};
 use crate::engine::observe::{Metrics, Progress};
-use crate::engine::run_dir;
+use crate::engine::outputs;
 
 /// The run's records: the MLPerf result log, `metrics.jsonl` and the progress bar, each an
 /// [`Observer`] of the run's events (silent on ranks other than 0).
@@ -36,8 +36,8 @@ impl Records {
         let keys = MlperfKeys::of(config, dist.world.nodes(), geometry.accumulation(), name);
         // A resumed run appends to its log; that log then tells the story of an interrupted
         // run, which the MLPerf rules do not accept as a result (they time uninterrupted runs).
-        let log = RunLog::open(&run_dir.join(run_dir::RESULT_LOG), main, resumed_at.is_some(), keys)?;
-        let metrics = Metrics::open(&run_dir.join(run_dir::METRICS), resumed_at, main)?;
+        let log = RunLog::open(&run_dir.join(outputs::RESULT_LOG), main, resumed_at.is_some(), keys)?;
+        let metrics = Metrics::open(&run_dir.join(outputs::METRICS), resumed_at, main)?;
         let bar = Progress::new(config, resumed_at.unwrap_or(0), main);
         Ok(Self { log, metrics, bar })
     }
@@ -46,7 +46,7 @@ impl Records {
     pub(crate) fn discard(self, config: &Config, main: bool) {
         drop(self);
         if main {
-            for name in [run_dir::RESULT_LOG, run_dir::METRICS] {
+            for name in [outputs::RESULT_LOG, outputs::METRICS] {
                 let _ = std::fs::remove_file(config.run.dir.join(name));
             }
         }

@@ -24,94 +24,18 @@
 //! With several ranks, rank 0 decides (and moves files), publishes its decision in the c10d
 //! store, and every rank follows it, or fails with rank 0's reason.
 //!
-//! A live run holds a lock on its directory (`flock` on `.llora-run.lock`, which names its PID
-//! and host): a second `llora train` on the same directory, fresh, `--overwrite`, `--resume` or
-//! auto-resumed, is refused naming the live run, before it moves or writes anything. The lock
-//! goes with the process, so a crashed or killed run never leaves one behind.
+//! A live run's directory is refused to every other run (its lock: `run_lock.rs`).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::dist::Collective;
 use crate::engine::checkpoints::{REPLACED, RESUME};
-
-/// The MLPerf result log of a run.
-pub const RESULT_LOG: &str = "result_0.txt";
-/// One JSON record per step and per evaluation.
-pub const METRICS: &str = "metrics.jsonl";
-/// The loss plot.
-pub const PLOT: &str = "loss.svg";
-/// The adapters of a finished LoRA run (PEFT format).
-pub const ADAPTER: &str = "adapter";
-/// The weights of a finished full fine-tuning run (HF format).
-pub const FULL_CHECKPOINT: &str = "checkpoint";
-
-/// The file a live run locks in its directory (see the module doc).
-pub const LOCK: &str = ".llora-run.lock";
-
-/// A run directory's lock, held while the run lives (released on drop or at the process's end).
-#[derive(Debug)]
-pub struct RunLock {
-    _file: std::fs::File,
-}
-
-/// Takes the lock of `dir` (created if absent), or fails naming the live run that holds it.
-pub fn lock(dir: &Path) -> anyhow::Result<RunLock> {
-    use std::io::Write;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let path = dir.join(LOCK);
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => return Err(live_run(dir)),
-        Err(std::fs::TryLockError::Error(e)) => {
-            return Err(e).with_context(|| format!("cannot lock {}", path.display()));
-        }
-    }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "unknown host".into());
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let owner = format!("llora PID {} on {}, since unix time {since}\n", std::process::id(), host.trim());
-    file.set_len(0)
-        .and_then(|()| file.write_all(owner.as_bytes()))
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(RunLock { _file: file })
-}
-
-/// The error for a directory a live run holds, naming it from its lock file.
-fn live_run(dir: &Path) -> anyhow::Error {
-    let owner = std::fs::read_to_string(dir.join(LOCK)).unwrap_or_default();
-    anyhow::anyhow!(
-        "run.dir {} is in use by a live llora run ({}): a second run there would mix with it. Wait for it to \
-         end, stop it (SIGINT checkpoints it), or choose another run.dir",
-        dir.display(),
-        owner.trim().trim_start_matches("llora ")
-    )
-}
-
-/// Refuses `dir` while a live run holds its lock; changes nothing in it (an earlier run's
-/// directory stays byte for byte as it was).
-pub fn refuse_if_live(dir: &Path) -> anyhow::Result<()> {
-    let Ok(file) = std::fs::File::open(dir.join(LOCK)) else { return Ok(()) };
-    match file.try_lock() {
-        Ok(()) => {
-            let _ = file.unlock();
-            Ok(())
-        }
-        Err(std::fs::TryLockError::WouldBlock) => Err(live_run(dir)),
-        Err(std::fs::TryLockError::Error(_)) => Ok(()),
-    }
-}
-
-/// Everything a run writes in its directory; other files there are not llora's and stay.
-const OUTPUTS: &[&str] = &[RESULT_LOG, METRICS, PLOT, ADAPTER, FULL_CHECKPOINT, RESUME];
+use crate::engine::claim::Claim;
+use crate::engine::outputs::{ADAPTER, FULL_CHECKPOINT, OUTPUTS, RESULT_LOG};
+use crate::engine::run_lock::refuse_if_live;
 
 /// What a directory holds, as far as runs go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,9 +134,9 @@ pub fn claim(
     if comm.rank() == 0 {
         let decided = decide_locked(requested, policy, compatible);
         let message = match &decided {
-            Ok(c) if c.resume => format!("resume\n{}", c.dir.display()),
-            Ok(c) if c.finished => format!("finished\n{}", c.dir.display()),
-            Ok(c) => format!("ok\n{}", c.dir.display()),
+            Ok(c) if c.resumes() => format!("resume\n{}", c.dir().display()),
+            Ok(c) if c.finished() => format!("finished\n{}", c.dir().display()),
+            Ok(c) => format!("ok\n{}", c.dir().display()),
             Err(e) => format!("error\n{e:#}"),
         };
         comm.publish(&key, message.as_bytes())?;
@@ -235,12 +159,8 @@ pub fn claim(
 fn decide_locked(requested: &Path, policy: Policy, compatible: Compatible<'_>) -> anyhow::Result<Claim> {
     refuse_if_live(requested)?;
     refuse_if_live(&last_taken(requested))?;
-    let mut claim = decide(requested, policy, compatible)?;
-    if !claim.finished {
-        claim.created = !claim.dir.exists();
-        claim.lock = Some(lock(&claim.dir)?);
-    }
-    Ok(claim)
+    let claim = decide(requested, policy, compatible)?;
+    if claim.finished() { Ok(claim) } else { claim.locked() }
 }
 
 /// Rank 0's decision, with the moves `overwrite` makes.
@@ -350,8 +270,7 @@ fn free_sibling(dir: &Path) -> anyhow::Result<PathBuf> {
 fn displace(dir: &Path) -> anyhow::Result<Claim> {
     let replaced = dir.join(REPLACED);
     std::fs::create_dir(&replaced).with_context(|| format!("cannot create {}", replaced.display()))?;
-    let mut claim = Claim::existing(dir.to_path_buf());
-    claim.replaced = Some(replaced.clone());
+    let claim = Claim::replacing(dir, &replaced);
     for name in OUTPUTS {
         let from = dir.join(name);
         if from.symlink_metadata().is_ok() {
@@ -363,115 +282,6 @@ fn displace(dir: &Path) -> anyhow::Result<Claim> {
     info!(dir = %dir.display(), kept_in = %replaced.display(),
         "--overwrite: the earlier run's outputs are kept aside until this run saves its first checkpoint");
     Ok(claim)
-}
-
-/// The directory a run writes to; while it holds replaced outputs, dropping it unsettled
-/// (the run failed before saving anything) moves them back.
-#[derive(Debug)]
-pub struct Claim {
-    dir: PathBuf,
-    replaced: Option<PathBuf>,
-    resume: bool,
-    finished: bool,
-    /// The directory's lock, on the rank that writes there.
-    lock: Option<RunLock>,
-    /// The directory did not exist before the lock made it.
-    created: bool,
-}
-
-impl Claim {
-    /// A directory taken as it is (a free one, a resumed run's, or rank 0's decision).
-    pub fn existing(dir: PathBuf) -> Self {
-        Self { dir, replaced: None, resume: false, finished: false, lock: None, created: false }
-    }
-
-    /// A run directory to continue (`llora train --resume DIR`), locked on the writing rank
-    /// (`main`): refused while a live run holds it.
-    pub fn resumed(dir: PathBuf, main: bool) -> anyhow::Result<Self> {
-        let lock = if main { Some(lock(&dir)?) } else { None };
-        Ok(Self { dir, replaced: None, resume: false, finished: false, lock, created: false })
-    }
-
-    /// The interrupted run in `dir`, to be continued (`run.resume = "auto"`).
-    fn resuming(dir: &Path) -> Self {
-        Self { dir: dir.to_path_buf(), replaced: None, resume: true, finished: false, lock: None, created: false }
-    }
-
-    /// The finished run of this job in `dir`, found by a restarted attempt: nothing to train.
-    fn finished_run(dir: &Path) -> Self {
-        Self { dir: dir.to_path_buf(), replaced: None, resume: false, finished: true, lock: None, created: false }
-    }
-
-    /// Whether the job's run in [`Self::dir`] has already finished (a restarted attempt).
-    pub fn finished(&self) -> bool {
-        self.finished
-    }
-
-    /// Whether the run continues the interrupted run in [`Self::dir`].
-    pub fn resumes(&self) -> bool {
-        self.resume
-    }
-
-    /// Where the run writes.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The run has saved a checkpoint or its results: what `--overwrite` replaced goes.
-    pub fn settle(&mut self) {
-        if let Some(replaced) = self.replaced.take() {
-            match std::fs::remove_dir_all(&replaced) {
-                Ok(()) => info!(removed = %replaced.display(), "the replaced run's outputs are deleted"),
-                Err(e) => warn!("cannot delete {} (the replaced run's outputs): {e}", replaced.display()),
-            }
-        }
-    }
-
-    /// Puts the replaced outputs back, removing what the new run wrote under the same names.
-    fn restore(&mut self, replaced: &Path) -> std::io::Result<()> {
-        for name in OUTPUTS {
-            let kept = replaced.join(name);
-            if kept.symlink_metadata().is_err() {
-                continue;
-            }
-            let target = self.dir.join(name);
-            if target.is_dir() {
-                std::fs::remove_dir_all(&target)?;
-            } else if target.symlink_metadata().is_ok() {
-                std::fs::remove_file(&target)?;
-            }
-            std::fs::rename(&kept, &target)?;
-        }
-        std::fs::remove_dir(replaced)
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if let Some(replaced) = self.replaced.take() {
-            match self.restore(&replaced) {
-                Ok(()) => {
-                    warn!(dir = %self.dir.display(), "the run stopped before saving anything: the earlier run's outputs are back")
-                }
-                Err(e) => warn!(
-                    "the run stopped before saving anything, and the earlier run's outputs could not all be moved \
-                     back ({e}); they are in {}",
-                    replaced.display()
-                ),
-            }
-        }
-        // A directory made only to hold the lock, by a run refused before writing anything,
-        // goes again: a refused command leaves nothing behind.
-        if self.created {
-            let only_lock =
-                std::fs::read_dir(&self.dir).is_ok_and(|d| d.flatten().all(|e| e.file_name().to_str() == Some(LOCK)));
-            if only_lock {
-                self.lock.take();
-                let _ = std::fs::remove_file(self.dir.join(LOCK));
-                let _ = std::fs::remove_dir(&self.dir);
-            }
-        }
-    }
 }
 
 /// `llora train --resume`: the run directory must hold an interrupted run.
@@ -624,7 +434,7 @@ mod tests {
         let run = dir.path().join("run");
         touch(&run.join("resume/step-00000002/state.json"));
         touch(&run.join(RESULT_LOG));
-        let live = lock(&run).unwrap();
+        let live = crate::engine::run_lock::lock(&run).unwrap();
         let me = format!("PID {}", std::process::id());
         for policy in [
             Policy::default(),

@@ -22,12 +22,13 @@ use tracing::info;
 
 use crate::config::{Config, Trainable};
 use crate::dist::Dist;
+use crate::engine::claim;
 use crate::engine::events::RunEvent;
 use crate::engine::mllog::now_ms;
 use crate::engine::optim::AdamW;
+use crate::engine::outputs;
 use crate::engine::records::Records;
 use crate::engine::resume::{self, Checkpoint, TrainState};
-use crate::engine::run_dir;
 use crate::engine::stop_signal::StopSignal;
 use crate::engine::trainer::Trainer;
 
@@ -40,7 +41,7 @@ impl<'a> Trainer<'a> {
         name: &str,
         dist: &'a Dist,
         resumed: Option<Checkpoint>,
-        claim: run_dir::Claim,
+        claim: claim::Claim,
     ) -> anyhow::Result<Self> {
         let (device_spec, device) = start_device(config, name, dist)?;
         check_inputs(config, dist.world.size)?;
@@ -95,7 +96,7 @@ impl<'a> Trainer<'a> {
             eval_set: data.eval,
             batches,
             records,
-            result_log: config.run.dir.join(run_dir::RESULT_LOG),
+            result_log: config.run.dir.join(outputs::RESULT_LOG),
             stop: StopSignal::install()?,
             tokens_here: 0,
             t_train: Instant::now(),

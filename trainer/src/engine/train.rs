@@ -15,6 +15,8 @@ use tracing::info;
 
 use crate::config::{Config, Override};
 use crate::dist::Dist;
+use crate::engine::claim;
+use crate::engine::outputs;
 use crate::engine::resume::{self, Checkpoint};
 use crate::engine::run_dir;
 use crate::engine::trainer::Trainer;
@@ -63,7 +65,7 @@ struct Started {
     config: Config,
     name: String,
     checkpoint: Option<Checkpoint>,
-    claim: run_dir::Claim,
+    claim: claim::Claim,
 }
 
 /// `llora train` on `dist`'s ranks, top to bottom: the ranks agree on the config and the data;
@@ -92,7 +94,7 @@ pub fn run(request: Request, dist: &Dist) -> anyhow::Result<Outcome> {
 fn decide_start(request: Request, dist: &Dist) -> anyhow::Result<Start> {
     let (config, name, overwrite) = match request {
         Request::Resume(Resumed { checkpoint, config, name }) => {
-            let claim = run_dir::Claim::resumed(config.run.dir.clone(), dist.is_main())?;
+            let claim = claim::Claim::resumed(config.run.dir.clone(), dist.is_main())?;
             return Ok(Start::Run(Box::new(Started { config, name, checkpoint: Some(checkpoint), claim })));
         }
         Request::Config { config, name, overwrite } => (config, name, overwrite),
@@ -137,7 +139,7 @@ fn decide_start(request: Request, dist: &Dist) -> anyhow::Result<Start> {
 /// The outcome of the finished run in `dir`, read from its result log (a restarted attempt
 /// reports it instead of training again).
 fn finished_outcome(dir: &Path) -> anyhow::Result<Outcome> {
-    let result_log = dir.join(run_dir::RESULT_LOG);
+    let result_log = dir.join(outputs::RESULT_LOG);
     let r = crate::mlperf::read_result(&result_log)?;
     let status = if r.converged() { RunStatus::Success } else { RunStatus::Aborted };
     info!(
@@ -169,7 +171,7 @@ pub struct Resumed {
 pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed> {
     // No checkpoint in the directory of a live run: the live run is the answer (only then:
     // under a launcher, rank 0 may already hold the lock of the run every rank resumes).
-    let checkpoint = resume::load(dir).map_err(|e| run_dir::refuse_if_live(dir).err().unwrap_or(e))?;
+    let checkpoint = resume::load(dir).map_err(|e| crate::engine::run_lock::refuse_if_live(dir).err().unwrap_or(e))?;
     let name = checkpoint.dir.join("config.toml").display().to_string();
     let mut config = Config::parse(&name, &checkpoint.config_toml, overrides)?;
     // The run continues where its files are, even if the directory was moved.

@@ -19,15 +19,16 @@ use tracing::{debug_span, info};
 
 use crate::config::{Averaging, Config, Trainable};
 use crate::dist::{Dist, ReduceOp};
+use crate::engine::claim;
 use crate::engine::eval::{EvalBatching, evaluate};
 use crate::engine::events::RunStatus;
 use crate::engine::events::{RunEvent, StepReport};
 use crate::engine::mllog::now_ms;
 use crate::engine::optim::lr_at;
 use crate::engine::outcome::{Interrupted, Outcome};
+use crate::engine::outputs;
 use crate::engine::records::Records;
 use crate::engine::resume::{self, TrainState};
-use crate::engine::run_dir;
 use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, train_step, upload};
 use crate::engine::stop_signal::StopSignal;
 
@@ -59,7 +60,7 @@ pub struct Trainer<'a> {
     /// peak of the GPU's name (`flops::gpu_peak_tflops`); `None`: MFU is not reported.
     pub(super) peak_tflops: Option<f64>,
     /// The run directory; what `--overwrite` replaced is deleted once this run saved something.
-    pub(super) claim: run_dir::Claim,
+    pub(super) claim: claim::Claim,
 }
 
 impl Trainer<'_> {
@@ -305,13 +306,13 @@ impl<'a> Trainer<'a> {
         let run_dir = &self.config.run.dir;
         Ok(match self.config.model.trainable {
             Trainable::All => {
-                let dir = run_dir.join(run_dir::FULL_CHECKPOINT);
+                let dir = run_dir.join(outputs::FULL_CHECKPOINT);
                 let model = &mut self.model;
                 crate::paths::write_dir_atomic(&dir, |tmp| save_hf_checkpoint(model, tmp))?;
                 dir
             }
             Trainable::Lora => {
-                let dir = run_dir.join(run_dir::ADAPTER);
+                let dir = run_dir.join(outputs::ADAPTER);
                 let (model, spec, base) = (&self.model, &self.spec, &self.base_name);
                 crate::paths::write_dir_atomic(&dir, |tmp| save_peft_adapter(model, spec, tmp, base))?;
                 dir
@@ -341,7 +342,7 @@ impl<'a> Trainer<'a> {
         let Some(saved) = saved else { return Ok(outcome) };
         let run_dir = &self.config.run.dir;
         self.claim.settle();
-        let plot = run_dir.join(run_dir::PLOT);
+        let plot = run_dir.join(outputs::PLOT);
         let curve = crate::plot::Curve {
             label: self.name.clone(),
             train: self.records.metrics.train.clone(),
