@@ -68,7 +68,7 @@ enum ShardKind {
     F32,
     Bf16,
     /// E4M3 codes with the inverse of the whole tensor's scale.
-    Fp8(f32),
+    Fp8(crate::fp8::tensor::InvScale),
     /// NF4 codes (the bytes sharded) with their block scales (kept whole on every rank: a
     /// 64th of the codes' size or less).
     Nf4(Nf4Scales, usize),
@@ -117,7 +117,7 @@ impl WeightShard {
         let (tensor, kind) = match &whole {
             StoredWeight::F32(t) => (&t.tensor, ShardKind::F32),
             StoredWeight::Bf16(t) => (&t.tensor, ShardKind::Bf16),
-            StoredWeight::Fp8 { codes, scale_inv, .. } => (&codes.tensor, ShardKind::Fp8(*scale_inv)),
+            StoredWeight::Fp8(q) => (q.codes(), ShardKind::Fp8(q.inv_scale().clone())),
             StoredWeight::Nf4 { codes, absmax, block, .. } => (&codes.tensor, ShardKind::Nf4(absmax.clone(), *block)),
         };
         let bytes_of = tensor.contiguous().view([-1]).view_dtype(Kind::Uint8);
@@ -183,9 +183,7 @@ impl WeightShard {
             ShardKind::F32 => StoredWeight::F32(TchTensor::new(whole())),
             ShardKind::Bf16 => StoredWeight::Bf16(TchTensor::new(whole())),
             // The transpose the CUDA input-gradient GEMM needs is made as it runs.
-            ShardKind::Fp8(scale_inv) => {
-                StoredWeight::Fp8 { codes: TchTensor::new(whole()), scale_inv: *scale_inv, transposed: None }
-            }
+            ShardKind::Fp8(inv_scale) => StoredWeight::Fp8(crate::fp8::Fp8Tensor::new(whole(), inv_scale.clone())),
             // NF4 codes stay a byte vector (two values a byte).
             ShardKind::Nf4(absmax, block) => StoredWeight::Nf4 {
                 codes: TchTensor::new(bytes.shallow_clone()),

@@ -20,7 +20,8 @@ use std::sync::{Once, OnceLock};
 
 use tch::{Kind, Tensor};
 
-use crate::fp8::{Fp8Format, dequantize, quantize_tch};
+use crate::fp8::tensor::Fp8Tensor;
+use crate::fp8::{Fp8Format, quantize_tch};
 
 /// FP8 GEMMs run since the last [`take_gemm_counts`], by path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -78,8 +79,8 @@ pub fn cpu_path() -> (CpuPath, f64, f64) {
         };
         let a = quantize_tch(&r(0), 16.0, Fp8Format::E4M3);
         let w = quantize_tch(&r(5), 16.0, Fp8Format::E4M3);
-        let (a, b) =
-            (Fp8Operand { codes: &a, scale_inv: 1.0 / 16.0 }, Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 16.0 });
+        let (a, b) = (Fp8Tensor::host(a, 1.0 / 16.0), Fp8Tensor::host(w, 1.0 / 16.0).t());
+        let (a, b) = (&a, &b);
         let best = |f: &dyn Fn() -> Option<Tensor>| {
             (0..3)
                 .map(|_| {
@@ -100,22 +101,12 @@ pub fn cpu_path() -> (CpuPath, f64, f64) {
 ///
 /// # Shapes
 /// - a: `[m, k]`; b: `[k, n]`; output: `[m, n]`
-fn emulated(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind) -> Tensor {
-    let x = dequantize(a.codes, a.scale_inv);
-    crate::precision::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, |blk| {
-        x.f_matmul(&dequantize(blk, b.scale_inv)).map(|y| y.to_kind(out))
+fn emulated(a: &Fp8Tensor, b: &Fp8Tensor, out: Kind) -> Tensor {
+    let x = a.dequantize();
+    crate::precision::blocked::by_column_blocks(a.codes().size()[0], b.codes(), out, |blk| {
+        x.f_matmul(&b.dequantize_part(blk)).map(|y| y.to_kind(out))
     })
     .expect("a GEMM of valid shapes")
-}
-
-/// One operand of an FP8 GEMM: E4M3 or E5M2 codes and `1 / scale` (what multiplies the codes
-/// back to values).
-#[derive(Debug, Clone, Copy)]
-pub struct Fp8Operand<'a> {
-    /// The codes.
-    pub codes: &'a Tensor,
-    /// The dequantisation factor.
-    pub scale_inv: f32,
 }
 
 /// FP8 GEMMs this thread ran since the last call, by path.
@@ -145,7 +136,7 @@ fn refused_on_cuda(a: &Tensor, b: &Tensor) -> Option<String> {
     None
 }
 
-/// `(a · a.scale_inv) @ (b · b.scale_inv)` in `out`, accumulated in f32. `fast_accum` lets
+/// `(a · a.inv_scale) @ (b · b.inv_scale)` in `out`, accumulated in f32. `fast_accum` lets
 /// Hopper accumulate in the tensor cores' reduced-precision accumulator between promotions
 /// (Transformer Engine's choice for the forward GEMM; the gradient GEMMs do not).
 ///
@@ -153,13 +144,13 @@ fn refused_on_cuda(a: &Tensor, b: &Tensor) -> Option<String> {
 /// - a: `[m, k]` FP8, row-major
 /// - b: `[k, n]` FP8, column-major on CUDA (the transpose of a contiguous `[n, k]`)
 /// - output: `[m, n]` in `out`
-pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Tensor {
-    let device = a.codes.device();
+pub fn fp8_gemm(a: &Fp8Tensor, b: &Fp8Tensor, out: Kind, fast_accum: bool) -> Tensor {
+    let device = a.codes().device();
     if device == tch::Device::Cpu && cpu_path().0 == CpuPath::Emulated {
         count(|c| c.emulated += 1);
         return emulated(a, b, out);
     }
-    let refused = if device.is_cuda() { refused_on_cuda(a.codes, b.codes) } else { None };
+    let refused = if device.is_cuda() { refused_on_cuda(a.codes(), b.codes()) } else { None };
     let refused = match refused {
         Some(why) => why,
         None => match scaled_mm(a, b, out, fast_accum) {
@@ -172,22 +163,20 @@ pub fn fp8_gemm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: boo
     };
     count(|c| c.fallback += 1);
     WARNED.call_once(|| tracing::warn!("FP8 GEMM falls back to f32 on the dequantised operands: {refused}"));
-    dequantize(a.codes, a.scale_inv).matmul(&dequantize(b.codes, b.scale_inv)).to_kind(out)
+    a.dequantize().matmul(&b.dequantize()).to_kind(out)
 }
 
 /// `_scaled_mm` itself, on column blocks of `b` on the CPU (its CPU kernel converts both
 /// operands to f32: [`super::blocked`]).
-fn scaled_mm(a: Fp8Operand<'_>, b: Fp8Operand<'_>, out: Kind, fast_accum: bool) -> Result<Tensor, tch::TchError> {
-    let device = a.codes.device();
-    // Filled on the device: a host scalar copied from pageable memory would make the host wait
-    // for the device at every GEMM (two synchronisations per FP8 GEMM).
-    let scalar = |v: f32| Tensor::full([] as [i64; 0], f64::from(v), (Kind::Float, device));
-    let (sa, sb) = (scalar(a.scale_inv), scalar(b.scale_inv));
-    let call = |b: &Tensor| a.codes.f_internal_scaled_mm(b, &sa, &sb, None::<Tensor>, None::<Tensor>, out, fast_accum);
+fn scaled_mm(a: &Fp8Tensor, b: &Fp8Tensor, out: Kind, fast_accum: bool) -> Result<Tensor, tch::TchError> {
+    let device = a.codes().device();
+    let (sa, sb) = (a.inv_scale().on_device(device), b.inv_scale().on_device(device));
+    let call =
+        |b: &Tensor| a.codes().f_internal_scaled_mm(b, &sa, &sb, None::<Tensor>, None::<Tensor>, out, fast_accum);
     if device.is_cuda() {
-        return call(b.codes);
+        return call(b.codes());
     }
-    crate::precision::blocked::by_column_blocks(a.codes.size()[0], b.codes, out, call)
+    crate::precision::blocked::by_column_blocks(a.codes().size()[0], b.codes(), out, call)
 }
 
 /// A layer's forward (E4M3 x E4M3) and input-gradient (E5M2 x E4M3) GEMMs on `device`, in the
@@ -200,19 +189,10 @@ pub fn check_layer_gemms(device: tch::Device) -> Result<String, String> {
     let w = quantize_tch(&r([256, 128]), 64.0, Fp8Format::E4M3);
     let g = quantize_tch(&r([64, 256]), 1024.0, Fp8Format::E5M2);
     let _ = take_gemm_counts();
-    let y = fp8_gemm(
-        Fp8Operand { codes: &x, scale_inv: 1.0 / 16.0 },
-        Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 },
-        Kind::BFloat16,
-        true,
-    );
-    let w_col = w.tr().contiguous().tr();
-    let dx = fp8_gemm(
-        Fp8Operand { codes: &g, scale_inv: 1.0 / 1024.0 },
-        Fp8Operand { codes: &w_col, scale_inv: 1.0 / 64.0 },
-        Kind::BFloat16,
-        false,
-    );
+    let (xq, wq, gq) =
+        (Fp8Tensor::host(x, 1.0 / 16.0), Fp8Tensor::host(w, 1.0 / 64.0), Fp8Tensor::host(g, 1.0 / 1024.0));
+    let y = fp8_gemm(&xq, &wq.t(), Kind::BFloat16, true);
+    let dx = fp8_gemm(&gq, &wq.col_major(), Kind::BFloat16, false);
     let counts = take_gemm_counts();
     if counts.fallback > 0 {
         return Err(format!("{} of 2 GEMMs fell back from _scaled_mm", counts.fallback));
@@ -221,9 +201,9 @@ pub fn check_layer_gemms(device: tch::Device) -> Result<String, String> {
         let err = (got.to_kind(Kind::Float) - want).abs().max().double_value(&[]);
         err / want.abs().max().double_value(&[]).max(1e-30)
     };
-    let wd = dequantize(&w, 1.0 / 64.0);
-    let ey = rel(&y, &dequantize(&x, 1.0 / 16.0).matmul(&wd.tr()));
-    let edx = rel(&dx, &dequantize(&g, 1.0 / 1024.0).matmul(&wd));
+    let wd = wq.dequantize();
+    let ey = rel(&y, &xq.dequantize().matmul(&wd.tr()));
+    let edx = rel(&dx, &gq.dequantize().matmul(&wd));
     if ey > 1.0 / 128.0 || edx > 1.0 / 128.0 {
         return Err(format!("relative error y {ey:.2e}, dx {edx:.2e} (bf16 output allows 7.8e-3)"));
     }
@@ -248,9 +228,9 @@ mod tests {
             for a_format in [Fp8Format::E4M3, Fp8Format::E5M2] {
                 let a = quantize_tch(&Tensor::randn([m, k], (Kind::Float, tch::Device::Cpu)), 8.0, a_format);
                 let w = quantize_tch(&Tensor::randn([n, k], (Kind::Float, tch::Device::Cpu)), 64.0, Fp8Format::E4M3);
-                let (a, b) =
-                    (Fp8Operand { codes: &a, scale_inv: 0.125 }, Fp8Operand { codes: &w.tr(), scale_inv: 1.0 / 64.0 });
-                let want = dequantize(a.codes, a.scale_inv).matmul(&dequantize(b.codes, b.scale_inv));
+                let (a, b) = (Fp8Tensor::host(a, 0.125), Fp8Tensor::host(w, 1.0 / 64.0).t());
+                let (a, b) = (&a, &b);
+                let want = a.dequantize().matmul(&b.dequantize());
                 let scale = want.abs().max().double_value(&[]);
                 // torch's CPU kernel itself, and the path `fp8_gemm` takes on this CPU.
                 let direct = |out, fast| scaled_mm(a, b, out, fast).unwrap();

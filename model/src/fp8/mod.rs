@@ -5,12 +5,13 @@
 //! |---|---|
 //! | the formats E4M3 / E5M2, and an exact scalar emulation of torch's cast | [`format`](mod@format) |
 //! | the recipe: delayed-scaling settings, one tensor's amax history and scale, a linear's three | [`recipe`] |
+//! | the one FP8 tensor: codes + inverse scale (host or device) + kept transpose; codes a kernel writes | [`tensor`] |
 //! | quantise / dequantise / amax, each on the fastest route its device checked | [`quantize`] |
 //! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
 //! | one input's codes made once and handed to each GEMM reading it (q/k/v, gate/up, down) | [`shared_codes`] |
-//! | the FP8 linear: GEMM operands, what is saved for backward | `precision/linear.rs`, `precision/nodes.rs` |
+//! | the FP8 linear: its GEMMs' operands and what it saves for backward, each an [`Fp8Tensor`] | `precision/linear.rs`, `precision/nodes.rs` |
 //! | the GEMMs on `_scaled_mm` (and the CPU's emulation), counted by route | [`gemm`] |
-//! | frozen weights stored as codes + scale | `precision/weights.rs` |
+//! | frozen weights stored as an [`Fp8Tensor`] | `precision/weights.rs` |
 //! | FP8-kept SwiGLU input, RMSNorm writing codes | `precision/swiglu_route.rs`, `norm/fp8_route.rs` |
 //! | our NVRTC kernels (argument checks, launches) | `kernels/` |
 //! | what each kernel computes in LibTorch ops: its reference and CPU stand-in | [`stand_ins`] |
@@ -30,8 +31,10 @@ pub mod quantize;
 pub mod recipe;
 pub mod shared_codes;
 pub mod stand_ins;
+pub mod tensor;
 
 pub use format::Fp8Format;
 pub use quantize::*;
 pub use recipe::{AmaxAlgo, AmaxSpec, DelayedScaling, scale_for_amax};
 pub use shared_codes::{SharedCodes, WriteCodes};
+pub use tensor::{CodesToWrite, Fp8Tensor, InvScale};

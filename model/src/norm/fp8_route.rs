@@ -7,8 +7,9 @@
 
 use crate::fp8::format::Fp8Format;
 use crate::fp8::stand_ins;
+use crate::fp8::tensor::CodesToWrite;
 use crate::kernels::args::host_bytes;
-use crate::kernels::rmsnorm_fp8::{self, DelayedCodes, ForwardArgs};
+use crate::kernels::rmsnorm_fp8::{self, ForwardArgs};
 use crate::routes::Verdicts;
 
 /// What the kernel's first-use check is called, in logs and in `llora selftest`.
@@ -54,11 +55,8 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64, scale: f32, reference
     let rows = x2.size()[0];
     let y = x2.empty_like();
     let inv_rms = tch::Tensor::zeros([rows, 1], (tch::Kind::Float, x.device()));
-    let codes = tch::Tensor::empty([rows, d], (Fp8Format::E4M3.kind(), x.device()));
-    let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
-    let scale_t = tch::Tensor::from_slice(&[scale]).to_device(x.device());
-    let y_codes = Some(DelayedCodes { codes: &codes, scale: &scale_t, amax: &amax, format: Fp8Format::E4M3 });
-    let args = ForwardArgs { x: &x2, w: &w, y: &y, inv_rms: &inv_rms, eps, y_codes };
+    let codes = CodesToWrite::empty(&[rows, d], scale, Fp8Format::E4M3, x.device());
+    let args = ForwardArgs { x: &x2, w: &w, y: &y, inv_rms: &inv_rms, eps, y_codes: Some(codes.args()) };
     if reference {
         stand_ins::rmsnorm(&args);
     } else {
@@ -69,7 +67,8 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64, scale: f32, reference
     }
     let mut stat = x.size();
     *stat.last_mut().expect("checked above") = 1;
-    Ok(Normed { y: y.reshape(x.size()), inv_rms: inv_rms.reshape(stat), codes, amax: amax.reshape([] as [i64; 0]) })
+    let amax = codes.amax.reshape([] as [i64; 0]);
+    Ok(Normed { y: y.reshape(x.size()), inv_rms: inv_rms.reshape(stat), codes: codes.codes, amax })
 }
 
 /// Checks the kernel against the LibTorch route on `device` (bf16 rows of 1000 over ±40 and a

@@ -10,8 +10,9 @@ use tch::Kind;
 use super::bf16;
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
-use crate::fp8::gemm::{Fp8Operand, fp8_gemm};
+use crate::fp8::gemm::fp8_gemm;
 use crate::fp8::recipe::{LinearScales, Role, scale_of};
+use crate::fp8::tensor::Fp8Tensor;
 use crate::fp8::{Fp8Format, SharedCodes, amax_tch, dequantize, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;
 
@@ -55,18 +56,16 @@ pub(super) enum SavedInput {
     AsIs(TchTensor),
     /// bf16.
     Bf16(TchTensor),
-    /// E4M3 codes and the inverse scale (delayed scaling: known on the host).
-    Fp8(TchTensor, f32),
-    /// E4M3 codes and the inverse scale as a 0-dim tensor on the device (current scaling,
-    /// computed there: see [`crate::fp8::quantize_current_on_device`]).
-    Fp8Current(TchTensor, TchTensor),
+    /// E4M3 codes: at the GEMM's delayed scale (FP8 compute), or at the input's own scale
+    /// computed on the device (current scaling: [`crate::fp8::quantize_current_on_device`]).
+    Fp8(Fp8Tensor),
 }
 
 impl SavedInput {
     pub(super) fn bytes(&self) -> usize {
         match self {
             Self::AsIs(t) | Self::Bf16(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
-            Self::Fp8(t, _) | Self::Fp8Current(t, _) => t.tensor.numel() + 4,
+            Self::Fp8(q) => q.bytes(),
         }
     }
 }
@@ -206,18 +205,13 @@ impl LinearPrecision {
 
     /// The weight as FP8 GEMMs use it: the stored E4M3 codes, or the weight quantised with
     /// `scale` (the forward's, in backward) or, without one, its delayed scale.
-    fn fp8_weight(&self, w: &LinearWeight, scale: Option<f32>, train: bool) -> Fp8Weight {
+    /// Returns the codes and the scale they were made with now (1 for stored codes: nothing to
+    /// repeat).
+    fn fp8_weight(&self, w: &LinearWeight, scale: Option<f32>, train: bool) -> (Fp8Tensor, f32) {
         let whole = w.stored();
         let dequantized;
         let w = match &whole {
-            Some(StoredWeight::Fp8 { codes, scale_inv, transposed }) => {
-                return Fp8Weight {
-                    codes: codes.tensor.shallow_clone(),
-                    transposed: transposed.as_ref().map(|t| t.tensor.shallow_clone()),
-                    scale_inv: *scale_inv,
-                    scale: 1.0,
-                };
-            }
+            Some(StoredWeight::Fp8(codes)) => return (codes.clone(), 1.0),
             // A sharded f32 (or bf16) weight is quantised as a parameter would be.
             Some(StoredWeight::F32(t) | StoredWeight::Bf16(t)) => &t.tensor,
             // Not reached: `PrecisionSpec::validate` refuses FP8 compute over NF4.
@@ -234,7 +228,7 @@ impl LinearPrecision {
             Some(s) => (quantize_tch(w, s, Fp8Format::E4M3), s),
             None => self.quantize_delayed(Role::Weight, w, Fp8Format::E4M3, train, None),
         };
-        Fp8Weight { codes, transposed: None, scale_inv: 1.0 / s, scale: s }
+        (Fp8Tensor::host(codes, 1.0 / s), s)
     }
 
     /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
@@ -258,18 +252,13 @@ impl LinearPrecision {
         let (y, saved, w_scale) = match self.spec.compute {
             Compute::Fp8 => {
                 let (q, s) = self.quantize_delayed(Role::Input, &x2, Fp8Format::E4M3, train, shared);
-                let wq = self.fp8_weight(w, None, train);
+                let q = Fp8Tensor::host(q, 1.0 / s);
+                let (wq, w_scale) = self.fp8_weight(w, None, train);
                 // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
-                let y = fp8_gemm(
-                    Fp8Operand { codes: &q, scale_inv: 1.0 / s },
-                    Fp8Operand { codes: &wq.codes.tr(), scale_inv: wq.scale_inv },
-                    x.kind(),
-                    true,
-                );
-                let saved = keep_input.then(|| {
-                    if fp8_store { SavedInput::Fp8(TchTensor::new(q), 1.0 / s) } else { SavedInput::AsIs(x_in.clone()) }
-                });
-                (y, saved.map(|sv| (sv, s)), wq.scale)
+                let y = fp8_gemm(&q, &wq.t(), x.kind(), true);
+                let saved =
+                    keep_input.then(|| if fp8_store { SavedInput::Fp8(q) } else { SavedInput::AsIs(x_in.clone()) });
+                (y, saved.map(|sv| (sv, s)), w_scale)
             }
             compute => {
                 // bf16: the GEMM takes bf16 operands (a no-op cast for bf16 activations) and
@@ -278,7 +267,7 @@ impl LinearPrecision {
                 let saved = keep_input.then(|| {
                     if fp8_store {
                         let (q, scale_inv) = quantize_current_on_device(&x2, Fp8Format::E4M3);
-                        SavedInput::Fp8Current(TchTensor::new(q), TchTensor::new(scale_inv))
+                        SavedInput::Fp8(Fp8Tensor::device(q, scale_inv))
                     } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
                         // The activation itself: no copy.
                         SavedInput::Bf16(x_in.clone())
@@ -310,8 +299,7 @@ impl LinearPrecision {
                 }
             }
             SavedInput::Bf16(x) => x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]).to_kind(Kind::Float),
-            SavedInput::Fp8(q, scale_inv) => dequantize(&q.tensor, *scale_inv),
-            SavedInput::Fp8Current(q, scale_inv) => dequantize(&q.tensor, &scale_inv.tensor),
+            SavedInput::Fp8(q) => q.dequantize(),
         }
     }
 
@@ -332,21 +320,13 @@ impl LinearPrecision {
             Compute::Fp32 | Compute::Bf16 => (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), None),
             Compute::Fp8 => {
                 let (q, s) = self.quantize_delayed(Role::Grad, &g2, Fp8Format::E5M2, true, None);
+                let q = Fp8Tensor::host(q, 1.0 / s);
                 // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
                 let dx = want_dx.then(|| {
-                    let wq = self.fp8_weight(w, Some(st.w_scale), true);
-                    let w_col = match &wq.transposed {
-                        Some(t) => t.tr(),
-                        None => wq.codes.tr().contiguous().tr(),
-                    };
-                    fp8_gemm(
-                        Fp8Operand { codes: &q, scale_inv: 1.0 / s },
-                        Fp8Operand { codes: &w_col, scale_inv: wq.scale_inv },
-                        st.x_kind,
-                        false,
-                    )
+                    let (wq, _) = self.fp8_weight(w, Some(st.w_scale), true);
+                    fp8_gemm(&q, &wq.col_major(), st.x_kind, false)
                 });
-                (dx, Some((q, s)))
+                (dx, Some(q))
             }
         };
         let dx = dx.map(|dx| dx.reshape(&st.x_size).to_kind(st.x_kind));
@@ -357,7 +337,7 @@ impl LinearPrecision {
                 // values), made only here: a frozen base weight's backward never makes an f32
                 // copy of its `[tokens, out]` gradient.
                 let gd = match &fp8_grad {
-                    Some((q, s)) => dequantize(q, 1.0 / s),
+                    Some(q) => q.dequantize(),
                     None => g2.to_kind(Kind::Float),
                 };
                 let kind = match w {
@@ -370,18 +350,6 @@ impl LinearPrecision {
         };
         (dx, dw)
     }
-}
-
-/// A weight as FP8 GEMMs take it.
-struct Fp8Weight {
-    /// E4M3 codes `[out, in]`, row-major.
-    codes: tch::Tensor,
-    /// The codes transposed and contiguous, when kept (see [`StoredWeight::Fp8`]).
-    transposed: Option<tch::Tensor>,
-    /// `1 / scale`.
-    scale_inv: f32,
-    /// The scale it was quantised with now (1 for stored codes: nothing to repeat).
-    scale: f32,
 }
 
 /// A forward's output and what its backward needs.

@@ -16,7 +16,7 @@ use tch::Kind;
 
 use super::linear::{LinearPrecision, LinearState, LinearWeight};
 use super::spec::Storage;
-use crate::fp8::{Fp8Format, SharedCodes, WriteCodes, dequantize, quantize_current_on_device};
+use crate::fp8::{Fp8Format, Fp8Tensor, SharedCodes, WriteCodes, quantize_current_on_device};
 use crate::shard::FrozenWeight;
 
 /// Bytes of activations the ops in this module saved for backward since the last
@@ -244,8 +244,8 @@ impl Backward<LibTorch, 1> for FrozenLinearBackward {
 enum Kept {
     /// As computed, or cast to bf16.
     Plain(TchTensor),
-    /// E4M3 codes and the inverse scale (current scaling, a 0-dim tensor on the device).
-    Fp8(TchTensor, TchTensor),
+    /// E4M3 codes at current scaling (the inverse scale a 0-dim tensor on the device).
+    Fp8(Fp8Tensor),
 }
 
 impl Kept {
@@ -255,7 +255,7 @@ impl Kept {
             Storage::Bf16 => Self::Plain(TchTensor::new(x.tensor.to_kind(Kind::BFloat16))),
             Storage::Fp8 => {
                 let (q, scale_inv) = quantize_current_on_device(&x.tensor, Fp8Format::E4M3);
-                Self::Fp8(TchTensor::new(q), TchTensor::new(scale_inv))
+                Self::Fp8(Fp8Tensor::device(q, scale_inv))
             }
         }
     }
@@ -264,14 +264,14 @@ impl Kept {
     fn get(&self, kind: Kind) -> tch::Tensor {
         match self {
             Self::Plain(t) => t.tensor.to_kind(kind),
-            Self::Fp8(q, scale_inv) => dequantize(&q.tensor, &scale_inv.tensor).to_kind(kind),
+            Self::Fp8(q) => q.dequantize().to_kind(kind),
         }
     }
 
     fn bytes(&self) -> usize {
         match self {
             Self::Plain(t) => t.tensor.numel() * t.tensor.kind().elt_size_in_bytes(),
-            Self::Fp8(q, _) => q.tensor.numel() + 4,
+            Self::Fp8(q) => q.bytes(),
         }
     }
 }
@@ -283,12 +283,13 @@ struct SwigluBackward;
 /// directly: `None` where they are not both codes, the route is not taken, or it fails
 /// (logged; the LibTorch ops run).
 fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tensor, tch::Tensor)> {
-    let (Kept::Fp8(gate, gate_inv), Kept::Fp8(up, up_inv)) = kept else { return None };
+    let (Kept::Fp8(gate), Kept::Fp8(up)) = kept else { return None };
     if !super::swiglu_route::takes_kernel(grad, Storage::Fp8) {
         return None;
     }
-    let scale_inv = tch::Tensor::stack(&[gate_inv.tensor.reshape([]), up_inv.tensor.reshape([])], 0);
-    super::swiglu_route::backward(&gate.tensor, &up.tensor, &scale_inv, grad)
+    let device = gate.codes().device();
+    let scale_inv = tch::Tensor::stack(&[gate.inv_scale().on_device(device), up.inv_scale().on_device(device)], 0);
+    super::swiglu_route::backward(gate.codes(), up.codes(), &scale_inv, grad)
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU backward failed, LibTorch's runs: {e}"))
         .ok()
 }
@@ -311,7 +312,7 @@ fn kernel_forward(
     if let (Some(hc), Some(write)) = (&f.h_codes, h_codes) {
         write.to.offer(hc.codes.shallow_clone(), hc.amax.reshape([] as [i64; 0]), write.scale, Fp8Format::E4M3);
     }
-    let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(TchTensor::new(codes), TchTensor::new(f.scale_inv.get(i)));
+    let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(Fp8Tensor::device(codes, f.scale_inv.get(i)));
     Some((TchTensor::new(f.h), (keep(f.gate_codes, 0), keep(f.up_codes, 1))))
 }
 

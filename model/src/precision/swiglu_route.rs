@@ -6,6 +6,7 @@
 
 use crate::fp8::format::Fp8Format;
 use crate::fp8::stand_ins;
+use crate::fp8::tensor::CodesToWrite;
 use crate::kernels::args::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
 use crate::routes::Verdicts;
@@ -48,34 +49,7 @@ pub struct Forward {
     /// `[2]` f32: gate's and up's inverse scales.
     pub scale_inv: tch::Tensor,
     /// h's E4M3 codes at down_proj's delayed input scale, when asked for.
-    pub h_codes: Option<HCodes>,
-}
-
-/// h's codes for down_proj's FP8 GEMM: written by the same pass that writes h.
-pub struct HCodes {
-    /// E4M3 codes of h (h's shape).
-    pub codes: tch::Tensor,
-    /// The delayed scale they were made at, `[1]` f32 on the device.
-    pub scale: tch::Tensor,
-    /// h's amax, `[1]` f32.
-    pub amax: tch::Tensor,
-}
-
-impl HCodes {
-    /// Codes to be written for h of `gate`'s shape at `scale`.
-    fn empty(gate: &tch::Tensor, scale: f32) -> Self {
-        let device = gate.device();
-        Self {
-            codes: tch::Tensor::empty(gate.size(), (Fp8Format::E4M3.kind(), device)),
-            scale: tch::Tensor::from_slice(&[scale]).to_device(device),
-            amax: tch::Tensor::zeros([1], (tch::Kind::Float, device)),
-        }
-    }
-
-    /// The kernel's view of them.
-    fn args(&self) -> swiglu_fp8::DelayedCodes<'_> {
-        swiglu_fp8::DelayedCodes { codes: &self.codes, scale: &self.scale, amax: &self.amax, format: Fp8Format::E4M3 }
-    }
+    pub h_codes: Option<CodesToWrite>,
 }
 
 impl Forward {
@@ -83,14 +57,23 @@ impl Forward {
     fn empty(gate: &tch::Tensor, h_scale: Option<f32>) -> Self {
         let codes = || tch::Tensor::empty(gate.size(), (Fp8Format::E4M3.kind(), gate.device()));
         let scale_inv = tch::Tensor::zeros([2], (tch::Kind::Float, gate.device()));
-        let h_codes = h_scale.map(|s| HCodes::empty(gate, s));
+        let h_codes = h_scale.map(|s| CodesToWrite::empty(&gate.size(), s, Fp8Format::E4M3, gate.device()));
         Self { h: gate.empty_like(), gate_codes: codes(), up_codes: codes(), scale_inv, h_codes }
     }
 
     /// The forward's arguments writing into `self`, `amax` a `[2]` f32 scratch.
     fn args<'a>(&'a self, gate: &'a tch::Tensor, up: &'a tch::Tensor, amax: &'a tch::Tensor) -> ForwardArgs<'a> {
         let (out, gate_codes, up_codes, scale_inv) = (&self.h, &self.gate_codes, &self.up_codes, &self.scale_inv);
-        ForwardArgs { gate, up, out, gate_codes, up_codes, scale_inv, amax, h: self.h_codes.as_ref().map(HCodes::args) }
+        ForwardArgs {
+            gate,
+            up,
+            out,
+            gate_codes,
+            up_codes,
+            scale_inv,
+            amax,
+            h: self.h_codes.as_ref().map(CodesToWrite::args),
+        }
     }
 }
 
@@ -152,7 +135,10 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     }
     within_ulp("h", &got.h, &want.h)?;
     // h's codes: those of the kernel's own h (h itself may differ by expf's last bit).
-    let (h_got, h_want) = (got.h_codes.as_ref().ok_or("no h codes")?, HCodes::empty(&gate, 0.5));
+    let (h_got, h_want) = (
+        got.h_codes.as_ref().ok_or("no h codes")?,
+        CodesToWrite::empty(&gate.size(), 0.5, Fp8Format::E4M3, gate.device()),
+    );
     stand_ins::write_delayed_codes(&got.h, &h_want.args());
     if bits(&h_got.codes) != bits(&h_want.codes) || bits(&h_got.amax) != bits(&h_want.amax) {
         return Err("h's codes or amax differ from those of its h".into());
@@ -296,21 +282,18 @@ mod tests {
                 let _ = gate.view([-1]).get(i as i64).fill_(*v);
             }
             let (mine, want) = (Forward::empty(&gate, None), Forward::empty(&gate, None));
-            let scale = Tensor::from_slice(&[0.5f32]).to_device(dev);
-            let codes = || Tensor::zeros(shape, (Kind::Float, dev)).to_kind(Fp8Format::E4M3.kind());
-            let one = || Tensor::zeros([1], (Kind::Float, dev));
-            let (hq, hq_want, ha, ha_want, amax) =
-                (codes(), codes(), one(), one(), Tensor::zeros([2], (Kind::Float, dev)));
-            let h =
-                |codes, amax| Some(swiglu_fp8::DelayedCodes { codes, scale: &scale, amax, format: Fp8Format::E4M3 });
-            assert!(swiglu_fp8::forward(&ForwardArgs { h: h(&hq, &ha), ..mine.args(&gate, &up, &amax) }).unwrap());
-            stand_ins::swiglu_forward(&ForwardArgs { h: h(&hq_want, &ha_want), ..want.args(&gate, &up, &amax) });
+            let h = || CodesToWrite::empty(&shape, 0.5, Fp8Format::E4M3, dev);
+            let (h_mine, h_want, amax) = (h(), h(), Tensor::zeros([2], (Kind::Float, dev)));
+            assert!(
+                swiglu_fp8::forward(&ForwardArgs { h: Some(h_mine.args()), ..mine.args(&gate, &up, &amax) }).unwrap()
+            );
+            stand_ins::swiglu_forward(&ForwardArgs { h: Some(h_want.args()), ..want.args(&gate, &up, &amax) });
             let bits = |t: &Tensor| host_bytes(t).unwrap();
             assert_eq!(bits(&mine.gate_codes), bits(&want.gate_codes), "gate codes, {shape:?}");
             assert_eq!(bits(&mine.up_codes), bits(&want.up_codes), "up codes, {shape:?}");
             assert_eq!(bits(&mine.scale_inv), bits(&want.scale_inv), "inverse scales, {shape:?}");
-            assert_eq!(bits(&hq), bits(&hq_want), "h codes, {shape:?}");
-            assert_eq!(bits(&ha), bits(&ha_want), "h amax, {shape:?}");
+            assert_eq!(bits(&h_mine.codes), bits(&h_want.codes), "h codes, {shape:?}");
+            assert_eq!(bits(&h_mine.amax), bits(&h_want.amax), "h amax, {shape:?}");
             assert!(ulp(&mine.h, &want.h), "h, {shape:?}");
             let grad = Tensor::randn(shape, (Kind::Float, dev)).to_kind(Kind::BFloat16);
             let (gg, gu) = backward(&mine.gate_codes, &mine.up_codes, &mine.scale_inv, &grad).unwrap();

@@ -6,7 +6,8 @@ use tch::Kind;
 
 use super::nf4;
 use super::spec::{Compute, PrecisionSpec};
-use crate::fp8::{Fp8Format, dequantize, quantize_tch};
+use crate::fp8::tensor::Fp8Tensor;
+use crate::fp8::{Fp8Format, quantize_tch};
 
 /// Elements converted at a time when storing a weight (16 MB of f32).
 const CONVERT_CHUNK: usize = 1 << 22;
@@ -30,18 +31,9 @@ pub enum StoredWeight {
     F32(TchTensor),
     /// bf16 copy.
     Bf16(TchTensor),
-    /// E4M3 codes `[out, in]` and the inverse of the scale.
-    Fp8 {
-        /// The codes, row-major.
-        codes: TchTensor,
-        /// `1 / scale`.
-        scale_inv: f32,
-        /// The codes transposed, `[in, out]` row-major, on CUDA: `_scaled_mm` there wants its
-        /// second operand column-major, which for the input-gradient GEMM `g · W` is this
-        /// tensor's transpose view. Kept rather than made at every backward (a 70B MLP
-        /// weight's transpose is 235 MB of copying per layer per step).
-        transposed: Option<TchTensor>,
-    },
+    /// E4M3 codes `[out, in]` row-major, `1 / scale` on the host, and on CUDA (unless one
+    /// layout is asked for) their transpose ([`Fp8Tensor::transposed`]).
+    Fp8(Fp8Tensor),
     /// NF4 (QLoRA), laid out as [`super::nf4::Nf4`] on the device.
     Nf4 {
         /// Codes, two a byte, the first in the high nibble: `u8 [ceil(out·in / 2)]`.
@@ -194,8 +186,8 @@ impl StoredWeight {
             Kind::BFloat16 => Self::Bf16(TchTensor::new(stored)),
             _ => {
                 let keep = stored.device().is_cuda() && !spec.fp8_weights_one_layout;
-                let transposed = keep.then(|| TchTensor::new(stored.tr().contiguous()));
-                Self::Fp8 { codes: TchTensor::new(stored), scale_inv: 1.0 / scale, transposed }
+                let transposed = keep.then(|| stored.tr().contiguous());
+                Self::Fp8(Fp8Tensor::host(stored, 1.0 / scale).with_transposed(transposed))
             }
         }
     }
@@ -220,7 +212,7 @@ impl StoredWeight {
         match self {
             Self::F32(w) => w.tensor.shallow_clone(),
             Self::Bf16(w) => w.tensor.to_kind(Kind::Float),
-            Self::Fp8 { codes, scale_inv, .. } => dequantize(&codes.tensor, *scale_inv),
+            Self::Fp8(q) => q.dequantize(),
             Self::Nf4 { .. } => self.dequantize_to(Kind::Float),
         }
     }
@@ -261,7 +253,7 @@ impl StoredWeight {
         match self {
             Self::F32(w) => w.tensor.numel() * 4,
             Self::Bf16(w) => w.tensor.numel() * 2,
-            Self::Fp8 { codes, transposed, .. } => codes.tensor.numel() * (1 + usize::from(transposed.is_some())) + 4,
+            Self::Fp8(q) => q.bytes(),
             Self::Nf4 { codes, absmax, .. } => codes.tensor.numel() + absmax.bytes(),
         }
     }
@@ -269,7 +261,8 @@ impl StoredWeight {
     /// `[out, in]`.
     pub fn dims(&self) -> [usize; 2] {
         let t = match self {
-            Self::F32(w) | Self::Bf16(w) | Self::Fp8 { codes: w, .. } => &w.tensor,
+            Self::F32(w) | Self::Bf16(w) => &w.tensor,
+            Self::Fp8(q) => q.codes(),
             Self::Nf4 { dims, .. } => return *dims,
         };
         let s = t.size();
