@@ -5,6 +5,7 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::family::Family;
 use crate::rope::Llama3Scaling;
 
 /// Architecture hyperparameters of a Llama-family causal LM.
@@ -41,12 +42,15 @@ pub struct LlamaConfig {
     /// Token ids that end generation (Llama 3.1+ lists several: end of text, of turn, of a
     /// tool call).
     pub eos_token_ids: Vec<u32>,
+    /// What the model's family adds to the Llama decoder (Qwen's biases and q/k norms,
+    /// Mistral's sliding window).
+    #[serde(default)]
+    pub family: Family,
 }
 
 /// The subset of an HF `config.json` llora reads, in both the 4.x and 5.x spellings.
 #[derive(Debug, Deserialize)]
 struct HfConfig {
-    model_type: Option<String>,
     vocab_size: usize,
     hidden_size: usize,
     intermediate_size: usize,
@@ -66,10 +70,6 @@ struct HfConfig {
     max_position_embeddings: usize,
     #[serde(default)]
     tie_word_embeddings: bool,
-    #[serde(default)]
-    attention_bias: bool,
-    #[serde(default)]
-    mlp_bias: bool,
     hidden_act: Option<String>,
     /// llora's marker for fused-QKV checkpoints (the MLPerf reference's conversion).
     #[serde(default)]
@@ -118,19 +118,12 @@ impl LlamaConfig {
     /// RoPE `default` and `llama3` (Llama 3.1+) are computed as transformers does; other
     /// scalings (linear, dynamic, yarn, longrope, ...) are rejected rather than mis-run.
     pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
-        let hf: HfConfig = serde_json::from_str(text).context("not a Llama config.json")?;
-        if let Some(t) = &hf.model_type
-            && t != "llama"
-        {
-            bail!("model_type {t:?} is not supported: llora runs Llama-architecture models (model_type \"llama\")");
-        }
-        if hf.attention_bias || hf.mlp_bias {
-            bail!("attention_bias/mlp_bias = true is not supported: Llama 2 has no biases");
-        }
+        let hf: HfConfig = serde_json::from_str(text).context("not a Llama-architecture config.json")?;
+        let family = Family::from_hf_json(text)?;
         if let Some(act) = &hf.hidden_act
             && act != "silu"
         {
-            bail!("hidden_act {act:?} is not supported: Llama uses \"silu\"");
+            bail!("hidden_act {act:?} is not supported: every family llora runs uses \"silu\"");
         }
         // transformers (5.23) reads `rope_scaling` when a config has both and ignores
         // `rope_parameters`: so does llora, saying so when the two differ.
@@ -174,6 +167,7 @@ impl LlamaConfig {
             fused_qkv: hf.fused_qkv,
             bos_token_id: hf.bos_token_id,
             eos_token_ids,
+            family,
         };
         config.check()?;
         Ok(config)
@@ -189,8 +183,6 @@ impl LlamaConfig {
     /// The HF `config.json` text (transformers 4.x keys, which 5.x also reads).
     pub fn to_hf_json(&self) -> String {
         let mut v = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -203,8 +195,6 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": false,
-            "mlp_bias": false,
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": match self.eos_token_ids.as_slice() {
@@ -213,6 +203,11 @@ impl LlamaConfig {
                 many => serde_json::json!(many),
             },
         });
+        if let (Some(all), serde_json::Value::Object(family)) =
+            (v.as_object_mut(), self.family.hf_keys(self.num_hidden_layers))
+        {
+            all.extend(family);
+        }
         if let Some(s) = &self.rope_scaling {
             v["rope_scaling"] = serde_json::json!({
                 "rope_type": "llama3",
@@ -248,6 +243,12 @@ impl LlamaConfig {
                 c.num_key_value_heads
             );
         }
+        if c.fused_qkv && c.family.model_type != crate::family::ModelType::Llama {
+            bail!(
+                "fused_qkv is llora's marker for Llama checkpoints with one qkv_proj: not for {:?}",
+                c.family.model_type.name()
+            );
+        }
         if !c.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", c.head_dim);
         }
@@ -279,7 +280,10 @@ impl LlamaConfig {
         let (d, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let layer = d * (q + 2 * kv) + q * d + 3 * d * i + 2 * d;
+        let f = &self.family;
+        let biases = if f.qkv_bias { q + 2 * kv } else { 0 } + if f.o_bias { d } else { 0 };
+        let qk_norms = if f.qk_norm { 2 * self.head_dim } else { 0 };
+        let layer = d * (q + 2 * kv) + q * d + 3 * d * i + 2 * d + biases + qk_norms;
         let head = if self.tie_word_embeddings { 0 } else { v * d };
         v * d + self.num_hidden_layers * layer + d + head
     }
@@ -302,6 +306,7 @@ impl LlamaConfig {
             // Llama 2's ids (its tokenizer: <s> 1, </s> 2).
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
+            family: Family::default(),
         }
     }
 

@@ -102,6 +102,15 @@ impl BlockLinear {
         format!("model.layers.{layer}.{}.{}", self.part(), self.name())
     }
 
+    /// Whether a model of `family` gives it a bias (fused q/k/v: Llama's, none).
+    pub fn has_bias(self, family: &crate::family::Family) -> bool {
+        match self {
+            Q | K | V => family.qkv_bias,
+            O => family.o_bias,
+            Qkv | Gate | Up | Down => false,
+        }
+    }
+
     /// The activation it reads.
     pub fn input(self) -> LinearInput {
         match self {

@@ -7,6 +7,7 @@ pub mod context_parallel;
 pub mod device;
 pub mod diagnostics;
 pub(crate) mod dropout;
+pub(crate) mod family;
 pub mod fp8;
 pub mod generate;
 pub(crate) mod kernels;
@@ -34,6 +35,7 @@ pub mod shard;
 pub(crate) mod spec_problem;
 
 pub use config::LlamaConfig;
+pub use family::{Family, ModelType};
 pub use layout::{BlockLinear, LinearInput};
 pub use llama::{BuildOptions, LlamaForCausalLM};
 pub use lora::{LoraAdapter, LoraLinear, LoraSpec};

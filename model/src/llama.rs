@@ -9,7 +9,7 @@ use burn::tensor::{DType, Device, Int, Tensor};
 
 use std::sync::Arc;
 
-use crate::attention::{VarlenSpans, causal_attention, packed_causal_attention};
+use crate::attention::{VarlenSpans, packed_causal_attention, windowed_causal_attention};
 use crate::config::LlamaConfig;
 use crate::layout::BlockLinear;
 use crate::lora::{LoraLinear, LoraSpec};
@@ -84,6 +84,9 @@ pub fn embed(weights: Tensor<2>, ids: Tensor<2, Int>, dtype: DType) -> Tensor<3>
 /// (None before the prefill).
 pub type LayerKv = Option<(Tensor<4>, Tensor<4>)>;
 
+/// An attention block's projections and head norms, borrowed mutably ([`Attention::parts_mut`]).
+pub type HeadParts<'a> = (Vec<(BlockLinear, &'a mut LoraLinear)>, Vec<(&'static str, &'a mut RmsNorm)>);
+
 /// Grouped-query self-attention with RoPE and a causal mask.
 #[derive(Module, Debug)]
 pub struct Attention {
@@ -97,6 +100,13 @@ pub struct Attention {
     pub qkv_proj: Option<LoraLinear>,
     /// Output projection `[d, H·hd]`.
     pub o_proj: LoraLinear,
+    /// RMSNorm of each query head over hd, before RoPE (Qwen 3).
+    pub q_norm: Option<RmsNorm>,
+    /// RMSNorm of each key head over hd, before RoPE (Qwen 3).
+    pub k_norm: Option<RmsNorm>,
+    /// Sliding window W: a token attends to itself and the W - 1 positions before it.
+    #[module(skip)]
+    pub window: Option<usize>,
     /// Query heads H.
     #[module(skip)]
     pub n_heads: usize,
@@ -140,12 +150,22 @@ impl Attention {
         let mut proj = |kind: BlockLinear| -> anyhow::Result<Option<LoraLinear>> {
             BlockLinear::of(c.fused_qkv).contains(&kind).then(|| weights.linear(layer, kind)).transpose()
         };
+        let (q_proj, k_proj, v_proj, qkv_proj) =
+            (proj(BlockLinear::Q)?, proj(BlockLinear::K)?, proj(BlockLinear::V)?, proj(BlockLinear::Qkv)?);
+        let o_proj = weights.linear(layer, BlockLinear::O)?;
+        let mut head_norm = |name: &str| -> anyhow::Result<Option<RmsNorm>> {
+            let path = format!("model.layers.{layer}.self_attn.{name}.weight");
+            c.family.qk_norm.then(|| weights.norm(&path, c.head_dim)).transpose()
+        };
         Ok(Self {
-            q_proj: proj(BlockLinear::Q)?,
-            k_proj: proj(BlockLinear::K)?,
-            v_proj: proj(BlockLinear::V)?,
-            qkv_proj: proj(BlockLinear::Qkv)?,
-            o_proj: weights.linear(layer, BlockLinear::O)?,
+            q_proj,
+            k_proj,
+            v_proj,
+            qkv_proj,
+            o_proj,
+            q_norm: head_norm("q_norm")?,
+            k_norm: head_norm("k_norm")?,
+            window: c.family.window_of(layer),
             n_heads: c.num_attention_heads,
             n_kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
@@ -154,7 +174,13 @@ impl Attention {
 
     /// The projections with their kinds, in forward order ([`DecoderLayer::linears_mut`]).
     pub fn linears_mut(&mut self) -> Vec<(BlockLinear, &mut LoraLinear)> {
-        let Self { q_proj, k_proj, v_proj, qkv_proj, o_proj, .. } = self;
+        self.parts_mut().0
+    }
+
+    /// The projections (as [`Self::linears_mut`]) and the q/k head norms with their names
+    /// (`q_norm`, `k_norm`), mutably at once.
+    pub fn parts_mut(&mut self) -> HeadParts<'_> {
+        let Self { q_proj, k_proj, v_proj, qkv_proj, o_proj, q_norm, k_norm, .. } = self;
         let all = [
             (BlockLinear::Q, q_proj.as_mut()),
             (BlockLinear::K, k_proj.as_mut()),
@@ -162,7 +188,9 @@ impl Attention {
             (BlockLinear::Qkv, qkv_proj.as_mut()),
             (BlockLinear::O, Some(o_proj)),
         ];
-        all.into_iter().filter_map(|(k, l)| Some((k, l?))).collect()
+        let linears = all.into_iter().filter_map(|(k, l)| Some((k, l?))).collect();
+        let norms = [("q_norm", q_norm.as_mut()), ("k_norm", k_norm.as_mut())];
+        (linears, norms.into_iter().filter_map(|(n, m)| Some((n, m?))).collect())
     }
 
     /// Causal self-attention; on packed rows, within each document. The projections take
@@ -175,9 +203,11 @@ impl Attention {
         let [b, s, _] = x.dims();
         let (q, k, v) = self.qkv(x, x_codes, at.cos.clone(), at.sin.clone(), train);
         let out = match (&at.context, &at.packed) {
+            // A window shorter than the sequence is refused under context parallelism before
+            // the run (`llora plan`, `llora train`).
             (Some(cp), _) => crate::attention::context_attention(q, k, v, cp.clone()),
-            (None, None) => causal_attention(q, k, v),
-            (None, Some(packed)) => packed_causal_attention(q, k, v, packed, at.varlen.as_ref()),
+            (None, None) => windowed_causal_attention(q, k, v, self.window),
+            (None, Some(packed)) => packed_causal_attention(q, k, v, packed, at.varlen.as_ref(), self.window),
         };
         self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), train)
     }
@@ -202,7 +232,15 @@ impl Attention {
         // One new position sees every cached one: no mask. The fused kernel reads K/V at KV
         // heads (grouped), as in training.
         debug_assert!(prefill || s == 1, "decode one position at a time");
-        let out = crate::attention::attention(q, k, v, prefill);
+        let out = match self.window {
+            Some(w) if prefill => windowed_causal_attention(q, k, v, Some(w)),
+            // The new position sees the last W keys, itself included.
+            Some(w) if k.dims()[2] > w => {
+                let n = k.dims()[2];
+                crate::attention::attention(q, k.narrow(2, n - w, w), v.narrow(2, n - w, w), false)
+            }
+            _ => crate::attention::attention(q, k, v, prefill),
+        };
         self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]), false)
     }
 
@@ -239,10 +277,18 @@ impl Attention {
             ),
             _ => unreachable!("the loader builds either qkv_proj or all of q/k/v_proj"),
         };
-        let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, hd]).swap_dims(1, 2);
-        let q = apply_rope(heads(q, h), cos.clone(), sin.clone());
-        let k = apply_rope(heads(k, kv), cos, sin);
-        (q, k, heads(v, kv))
+        let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
+            let t = match norm {
+                // Each head normalised over its hd channels (Qwen 3's q_norm / k_norm).
+                Some(norm) => norm.forward(t.reshape([b, s * n, hd])),
+                None => t,
+            };
+            t.reshape([b, s, n, hd]).swap_dims(1, 2)
+        };
+        let q = apply_rope(heads(q, h, &self.q_norm), cos.clone(), sin.clone());
+        let k = apply_rope(heads(k, kv, &self.k_norm), cos, sin);
+        let v = heads(v, kv, &None);
+        (q, k, v)
     }
 }
 
@@ -378,9 +424,9 @@ impl DecoderLayer {
     pub(crate) fn load(c: &LlamaConfig, layer: usize, weights: &mut dyn BlockWeights) -> anyhow::Result<Self> {
         let p = format!("model.layers.{layer}");
         Ok(Self {
-            input_layernorm: weights.norm(&format!("{p}.input_layernorm.weight"))?,
+            input_layernorm: weights.norm(&format!("{p}.input_layernorm.weight"), c.hidden_size)?,
             self_attn: Attention::load(c, layer, weights)?,
-            post_attention_layernorm: weights.norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            post_attention_layernorm: weights.norm(&format!("{p}.post_attention_layernorm.weight"), c.hidden_size)?,
             mlp: Mlp::load(layer, weights)?,
         })
     }
@@ -455,8 +501,8 @@ pub(crate) trait BlockWeights {
     /// The linear `kind` of decoder layer `layer`, its base weight read and stored, with an
     /// adapter when the run targets it.
     fn linear(&mut self, layer: usize, kind: BlockLinear) -> anyhow::Result<LoraLinear>;
-    /// The RMSNorm whose gain is the tensor `name`.
-    fn norm(&mut self, name: &str) -> anyhow::Result<RmsNorm>;
+    /// The RMSNorm over `width` channels whose gain is the tensor `name`.
+    fn norm(&mut self, name: &str, width: usize) -> anyhow::Result<RmsNorm>;
 }
 
 /// How [`LlamaForCausalLM::build`] makes a model.

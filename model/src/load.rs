@@ -80,7 +80,7 @@ impl LlamaForCausalLM {
         let mut model = Self {
             embed_tokens,
             layers,
-            norm: blocks.norm("model.norm.weight")?,
+            norm: blocks.norm("model.norm.weight", config.hidden_size)?,
             lm_head,
             config: c.clone(),
             activations: DType::F32,
@@ -168,6 +168,10 @@ impl BlockWeights for Loader<'_, '_, '_> {
             }
             None => (LoraLinear::new(self.weights.get(&name, shape)?, self.trainable), None),
         };
+        if kind.has_bias(&self.config.family) {
+            let bias = self.weights.get::<1>(&format!("{module}.bias"), [shape[0]])?;
+            linear = linear.with_bias(bias, self.trainable);
+        }
         if let Some(spec) = self.lora.filter(|s| s.targets(kind.name()) && s.adapts(&module)) {
             let own = spec.module_spec(&module)?;
             own.check_rank_fits(&module, shape)?;
@@ -184,8 +188,8 @@ impl BlockWeights for Loader<'_, '_, '_> {
         Ok(linear)
     }
 
-    fn norm(&mut self, name: &str) -> anyhow::Result<RmsNorm> {
-        let w = self.weights.get::<1>(name, [self.config.hidden_size])?;
+    fn norm(&mut self, name: &str, width: usize) -> anyhow::Result<RmsNorm> {
+        let w = self.weights.get::<1>(name, [width])?;
         Ok(RmsNorm { weight: Param::from_tensor(w).set_require_grad(self.trainable), eps: self.config.rms_norm_eps })
     }
 }
@@ -223,8 +227,11 @@ impl<'a> WeightSource<'a> {
 
     fn get<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> anyhow::Result<Tensor<D>> {
         let Some(fetch) = self.fetch.as_mut() else {
+            // HF's initialisation: norm gains 1, biases 0, weights N(0, 0.02).
             return Ok(if name.ends_with("norm.weight") {
                 Tensor::ones(shape, &self.device)
+            } else if name.ends_with(".bias") {
+                Tensor::zeros(shape, &self.device)
             } else {
                 Tensor::random(shape, Distribution::Normal(0.0, 0.02), &self.device)
             });

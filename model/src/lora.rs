@@ -41,6 +41,9 @@ pub struct LoraLinear {
     pub weight: BaseWeight,
     /// The adapter, when this module is a LoRA target.
     pub lora: Option<LoraAdapter>,
+    /// The base layer's bias `[out]` (Qwen's attention projections), f32: frozen with the
+    /// base (PEFT's `bias = "none"`), trained only under full fine-tuning.
+    pub bias: Option<Param<Tensor<1>>>,
     /// Precision and scaling state of the layer's GEMMs (`None`: plain f32 through Burn's
     /// linear, on backends other than LibTorch).
     #[module(skip)]
@@ -211,7 +214,7 @@ impl LoraLinear {
     /// A frozen linear layer from a `[out, in]` weight; `trainable` unfreezes it (full FT).
     pub fn new(weight: Tensor<2>, trainable: bool) -> Self {
         let weight = BaseWeight::Param(Param::from_tensor(weight).set_require_grad(trainable));
-        Self { weight, lora: None, quant: None }
+        Self { weight, lora: None, bias: None, quant: None }
     }
 
     /// A frozen layer whose weight is already stored in reduced precision or sharded.
@@ -219,8 +222,26 @@ impl LoraLinear {
         Self {
             weight: BaseWeight::Stored(Ignored(stored)),
             lora: None,
+            bias: None,
             quant: Some(Arc::new(LinearPrecision::new(*spec))),
         }
+    }
+
+    /// Attaches the base layer's bias `[out]`, trainable as `trainable` says.
+    pub fn with_bias(mut self, bias: Tensor<1>, trainable: bool) -> Self {
+        self.bias = Some(Param::from_tensor(bias).set_require_grad(trainable));
+        self
+    }
+
+    /// `y + bias` in y's dtype (y itself without a bias).
+    ///
+    /// # Shapes
+    /// - y: `[batch, seq, out]`; output: as y
+    fn plus_bias(&self, y: Tensor<3>) -> Tensor<3> {
+        let Some(bias) = &self.bias else { return y };
+        let [out] = bias.shape().dims();
+        let dtype = y.dtype();
+        y + cast(bias.val(), dtype).reshape([1, 1, out])
     }
 
     /// Attaches an adapter.
@@ -351,7 +372,7 @@ impl LoraLinear {
         Some(WriteCodes { scale: self.fp8_input_scale(train)?, to: to.clone() })
     }
 
-    /// `x·Wᵀ (+ adapter)`, PEFT's `lora.Linear` forward (with DoRA, its `DoraLinearVariant`).
+    /// `x·Wᵀ (+ bias) (+ adapter)`, PEFT's `lora.Linear` forward (with DoRA, its `DoraLinearVariant`).
     ///
     /// # Shapes
     /// - x: `[batch, seq, in]`
@@ -368,7 +389,7 @@ impl LoraLinear {
     /// As [`Self::forward`].
     pub fn forward_reading(&self, x: Tensor<3>, shared: Option<&SharedCodes>, train: bool) -> Tensor<3> {
         let base = self.base(x.clone(), train, shared);
-        let Some(adapter) = &self.lora else { return base };
+        let Some(adapter) = &self.lora else { return self.plus_bias(base) };
         // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
         let dropped = train && adapter.dropout > 0.0;
         let xa = if dropped { crate::dropout::dropout(x, adapter.dropout) } else { x };
@@ -378,16 +399,19 @@ impl LoraLinear {
         let dtype = base.dtype();
         let wide = update.dtype();
         let sum = match &adapter.magnitude {
-            None => cast(base, wide) + update,
+            // PEFT adds the update to the base layer's output, bias included.
+            None => cast(self.plus_bias(base), wide) + update,
             Some(m) => {
                 let [out, _] = self.dims();
                 let g = cast(m.val() / self.dora_norm(adapter), wide).reshape([1, 1, out]);
-                if dropped {
+                // DoRA rescales the weight's product, never the bias (PEFT subtracts it first).
+                let scaled = if dropped {
                     let base_dropped = cast(self.base(xa, train, None), wide);
                     cast(base, wide) + base_dropped * g.clone().sub_scalar(1.0) + update * g
                 } else {
                     (cast(base, wide) + update) * g
-                }
+                };
+                self.plus_bias(scaled)
             }
         };
         cast(sum, dtype)

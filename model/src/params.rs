@@ -74,10 +74,18 @@ impl LlamaForCausalLM {
                         format!("{p}.post_attention_layernorm.weight"),
                         ParamMut::Vector(&mut post_attention_layernorm.weight),
                     ));
+                    let (attention, head_norms) = self_attn.parts_mut();
+                    for (name, norm) in head_norms {
+                        out.push((format!("{p}.self_attn.{name}.weight"), ParamMut::Vector(&mut norm.weight)));
+                    }
                     // A stored frozen weight is no parameter: nothing trains or saves it as one.
-                    for (kind, linear) in self_attn.linears_mut().into_iter().chain(mlp.linears_mut()) {
-                        if let Some(weight) = linear.weight.param_mut() {
+                    for (kind, linear) in attention.into_iter().chain(mlp.linears_mut()) {
+                        let LoraLinear { weight, bias, .. } = linear;
+                        if let Some(weight) = weight.param_mut() {
                             out.push((format!("{}.weight", kind.path(l)), ParamMut::Matrix(weight)));
+                        }
+                        if let Some(bias) = bias.as_mut() {
+                            out.push((format!("{}.bias", kind.path(l)), ParamMut::Vector(bias)));
                         }
                     }
                 }

@@ -9,7 +9,8 @@ Import it after the thread variables are set: it imports torch.
 import resource
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from peft import LoraConfig, get_peft_model
 
 # llora's presets (model/src/config.rs), as (vocab, d, intermediate, layers, heads, kv heads).
@@ -21,6 +22,22 @@ PRESETS = {
     "llama2-7b-1layer": (32000, 4096, 11008, 1, 32, 32),
     "llama2-70b-1layer": (32000, 8192, 28672, 1, 64, 8),
     "tiny-llama3": (128256, 256, 688, 2, 8, 2),
+    "tiny-qwen2": (1000, 128, 344, 2, 4, 2),
+    "tiny-qwen3": (1000, 128, 344, 2, 4, 2),
+    "tiny-mistral": (1000, 128, 344, 2, 4, 2),
+}
+# The other families' presets: their config class and what sets them apart from Llama (each
+# family's own traits, with windows shorter than the fixtures' rows and head_dim != d / heads).
+FAMILIES = {
+    "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=24, max_window_layers=1, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "tiny-qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
+        head_dim=40, attention_bias=False, use_sliding_window=True, sliding_window=20, max_window_layers=1,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "tiny-mistral": (MistralConfig, MistralForCausalLM, dict(
+        head_dim=24, sliding_window=16, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 # What makes a preset Llama-3-style (Llama 3.2 1B's traits, scaled down): llama3 RoPE scaling,
 # tied embeddings, a head_dim other than hidden/heads (48, not 32), end-of-turn ids as a list.
@@ -41,6 +58,15 @@ def hf_config(preset, seq_len):
     """An HF LlamaConfig with the preset's shapes and Llama 2's constants (no tying, no biases),
     or Llama 3's traits for the presets of LLAMA3_TRAITS."""
     vocab, d, inter, layers, heads, kv = PRESETS[preset]
+    if preset in FAMILIES:
+        config_class, _, traits = FAMILIES[preset]
+        cfg = config_class(
+            vocab_size=vocab, hidden_size=d, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-6, hidden_act="silu",
+            attention_dropout=0.0, initializer_range=0.02, use_cache=False,
+            max_position_embeddings=max(4096, seq_len), **traits)
+        cfg._attn_implementation = "sdpa"
+        return cfg
     traits = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
     traits.update(LLAMA3_TRAITS.get(preset, {}))
     traits.setdefault("max_position_embeddings", max(4096, seq_len))
@@ -59,15 +85,25 @@ def random_model(cfg, dtype, seed, device=None):
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(BASE_DTYPES[dtype])
+    model_class = next((m for c, m, _ in FAMILIES.values() if isinstance(cfg, c)), LlamaForCausalLM)
     try:
         if device is None:
-            model = LlamaForCausalLM(cfg)
+            model = model_class(cfg)
         else:
             with torch.device(device):
-                model = LlamaForCausalLM(cfg)
+                model = model_class(cfg)
     finally:
         torch.set_default_dtype(previous)
     model.config.use_cache = False
+    if model_class is not LlamaForCausalLM:
+        # HF starts biases at 0 and norm gains at 1: moved away, so that each is seen.
+        g = torch.Generator().manual_seed(seed + 11)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
     return model
 
 

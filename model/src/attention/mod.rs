@@ -37,8 +37,8 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::libtorch::TchTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, LibTorch, LibTorchDevice, backend_extension};
-use burn::tensor::Tensor;
 use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Int, Tensor};
 
 use crate::packing::PackedRows;
 
@@ -156,11 +156,36 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
     attention(q, k, v, true)
 }
 
+/// Causal attention where each query sees at most the `window` keys ending at its own position
+/// (itself and the `window - 1` before it: transformers' sliding window); without a window, or
+/// a window as long as the sequence, [`causal_attention`] itself.
+///
+/// Under a shorter window the scores are masked to the band on Burn's attention (LibTorch's
+/// ops): a `seq × seq` mask, the fused kernels have no window on this path.
+///
+/// # Shapes
+/// As [`attention`].
+pub fn windowed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, window: Option<usize>) -> Tensor<4> {
+    let [b, h, s, _] = q.dims();
+    let Some(w) = window.filter(|&w| w < s) else { return causal_attention(q, k, v) };
+    let device = q.device();
+    let pos = Tensor::<1, Int>::arange(0..s as i64, &device);
+    // How far each key lies behind each query: masked when ahead (< 0) or W or more behind.
+    let behind = pos.clone().reshape([s, 1]) - pos.reshape([1, s]);
+    let mask = behind.clone().lower_elem(0).bool_or(behind.greater_equal_elem(w as i64));
+    let mask = mask.reshape([1, 1, s, s]).expand([b, h, s, s]);
+    let group = h / k.dims()[1];
+    let (k, v) = (repeat_kv(k, group), repeat_kv(v, group));
+    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+    burn::tensor::module::attention(q, k, v, Some(mask), None, options)
+}
+
 /// Causal attention within each document of packed rows (block-diagonal): the work is the
 /// documents' `Σ sᵢ²` rather than `seq²`, and no `seq × seq` mask exists. With `varlen` (the
 /// batch's spans on a CUDA device) and a bf16/f16 problem the variable-length flash kernel
 /// passes its check on, all spans are one launch; otherwise every span of
-/// [`PackedRows::spans`] is its own causal problem on the kernel [`attention`] picks.
+/// [`PackedRows::spans`] is its own causal problem on the kernel [`attention`] picks. With a
+/// sliding `window`, each document has its own ([`windowed_causal_attention`] per span).
 ///
 /// # Shapes
 /// As [`attention`], with `q.dims()[0] == packed.rows()` and `q.dims()[2] == packed.seq()`.
@@ -170,8 +195,9 @@ pub fn packed_causal_attention(
     v: Tensor<4>,
     packed: &PackedRows,
     varlen: Option<&Arc<VarlenSpans>>,
+    window: Option<usize>,
 ) -> Tensor<4> {
-    if let Some(spans) = varlen
+    if let Some(spans) = varlen.filter(|_| window.is_none())
         && let Some(p) = problem(&q, k.dims()[1])
         && varlen::usable(p)
     {
@@ -188,13 +214,13 @@ pub fn packed_causal_attention(
             let (q, k, v) = (row(&q), row(&k), row(&v));
             let spans = packed.spans(r);
             if spans.len() == 1 {
-                return causal_attention(q, k, v);
+                return windowed_causal_attention(q, k, v, window);
             }
             let parts = spans
                 .into_iter()
                 .map(|(start, len)| {
                     let span = |t: &Tensor<4>| t.clone().narrow(2, start, len);
-                    causal_attention(span(&q), span(&k), span(&v))
+                    windowed_causal_attention(span(&q), span(&k), span(&v), window)
                 })
                 .collect();
             Tensor::cat(parts, 2)
@@ -652,7 +678,7 @@ mod tests {
         let run = |varlen: Option<&Arc<VarlenSpans>>| {
             let leaf = |x: &Tensor<4>| x.clone().require_grad();
             let (q, k, v) = (leaf(&q0), leaf(&k0), leaf(&v0));
-            let out = packed_causal_attention(q.clone(), k.clone(), v.clone(), &packed, varlen);
+            let out = packed_causal_attention(q.clone(), k.clone(), v.clone(), &packed, varlen, None);
             let grads = (out.clone().cast(burn::tensor::DType::F32) * w.clone()).sum().backward();
             [out, q.grad(&grads).unwrap(), k.grad(&grads).unwrap(), v.grad(&grads).unwrap()]
                 .map(|t| t.cast(burn::tensor::DType::F32))

@@ -37,6 +37,18 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
         }
         (None, None) => anyhow::bail!("set model.path or model.preset"),
     };
+    // A sliding window across context-parallel chunks would need the band in the K/V exchange.
+    if let Some(w) = model.family.sliding_window.filter(|&w| w < config.data.max_seq_len)
+        && config.train.context_parallel > 1
+    {
+        anyhow::bail!(
+            "the model's sliding_window = {w} is shorter than data.max_seq_len = {}: under context parallelism \
+             (train.context_parallel = {}) llora runs full causal attention only; set train.context_parallel = 1 \
+             or data.max_seq_len <= {w}",
+            config.data.max_seq_len,
+            config.train.context_parallel
+        );
+    }
     // What training would refuse of the adapters, the plan refuses too (and before it, a run).
     if config.model.trainable == crate::config::Trainable::Lora {
         config.lora.check_for_model(&model)?;

@@ -1,0 +1,54 @@
+#![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
+//! Qwen 2 / 2.5, Qwen 3 and Mistral checkpoints against HF transformers + PEFT: small models of
+//! each family made by transformers (its own config class and initialisation, biases and q/k
+//! norm gains moved away from 0 and 1, sliding windows shorter than the rows), LoRA on every
+//! linear; llora's hidden states, logits, loss and every LoRA gradient equal theirs (fp32).
+
+mod common;
+
+use common::peer::*;
+use llora_model::{LlamaConfig, ModelType};
+
+/// The fixture of a family preset (`scripts/peer/recipe.py`'s `FAMILIES`): 64-token rows, LoRA
+/// on the seven linears with B away from zero.
+fn family_fixture(preset: &str) -> PathBuf {
+    let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    let args = ["--preset", preset, "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"];
+    fixture(&format!("{preset}-s64-b2"), &[&args[..], &["--targets", targets]].concat())
+}
+
+/// Qwen 2: biases on q, k and v (none on o), tied embeddings, rope_theta 1e6, a 24-token window
+/// on layer 1 only (`max_window_layers` = 1).
+#[test]
+fn qwen2_matches_hf_peft() {
+    let dir = family_fixture("tiny-qwen2");
+    let c = LlamaConfig::from_hf_dir(&dir).unwrap();
+    let f = &c.family;
+    assert_eq!(f.model_type, ModelType::Qwen2);
+    assert!(f.qkv_bias && !f.o_bias && !f.qk_norm && c.tie_word_embeddings && c.rope_theta == 1e6);
+    assert_eq!((f.window_of(0), f.window_of(1)), (None, Some(24)));
+    check_parity(&dir);
+}
+
+/// Qwen 3: per-head RMSNorm of q and k (gains away from 1), head_dim 40 (not d / heads = 32),
+/// no biases, a 20-token window on layer 1.
+#[test]
+fn qwen3_matches_hf_peft() {
+    let dir = family_fixture("tiny-qwen3");
+    let c = LlamaConfig::from_hf_dir(&dir).unwrap();
+    let f = &c.family;
+    assert_eq!(f.model_type, ModelType::Qwen3);
+    assert!(f.qk_norm && !f.qkv_bias && c.head_dim == 40);
+    assert_eq!((f.window_of(0), f.window_of(1)), (None, Some(20)));
+    check_parity(&dir);
+}
+
+/// Mistral: a 16-token window on every layer, head_dim 24.
+#[test]
+fn mistral_matches_hf_peft() {
+    let dir = family_fixture("tiny-mistral");
+    let c = LlamaConfig::from_hf_dir(&dir).unwrap();
+    assert_eq!(c.family.model_type, ModelType::Mistral);
+    assert_eq!((c.family.window_of(0), c.family.window_of(1), c.head_dim), (Some(16), Some(16), 24));
+    check_parity(&dir);
+}
