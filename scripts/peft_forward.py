@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 
 def main():
@@ -23,7 +23,7 @@ def main():
         sys.exit(__doc__)
     base, adapter, batch, out = sys.argv[1:]
     torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter != "-":
         model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
     model.eval()

@@ -52,3 +52,13 @@ fn mistral_matches_hf_peft() {
     assert_eq!((c.family.window_of(0), c.family.window_of(1), c.head_dim), (Some(16), Some(16), 24));
     check_parity(&dir);
 }
+
+/// Each family's adapter written by llora loads in PEFT onto the HF model with llora's logits,
+/// and the merged export (biases, q/k norms and the family's config.json carried) loads in
+/// transformers with them too.
+#[test]
+fn adapters_and_merged_exports_load_in_hf() {
+    for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        adapter_and_merged_export_load_in_hf(&family_fixture(preset));
+    }
+}

@@ -25,7 +25,7 @@ def main(model_dir, batch_path, out, names, threads=2):
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(threads)
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = load_file(batch_path)
     loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     loss.backward()

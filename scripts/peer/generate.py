@@ -22,14 +22,14 @@ def main():
     import torch
     import transformers
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
     if len(sys.argv) == 4:
         torch.set_num_threads(int(sys.argv[3]))
     req = json.load(sys.stdin)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[req.get("dtype", "fp32")]
-    model = LlamaForCausalLM.from_pretrained(base, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if adapter != "-":
         model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
     model.eval()

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
         sys.exit(__doc__)
     base, adapter, docs, out = sys.argv[1:]
     torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     model.train()
     d = load_file(docs)

@@ -160,24 +160,27 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
 /// (itself and the `window - 1` before it: transformers' sliding window); without a window, or
 /// a window as long as the sequence, [`causal_attention`] itself.
 ///
-/// Under a shorter window the scores are masked to the band on Burn's attention (LibTorch's
-/// ops): a `seq × seq` mask, the fused kernels have no window on this path.
+/// Under a shorter window the scores are masked to the band and softmaxed in f32 by Burn's ops
+/// (a `seq × seq` score matrix: the fused kernels take no window on this path). Not Burn's
+/// `attention` with a mask: burn-tch hands the mask to torch's SDPA, where `true` means the
+/// opposite of Burn's documented "masked" (its autodiff fallback follows the documentation).
 ///
 /// # Shapes
 /// As [`attention`].
 pub fn windowed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, window: Option<usize>) -> Tensor<4> {
-    let [b, h, s, _] = q.dims();
+    let [b, h, s, hd] = q.dims();
     let Some(w) = window.filter(|&w| w < s) else { return causal_attention(q, k, v) };
-    let device = q.device();
+    let (device, dtype) = (q.device(), q.dtype());
     let pos = Tensor::<1, Int>::arange(0..s as i64, &device);
     // How far each key lies behind each query: masked when ahead (< 0) or W or more behind.
     let behind = pos.clone().reshape([s, 1]) - pos.reshape([1, s]);
-    let mask = behind.clone().lower_elem(0).bool_or(behind.greater_equal_elem(w as i64));
-    let mask = mask.reshape([1, 1, s, s]).expand([b, h, s, s]);
+    let masked = behind.clone().lower_elem(0).bool_or(behind.greater_equal_elem(w as i64));
     let group = h / k.dims()[1];
-    let (k, v) = (repeat_kv(k, group), repeat_kv(v, group));
-    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
-    burn::tensor::module::attention(q, k, v, Some(mask), None, options)
+    let f32 = |t: Tensor<4>| t.cast(burn::tensor::DType::F32);
+    let (q, k, v) = (f32(q), f32(repeat_kv(k, group)), f32(repeat_kv(v, group)));
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((hd as f64).sqrt().recip());
+    let scores = scores.mask_fill(masked.reshape([1, 1, s, s]).expand([b, h, s, s]), f32::NEG_INFINITY);
+    burn::tensor::activation::softmax(scores, 3).matmul(v).cast(dtype)
 }
 
 /// Causal attention within each document of packed rows (block-diagonal): the work is the
