@@ -62,3 +62,18 @@ fn adapters_and_merged_exports_load_in_hf() {
         adapter_and_merged_export_load_in_hf(&family_fixture(preset));
     }
 }
+
+/// bf16 for each family, as `tests/parity.rs` holds Llama to it: llora's bf16 step (bf16
+/// weights, activations, biases and q/k norms; f32 adapters) against HF + PEFT's bf16 twin, both
+/// measured from HF's fp32 step: the loss within twice PEFT's distance (+1e-4), each LoRA
+/// gradient's cosine with fp32's >= 0.999, and all of them within 1.25x PEFT's 1 - cosine.
+#[test]
+fn bf16_matches_hf_peft_in_bf16_for_each_family() {
+    let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        let args = ["--preset", preset, "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"];
+        let dir =
+            fixture(&format!("{preset}-s64-b2-bf16"), &[&args[..], &["--targets", targets, "--bf16-twin"]].concat());
+        assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Auto, 1.25);
+    }
+}

@@ -171,10 +171,9 @@ def bf16_step1(cfg, base_state, adapter, ids, labels, a, targets, expected):
     initial adapter, which PEFT keeps in f32 (autocast_adapter_dtype). Returns the loss."""
     import torch
     from peft import set_peft_model_state_dict
-    from transformers import LlamaForCausalLM
     import recipe
 
-    model = LlamaForCausalLM(cfg)
+    model = recipe.causal_lm_class(cfg)(cfg)
     model.load_state_dict(base_state)
     model = recipe.with_lora(model.to(torch.bfloat16), a.lora_r, a.lora_alpha, 0.0, targets, rslora=a.rslora, dora=a.dora)
     set_peft_model_state_dict(model, adapter)

@@ -79,13 +79,18 @@ def hf_config(preset, seq_len):
     return cfg
 
 
+def causal_lm_class(cfg):
+    """The transformers model class of a config of ours (a family's, or Llama's)."""
+    return next((m for c, m, _ in FAMILIES.values() if isinstance(cfg, c)), LlamaForCausalLM)
+
+
 def random_model(cfg, dtype, seed, device=None):
     """HF's own random initialisation from `seed`, allocated directly in the base dtype; on `device`
     (allocated and initialised there, from that device's generator) when one is given."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(BASE_DTYPES[dtype])
-    model_class = next((m for c, m, _ in FAMILIES.values() if isinstance(cfg, c)), LlamaForCausalLM)
+    model_class = causal_lm_class(cfg)
     try:
         if device is None:
             model = model_class(cfg)
