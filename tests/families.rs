@@ -77,3 +77,173 @@ fn bf16_matches_hf_peft_in_bf16_for_each_family() {
         assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Auto, 1.25);
     }
 }
+
+/// A Qwen-style tokenizer made by HF's `tokenizers` (`scripts/peer/qwen_tokenizer.py`: byte-level
+/// BPE with Qwen 2's pre-tokenizer, ChatML's special tokens and Qwen 2's chat template) in `dir`.
+fn qwen_tokenizer(dir: &Path) -> PathBuf {
+    let tok = dir.join("qwen-tokenizer");
+    let out = peer_tokenizer(&["make", tok.to_str().unwrap()], None);
+    assert!(out["vocab"].as_u64().unwrap() <= 1000, "the family presets' vocabulary is 1000");
+    tok
+}
+
+/// Runs `scripts/peer/qwen_tokenizer.py ARGS` with `input` as JSON on its stdin; its JSON answer.
+fn peer_tokenizer(args: &[&str], input: Option<&serde_json::Value>) -> serde_json::Value {
+    let mut child = Command::new(python())
+        .arg(repo_root().join("scripts/peer/qwen_tokenizer.py"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let text = input.map(|v| v.to_string()).unwrap_or_default();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "qwen_tokenizer.py {args:?} failed");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The byte-level BPE tokenizer.json encodes a mixed-script corpus (Latin with diacritics,
+/// Cyrillic, CJK, Arabic, emoji, code, whitespace runs, contractions, digits) to the ids the
+/// `tokenizers` library gives.
+#[test]
+fn a_byte_level_bpe_tokenizer_encodes_as_the_tokenizers_library() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = qwen_tokenizer(dir.path());
+    let corpus: Vec<String> = [
+        "The GAO's report: agencies spent $4,200,000 in FY2023 (up 12%).",
+        "Ärzte, Bürger und Öffentlichkeit — naïve café",
+        "Правительство опубликовало отчёт",
+        "政府问责局报告称，联邦机构花费了四十二亿美元。会計検査院",
+        "الحكومة نشرت تقريرا",
+        "🙂🚀 👩‍👩‍👧 ≤≥→∑ “quoted” …",
+        "fn main() {\n    println!(\"{}\", 1 + 2);\n}\n",
+        "  leading spaces,\ttabs\t\tand\r\n\r\nblank lines   ",
+        "they'll we've I'd it's don't",
+        "1234567890 3.14159 -0.5e-3",
+        "",
+    ]
+    .map(String::from)
+    .to_vec();
+    let theirs: Vec<Vec<u32>> =
+        serde_json::from_value(peer_tokenizer(&["encode", tok.to_str().unwrap()], Some(&serde_json::json!(corpus))))
+            .unwrap();
+    let ours = llora_data::tokenizer::load_tokenizer(&tok).unwrap();
+    for (text, want) in corpus.iter().zip(&theirs) {
+        let got = ours.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(&got, want, "{text:?}");
+    }
+}
+
+/// `llora data prepare --format chat` with Qwen's ChatML template: each conversation's ids are
+/// transformers' `apply_chat_template` ids (the default system turn added where there is none),
+/// and exactly the assistant turns are labelled (their content, `<|im_end|>` and the newline the
+/// template writes after it).
+#[test]
+fn chatml_conversations_prepare_as_apply_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = qwen_tokenizer(dir.path());
+    let m = |r: &str, c: &str| serde_json::json!({"role": r, "content": c});
+    let chats = vec![
+        serde_json::json!([m("user", "What is 2+2?"), m("assistant", "Four.")]),
+        serde_json::json!([
+            m("system", "You are terse."),
+            m("user", "Summarise: the GAO found 12 of 30 agencies had no plan."),
+            m("assistant", "40% lack plans."),
+            m("user", "And the rest?"),
+            m("assistant", "18 have one.\nSee the report."),
+        ]),
+        serde_json::json!([m("user", "中文呢？ Привет 🙂"), m("assistant", "天真的咖啡馆")]),
+    ];
+    let lines: Vec<String> = chats.iter().map(|c| serde_json::json!({"messages": c}).to_string()).collect();
+    let input = dir.path().join("chat.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = dir.path().join("chat.parquet");
+    let (i, t, o) = (input.to_str().unwrap(), tok.to_str().unwrap(), out.to_str().unwrap());
+    let res = common::llora(&["data", "prepare", "--format", "chat", "--input", i, "--tokenizer", t, "--out", o]);
+    assert!(res.status.success(), "{}", common::text(&res).1);
+    let opts = llora_data::parquet_io::ReadOptions {
+        vocab: 1000,
+        max_seq_len: 4096,
+        on_bad_row: llora_data::parquet_io::OnBadRow::Error,
+    };
+    let samples = llora_data::parquet_io::read_parquet(&out, &opts).unwrap().0;
+    assert_eq!(samples.len(), chats.len());
+    let reference = peer_tokenizer(&["chat", t], Some(&serde_json::json!(chats)));
+    let decoder = llora_data::tokenizer::load_tokenizer(&tok).unwrap();
+    for (k, (sample, chat)) in samples.iter().zip(&chats).enumerate() {
+        let want: Vec<u32> = serde_json::from_value(reference[k].clone()).unwrap();
+        assert_eq!(sample.input_ids, want, "conversation {k}: ids differ from apply_chat_template");
+        let mut runs: Vec<Vec<u32>> = Vec::new();
+        for (j, (&id, &l)) in sample.input_ids.iter().zip(&sample.labels).enumerate() {
+            assert!(l == -100 || l == id as i64, "a label differs from its token");
+            let starts = l != -100 && (j == 0 || sample.labels[j - 1] == -100);
+            if starts {
+                runs.push(Vec::new());
+            }
+            if l != -100 {
+                runs.last_mut().unwrap().push(id);
+            }
+        }
+        let assistant: Vec<String> = chat
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .map(|m| format!("{}<|im_end|>\n", m["content"].as_str().unwrap()))
+            .collect();
+        let got: Vec<String> = runs.iter().map(|r| decoder.decode(r, false).unwrap()).collect();
+        assert_eq!(got, assistant, "conversation {k}: labelled tokens are not the assistant turns");
+    }
+}
+
+/// Decoding with the KV cache past each family's window: the fixture's first row fed one token at
+/// a time after an 8-token prefill gives, at every position, HF + PEFT's logsumexp of the logits
+/// and the next token's logit (the fixture's, from transformers' full forward): each new position
+/// attends to the last W keys only, in the layers that slide.
+#[test]
+fn cached_decoding_past_the_window_equals_hf() {
+    for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        let dir = family_fixture(preset);
+        let fx = load_fixture(&dir);
+        let device = Device::libtorch();
+        let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+        load_peft_adapter(&mut model, &dir, &device).unwrap();
+        let s = fx.input_ids.0[1];
+        let row: Vec<i64> = fx.input_ids.1[..s].to_vec();
+        let ids = |t: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(t.to_vec(), [1, t.len()]), &device);
+        let mut cache = llora_model::generate::KvCache::new(&model);
+        let mut logits = vec![values(model.decode(ids(&row[..8]), &mut cache).unwrap())];
+        for t in 8..s {
+            logits.push(values(model.decode(ids(&row[t..=t]), &mut cache).unwrap()));
+        }
+        let lse: Vec<f32> = logits.iter().map(|l| l.iter().map(|x| x.exp()).sum::<f32>().ln()).collect();
+        let want = &fx.expected["step1.logsumexp"].1[7..s];
+        let err = rel_err(&lse, want);
+        // Position p's logits score the row's token p + 1 (the fixture's target logit where
+        // the label is kept: the second half of the row).
+        let next: Vec<f32> = (s / 2..s - 1).map(|p| logits[p - 7][row[p + 1] as usize]).collect();
+        let target_err = rel_err(&next, &fx.expected["step1.target_logit"].1[s / 2..s - 1]);
+        eprintln!("{preset}: cached decoding, logsumexp relative error {err:e}, next-token logit {target_err:e}");
+        assert!(err <= 1e-5 && target_err <= 1e-4, "{preset}: {err:e} {target_err:e}");
+    }
+}
+
+/// `llora generate` (KV-cached, greedy) on the Qwen 2 fixture with its adapter and the Qwen-style
+/// tokenizer (no beginning-of-sequence token) continues a prompt as transformers' greedy
+/// `generate` does, 48 new tokens.
+#[test]
+fn generate_past_the_sliding_window_equals_hf_generate() {
+    let dir = family_fixture("tiny-qwen2");
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(&dir, tmp.path());
+    let tok = qwen_tokenizer(tmp.path());
+    let (b, d, t) = (base.to_str().unwrap(), dir.to_str().unwrap(), tok.to_str().unwrap());
+    let prompt = "The Government Accountability Office reported that";
+    let ours =
+        llora_generate(&["--model", b, "--adapter", d, "--tokenizer", t, "--prompt", prompt, "--max-new-tokens", "48"]);
+    let hf = hf_generate(&base, &dir, &ours["prompt_ids"], 48);
+    assert!(ours["prompt_ids"].as_array().unwrap().len() + 48 > 2 * 24, "the continuation passes the window");
+    assert_eq!(ours["ids"], hf["ids"], "greedy continuations differ");
+    assert_eq!(ours["ids"].as_array().unwrap().len(), 48);
+}

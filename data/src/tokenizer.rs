@@ -27,8 +27,17 @@ pub fn plain(tokenizer: &Tokenizer) -> Tokenizer {
 pub fn special_ids(tokenizer: &Tokenizer) -> anyhow::Result<(u32, u32)> {
     let find = |names: &[&str]| names.iter().find_map(|n| tokenizer.token_to_id(n));
     let bos = find(&["<|begin_of_text|>", "<s>"]).context("the tokenizer has no <|begin_of_text|> or <s> token")?;
-    let eos = find(&["<|end_of_text|>", "</s>"]).context("the tokenizer has no <|end_of_text|> or </s> token")?;
-    Ok((bos, eos))
+    Ok((bos, end_of_text_id(tokenizer)?))
+}
+
+/// The tokenizer's end-of-text id: Llama 3's `<|end_of_text|>`, Llama 2's and Mistral's `</s>`,
+/// Qwen's `<|endoftext|>` (Qwen has no beginning-of-sequence token).
+pub fn end_of_text_id(tokenizer: &Tokenizer) -> anyhow::Result<u32> {
+    let names = ["<|end_of_text|>", "</s>", "<|endoftext|>"];
+    names
+        .iter()
+        .find_map(|n| tokenizer.token_to_id(n))
+        .context("the tokenizer has no <|end_of_text|>, </s> or <|endoftext|> token")
 }
 
 /// Bytes a token is taken to stand for at most where the model itself sets no bound: a whole

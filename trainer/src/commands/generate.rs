@@ -42,7 +42,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let mut stop = ckpt.config.eos_token_ids.clone();
     let ids = prompt_ids(a, &tokenizer, ckpt.config.max_position_embeddings, &mut stop)?;
     if stop.is_empty() {
-        stop.push(llora_data::tokenizer::special_ids(&tokenizer)?.1);
+        stop.push(llora_data::tokenizer::end_of_text_id(&tokenizer)?);
     }
     // Checked before any token is produced: running out of positions halfway would lose what
     // was streamed (and all of it with --json).
