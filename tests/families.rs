@@ -23,6 +23,7 @@ fn family_fixture(preset: &str) -> PathBuf {
 fn qwen2_matches_hf_peft() {
     let dir = family_fixture("tiny-qwen2");
     let c = LlamaConfig::from_hf_dir(&dir).unwrap();
+    assert_eq!(LlamaConfig::preset("tiny-qwen2").unwrap(), c, "the preset is the fixture's model");
     let f = &c.family;
     assert_eq!(f.model_type, ModelType::Qwen2);
     assert!(f.qkv_bias && !f.o_bias && !f.qk_norm && c.tie_word_embeddings && c.rope_theta == 1e6);
@@ -36,6 +37,7 @@ fn qwen2_matches_hf_peft() {
 fn qwen3_matches_hf_peft() {
     let dir = family_fixture("tiny-qwen3");
     let c = LlamaConfig::from_hf_dir(&dir).unwrap();
+    assert_eq!(LlamaConfig::preset("tiny-qwen3").unwrap(), c, "the preset is the fixture's model");
     let f = &c.family;
     assert_eq!(f.model_type, ModelType::Qwen3);
     assert!(f.qk_norm && !f.qkv_bias && c.head_dim == 40);
@@ -48,6 +50,7 @@ fn qwen3_matches_hf_peft() {
 fn mistral_matches_hf_peft() {
     let dir = family_fixture("tiny-mistral");
     let c = LlamaConfig::from_hf_dir(&dir).unwrap();
+    assert_eq!(LlamaConfig::preset("tiny-mistral").unwrap(), c, "the preset is the fixture's model");
     assert_eq!(c.family.model_type, ModelType::Mistral);
     assert_eq!((c.family.window_of(0), c.family.window_of(1), c.head_dim), (Some(16), Some(16), 24));
     check_parity(&dir);

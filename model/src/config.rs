@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::family::Family;
+use crate::family::{Family, ModelType};
 use crate::rope::Llama3Scaling;
 
 /// Architecture hyperparameters of a Llama-family causal LM.
@@ -393,6 +393,61 @@ impl LlamaConfig {
         }
     }
 
+    /// A family's model of `build`'s shape with `head_dim` and the family's traits.
+    #[allow(clippy::too_many_arguments)]
+    fn family_model(family: Family, shape: [usize; 7], head_dim: usize, theta: f64, eps: f64, tie: bool) -> Self {
+        let [v, d, i, l, h, kv, max_pos] = shape;
+        Self {
+            head_dim,
+            rope_theta: theta,
+            rms_norm_eps: eps,
+            tie_word_embeddings: tie,
+            family,
+            ..Self::build(v, d, i, l, h, kv, max_pos)
+        }
+    }
+
+    /// Qwen 2.5 7B Instruct (its published config.json): 28 layers, d 3584, 28 heads over 4 KV
+    /// heads, q/k/v biases, rope_theta 1e6, no sliding window in use.
+    pub fn qwen2_5_7b() -> Self {
+        let family = Family { model_type: ModelType::Qwen2, qkv_bias: true, ..Family::default() };
+        let c = Self::family_model(family, [152064, 3584, 18944, 28, 28, 4, 32768], 128, 1e6, 1e-6, false);
+        Self { bos_token_id: Some(151643), eos_token_ids: vec![151645], ..c }
+    }
+
+    /// Qwen 3 8B (its published config.json): 36 layers, d 4096, 32 heads over 8 KV heads of
+    /// 128, q/k head norms, no biases, rope_theta 1e6.
+    pub fn qwen3_8b() -> Self {
+        let family = Family { model_type: ModelType::Qwen3, qk_norm: true, ..Family::default() };
+        let c = Self::family_model(family, [151936, 4096, 12288, 36, 32, 8, 40960], 128, 1e6, 1e-6, false);
+        Self { bos_token_id: Some(151643), eos_token_ids: vec![151645], ..c }
+    }
+
+    /// Mistral 7B v0.3 (its published config.json): 32 layers, d 4096, 32 heads over 8 KV
+    /// heads, rope_theta 1e6, vocabulary 32768, no sliding window (v0.1's was 4096).
+    pub fn mistral_7b() -> Self {
+        let family = Family { model_type: ModelType::Mistral, ..Family::default() };
+        Self::family_model(family, [32768, 4096, 14336, 32, 32, 8, 32768], 128, 1e6, 1e-5, false)
+    }
+
+    /// The small model of a family for CPU demos and tests (`scripts/peer/recipe.py`'s `FAMILIES`:
+    /// vocab 1000, d 128, 2 layers, 4 heads over 2, a window shorter than a 64-token row).
+    pub fn tiny_family(model_type: ModelType) -> Self {
+        let shape = [1000, 128, 344, 2, 4, 2, 4096];
+        let windowed = |w| Family { sliding_window: Some(w), window_from: 1, model_type, ..Family::default() };
+        let (family, head_dim, theta, tie) = match model_type {
+            ModelType::Qwen2 => (Family { qkv_bias: true, ..windowed(24) }, 32, 1e6, true),
+            ModelType::Qwen3 => (Family { qk_norm: true, ..windowed(20) }, 40, 1e6, true),
+            ModelType::Mistral | ModelType::Llama => (Family { window_from: 0, ..windowed(16) }, 24, 1e4, false),
+        };
+        let c = Self::family_model(family, shape, head_dim, theta, 1e-6, tie);
+        match model_type {
+            // transformers' defaults: Qwen's configs name no ids, Mistral's <s> 1 and </s> 2.
+            ModelType::Qwen2 | ModelType::Qwen3 => Self { bos_token_id: None, eos_token_ids: Vec::new(), ..c },
+            ModelType::Mistral | ModelType::Llama => c,
+        }
+    }
+
     /// Looks a preset up by the name configs use.
     pub fn preset(name: &str) -> anyhow::Result<Self> {
         Ok(match name {
@@ -406,6 +461,12 @@ impl LlamaConfig {
             "llama2-7b" => Self::llama2_7b(),
             "llama2-70b" => Self::llama2_70b(),
             "llama2-70b-1layer" => Self::llama2_70b_1layer(),
+            "qwen2.5-7b" => Self::qwen2_5_7b(),
+            "qwen3-8b" => Self::qwen3_8b(),
+            "mistral-7b" => Self::mistral_7b(),
+            "tiny-qwen2" => Self::tiny_family(ModelType::Qwen2),
+            "tiny-qwen3" => Self::tiny_family(ModelType::Qwen3),
+            "tiny-mistral" => Self::tiny_family(ModelType::Mistral),
             _ => bail!("unknown model preset {name:?}: expected one of {}", PRESETS.join(", ")),
         })
     }
@@ -423,11 +484,49 @@ pub const PRESETS: &[&str] = &[
     "llama2-7b",
     "llama2-70b",
     "llama2-70b-1layer",
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "mistral-7b",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
 ];
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The family presets are their models' published config.json files, as llora reads them.
+    #[test]
+    fn family_presets_are_the_published_configs() {
+        let qwen25 = r#"{"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+            "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+            "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
+            "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false, "vocab_size": 152064}"#;
+        let qwen3 = r#"{"architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+            "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+            "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+            "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+            "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936}"#;
+        let mistral = r#"{"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+            "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+            "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0, "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "use_cache": true, "vocab_size": 32768}"#;
+        for (name, text) in [("qwen2.5-7b", qwen25), ("qwen3-8b", qwen3), ("mistral-7b", mistral)] {
+            assert_eq!(LlamaConfig::preset(name).unwrap(), LlamaConfig::from_hf_json(text).unwrap(), "{name}");
+        }
+        // 7.6 B and 8.2 B parameters, as their model cards say; Mistral 7B's 7.25 B.
+        let billions = |name: &str| LlamaConfig::preset(name).unwrap().num_parameters() as f64 / 1e9;
+        assert!((billions("qwen2.5-7b") - 7.62).abs() < 0.01, "{}", billions("qwen2.5-7b"));
+        assert!((billions("qwen3-8b") - 8.19).abs() < 0.01, "{}", billions("qwen3-8b"));
+        assert!((billions("mistral-7b") - 7.25).abs() < 0.01, "{}", billions("mistral-7b"));
+    }
 
     #[test]
     fn reads_transformers_4_and_5_spellings() {

@@ -135,13 +135,20 @@ impl Attention {
             (c.num_key_value_heads * c.head_dim) as f64,
         );
         let why = "fused attention backward (K/V at their own head count)";
-        vec![
+        let mut saved = vec![
             Saved::new("q after RoPE", e * qd, why),
             Saved::new("k after RoPE", e * kvd, why),
             Saved::new("v", e * kvd, why),
             Saved::new("attention output", e * qd, why),
             Saved::new("attention log-sum-exp", 4.0 * c.num_attention_heads as f64, "fused attention backward"),
-        ]
+        ];
+        if c.family.qk_norm {
+            let why = "q/k head norms' backward (their input and 1/rms per head)";
+            let heads = (c.num_attention_heads + c.num_key_value_heads) as f64;
+            saved.push(Saved::new("q and k before their head norms", e * (qd + kvd), why));
+            saved.push(Saved::new("q and k head norms: 1/rms", 4.0 * heads, why));
+        }
+        saved
     }
 
     /// Loads the attention of decoder layer `layer`: q, k and v (or the fused qkv, as the

@@ -154,6 +154,7 @@ pub fn budget(s: &Shape) -> Budget {
     lines.push(saved_activations(s));
     lines.push(final_norm_and_loss(s));
     lines.extend(context_exchange(s));
+    lines.extend(sliding_window_scores(s));
     lines.push(workspace(s));
     lines.extend(cpu_gemm_workspace(s));
     let mut peak: f64 = lines.iter().map(|x| x.bytes).sum();
@@ -192,6 +193,25 @@ pub(super) fn context_exchange(s: &Shape) -> Option<Line> {
         name: "context-parallel K/V exchange",
         bytes,
         note: format!("{n} ranks per sequence: the whole sequence's K/V and their f32 gradients, in one block"),
+    })
+}
+
+/// The masked path of sliding-window attention (`attention::windowed_causal_attention`, on the
+/// layers whose window is shorter than the sequence): each keeps its f32 probabilities
+/// `[batch, H, seq, seq]` and f32 copies of q and of K/V repeated to H heads for backward, and one
+/// layer's scores and masked scores are live at once.
+pub(super) fn sliding_window_scores(s: &Shape) -> Option<Line> {
+    let c = &s.model;
+    let w = c.family.sliding_window.filter(|&w| w < s.seq_len)?;
+    let layers = (0..c.num_hidden_layers).filter(|&l| c.family.window_of(l).is_some()).count() as f64;
+    let (b, h, seq) = (s.micro_batch as f64, c.num_attention_heads as f64, s.seq_len as f64);
+    let alloc = |bytes: f64| allocated(bytes, s.target);
+    let scores = alloc(b * h * seq * seq * 4.0);
+    let copies = 3.0 * alloc(b * h * seq * c.head_dim as f64 * 4.0);
+    Some(Line {
+        name: "sliding-window attention (masked path)",
+        bytes: layers * (scores + copies + alloc(seq * seq)) + 2.0 * scores,
+        note: format!("window {w} < {} tokens in {layers} layers: f32 seq x seq probabilities per layer", s.seq_len),
     })
 }
 
