@@ -332,3 +332,13 @@ fn each_family_runs_in_every_precision_and_refuses_a_window_across_ranks() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("sliding_window = 16") && stderr.contains("train.context_parallel"), "{stderr}");
 }
+
+/// Packed rows of each family: documents of 64, 30 and 34 tokens (past every window) and short
+/// ones packed together give each document's loss and LoRA gradients as HF + PEFT running it
+/// alone: the window slides within each document, never across one.
+#[test]
+fn packed_documents_match_hf_peft_each_run_alone() {
+    for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        packed_documents_match_hf_peft_on(&family_fixture(preset), false);
+    }
+}
