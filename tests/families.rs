@@ -342,3 +342,18 @@ fn packed_documents_match_hf_peft_each_run_alone() {
         packed_documents_match_hf_peft_on(&family_fixture(preset), false);
     }
 }
+
+/// `llora eval` with each family's PEFT adapter, on HF's batch written as MLPerf-schema parquet,
+/// prints HF + PEFT's loss.
+#[test]
+fn eval_command_reports_the_hf_peft_loss_for_each_family() {
+    for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        let dir = family_fixture(preset);
+        let fx = load_fixture(&dir);
+        let last = eval_fixture_batch(&dir, &fx, &[]);
+        let reference = fx.json["losses"][0].as_f64().unwrap();
+        let ours = last["loss_per_token"].as_f64().unwrap();
+        assert!(((ours - reference) / reference).abs() <= 1e-5, "{preset}: llora eval {ours} vs HF+PEFT {reference}");
+        assert_eq!(last["target_tokens"].as_u64(), fx.json["n_target_tokens"].as_u64());
+    }
+}
