@@ -106,7 +106,7 @@ def random_model(cfg, dtype, seed, device=None):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
                 elif name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
     return model

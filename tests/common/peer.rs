@@ -137,8 +137,9 @@ pub fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 }
 
 /// Loss, logits (via logsumexp and target logit), final hidden state and every LoRA gradient
-/// of step 1 against HF + PEFT, in f32 with dropout off.
-pub fn check_parity(dir: &Path) {
+/// of step 1 against HF + PEFT, in f32 with dropout off; returns the worst LoRA gradient's relative
+/// error.
+pub fn check_parity(dir: &Path) -> f32 {
     // Its training passes reseed torch's generator per block: not while a seeding test runs.
     let _rng = llora_model::device::torch_rng_lock();
     let fx = load_fixture(dir);
@@ -213,6 +214,7 @@ pub fn check_parity(dir: &Path) {
     // Every adapter PEFT made has its llora counterpart (and no other).
     let peft_adapters = fx.expected.keys().filter(|k| k.starts_with("step1.grad.") && k.contains(".lora_")).count();
     assert_eq!(checked, peft_adapters);
+    worst
 }
 
 /// A Llama-3-style checkpoint (`tiny-llama3` of scripts/peer/recipe.py: llama3 RoPE scaling
