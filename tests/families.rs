@@ -361,3 +361,24 @@ fn eval_command_reports_the_hf_peft_loss_for_each_family() {
         assert_eq!(last["target_tokens"].as_u64(), fx.json["n_target_tokens"].as_u64());
     }
 }
+
+/// DoRA and rsLoRA on Qwen 2, whose q/k/v biases DoRA must leave unscaled (PEFT subtracts the
+/// bias before rescaling each row to its magnitude): PEFT's loss, logits and LoRA (and magnitude)
+/// gradients within 1e-5; the DoRA adapter llora saves loads in PEFT, and its merged export (each
+/// row rescaled, the bias as it was) in transformers, with llora's logits.
+#[test]
+fn dora_and_rslora_with_biases_match_peft() {
+    let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    let args = ["--preset", "tiny-qwen2", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"];
+    for (flag, name) in [("--dora", "dora"), ("--rslora", "rslora")] {
+        let dir = fixture(&format!("tiny-qwen2-s64-b2-{name}"), &[&args[..], &[flag, "--targets", targets]].concat());
+        let worst = check_parity(&dir);
+        assert!(worst <= 1e-5, "{name}: worst LoRA gradient relative error {worst:e}");
+    }
+    let dir = fixture("tiny-qwen2-s64-b2-dora", &[&args[..], &["--dora", "--targets", targets]].concat());
+    let targets = targets.split(',').map(String::from).collect();
+    adapter_and_merged_export_load_in_hf_with(
+        &dir,
+        llora_model::LoraSpec { dropout: 0.0, dora: true, targets, ..Default::default() },
+    );
+}
