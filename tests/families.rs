@@ -85,19 +85,26 @@ fn bf16_matches_hf_peft_in_bf16_for_each_family() {
     }
 }
 
-/// A Qwen-style tokenizer made by HF's `tokenizers` (`scripts/peer/qwen_tokenizer.py`: byte-level
-/// BPE with Qwen 2's pre-tokenizer, ChatML's special tokens and Qwen 2's chat template) in `dir`.
+/// A Qwen-style tokenizer made by HF's `tokenizers` (`scripts/peer/family_tokenizers.py`:
+/// byte-level BPE with Qwen 2's pre-tokenizer, ChatML's special tokens and Qwen 2's chat
+/// template) in `dir`.
 fn qwen_tokenizer(dir: &Path) -> PathBuf {
-    let tok = dir.join("qwen-tokenizer");
-    let out = peer_tokenizer(&["make", tok.to_str().unwrap()], None);
+    made_tokenizer(dir, "make", "qwen-tokenizer")
+}
+
+/// A tokenizer `family_tokenizers.py COMMAND` makes in `dir/name`.
+fn made_tokenizer(dir: &Path, command: &str, name: &str) -> PathBuf {
+    let tok = dir.join(name);
+    let out = peer_tokenizer(&[command, tok.to_str().unwrap()], None);
     assert!(out["vocab"].as_u64().unwrap() <= 1000, "the family presets' vocabulary is 1000");
     tok
 }
 
-/// Runs `scripts/peer/qwen_tokenizer.py ARGS` with `input` as JSON on its stdin; its JSON answer.
+/// Runs `scripts/peer/family_tokenizers.py ARGS` with `input` as JSON on its stdin; its JSON
+/// answer.
 fn peer_tokenizer(args: &[&str], input: Option<&serde_json::Value>) -> serde_json::Value {
     let mut child = Command::new(python())
-        .arg(repo_root().join("scripts/peer/qwen_tokenizer.py"))
+        .arg(repo_root().join("scripts/peer/family_tokenizers.py"))
         .args(args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -106,7 +113,7 @@ fn peer_tokenizer(args: &[&str], input: Option<&serde_json::Value>) -> serde_jso
     let text = input.map(|v| v.to_string()).unwrap_or_default();
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), text.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "qwen_tokenizer.py {args:?} failed");
+    assert!(out.status.success(), "family_tokenizers.py {args:?} failed");
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -162,10 +169,37 @@ fn chatml_conversations_prepare_as_apply_chat_template() {
         ]),
         serde_json::json!([m("user", "中文呢？ Привет 🙂"), m("assistant", "天真的咖啡馆")]),
     ];
+    assert_prepared_as_apply_chat_template(dir.path(), &tok, &chats, "<|im_end|>\n");
+}
+
+/// `llora data prepare --format chat` with Mistral Instruct's `[INST]` template
+/// (`<s>[INST] user [/INST]assistant</s>...`, `[INST]` and `[/INST]` special as in v0.3): the
+/// ids are `apply_chat_template`'s and exactly each assistant turn and its `</s>` are labelled.
+#[test]
+fn mistral_inst_conversations_prepare_as_apply_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = made_tokenizer(dir.path(), "make-mistral", "mistral-tokenizer");
+    let m = |r: &str, c: &str| serde_json::json!({"role": r, "content": c});
+    let chats = vec![
+        serde_json::json!([m("user", "What is 2+2?"), m("assistant", "Four.")]),
+        serde_json::json!([
+            m("user", "Summarise: the GAO found 12 of 30 agencies had no plan."),
+            m("assistant", "40% lack plans."),
+            m("user", "And the rest?"),
+            m("assistant", "18 have one.\nSee the report."),
+        ]),
+    ];
+    assert_prepared_as_apply_chat_template(dir.path(), &tok, &chats, "</s>");
+}
+
+/// Prepares `chats` with `llora data prepare --format chat` and the tokenizer (and template) in
+/// `tok`, and checks each conversation's ids against transformers' `apply_chat_template` and
+/// that its labelled tokens decode to exactly its assistant turns, each followed by `turn_end`.
+fn assert_prepared_as_apply_chat_template(dir: &Path, tok: &Path, chats: &[serde_json::Value], turn_end: &str) {
     let lines: Vec<String> = chats.iter().map(|c| serde_json::json!({"messages": c}).to_string()).collect();
-    let input = dir.path().join("chat.jsonl");
+    let input = dir.join("chat.jsonl");
     std::fs::write(&input, lines.join("\n")).unwrap();
-    let out = dir.path().join("chat.parquet");
+    let out = dir.join("chat.parquet");
     let (i, t, o) = (input.to_str().unwrap(), tok.to_str().unwrap(), out.to_str().unwrap());
     let res = common::llora(&["data", "prepare", "--format", "chat", "--input", i, "--tokenizer", t, "--out", o]);
     assert!(res.status.success(), "{}", common::text(&res).1);
@@ -177,8 +211,8 @@ fn chatml_conversations_prepare_as_apply_chat_template() {
     let samples = llora_data::parquet_io::read_parquet(&out, &opts).unwrap().0;
     assert_eq!(samples.len(), chats.len());
     let reference = peer_tokenizer(&["chat", t], Some(&serde_json::json!(chats)));
-    let decoder = llora_data::tokenizer::load_tokenizer(&tok).unwrap();
-    for (k, (sample, chat)) in samples.iter().zip(&chats).enumerate() {
+    let decoder = llora_data::tokenizer::load_tokenizer(tok).unwrap();
+    for (k, (sample, chat)) in samples.iter().zip(chats).enumerate() {
         let want: Vec<u32> = serde_json::from_value(reference[k].clone()).unwrap();
         assert_eq!(sample.input_ids, want, "conversation {k}: ids differ from apply_chat_template");
         let mut runs: Vec<Vec<u32>> = Vec::new();
@@ -197,7 +231,7 @@ fn chatml_conversations_prepare_as_apply_chat_template() {
             .unwrap()
             .iter()
             .filter(|m| m["role"] == "assistant")
-            .map(|m| format!("{}<|im_end|>\n", m["content"].as_str().unwrap()))
+            .map(|m| format!("{}{turn_end}", m["content"].as_str().unwrap()))
             .collect();
         let got: Vec<String> = runs.iter().map(|r| decoder.decode(r, false).unwrap()).collect();
         assert_eq!(got, assistant, "conversation {k}: labelled tokens are not the assistant turns");
@@ -304,29 +338,38 @@ fn a_tiny_qwen3_fine_tunes_to_its_target_with_a_log_the_checker_accepts() {
 }
 
 /// Every precision and storage runs each family (their biases and q/k head norms on the bf16,
-/// FP8 and NF4 paths): two `llora bench` steps end within 0.2% of fp32's loss; a window shorter
+/// FP8 and NF4 paths): two `llora bench` steps end within 0.2% of fp32's loss, also bf16 with the
+/// CPU standing in for CUDA, where the window runs on flash attention's window route (one
+/// variable-length launch per layer, its kernel the CPU's under a band mask); a window shorter
 /// than the rows is refused under context parallelism, naming both keys, before anything runs.
 #[test]
 fn each_family_runs_in_every_precision_and_refuses_a_window_across_ranks() {
     let all = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
     for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
         let bench = ["bench", "--preset", preset, "--seq-len", "64", "--batch", "2", "--warmup", "0", "--steps", "2"];
-        let loss = |extra: &[&str]| -> f64 {
+        let run = |extra: &[&str], cuda_routes: bool| -> serde_json::Value {
             let args = [&bench[..], &["--threads", "1", "--targets", all], extra].concat();
-            let out = common::llora(&args);
+            let mut cmd = common::llora_command(&common::root(), &args);
+            if cuda_routes {
+                cmd.env("LLORA_CUDA_ROUTES_ON_CPU", "1");
+            }
+            let out = cmd.output().unwrap();
             let (stdout, stderr) = common::text(&out);
             assert!(out.status.success(), "{preset} {extra:?}: {stderr}");
-            let record: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-            record["final_loss"].as_f64().unwrap()
+            serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
         };
-        let fp32 = loss(&[]);
-        for extra in [
-            &["--precision", "bf16"][..],
-            &["--precision", "fp8", "--fp8-weights", "--fp8-activations"],
-            &["--quantize", "nf4"],
+        let fp32 = run(&[], false)["final_loss"].as_f64().unwrap();
+        for (extra, cuda_routes) in [
+            (&["--precision", "bf16"][..], false),
+            (&["--precision", "fp8", "--fp8-weights", "--fp8-activations"], false),
+            (&["--quantize", "nf4"], false),
+            (&["--precision", "bf16"], true),
         ] {
-            let got = loss(extra);
-            assert!(((got - fp32) / fp32).abs() < 2e-3, "{preset} {extra:?}: loss {got} vs fp32 {fp32}");
+            let record = run(extra, cuda_routes);
+            let got = record["final_loss"].as_f64().unwrap();
+            assert!(((got - fp32) / fp32).abs() < 2e-3, "{preset} {extra:?} {cuda_routes}: loss {got} vs fp32 {fp32}");
+            let kernels = record["attn_impl"].to_string();
+            assert_eq!(kernels.contains("cuda-flash-window"), cuda_routes, "{preset} {extra:?}: {kernels}");
         }
     }
     let sets = ["model.preset=\"tiny-mistral\"", "train.context_parallel=2", "data.max_seq_len=64"];

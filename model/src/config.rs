@@ -118,8 +118,9 @@ impl LlamaConfig {
     /// RoPE `default` and `llama3` (Llama 3.1+) are computed as transformers does; other
     /// scalings (linear, dynamic, yarn, longrope, ...) are rejected rather than mis-run.
     pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
-        let hf: HfConfig = serde_json::from_str(text).context("not a Llama-architecture config.json")?;
-        let family = Family::from_hf_json(text)?;
+        let value: serde_json::Value = serde_json::from_str(text).context("config.json is not JSON")?;
+        let hf = HfConfig::deserialize(&value).context("not a Llama-architecture config.json")?;
+        let family = Family::from_hf_value(&value)?;
         if let Some(act) = &hf.hidden_act
             && act != "silu"
         {

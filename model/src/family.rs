@@ -82,7 +82,12 @@ impl Family {
     /// The family of an HF `config.json`; whatever it sets that llora does not implement is
     /// refused, naming the key.
     pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
-        let hf: HfFamily = serde_json::from_str(text)?;
+        Self::from_hf_value(&serde_json::from_str(text)?)
+    }
+
+    /// [`Self::from_hf_json`] of a config.json already parsed.
+    pub fn from_hf_value(config: &serde_json::Value) -> anyhow::Result<Self> {
+        let hf = HfFamily::deserialize(config)?;
         if hf.mlp_bias {
             bail!("mlp_bias = true is not supported: no family llora runs has MLP biases");
         }

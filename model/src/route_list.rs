@@ -27,7 +27,7 @@ pub fn all() -> &'static [Route] {
     &ROUTES
 }
 
-static ROUTES: [Route; 7] = [
+static ROUTES: [Route; 8] = [
     Route {
         name: crate::fp8::CUDA_ROUTES_CHECK,
         part: "gemm",
@@ -55,6 +55,13 @@ static ROUTES: [Route; 7] = [
         check: |device| crate::attention::verify_varlen(device, Kind::BFloat16, 64, 8, 128),
         passed: "packed rows' forward and backward match plain LibTorch",
         used: Some(|| crate::attention::VARLEN_ROUTE.used()),
+    },
+    Route {
+        name: "attention cuda-flash-window BFloat16 (sliding windows)",
+        part: "attention",
+        check: |device| crate::attention::verify_varlen_window(device, Kind::BFloat16, 32, 8, 128),
+        passed: "banded forward and backward match plain LibTorch",
+        used: Some(|| crate::attention::WINDOW_ROUTE.used()),
     },
     Route {
         name: "RMSNorm fused kernels BFloat16",

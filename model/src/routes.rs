@@ -66,6 +66,8 @@ fn switch(name: &str) -> Option<String> {
 thread_local! {
     /// This thread's override of [`ON_CPU_ENV`] ([`on_cpu_for_this_thread`]).
     static FORCED: Cell<Option<bool>> = const { Cell::new(None) };
+    /// Whether this thread is running a first-use check ([`run_check`]).
+    static IN_CHECK: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Whether the CPU takes the CUDA routes: this thread's override, else [`ON_CPU_ENV`] (read
@@ -139,9 +141,12 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
         Self { route, fallback, map: Mutex::new(None), used: AtomicBool::new(false) }
     }
 
-    /// Records that the route ran.
+    /// Records that the route ran, unless it ran for a first-use check (its own or another's):
+    /// a route whose check failed has not been taken.
     pub fn mark_used(&self) {
-        self.used.store(true, Ordering::Relaxed);
+        if !IN_CHECK.with(Cell::get) {
+            self.used.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Whether the route has run in this process.
@@ -197,7 +202,7 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
 pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
     // A check runs on one rank alone: its amaxes are its own (a reduction would wait for
     // ranks that never reach it).
-    let check = || crate::fp8::amax_group::with_amax_group(None, check);
+    let check = || crate::scoped::with(&IN_CHECK, true, || crate::fp8::amax_group::with_amax_group(None, check));
     std::panic::catch_unwind(AssertUnwindSafe(check)).unwrap_or_else(|payload| {
         Err(format!("the check panicked: {}", crate::kernels::nvrtc::panic_message(&payload)))
     })
@@ -250,6 +255,21 @@ pub(crate) mod tests {
         assert_eq!(V.verdict(2), Some(false));
         assert!(!V.passed(3, || Err("codes differ".into())));
         assert_eq!(V.verdict(4), None);
+    }
+
+    /// A route run by a first-use check is not "used" (a refused route never ran for the
+    /// model); run outside a check, it is.
+    #[test]
+    fn a_route_run_by_its_check_is_not_counted_as_used() {
+        static V: Verdicts<u8> = Verdicts::new("test route", "the reference runs");
+        assert!(!V.passed(1, || {
+            V.mark_used();
+            Err("wrong codes".into())
+        }));
+        assert!(!V.used(), "only the check ran it");
+        assert!(V.passed(2, || Ok(())));
+        V.mark_used();
+        assert!(V.used());
     }
 
     /// The switch: the CPU takes the CUDA routes only under it; other devices never.

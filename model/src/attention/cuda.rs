@@ -34,6 +34,7 @@ unsafe extern "C" {
         cu_seq: *const torch_sys::C_tensor,
         max_len: i64,
         causal: c_int,
+        window_left: i64,
         res: *mut VarlenOut,
         err: *mut *mut c_char,
     ) -> c_int;
@@ -135,7 +136,8 @@ pub struct VarlenForward {
 }
 
 /// Flash attention over sequences laid end to end, each attending only within itself; scale
-/// 1/√hd, no dropout.
+/// 1/√hd, no dropout. With `window_left` (causal only), a query sees itself and at most that
+/// many keys before it (flash attention's window arguments).
 ///
 /// # Shapes
 /// - q: `[tokens, heads, head_dim]`, bf16 or f16, on a CUDA device, last dimension contiguous
@@ -149,6 +151,7 @@ pub fn flash_varlen_forward(
     cu_seq: &tch::Tensor,
     max_len: i64,
     causal: bool,
+    window_left: Option<i64>,
 ) -> Result<VarlenForward, tch::TchError> {
     let null = std::ptr::null_mut();
     let mut res = VarlenOut { out: null, logsumexp: null, philox_seed: null, philox_offset: null };
@@ -162,6 +165,7 @@ pub fn flash_varlen_forward(
             cu_seq.as_ptr(),
             max_len,
             c_int::from(causal),
+            window_left.unwrap_or(-1),
             &mut res,
             &mut err,
         )

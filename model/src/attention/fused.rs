@@ -166,7 +166,7 @@ fn sum_heads(g: tch::Tensor, group: i64) -> tch::Tensor {
 /// The dtype the CPU flash kernel gets `x` in: f32 for bf16 where torch has no fast bf16
 /// GEMMs (its blocks are GEMMs: 5x slower than f32 on an AVX2-only CPU, see
 /// `precision/bf16.rs`); the tensors kept for backward stay bf16.
-fn cpu_kernel_kind(x: &tch::Tensor) -> tch::Kind {
+pub(super) fn cpu_kernel_kind(x: &tch::Tensor) -> tch::Kind {
     crate::precision::bf16::operand_kind(x.kind(), x.device())
 }
 
@@ -189,19 +189,7 @@ pub fn forward_with(
     // CUDA kernel gets them); the saved state is the CPU kernel's, so backward runs it too.
     let kernel = if crate::routes::stands_in(q.device()) { FusedKernel::CpuFlash } else { kernel };
     match kernel {
-        FusedKernel::CpuFlash => {
-            let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
-            let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
-                &f(q),
-                &f(k),
-                &f(v),
-                0.0,
-                causal,
-                None::<tch::Tensor>,
-                None,
-            )?;
-            Ok(Saved { out: t(out.to_kind(q.kind())), lse: t(lse), kept: Kept::Cpu })
-        }
+        FusedKernel::CpuFlash => cpu_forward([q, k, v], causal, None),
         FusedKernel::CudaEfficient => {
             let (out, lse, seed, offset) = tch::Tensor::f_internal_scaled_dot_product_efficient_attention(
                 q,
@@ -250,7 +238,7 @@ pub fn backward(
         g
     };
     match &saved.kept {
-        Kept::Cpu => cpu_backward(&grad, [q, k, v], out, lse, causal),
+        Kept::Cpu => cpu_backward(&grad, [q, k, v], out, lse, causal, None),
         Kept::Own(kept) => kept.backward(&grad, [q, k, v], out, lse, causal),
         Kept::Efficient { seed, offset } => efficient_backward(&grad, [q, k, v], out, lse, causal, [seed, offset]),
         Kept::Sdpa { flash: true, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset } => {
@@ -296,15 +284,41 @@ pub fn backward(
 }
 
 /// The fused backward that ran: (dq, dk, dv).
-type Grads = Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError>;
+pub(super) type Grads = Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError>;
 
-/// [`backward`] of the CPU flash kernel (in its compute kind; gradients in the inputs' kinds).
-fn cpu_backward(
+/// torch's CPU flash attention, forward (in its compute kind; output in q's kind), with an
+/// additive `mask` (0 or -inf, in the compute kind: [`cpu_kernel_kind`]) if given.
+///
+/// # Shapes
+/// - q: `[batch, heads, seq, head_dim]`; k, v: `[batch, kv_heads, seq, head_dim]`
+/// - mask: broadcast to `[batch, heads, seq, seq]`
+pub(super) fn cpu_forward(
+    [q, k, v]: [&tch::Tensor; 3],
+    causal: bool,
+    mask: Option<&tch::Tensor>,
+) -> Result<Saved, tch::TchError> {
+    let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
+    let (out, lse) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu(
+        &f(q),
+        &f(k),
+        &f(v),
+        0.0,
+        causal,
+        mask,
+        None,
+    )?;
+    Ok(Saved { out: TchTensor::new(out.to_kind(q.kind())), lse: TchTensor::new(lse), kept: Kept::Cpu })
+}
+
+/// [`backward`] of the CPU flash kernel (in its compute kind; gradients in the inputs' kinds),
+/// under the `mask` its forward had ([`cpu_forward`]).
+pub(super) fn cpu_backward(
     grad: &tch::Tensor,
     [q, k, v]: [&tch::Tensor; 3],
     out: &tch::Tensor,
     lse: &tch::Tensor,
     causal: bool,
+    mask: Option<&tch::Tensor>,
 ) -> Grads {
     let f = |x: &tch::Tensor| x.to_kind(cpu_kernel_kind(x));
     let (dq, dk, dv) = tch::Tensor::f_internal_scaled_dot_product_flash_attention_for_cpu_backward(
@@ -316,7 +330,7 @@ fn cpu_backward(
         lse,
         0.0,
         causal,
-        None::<tch::Tensor>,
+        mask,
         None,
     )?;
     Ok((dq.to_kind(q.kind()), dk.to_kind(k.kind()), dv.to_kind(v.kind())))

@@ -10,10 +10,11 @@
 //!
 //! Packed rows (several documents per row) attend within each document: on CUDA in bf16/f16
 //! through flash attention's variable-length kernel, one launch for all of a batch's documents;
-//! elsewhere one fused kernel per document.
+//! elsewhere one fused kernel per document. A sliding window shorter than the row takes the
+//! same kernel's window arguments on CUDA in bf16/f16, and a masked `S × S` path elsewhere.
 //!
-//! Files (each uses only the ones after it): `varlen.rs` runs packed rows on the
-//! variable-length kernel; `choice.rs` chooses the kernel for a problem (the CUDA ones each
+//! Files (each uses only the ones after it): `varlen.rs` runs packed rows and sliding windows
+//! on the variable-length kernel; `choice.rs` chooses the kernel for a problem (the CUDA ones each
 //! checked on first use) and dispatches the forward; `fused.rs` runs the kernels (forward,
 //! backward, their check against plain LibTorch); `cuda.rs` calls the forwards tch does not
 //! bind through `sdpa_shim.cpp` (built by `model/build.rs`).
@@ -25,7 +26,9 @@ pub mod gathered_kv;
 mod varlen;
 
 pub use fused::{FusedKernel, verify};
-pub use varlen::{ROUTE as VARLEN_ROUTE, VarlenSpans, verify as verify_varlen};
+pub use varlen::{
+    ROUTE as VARLEN_ROUTE, VarlenSpans, WINDOW_ROUTE, verify as verify_varlen, verify_window as verify_varlen_window,
+};
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -47,6 +50,9 @@ pub fn kernels_used() -> Vec<&'static str> {
     let mut used = fused::kernels_used();
     if varlen::ROUTE.used() {
         used.push("cuda-flash-varlen");
+    }
+    if varlen::WINDOW_ROUTE.used() {
+        used.push("cuda-flash-window");
     }
     used
 }
@@ -160,16 +166,35 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
 /// (itself and the `window - 1` before it: transformers' sliding window); without a window, or
 /// a window as long as the sequence, [`causal_attention`] itself.
 ///
-/// Under a shorter window the scores are masked to the band and softmaxed in f32 by Burn's ops
-/// (a `seq × seq` score matrix: the fused kernels take no window on this path). Not Burn's
-/// `attention` with a mask: burn-tch hands the mask to torch's SDPA, where `true` means the
-/// opposite of Burn's documented "masked" (its autodiff fallback follows the documentation).
+/// Under a shorter window, on CUDA in bf16/f16, flash attention with its window arguments
+/// (each row one sequence of the variable-length kernel, checked on first use: `varlen.rs`);
+/// elsewhere [`masked_window_attention`].
 ///
 /// # Shapes
 /// As [`attention`].
 pub fn windowed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, window: Option<usize>) -> Tensor<4> {
-    let [b, h, s, hd] = q.dims();
+    let [b, _, s, _] = q.dims();
     let Some(w) = window.filter(|&w| w < s) else { return causal_attention(q, k, v) };
+    if let Some(p) = problem(&q, k.dims()[1])
+        && varlen::usable_with_window(p)
+    {
+        match VarlenSpans::rows(b, s, p.device) {
+            Ok(rows) => return fused_varlen(q, k, v, Arc::new(rows), Some(w)),
+            Err(e) => tracing::warn!("sliding-window attention: {e}; using the masked path"),
+        }
+    }
+    masked_window_attention(q, k, v, w)
+}
+
+/// Causal attention in a sliding `window` by Burn's ops: the scores masked to the band and
+/// softmaxed in f32 (a `seq × seq` score matrix, kept for backward). Not Burn's `attention`
+/// with a mask: burn-tch hands the mask to torch's SDPA, where `true` means the opposite of
+/// Burn's documented "masked" (its autodiff fallback follows the documentation).
+///
+/// # Shapes
+/// As [`attention`].
+pub fn masked_window_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, w: usize) -> Tensor<4> {
+    let [b, h, s, hd] = q.dims();
     let (device, dtype) = (q.device(), q.dtype());
     let pos = Tensor::<1, Int>::arange(0..s as i64, &device);
     // How far each key lies behind each query: masked when ahead (< 0) or W or more behind.
@@ -188,7 +213,8 @@ pub fn windowed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, windo
 /// batch's spans on a CUDA device) and a bf16/f16 problem the variable-length flash kernel
 /// passes its check on, all spans are one launch; otherwise every span of
 /// [`PackedRows::spans`] is its own causal problem on the kernel [`attention`] picks. With a
-/// sliding `window`, each document has its own ([`windowed_causal_attention`] per span).
+/// sliding `window`, each document has its own: in the same launch where the kernel's window
+/// passed its check, else [`windowed_causal_attention`] per span.
 ///
 /// # Shapes
 /// As [`attention`], with `q.dims()[0] == packed.rows()` and `q.dims()[2] == packed.seq()`.
@@ -200,16 +226,12 @@ pub fn packed_causal_attention(
     varlen: Option<&Arc<VarlenSpans>>,
     window: Option<usize>,
 ) -> Tensor<4> {
-    if let Some(spans) = varlen.filter(|_| window.is_none())
+    let window = window.filter(|&w| w < packed.seq());
+    if let Some(spans) = varlen
         && let Some(p) = problem(&q, k.dims()[1])
-        && varlen::usable(p)
+        && (if window.is_some() { varlen::usable_with_window(p) } else { varlen::usable(p) })
     {
-        return Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::fused_varlen_attention(
-            q.into_dispatch(),
-            k.into_dispatch(),
-            v.into_dispatch(),
-            spans.clone(),
-        ));
+        return fused_varlen(q, k, v, spans.clone(), window);
     }
     let rows: Vec<Tensor<4>> = (0..packed.rows())
         .map(|r| {
@@ -230,6 +252,21 @@ pub fn packed_causal_attention(
         })
         .collect();
     Tensor::cat(rows, 0)
+}
+
+/// Causal attention within each of `spans` on the variable-length kernel, in a sliding
+/// `window` if given (the caller checked the route).
+///
+/// # Shapes
+/// As [`attention`].
+fn fused_varlen(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, spans: Arc<VarlenSpans>, window: Option<usize>) -> Tensor<4> {
+    Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::fused_varlen_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        spans,
+        window,
+    ))
 }
 
 /// Causal attention of this rank's share of a context-parallel sequence (`cp`) over the whole
@@ -285,12 +322,14 @@ pub trait FusedAttentionBackend: Backend {
         causal: bool,
     ) -> FloatTensor<Self>;
 
-    /// Causal attention within each span of `spans` (packed rows) on the variable-length kernel.
+    /// Causal attention within each span of `spans` (packed rows, or whole rows) on the
+    /// variable-length kernel, in a sliding `window` if given.
     fn fused_varlen_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         spans: Arc<VarlenSpans>,
+        window: Option<usize>,
     ) -> FloatTensor<Self>;
 
     /// Causal attention of this rank's share of a context-parallel sequence over the whole of
@@ -308,8 +347,14 @@ impl FusedAttentionBackend for LibTorch {
         choice::forward(&q.tensor, &k.tensor, &v.tensor, causal).expect("fused attention forward").out
     }
 
-    fn fused_varlen_attention(q: TchTensor, k: TchTensor, v: TchTensor, spans: Arc<VarlenSpans>) -> TchTensor {
-        varlen::forward(&q.tensor, &k.tensor, &v.tensor, &spans, true).expect("packed attention forward").out
+    fn fused_varlen_attention(
+        q: TchTensor,
+        k: TchTensor,
+        v: TchTensor,
+        spans: Arc<VarlenSpans>,
+        window: Option<usize>,
+    ) -> TchTensor {
+        varlen::forward(&q.tensor, &k.tensor, &v.tensor, &spans, true, window).expect("packed attention forward").out
     }
 
     fn context_attention(
@@ -404,9 +449,10 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         spans: Arc<VarlenSpans>,
+        window: Option<usize>,
     ) -> FloatTensor<Self> {
         tracked::<C>([q, k, v], true, |q, k, v| {
-            varlen::forward(q, k, v, &spans, true).expect("packed attention forward")
+            varlen::forward(q, k, v, &spans, true, window).expect("packed attention forward")
         })
     }
 
@@ -694,6 +740,72 @@ mod tests {
             let err = (got - want.clone()).powi_scalar(2).sum().sqrt().into_scalar::<f32>();
             let scale = want.powi_scalar(2).sum().sqrt().into_scalar::<f32>();
             assert!(err <= 1e-2 * scale, "{name}: error {err:e} of {scale:e}");
+        }
+    }
+
+    /// A sliding window on the CPU standing in for CUDA: whole rows and packed documents take
+    /// the kernel's window (one launch each) and agree, forward and backward, with the masked
+    /// path of Burn's ops (the CUDA routes off), which is independent of the kernel.
+    #[test]
+    fn sliding_windows_take_the_flash_window_route_on_the_cpu_standing_in() {
+        crate::routes::tests::on_cpu_within(120, "the window route", || {
+            sliding_windows_take_the_flash_window_route(Device::libtorch().autodiff(), tch::Device::Cpu);
+        });
+    }
+
+    /// On a CUDA device: as the test above.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn cuda_sliding_windows_take_the_flash_window_route() {
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
+        sliding_windows_take_the_flash_window_route(Device::libtorch_cuda(0).autodiff(), tch::Device::Cuda(0));
+    }
+
+    fn sliding_windows_take_the_flash_window_route(device: Device, dev: tch::Device) {
+        let _rng = crate::device::torch_rng_lock();
+        device.seed(5);
+        let packed = PackedRows::new(vec![vec![100, 3, 1, 150], vec![300], vec![7, 200]], 300).unwrap();
+        let dtype = burn::tensor::DType::BF16;
+        let (b, h, kv, s, hd, window) = (3, 8, 2, 300, 64, 48);
+        let q0 = rand([b, h, s, hd], &device).cast(dtype);
+        let k0 = rand([b, kv, s, hd], &device).cast(dtype);
+        let v0 = rand([b, kv, s, hd], &device).cast(dtype);
+        let w = rand([b, h, s, hd], &device);
+        let spans = Arc::new(VarlenSpans::new(&packed, dev).unwrap());
+        let run = |attend: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>| {
+            let leaf = |x: &Tensor<4>| x.clone().require_grad();
+            let (q, k, v) = (leaf(&q0), leaf(&k0), leaf(&v0));
+            let out = attend(q.clone(), k.clone(), v.clone());
+            let grads = (out.clone().cast(burn::tensor::DType::F32) * w.clone()).sum().backward();
+            [out, q.grad(&grads).unwrap(), k.grad(&grads).unwrap(), v.grad(&grads).unwrap()]
+                .map(|t| t.cast(burn::tensor::DType::F32))
+        };
+        // The reference for packed rows: every span on the masked path.
+        let per_span = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>| {
+            let rows = (0..packed.rows()).map(|r| {
+                let spans = packed.spans(r).into_iter().map(|(start, len)| {
+                    let cut = |t: &Tensor<4>| t.clone().narrow(0, r, 1).narrow(2, start, len);
+                    masked_window_attention(cut(&q), cut(&k), cut(&v), window)
+                });
+                Tensor::cat(spans.collect(), 2)
+            });
+            Tensor::cat(rows.collect(), 0)
+        };
+        let rows = run(&|q, k, v| windowed_causal_attention(q, k, v, Some(window)));
+        let rows_want = run(&|q, k, v| masked_window_attention(q, k, v, window));
+        let docs = run(&|q, k, v| packed_causal_attention(q, k, v, &packed, Some(&spans), Some(window)));
+        let docs_want = run(&per_span);
+        assert!(kernels_used().contains(&"cuda-flash-window"), "{:?}", kernels_used());
+        let p = problem(&q0, kv).expect("a problem of the CUDA routes");
+        assert_eq!(WINDOW_ROUTE.verdict(p), Some(true), "the window route passed its check for {p:?}");
+        for (what, got, want) in [("rows", rows, rows_want), ("packed", docs, docs_want)] {
+            for (name, got, want) in
+                ["out", "dq", "dk", "dv"].into_iter().zip(got).zip(want).map(|((n, g), w)| (n, g, w))
+            {
+                let err = (got - want.clone()).powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+                let scale = want.powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+                assert!(err <= 1e-2 * scale, "{what} {name}: error {err:e} of {scale:e}");
+            }
         }
     }
 

@@ -10,6 +10,7 @@
 // Tensors come back as `new at::Tensor`, which tch takes over (tch::Tensor::from_ptr).
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <tuple>
 
 #include "../shim.h"
@@ -69,12 +70,20 @@ struct LloraVarlenOut {
 // head_dim], k, v [tokens, kv_heads, head_dim]; `cu_seq` (int32 [sequences + 1], on q's
 // device) the offset of each sequence's first token, then the token count; `max_len` the
 // longest sequence. Each sequence attends only within itself (causal or not), scale
-// 1/sqrt(head_dim), no dropout. Returns 0 and fills *res, or returns 1 and sets *err.
+// 1/sqrt(head_dim), no dropout. `window_left` >= 0 (causal only): a query also sees at most
+// that many keys before its own position (flash attention's window, right side 0); < 0: no
+// window. Returns 0 and fills *res, or returns 1 and sets *err.
 int llora_flash_varlen_forward(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
-                               const at::Tensor* cu_seq, int64_t max_len, int causal, LloraVarlenOut* res,
-                               char** err) {
+                               const at::Tensor* cu_seq, int64_t max_len, int causal, int64_t window_left,
+                               LloraVarlenOut* res, char** err) {
   bool ok = llora_shim::guarded(err, [&] {
-    auto r = at::_flash_attention_forward(*q, *k, *v, *cu_seq, *cu_seq, max_len, max_len, 0.0, causal != 0, false);
+    std::optional<int64_t> left, right;
+    if (window_left >= 0) {
+      left = window_left;
+      right = 0;
+    }
+    auto r = at::_flash_attention_forward(*q, *k, *v, *cu_seq, *cu_seq, max_len, max_len, 0.0, causal != 0, false,
+                                          std::nullopt, left, right);
     res->out = new at::Tensor(std::get<0>(r));
     res->logsumexp = new at::Tensor(std::get<1>(r));
     res->philox_seed = new at::Tensor(std::get<2>(r));

@@ -1,9 +1,15 @@
-//! Packed rows on CUDA: flash attention over variable-length sequences, the way the fast
-//! packed trainers run it (flash-attn's `varlen` API, which torch's `_flash_attention_forward`
-//! wraps). Every span of every row (its documents, then its padding) becomes one sequence of a
-//! single `[tokens, heads, head_dim]` problem described by its cumulative offsets, so a packed
-//! batch is one kernel launch per layer, forward and backward, whatever its number of
-//! documents, with the documents' own `Σ sᵢ²` work and no mask.
+//! Packed rows and sliding windows on CUDA: flash attention over variable-length sequences,
+//! the way the fast packed trainers run it (flash-attn's `varlen` API, which torch's
+//! `_flash_attention_forward` wraps). Every span of every row (its documents, then its padding)
+//! becomes one sequence of a single `[tokens, heads, head_dim]` problem described by its
+//! cumulative offsets, so a packed batch is one kernel launch per layer, forward and backward,
+//! whatever its number of documents, with the documents' own `Σ sᵢ²` work and no mask.
+//!
+//! A sliding window (Mistral, Qwen 2's windowed layers) is the same kernel with its window
+//! arguments, on packed documents or on whole rows ([`VarlenSpans::rows`]): the band's own
+//! `S·W` work and no `S × S` scores. Its check ([`verify_window`], route [`WINDOW_ROUTE`]) adds
+//! the band to the reference mask; where it fails, the masked attention
+//! (`attention::masked_window_attention`) runs.
 //!
 //! The offsets are uploaded once per batch ([`VarlenSpans::new`], with the RoPE positions), not
 //! per layer. The kernel is checked against plain LibTorch with a block-diagonal mask on the
@@ -18,7 +24,7 @@ use burn::backend::libtorch::TchTensor;
 
 use super::choice::Problem;
 use super::cuda;
-use super::fused::{FusedKernel, Kept, MaybeTensor, OwnBackward, Saved, check_against_reference};
+use super::fused::{Kept, MaybeTensor, OwnBackward, Saved, check_against_reference};
 use crate::packing::PackedRows;
 
 /// The sequences of a packed batch laid end to end, as a variable-length kernel takes them.
@@ -47,6 +53,18 @@ pub fn cu_seqlens(packed: &PackedRows) -> (Vec<i32>, i64) {
 }
 
 impl VarlenSpans {
+    /// Each of `batch` rows of `seq` tokens as one sequence (offsets made on `device`, no
+    /// upload): dense rows for a kernel that only the variable-length entry point offers (the
+    /// sliding window).
+    pub fn rows(batch: usize, seq: usize, device: tch::Device) -> Result<Self, tch::TchError> {
+        let tokens = batch * seq;
+        let end = i64::try_from(tokens).ok().filter(|&t| i32::try_from(t).is_ok()).ok_or_else(|| {
+            tch::TchError::Torch(format!("a batch of {tokens} tokens: the kernel's offsets are int32"))
+        })?;
+        let cu = tch::Tensor::f_arange_start_step(0, end + 1, seq as i64, (tch::Kind::Int, device))?;
+        Ok(Self { cu: TchTensor::new(cu), max_len: seq as i64 })
+    }
+
     /// The spans of `packed` on `device` (one small upload). Refused past 2³¹ tokens (the
     /// kernel's offsets are int32).
     pub fn new(packed: &PackedRows, device: tch::Device) -> Result<Self, tch::TchError> {
@@ -67,6 +85,8 @@ impl VarlenSpans {
 #[derive(Debug, Clone)]
 pub struct VarlenKept {
     spans: Arc<VarlenSpans>,
+    /// The sliding window W the forward ran with (a query sees itself and W - 1 keys before).
+    window: Option<usize>,
     seed: MaybeTensor,
     offset: MaybeTensor,
 }
@@ -84,7 +104,8 @@ fn heads_first(x: &tch::Tensor, batch: i64) -> Result<tch::Tensor, tch::TchError
     x.f_view([batch, t / batch, h, hd])?.f_transpose(1, 2)
 }
 
-/// Flash attention within each span of `spans`.
+/// Flash attention within each span of `spans`; with a sliding `window` W (causal only), each
+/// query sees itself and at most the W - 1 keys before it in its span.
 ///
 /// # Shapes
 /// - q: `[batch, heads, seq, head_dim]`, bf16/f16 on CUDA; k, v: `[batch, kv_heads, seq,
@@ -96,22 +117,36 @@ pub fn forward(
     v: &tch::Tensor,
     spans: &Arc<VarlenSpans>,
     causal: bool,
+    window: Option<usize>,
 ) -> Result<Saved, tch::TchError> {
     let batch = q.size()[0];
     let (tq, tk, tv) = (tokens_first(q)?, tokens_first(k)?, tokens_first(v)?);
     let f = if crate::routes::stands_in(q.device()) {
-        stand_in_forward(&tq, &tk, &tv, spans, causal)?
+        stand_in_forward(&tq, &tk, &tv, spans, causal, window)?
     } else {
-        cuda::flash_varlen_forward(&tq, &tk, &tv, &spans.cu.tensor, spans.max_len, causal)?
+        let left = keys_behind(window, causal)?;
+        cuda::flash_varlen_forward(&tq, &tk, &tv, &spans.cu.tensor, spans.max_len, causal, left)?
     };
-    ROUTE.mark_used();
+    if window.is_some() { &WINDOW_ROUTE } else { &ROUTE }.mark_used();
     let kept = VarlenKept {
         spans: spans.clone(),
+        window,
         seed: MaybeTensor::keep(f.philox_seed),
         offset: MaybeTensor::keep(f.philox_offset),
     };
     let out = heads_first(&f.out, batch)?;
     Ok(Saved { out: TchTensor::new(out), lse: TchTensor::new(f.logsumexp), kept: Kept::Own(Arc::new(kept)) })
+}
+
+/// The kernel's left window for a sliding `window` W: the W - 1 keys before a query (flash
+/// attention's `window_size_left`; the right one is 0). A window is causal only.
+fn keys_behind(window: Option<usize>, causal: bool) -> Result<Option<i64>, tch::TchError> {
+    match window {
+        None => Ok(None),
+        Some(0) => Err(tch::TchError::Torch("a sliding window of 0 keys".into())),
+        Some(_) if !causal => Err(tch::TchError::Torch("a sliding window without the causal mask".into())),
+        Some(w) => Ok(Some(w as i64 - 1)),
+    }
 }
 
 impl OwnBackward for VarlenKept {
@@ -132,7 +167,7 @@ impl OwnBackward for VarlenKept {
         if crate::routes::stands_in(q.device()) {
             let (g, tq, tk, tv, to) =
                 (tokens_first(grad)?, tokens_first(q)?, tokens_first(k)?, tokens_first(v)?, tokens_first(out)?);
-            let (dq, dk, dv) = stand_in_backward([&g, &tq, &tk, &tv, &to], lse, &self.spans, causal)?;
+            let (dq, dk, dv) = stand_in_backward([&g, &tq, &tk, &tv, &to], lse, &self.spans, causal, self.window)?;
             return Ok((heads_first(&dq, batch)?, heads_first(&dk, batch)?, heads_first(&dv, batch)?));
         }
         let (dq, dk, dv) = tch::Tensor::f_internal_flash_attention_backward(
@@ -151,8 +186,8 @@ impl OwnBackward for VarlenKept {
             &self.seed.get(),
             &self.offset.get(),
             None,
-            None,
-            None,
+            keys_behind(self.window, causal)?,
+            self.window.map(|_| 0),
         )?;
         Ok((heads_first(&dq, batch)?, heads_first(&dk, batch)?, heads_first(&dv, batch)?))
     }
@@ -180,9 +215,9 @@ fn end_to_end(parts: &[tch::Tensor]) -> Result<tch::Tensor, tch::TchError> {
 }
 
 /// The variable-length forward as the CPU's fused kernel on each sequence (the CPU standing in
-/// for CUDA has no variable-length kernel): what the route's offsets, layout and check do runs,
-/// the kernel does not. The log-sum-exp is kept `[1, heads, tokens]`, which only
-/// [`stand_in_backward`] reads.
+/// for CUDA has no variable-length kernel), a window as a band mask ([`band_mask`]): what the
+/// route's offsets, layout and check do runs, the kernel does not. The log-sum-exp is kept
+/// `[1, heads, tokens]`, which only [`stand_in_backward`] reads.
 ///
 /// # Shapes
 /// As [`cuda::flash_varlen_forward`].
@@ -192,11 +227,14 @@ fn stand_in_forward(
     v: &tch::Tensor,
     spans: &VarlenSpans,
     causal: bool,
+    window: Option<usize>,
 ) -> Result<cuda::VarlenForward, tch::TchError> {
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for seq in sequences(spans)? {
         let [q, k, v] = [q, k, v].map(|x| one_sequence(x, seq));
-        let saved = super::fused::forward_with(FusedKernel::CpuFlash, &q?, &k?, &v?, causal)?;
+        let q = q?;
+        let mask = window.map(|w| band_mask(seq.1, w, &q)).transpose()?;
+        let saved = super::fused::cpu_forward([&q, &k?, &v?], causal && mask.is_none(), mask.as_ref())?;
         outs.push(saved.out.tensor);
         lses.push(saved.lse.tensor);
     }
@@ -219,16 +257,17 @@ fn stand_in_backward(
     lse: &tch::Tensor,
     spans: &VarlenSpans,
     causal: bool,
+    window: Option<usize>,
 ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor), tch::TchError> {
     let mut parts: [Vec<tch::Tensor>; 3] = Default::default();
     for seq @ (start, len) in sequences(spans)? {
         let [g, q, k, v, out] = [grad, q, k, v, out].map(|x| one_sequence(x, seq));
-        let saved = Saved {
-            out: TchTensor::new(out?),
-            lse: TchTensor::new(lse.f_narrow(2, start, len)?.f_contiguous()?),
-            kept: Kept::Cpu,
-        };
-        let (dq, dk, dv) = super::fused::backward(&g?, &q?, &k?, &v?, &saved, causal)?;
+        // The kernel takes the gradient laid out as the output: both made dense.
+        let (g, out, q) = (g?.f_contiguous()?, out?.f_contiguous()?, q?);
+        let lse = lse.f_narrow(2, start, len)?.f_contiguous()?;
+        let mask = window.map(|w| band_mask(len, w, &q)).transpose()?;
+        let (dq, dk, dv) =
+            super::fused::cpu_backward(&g, [&q, &k?, &v?], &out, &lse, causal && mask.is_none(), mask.as_ref())?;
         for (part, d) in parts.iter_mut().zip([dq, dk, dv]) {
             part.push(d);
         }
@@ -237,26 +276,75 @@ fn stand_in_backward(
     Ok((dq?, dk?, dv?))
 }
 
+/// The additive mask of a causal sliding window W over `len` tokens for the CPU kernel: 0 where
+/// a query may see a key (itself and the W - 1 before it), -inf elsewhere, in the dtype the
+/// kernel computes `q` in.
+///
+/// # Shapes
+/// - output: `[len, len]`
+fn band_mask(len: i64, window: usize, q: &tch::Tensor) -> Result<tch::Tensor, tch::TchError> {
+    let pos = tch::Tensor::f_arange(len, (tch::Kind::Int64, tch::Device::Cpu))?;
+    let behind = pos.f_unsqueeze(1)?.f_sub(&pos.f_unsqueeze(0)?)?;
+    let hidden = behind.f_lt(0)?.f_logical_or(&behind.f_ge(window as i64)?)?;
+    let kind = super::fused::cpu_kernel_kind(q);
+    tch::Tensor::f_zeros([len, len], (kind, tch::Device::Cpu))?.f_masked_fill(&hidden, f64::NEG_INFINITY)
+}
+
 /// The route: the verdict of [`verify`] per kind of problem, and whether [`forward`] ran.
 pub static ROUTE: crate::routes::Verdicts<Problem> =
     crate::routes::Verdicts::new("packed attention: cuda-flash-varlen", "one fused kernel per document instead");
+
+/// The sliding-window route: the verdict of [`verify_window`] per kind of problem, and whether
+/// [`forward`] ran with a window.
+pub static WINDOW_ROUTE: crate::routes::Verdicts<Problem> = crate::routes::Verdicts::new(
+    "sliding-window attention: cuda-flash-window",
+    "the masked attention (f32 seq x seq scores) instead",
+);
+
+/// The window [`verify_window`] checks with: shorter than the check's documents of 37, 60 and
+/// 132 tokens, longer than its others.
+const CHECK_WINDOW: usize = 16;
 
 /// Whether packed rows of problem `p` take the variable-length kernel: bf16/f16 on a device
 /// that takes the CUDA routes, and its check ([`verify`]) passed on the first problem of this
 /// kind (logged either way).
 pub fn usable(p: Problem) -> bool {
-    if !matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) || !crate::routes::fused_routes() {
-        return false;
-    }
-    ROUTE.passed(p, || verify(p.device, p.kind, p.heads, p.kv_heads, p.head_dim))
+    takes_flash(p) && ROUTE.passed(p, || verify(p.device, p.kind, p.heads, p.kv_heads, p.head_dim))
+}
+
+/// Whether a sliding window of problem `p` takes the kernel's window: as [`usable`], with the
+/// window's own check ([`verify_window`]).
+pub fn usable_with_window(p: Problem) -> bool {
+    takes_flash(p) && WINDOW_ROUTE.passed(p, || verify_window(p.device, p.kind, p.heads, p.kv_heads, p.head_dim))
+}
+
+/// bf16/f16 with the fused routes on (flash attention has no f32 kernel).
+fn takes_flash(p: Problem) -> bool {
+    matches!(p.kind, tch::Kind::BFloat16 | tch::Kind::Half) && crate::routes::fused_routes()
 }
 
 /// Checks the variable-length kernel on `device`, forward and backward, against plain
 /// LibTorch with a block-diagonal causal mask ([`check_packed`]).
 pub fn verify(device: tch::Device, kind: tch::Kind, heads: i64, kv_heads: i64, head_dim: i64) -> Result<(), String> {
-    check_packed(device, kind, [heads, kv_heads, head_dim], |[q, k, v, w], packed| {
+    verify_with(device, kind, [heads, kv_heads, head_dim], None)
+}
+
+/// [`verify`] with a sliding window ([`CHECK_WINDOW`]) in the kernel and in the reference mask.
+pub fn verify_window(
+    device: tch::Device,
+    kind: tch::Kind,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+) -> Result<(), String> {
+    verify_with(device, kind, [heads, kv_heads, head_dim], Some(CHECK_WINDOW))
+}
+
+/// [`verify`] or [`verify_window`].
+fn verify_with(device: tch::Device, kind: tch::Kind, heads: [i64; 3], window: Option<usize>) -> Result<(), String> {
+    check_packed(device, kind, heads, window, |[q, k, v, w], packed| {
         let spans = Arc::new(VarlenSpans::new(packed, device).map_err(|e| format!("offsets: {e}"))?);
-        let saved = forward(q, k, v, &spans, true).map_err(|e| format!("forward: {e}"))?;
+        let saved = forward(q, k, v, &spans, true, window).map_err(|e| format!("forward: {e}"))?;
         let Kept::Own(kept) = &saved.kept else { unreachable!("the varlen forward keeps its own state") };
         let (dq, dk, dv) = kept
             .backward(w, [q, k, v], &saved.out.tensor, &saved.lse.tensor, true)
@@ -267,13 +355,14 @@ pub fn verify(device: tch::Device, kind: tch::Kind, heads: i64, kv_heads: i64, h
 
 /// Runs `attend` (returning out, dq, dk, dv for inputs q, k, v and upstream gradient w) on a
 /// random packed problem with these head counts and compares it with plain LibTorch under a
-/// block-diagonal causal mask: two rows of 133 tokens, one holding documents of 37, 5 and 60
-/// tokens then 31 of padding, the other documents of 1 and 132 (lengths no tiling divides, a
-/// one-token document, a row's end inside no document and at one).
+/// block-diagonal causal mask, banded to `window` if given: two rows of 133 tokens, one holding
+/// documents of 37, 5 and 60 tokens then 31 of padding, the other documents of 1 and 132
+/// (lengths no tiling divides, a one-token document, a row's end inside no document and at one).
 fn check_packed(
     device: tch::Device,
     kind: tch::Kind,
     [heads, kv_heads, head_dim]: [i64; 3],
+    window: Option<usize>,
     attend: impl FnOnce([&tch::Tensor; 4], &PackedRows) -> Result<[tch::Tensor; 4], String>,
 ) -> Result<(), String> {
     let _guard = tch::no_grad_guard();
@@ -287,22 +376,28 @@ fn check_packed(
     };
     let (q, k, v, w) = (rand(heads)?, rand(kv_heads)?, rand(kv_heads)?, rand(heads)?);
     let [out, dq, dk, dv] = attend([&q, &k, &v, &w], &packed)?;
-    let mask = block_diagonal_mask(&packed, device).map_err(|e| format!("mask: {e}"))?;
+    let mask = block_diagonal_mask(&packed, window, device).map_err(|e| format!("mask: {e}"))?;
     check_against_reference([&q, &k, &v, &w], Some(&mask), [&out, &dq, &dk, &dv])
 }
 
-/// True where a query may not see a key: another span of its row, or a later position.
+/// True where a query may not see a key: another span of its row, a later position, or (with a
+/// sliding `window` W) one W or more positions before it.
 ///
 /// # Shapes
 /// - output: `[rows, 1, seq, seq]` bool
-fn block_diagonal_mask(packed: &PackedRows, device: tch::Device) -> Result<tch::Tensor, tch::TchError> {
+fn block_diagonal_mask(
+    packed: &PackedRows,
+    window: Option<usize>,
+    device: tch::Device,
+) -> Result<tch::Tensor, tch::TchError> {
+    let far = |i: usize, j: usize| window.is_some_and(|w| i >= j + w);
     let s = packed.seq();
     let mut hidden = Vec::with_capacity(packed.rows() * s * s);
     for r in 0..packed.rows() {
         let span_of: Vec<usize> =
             packed.spans(r).iter().enumerate().flat_map(|(i, &(_, len))| std::iter::repeat_n(i, len)).collect();
         for i in 0..s {
-            hidden.extend((0..s).map(|j| j > i || span_of[j] != span_of[i]));
+            hidden.extend((0..s).map(|j| j > i || span_of[j] != span_of[i] || far(i, j)));
         }
     }
     let s = s as i64;
@@ -327,7 +422,7 @@ mod tests {
     #[test]
     fn the_reference_mask_is_block_diagonal_and_causal() {
         let p = PackedRows::new(vec![vec![1, 2]], 4).unwrap();
-        let m = block_diagonal_mask(&p, tch::Device::Cpu).unwrap();
+        let m = block_diagonal_mask(&p, None, tch::Device::Cpu).unwrap();
         let got: Vec<bool> = m.flatten(0, -1).try_into().unwrap();
         #[rustfmt::skip]
         let want = [
@@ -337,6 +432,71 @@ mod tests {
             true,  true,  true,  false,
         ];
         assert_eq!(got, want);
+    }
+
+    /// The reference mask with a window of 2, by hand for one row of 5 holding [4] (+1 padding):
+    /// a query sees itself and the key before it, within its span.
+    #[test]
+    fn the_reference_mask_bands_a_window() {
+        let p = PackedRows::new(vec![vec![4]], 5).unwrap();
+        let m = block_diagonal_mask(&p, Some(2), tch::Device::Cpu).unwrap();
+        let got: Vec<bool> = m.flatten(0, -1).try_into().unwrap();
+        #[rustfmt::skip]
+        let want = [
+            false, true,  true,  true,  true,
+            false, false, true,  true,  true,
+            true,  false, false, true,  true,
+            true,  true,  false, false, true,
+            true,  true,  true,  true,  false,
+        ];
+        assert_eq!(got, want);
+        // The CPU kernel's additive band over 3 tokens, window 2.
+        let q = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+        let band: Vec<f32> = band_mask(3, 2, &q).unwrap().flatten(0, -1).try_into().unwrap();
+        let inf = f32::NEG_INFINITY;
+        assert_eq!(band, [0.0, inf, inf, 0.0, 0.0, inf, inf, 0.0, 0.0]);
+    }
+
+    /// The window's check, on the CPU standing in for CUDA: the route with its window passes
+    /// it (bf16, grouped K/V); the same route without the window fails it (the check sees the
+    /// band), and the verdict is kept per problem.
+    #[test]
+    fn the_window_route_passes_its_check_and_a_missing_window_fails_it() {
+        crate::routes::tests::on_cpu_within(120, "windowed attention's first use", || {
+            let cpu = tch::Device::Cpu;
+            assert_eq!(verify_window(cpu, tch::Kind::BFloat16, 4, 2, 16), Ok(()));
+            let no_window = |[q, k, v, w]: [&tch::Tensor; 4], packed: &PackedRows| {
+                let spans = Arc::new(VarlenSpans::new(packed, cpu).map_err(|e| e.to_string())?);
+                let saved = forward(q, k, v, &spans, true, None).map_err(|e| e.to_string())?;
+                let Kept::Own(kept) = &saved.kept else { unreachable!() };
+                let (dq, dk, dv) = kept
+                    .backward(w, [q, k, v], &saved.out.tensor, &saved.lse.tensor, true)
+                    .map_err(|e| e.to_string())?;
+                Ok([saved.out.tensor.shallow_clone(), dq, dk, dv])
+            };
+            let err = check_packed(cpu, tch::Kind::Float, [4, 2, 16], Some(CHECK_WINDOW), no_window).unwrap_err();
+            assert!(err.starts_with("output differs"), "{err}");
+            let p = Problem {
+                device: cpu,
+                kind: tch::Kind::BFloat16,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                single_token: false,
+            };
+            assert!(usable_with_window(p));
+            assert_eq!(WINDOW_ROUTE.verdict(p), Some(true));
+            assert!(!usable_with_window(Problem { kind: tch::Kind::Float, ..p }), "flash has no f32 kernel");
+        });
+    }
+
+    /// Dense rows as sequences: offsets 0, seq, 2·seq, ... made on the device.
+    #[test]
+    fn rows_are_one_sequence_each() {
+        let r = VarlenSpans::rows(3, 5, tch::Device::Cpu).unwrap();
+        assert_eq!(Vec::<i32>::try_from(&r.cu.tensor).unwrap(), vec![0, 5, 10, 15]);
+        assert_eq!(r.max_len, 5);
+        assert!(VarlenSpans::rows(1 << 16, 1 << 16, tch::Device::Cpu).is_err(), "2^32 tokens overflow int32");
     }
 
     /// The check itself, on the CPU: the per-span route (the CPU flash kernel on each span)
@@ -370,14 +530,14 @@ mod tests {
             }))
         };
         for kind in [tch::Kind::Float, tch::Kind::BFloat16] {
-            assert_eq!(check_packed(cpu, kind, [4, 2, 16], per_span), Ok(()), "{kind:?}");
+            assert_eq!(check_packed(cpu, kind, [4, 2, 16], None, per_span), Ok(()), "{kind:?}");
         }
         let whole_rows = |[q, k, v, w]: [&tch::Tensor; 4], _: &PackedRows| {
             let saved = forward_with(FusedKernel::CpuFlash, q, k, v, true).map_err(|e| e.to_string())?;
             let (dq, dk, dv) = fused_backward(w, q, k, v, &saved, true).map_err(|e| e.to_string())?;
             Ok([saved.out.tensor.shallow_clone(), dq, dk, dv])
         };
-        let err = check_packed(cpu, tch::Kind::Float, [4, 2, 16], whole_rows).unwrap_err();
+        let err = check_packed(cpu, tch::Kind::Float, [4, 2, 16], None, whole_rows).unwrap_err();
         assert!(err.starts_with("output differs"), "{err}");
     }
 
@@ -422,5 +582,17 @@ mod tests {
         let dev = tch::Device::Cuda(0);
         assert_eq!(verify(dev, tch::Kind::BFloat16, 64, 8, 128), Ok(()));
         assert_eq!(verify(dev, tch::Kind::BFloat16, 4, 2, 64), Ok(()));
+    }
+
+    /// On a CUDA device: the kernel's window passes its banded check at Mistral 7B's head shape
+    /// (32 query heads on 8 K/V heads of 128), Qwen 2.5 7B's (28 on 4) and a small one.
+    #[test]
+    #[ignore = "needs CUDA"]
+    fn cuda_window_matches_the_banded_reference() {
+        assert!(tch::Cuda::is_available(), "needs a CUDA device");
+        let dev = tch::Device::Cuda(0);
+        assert_eq!(verify_window(dev, tch::Kind::BFloat16, 32, 8, 128), Ok(()));
+        assert_eq!(verify_window(dev, tch::Kind::BFloat16, 28, 4, 128), Ok(()));
+        assert_eq!(verify_window(dev, tch::Kind::BFloat16, 4, 2, 64), Ok(()));
     }
 }

@@ -196,13 +196,17 @@ pub(super) fn context_exchange(s: &Shape) -> Option<Line> {
     })
 }
 
-/// The masked path of sliding-window attention (`attention::windowed_causal_attention`, on the
-/// layers whose window is shorter than the sequence): each keeps its f32 probabilities
-/// `[batch, H, seq, seq]` and f32 copies of q and of K/V repeated to H heads for backward, and one
-/// layer's scores and masked scores are live at once.
+/// The masked path of sliding-window attention (`attention::masked_window_attention`, on the
+/// layers whose window is shorter than the sequence, where flash attention's window does not
+/// run: the CPU, and f32 on CUDA): each keeps its f32 probabilities `[batch, H, seq, seq]` and
+/// f32 copies of q and of K/V repeated to H heads for backward, and one layer's scores and
+/// masked scores are live at once. On CUDA in bf16 the window costs what causal attention does.
 pub(super) fn sliding_window_scores(s: &Shape) -> Option<Line> {
     let c = &s.model;
     let w = c.family.sliding_window.filter(|&w| w < s.seq_len)?;
+    if s.target == Target::Cuda && s.precision.activation_bytes() < 4.0 {
+        return None;
+    }
     let layers = (0..c.num_hidden_layers).filter(|&l| c.family.window_of(l).is_some()).count() as f64;
     let (b, h, seq) = (s.micro_batch as f64, c.num_attention_heads as f64, s.seq_len as f64);
     let alloc = |bytes: f64| allocated(bytes, s.target);

@@ -322,3 +322,26 @@ fn device_sizes_parse_with_units() {
     assert!(parse_bytes("80 gigs").unwrap_err().contains("unknown unit"));
     assert!(parse_bytes("-1GiB").is_err());
 }
+
+/// A window shorter than the rows (Mistral v0.1's 4096 at 8192 tokens, all 32 layers): on CUDA in
+/// bf16 flash attention's window runs and the plan adds nothing; in f32 on CUDA and on the CPU the
+/// masked path keeps each layer's f32 probabilities, 1 x 32 x 8192² x 4 B = 8 GiB a layer
+/// (hand-counted), the line's bulk.
+#[test]
+fn a_sliding_window_costs_scores_only_where_the_masked_path_runs() {
+    let mut s = mlperf(1, 0, false);
+    s.model = LlamaConfig::mistral_7b();
+    s.model.family.sliding_window = Some(4096);
+    s.precision = PrecisionSpec { compute: Compute::Bf16, ..Default::default() };
+    assert!(budget::sliding_window_scores(&s).is_none(), "bf16 on CUDA: flash's window");
+    s.model.family.sliding_window = Some(8192);
+    s.precision = PrecisionSpec::default();
+    assert!(budget::sliding_window_scores(&s).is_none(), "a window as long as the rows is causal attention");
+    s.model.family.sliding_window = Some(4096);
+    let per_layer = 32.0 * 8192.0 * 8192.0 * 4.0;
+    for target in [Target::Cuda, Target::Cpu] {
+        s.target = target;
+        let line = budget::sliding_window_scores(&s).expect("f32: the masked path");
+        assert!(line.bytes >= 32.0 * per_layer && line.bytes < 1.1 * 34.0 * per_layer, "{target:?}: {}", line.bytes);
+    }
+}

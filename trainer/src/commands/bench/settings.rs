@@ -124,11 +124,15 @@ pub const FLAGS: &[Flag] = &[
 #[derive(Debug, Clone, Default)]
 pub struct KeyFlags(pub Vec<(&'static Flag, Override)>);
 
-/// The peer recipe's value of `key`, for the help text.
+/// The peer recipe's value of `key`, for the help text (the recipe parsed once, the first
+/// time a command line is built).
 fn recipe_value(key: &str) -> Option<String> {
-    let config = Config::parse("the peer recipe", PEER_RECIPE, &[]).ok()?;
-    let value = toml::Value::try_from(&config).ok()?;
-    let found = key.split('.').try_fold(&value, |v, part| v.get(part))?;
+    static RECIPE: std::sync::OnceLock<Option<toml::Value>> = std::sync::OnceLock::new();
+    let value = RECIPE.get_or_init(|| {
+        let config = Config::parse("the peer recipe", PEER_RECIPE, &[]).ok()?;
+        toml::Value::try_from(&config).ok()
+    });
+    let found = key.split('.').try_fold(value.as_ref()?, |v, part| v.get(part))?;
     Some(match found {
         toml::Value::String(s) => s.clone(),
         toml::Value::Array(items) => items.iter().filter_map(|i| i.as_str()).collect::<Vec<_>>().join(","),
