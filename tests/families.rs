@@ -405,6 +405,17 @@ fn eval_command_reports_the_hf_peft_loss_for_each_family() {
     }
 }
 
+/// QLoRA on Qwen 2 (its q/k/v biases kept as they are, the seven linears NF4 in blocks of 64,
+/// single quantisation, a window shorter than the 64-token document): per-document loss sums
+/// and every LoRA gradient equal HF + PEFT's on the same base through bitsandbytes' NF4 round
+/// trip, within 1e-5 as for Llama (`tests/nf4.rs`; one family: each costs two Python peers).
+/// SKIPPED where bitsandbytes is not installed.
+#[test]
+fn qlora_on_qwen2_matches_peft_on_the_bitsandbytes_base() {
+    let docs = documents(&[64, 40, 23], 1000);
+    assert_qlora_matches_bitsandbytes_base(&family_fixture("tiny-qwen2"), &docs, false, 0.5625, [1e-5, 1e-5]);
+}
+
 /// DoRA and rsLoRA on Qwen 2, whose q/k/v biases DoRA must leave unscaled (PEFT subtracts the
 /// bias before rescaling each row to its magnitude): PEFT's loss, logits and LoRA (and magnitude)
 /// gradients within 1e-5; the DoRA adapter llora saves loads in PEFT, and its merged export (each

@@ -84,61 +84,14 @@ fn nf4_matches_bitsandbytes() {
 /// installed.
 #[test]
 fn qlora_matches_peft_on_the_bitsandbytes_base() {
-    // Its training passes reseed torch's generator per block: not while a seeding test runs.
-    let _rng = llora_model::device::torch_rng_lock();
-    use llora_model::precision::{Nf4Spec, PrecisionSpec};
     let dir = gqa_fixture();
     let config = llora_model::LlamaConfig::from_hf_dir(&dir).unwrap();
     let docs = documents(&[64, 40, 23], config.vocab_size);
     for double in [false, true] {
-        let tmp = tempfile::tempdir().unwrap();
-        let nf4_base = tmp.path().join("nf4-base");
-        let mut cmd = Command::new(python());
-        cmd.arg(repo_root().join("scripts/peer/nf4_base.py")).args([&dir, &nf4_base]);
-        if !double {
-            cmd.arg("--single");
-        }
-        let run = cmd.output().unwrap();
-        if run.status.code() == Some(3) {
-            eprintln!("SKIPPED: bitsandbytes is not installed in the project venv");
+        let (tol, grad_tol) = if double { (1e-4, 1e-2) } else { (1e-5, 1e-5) };
+        let bytes = if double { 0.516 } else { 0.5625 };
+        if !assert_qlora_matches_bitsandbytes_base(&dir, &docs, double, bytes, [tol, grad_tol]) {
             return;
         }
-        assert!(run.status.success(), "nf4_base.py failed: {}", String::from_utf8_lossy(&run.stderr));
-        let reference = hf_peft_per_document(&nf4_base, &dir, &docs, tmp.path());
-
-        let device = Device::libtorch().autodiff();
-        let spec = PrecisionSpec { nf4: Some(Nf4Spec { block: 64, double }), ..Default::default() };
-        let options = BuildOptions { precision: Some(spec), ..Default::default() };
-        let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&options, &device).unwrap();
-        load_peft_adapter(&mut model, &dir, &device).unwrap();
-        model.set_precision(&spec).unwrap();
-        let (bytes, count): (usize, usize) = model
-            .named_linears()
-            .iter()
-            .map(|(_, l)| (l.base_weight_bytes(), l.dims()[0] * l.dims()[1]))
-            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
-        let per_value = bytes as f64 / count as f64;
-        eprintln!("double {double}: {per_value:.4} bytes a frozen value");
-        assert!((per_value - if double { 0.516 } else { 0.5625 }).abs() < 2e-3, "{per_value}");
-
-        let rows: Vec<Vec<&llora_data::Sample>> = docs.iter().map(|d| vec![d]).collect();
-        let batch = llora_data::batch::collate_rows(&rows, llora_data::batch::Padding::Longest, false);
-        let mb = llora_trainer::engine::step::upload(batch, &device);
-        let sums = model.loss(mb.ids, mb.labels, None, true).unwrap();
-        let err = rel_err(&values(sums.loss_sum.clone()), &reference["loss_sums"]);
-        eprintln!("double {double}: per-sample loss sums relative error {err:e}");
-        let (tol, grad_tol) = if double { (1e-4, 1e-2) } else { (1e-5, 1e-5) };
-        assert!(err <= tol, "double {double}: loss sums differ from PEFT's on bitsandbytes' base: {err:e}");
-        let total: f32 = reference["counts"].iter().sum();
-        let grads = sums.loss_sum.sum().div_scalar(total).backward();
-        let mut worst = 0f32;
-        for (name, adapter) in model.adapters() {
-            for (which, p) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
-                let key = format!("grad.{name}.{which}.weight");
-                worst = worst.max(rel_err(&values(p.val().grad(&grads).unwrap()), &reference[&key]));
-            }
-        }
-        eprintln!("double {double}: worst LoRA gradient relative error {worst:e}");
-        assert!(worst <= grad_tol, "double {double}: LoRA gradients differ: {worst:e}");
     }
 }

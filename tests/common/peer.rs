@@ -758,3 +758,70 @@ pub fn packed_documents_match_hf_peft_on(dir: &Path, eval_cli: bool) {
         assert_eq!(got["samples"], lengths.len());
     }
 }
+
+/// QLoRA against PEFT: llora with `model.quantize = "nf4"` (blocks of 64, `double` quantisation
+/// or not, fp32 compute) on the checkpoint in `dir` with its PEFT adapter gives HF + PEFT's
+/// per-sample loss sums on `docs` (each its own row) within `tol[0]` and every LoRA gradient
+/// within `tol[1]`, HF + PEFT computing on the same base quantised and dequantised by
+/// bitsandbytes (`scripts/peer/nf4_base.py`); the frozen weights take `bytes` bytes a value.
+/// `false`: SKIPPED where bitsandbytes is not installed.
+pub fn assert_qlora_matches_bitsandbytes_base(
+    dir: &Path,
+    docs: &[llora_data::Sample],
+    double: bool,
+    bytes: f64,
+    [tol, grad_tol]: [f32; 2],
+) -> bool {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
+    use llora_model::precision::{Nf4Spec, PrecisionSpec};
+    let tmp = tempfile::tempdir().unwrap();
+    let nf4_base = tmp.path().join("nf4-base");
+    let mut cmd = Command::new(python());
+    cmd.arg(repo_root().join("scripts/peer/nf4_base.py")).args([dir, &nf4_base]);
+    if !double {
+        cmd.arg("--single");
+    }
+    let run = cmd.output().unwrap();
+    if run.status.code() == Some(3) {
+        eprintln!("SKIPPED: bitsandbytes is not installed in the project venv");
+        return false;
+    }
+    assert!(run.status.success(), "nf4_base.py failed: {}", String::from_utf8_lossy(&run.stderr));
+    let reference = hf_peft_per_document(&nf4_base, dir, docs, tmp.path());
+
+    let device = Device::libtorch().autodiff();
+    let spec = PrecisionSpec { nf4: Some(Nf4Spec { block: 64, double }), ..Default::default() };
+    let options = BuildOptions { precision: Some(spec), ..Default::default() };
+    let mut model = HfCheckpoint::open(dir).unwrap().load_model(&options, &device).unwrap();
+    load_peft_adapter(&mut model, dir, &device).unwrap();
+    model.set_precision(&spec).unwrap();
+    let (stored, count): (usize, usize) = model
+        .named_linears()
+        .iter()
+        .map(|(_, l)| (l.base_weight_bytes(), l.dims()[0] * l.dims()[1]))
+        .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+    let per_value = stored as f64 / count as f64;
+    eprintln!("double {double}: {per_value:.4} bytes a frozen value");
+    assert!((per_value - bytes).abs() < 2e-3, "{per_value} bytes a frozen value, expected {bytes}");
+
+    let rows: Vec<Vec<&llora_data::Sample>> = docs.iter().map(|d| vec![d]).collect();
+    let batch = llora_data::batch::collate_rows(&rows, llora_data::batch::Padding::Longest, false);
+    let mb = llora_trainer::engine::step::upload(batch, &device);
+    let sums = model.loss(mb.ids, mb.labels, None, true).unwrap();
+    let err = rel_err(&values(sums.loss_sum.clone()), &reference["loss_sums"]);
+    eprintln!("double {double}: per-sample loss sums relative error {err:e}");
+    assert!(err <= tol, "double {double}: loss sums differ from PEFT's on bitsandbytes' base: {err:e}");
+    let total: f32 = reference["counts"].iter().sum();
+    let grads = sums.loss_sum.sum().div_scalar(total).backward();
+    let mut worst = 0f32;
+    for (name, adapter) in model.adapters() {
+        for (which, p) in [("lora_A", &adapter.a), ("lora_B", &adapter.b)] {
+            let key = format!("grad.{name}.{which}.weight");
+            worst = worst.max(rel_err(&values(p.val().grad(&grads).unwrap()), &reference[&key]));
+        }
+    }
+    eprintln!("double {double}: worst LoRA gradient relative error {worst:e}");
+    assert!(worst <= grad_tol, "double {double}: LoRA gradients differ: {worst:e}");
+    true
+}
