@@ -60,6 +60,36 @@ fn mistral_matches_hf_peft() {
     assert!(worst <= 1e-5, "worst LoRA gradient relative error {worst:e}");
 }
 
+/// PEFT's rank and alpha patterns and layer selection on Qwen 3 (LoRA on all seven linears of its
+/// windowed layer 1 only; a suffix key, a full-name key, an MLP key): loss, logits and every LoRA
+/// gradient equal HF + PEFT's within 1e-5, with the patterns' ranks.
+#[test]
+fn rank_alpha_patterns_on_qwen3_match_peft() {
+    let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    let args = ["--preset", "tiny-qwen3", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"];
+    let patterns = [
+        "--targets",
+        targets,
+        "--rank-pattern",
+        r#"{"v_proj": 4, "layers.1.self_attn.q_proj": 8, "down_proj": 2}"#,
+        "--alpha-pattern",
+        r#"{"o_proj": 8, "up_proj": 4}"#,
+        "--layers",
+        "1",
+    ];
+    let dir = fixture("tiny-qwen3-s64-b2-patterns", &[&args[..], &patterns].concat());
+    let worst = check_parity(&dir);
+    assert!(worst <= 1e-5, "worst LoRA gradient relative error {worst:e}");
+    let device = Device::libtorch();
+    let mut model = HfCheckpoint::open(&dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    load_peft_adapter(&mut model, &dir, &device).unwrap();
+    let ranks: Vec<(String, usize)> =
+        model.adapters().iter().map(|(n, a)| (n.rsplit('.').next().unwrap().to_string(), a.a.dims()[0])).collect();
+    let want = [("q_proj", 8), ("k_proj", 16), ("v_proj", 4), ("o_proj", 16), ("gate_proj", 16), ("up_proj", 16)];
+    let want: Vec<(String, usize)> = want.iter().chain(&[("down_proj", 2)]).map(|(n, r)| (n.to_string(), *r)).collect();
+    assert_eq!(ranks, want, "layer 1 only, with the patterns' ranks");
+}
+
 /// Each family's adapter written by llora loads in PEFT onto the HF model with llora's logits,
 /// and the merged export (biases, q/k norms and the family's config.json carried) loads in
 /// transformers with them too.
