@@ -90,6 +90,23 @@ fn rank_alpha_patterns_on_qwen3_match_peft() {
     assert_eq!(ranks, want, "layer 1 only, with the patterns' ranks");
 }
 
+/// Full fine-tuning of Qwen 2 (its q/k/v biases trained) and Qwen 3 (its q/k head norms
+/// trained): transformers' loss and the gradients of those parameters (and a weight, the final
+/// norm) within 1e-4, with and without recomputed blocks.
+#[test]
+fn full_fine_tuning_trains_biases_and_head_norms_as_transformers() {
+    let qwen2 = ["model.layers.1.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias", "model.norm.weight"];
+    let qwen3 = [
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ];
+    for (preset, names) in [("tiny-qwen2", &qwen2), ("tiny-qwen3", &qwen3)] {
+        eprintln!("{preset}:");
+        assert_full_fine_tuning_gradients_match_transformers(&family_fixture(preset), names);
+    }
+}
+
 /// Each family's adapter written by llora loads in PEFT onto the HF model with llora's logits,
 /// and the merged export (biases, q/k norms and the family's config.json carried) loads in
 /// transformers with them too.

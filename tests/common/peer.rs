@@ -825,3 +825,59 @@ pub fn assert_qlora_matches_bitsandbytes_base(
     assert!(worst <= grad_tol, "double {double}: LoRA gradients differ: {worst:e}");
     true
 }
+
+/// Full fine-tuning against transformers: the base of the fixture in `dir` (its adapter left
+/// out) trained whole by llora gives transformers' loss within 1e-5 and, for each parameter of
+/// `names`, its gradient within 1e-4 (`scripts/peer/full_grads.py`), with and without recomputed
+/// blocks. Returns what full_grads.py printed (its loss, whether the head is the embedding).
+pub fn assert_full_fine_tuning_gradients_match_transformers(dir: &Path, names: &[&str]) -> serde_json::Value {
+    // Its training passes reseed torch's generator per block: not while a seeding test runs.
+    let _rng = llora_model::device::torch_rng_lock();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = base_only_copy(dir, tmp.path());
+    let out = tmp.path().join("grads.safetensors");
+    let run = Command::new(python())
+        .arg(repo_root().join("scripts/peer/full_grads.py"))
+        .args([&base, &dir.join("batch.safetensors"), &out])
+        .arg(names.join(","))
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "full_grads.py failed: {}", String::from_utf8_lossy(&run.stderr));
+    let hf: serde_json::Value =
+        serde_json::from_slice(run.stdout.trim_ascii_end().rsplit(|&b| b == b'\n').next().unwrap()).unwrap();
+    let reference = read_all(&out);
+    let fx = load_fixture(dir);
+    let n_target = fx.json["n_target_tokens"].as_u64().unwrap() as f64;
+    for recompute in [0, 1] {
+        let device = Device::libtorch().autodiff();
+        let options = BuildOptions { trainable: true, ..Default::default() };
+        let mut model = HfCheckpoint::open(&base).unwrap().load_model(&options, &device).unwrap();
+        let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
+        let mb = llora_trainer::engine::step::MicroBatch {
+            ids: Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device),
+            labels: Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device).into(),
+            packed: None,
+            seed: None,
+        };
+        let (loss, grads, _, _) =
+            llora_trainer::engine::step::micro_batch_grads(&mut model, mb, n_target, recompute).unwrap();
+        let reference_loss = hf["loss"].as_f64().unwrap();
+        assert!(
+            ((loss - reference_loss) / reference_loss).abs() <= 1e-5,
+            "loss {loss} vs transformers {reference_loss}"
+        );
+        let trained: Vec<String> = model.trainable_params_mut().into_iter().map(|(n, _)| n).collect();
+        if hf["head_is_embedding"] == true {
+            assert!(!trained.iter().any(|n| n == "lm_head.weight"), "a tied head is not a parameter of its own");
+        }
+        for &name in names {
+            let k = trained.iter().position(|n| n == name).unwrap_or_else(|| panic!("{name} is not trained"));
+            let expected: Vec<f32> =
+                reference[name].1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            let err = rel_err(&values(grads[k].clone()), &expected);
+            eprintln!("recompute {recompute}: {name} gradient relative error {err:e}");
+            assert!(err <= 1e-4, "recompute {recompute}: {name} gradient differs from transformers': {err:e}");
+        }
+    }
+    hf
+}
