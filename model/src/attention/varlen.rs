@@ -476,18 +476,17 @@ mod tests {
             };
             let err = check_packed(cpu, tch::Kind::Float, [4, 2, 16], Some(CHECK_WINDOW), no_window).unwrap_err();
             assert!(err.starts_with("output differs"), "{err}");
-            let p = Problem {
-                device: cpu,
-                kind: tch::Kind::BFloat16,
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 16,
-                single_token: false,
-            };
+            let p = small_problem();
             assert!(usable_with_window(p));
             assert_eq!(WINDOW_ROUTE.verdict(p), Some(true));
             assert!(!usable_with_window(Problem { kind: tch::Kind::Float, ..p }), "flash has no f32 kernel");
         });
+    }
+
+    /// The bf16 problem of 4 query heads on 2 K/V heads of 16 on the CPU, as the checks here pose it.
+    fn small_problem() -> Problem {
+        let (device, kind) = (tch::Device::Cpu, tch::Kind::BFloat16);
+        Problem { device, kind, heads: 4, kv_heads: 2, head_dim: 16, single_token: false }
     }
 
     /// Dense rows as sequences: offsets 0, seq, 2·seq, ... made on the device.
@@ -559,14 +558,7 @@ mod tests {
         crate::routes::tests::on_cpu_within(120, "varlen attention's first use", || {
             let cpu = tch::Device::Cpu;
             assert_eq!(verify(cpu, tch::Kind::BFloat16, 4, 2, 16), Ok(()));
-            let p = Problem {
-                device: cpu,
-                kind: tch::Kind::BFloat16,
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 16,
-                single_token: false,
-            };
+            let p = small_problem();
             assert!(usable(p));
             assert_eq!(ROUTE.verdict(p), Some(true));
             assert!(!usable(Problem { kind: tch::Kind::Float, ..p }), "f32 takes one kernel per document");
