@@ -1,10 +1,11 @@
-//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and four
+//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and five
 //! C++ shims compiled against the same LibTorch, as tch builds its own C++ wrapper (their
 //! shared error handling in `src/shim.h`): the fused attention forwards tch does not bind
 //! (`src/attention/sdpa_shim.cpp`), the fused RMSNorm's backward (`src/norm/norm_shim.cpp`),
-//! what LibTorch build llora runs with (`src/torch_info.cpp`, beside `device.rs`), and
-//! LibTorch's profiler, op counter and device statistics (`src/profile_shim.cpp`, beside
-//! `profile.rs`). They need only LibTorch's own headers.
+//! the multi-tensor AdamW (`src/fused_adamw_shim.cpp`), what LibTorch build llora runs with
+//! (`src/torch_info.cpp`, beside `device.rs`), and LibTorch's profiler, op counter and device
+//! statistics (`src/profile_shim.cpp`, beside `profile.rs`). They need only LibTorch's own
+//! headers.
 
 use std::path::PathBuf;
 
@@ -13,7 +14,13 @@ mod rpath;
 
 fn main() {
     rpath::main();
-    let shims = ["src/attention/sdpa_shim.cpp", "src/norm/norm_shim.cpp", "src/torch_info.cpp", "src/profile_shim.cpp"];
+    let shims = [
+        "src/attention/sdpa_shim.cpp",
+        "src/norm/norm_shim.cpp",
+        "src/fused_adamw_shim.cpp",
+        "src/torch_info.cpp",
+        "src/profile_shim.cpp",
+    ];
     for f in shims.iter().chain(&["src/shim.h"]) {
         println!("cargo:rerun-if-changed={f}");
     }

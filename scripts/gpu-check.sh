@@ -333,7 +333,7 @@ fi
 
 # 2. Self-tests, one part at a time (a hang hides nothing else): this process alone (NCCL on
 # one GPU), then one rank per GPU for the all-reduce's bus bandwidth.
-for part in gemm attention norm dropout all-reduce; do
+for part in gemm attention norm optimizer dropout all-reduce; do
   say "self-test $part on $DEVICE"
   limited "llora selftest --only $part --device $DEVICE" "$L_SELFTEST" "$work/selftest.log" \
     "$LLORA" selftest --device "$DEVICE" --threads "$THREADS" --only "$part" >"$work/selftest-$part.out"
@@ -443,7 +443,7 @@ row = {"section": "bench", "preset": l.get("preset") or sys.argv[5], "seq_len": 
        "llora_mfu_bf16_peak": (tflops(l) / peak) if peak and tflops(l) else None,
        "llora_peak_mb": l.get(mem), "peer_peak_mb": p.get(mem),
        "peer_peak_cuda_allocated_mb": p.get("peak_cuda_allocated_mb"), "gpu": gpu or None,
-       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"), "rms_norm": l.get("rms_norm"),
+       "planned_peak_mb": l.get("planned_peak_mb"), "attn_impl": l.get("attn_impl"), "rms_norm": l.get("rms_norm"), "optimizer": l.get("optimizer"),
        "llora_fwd_s": l.get("fwd_s_median"), "llora_bwd_s": l.get("bwd_s_median"), "llora_opt_s": l.get("opt_s_median"),
        "peer_fwd_s": p.get("fwd_s_median"), "peer_bwd_s": p.get("bwd_s_median"), "peer_opt_s": p.get("opt_s_median"),
        "llora_device_peak_allocated_mb": l.get("device_peak_allocated_mb"),

@@ -48,7 +48,8 @@ fn selftest_checks(part: &str) -> Vec<serde_json::Value> {
 /// `llora selftest` runs the checks it runs on CUDA, named as there, one part at a time and
 /// each within its limit: the FP8 two-pass quantiser and one-pass amax (the check that hung),
 /// the fused RMSNorm in both dtypes, and every CUDA attention kernel's route with the packed
-/// rows' variable-length one; all pass with the CPU's composites standing in.
+/// rows' variable-length one, the multi-tensor AdamW (LibTorch's own CPU kernel); all pass with
+/// the CPU's composites standing in.
 #[test]
 fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     let named = |checks: &[serde_json::Value], name: &str| {
@@ -74,7 +75,9 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     }
     // Every route of the one list is checked in its part, whatever the list holds (a route
     // added to llora_model::diagnostics::all_routes appears here without touching selftest).
-    let parts = [("gemm", &gemm), ("norm", &norm), ("attention", &attention)];
+    let optimizer = selftest_checks("optimizer");
+    named(&optimizer, "optimizer: fused AdamW Float (one multi-tensor launch)");
+    let parts = [("gemm", &gemm), ("norm", &norm), ("attention", &attention), ("optimizer", &optimizer)];
     for route in llora_model::diagnostics::all_routes() {
         let (_, checks) = parts.iter().find(|(p, _)| *p == route.part).expect("a part selftest runs");
         named(checks, route.name);
@@ -83,8 +86,8 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
 
 /// A short FP8 bench on the CPU: with the switch, every step takes our quantise kernels (their
 /// CPU stand-ins) for delayed and current scaling and our SwiGLU kernel,
-/// the norm the fused route and attention cuDNN's route, and the JSON says so; without it,
-/// the f32 quantiser. Under `RUST_LOG=debug` the log names each place before it starts (a
+/// the norm the fused route, attention cuDNN's route and the optimizer LibTorch's multi-tensor
+/// AdamW, and the JSON says so; without it, the f32 quantiser and the per-parameter update. Under `RUST_LOG=debug` the log names each place before it starts (a
 /// hang's last line says where it is): every decoder layer built, every weight converted, the
 /// FP8 routes' first-use check, and each step phase, in that order.
 #[test]
@@ -127,6 +130,8 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
+    assert_eq!(r["optimizer"], "fused-adamw", "{r}");
+    assert_eq!(used("optimizer: fused AdamW Float (one multi-tensor launch)"), true, "{r}");
     assert!(r["attn_impl"].as_array().unwrap().iter().any(|k| k == "cuda-cudnn"), "{r}");
     let layers = 4; // the tiny preset's
 
@@ -143,6 +148,8 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(stderr.contains("FP8 quantise kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 SwiGLU kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 RMSNorm kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
+    let optimizer = "optimizer: LibTorch's fused AdamW (one multi-tensor launch): checked against its reference, taken";
+    assert!(stderr.contains(optimizer), "{stderr}");
 
     let (ok, stdout, stderr) = llora_within::<&str>(240, &[], &args);
     assert!(ok, "{stderr}");
@@ -151,6 +158,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert_eq!(r["fp8_quantiser_routes"], serde_json::json!([["f32"], ["f32"]]), "{r}");
     assert_eq!(r["rms_norm"], "composite", "{r}");
     assert_eq!(r["swiglu"], "libtorch", "{r}");
+    assert_eq!(r["optimizer"], "per-parameter", "{r}");
     assert_eq!(r["rms_norm_fp8_codes"], false, "{r}");
 }
 

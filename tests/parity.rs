@@ -113,7 +113,7 @@ fn dora_matches_peft_in_training_and_out() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(config["use_dora"], true, "the fixture is PEFT's DoRA");
     check_parity(&dir);
-    three_steps_match_torch_adamw(&dir);
+    three_steps_match_torch_adamw(&dir, FusedOptim::On);
     let targets = targets.split(',').map(String::from).collect();
     adapter_and_merged_export_load_in_hf_with(
         &dir,
@@ -148,13 +148,14 @@ fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
 }
 
 /// Three full optimizer steps (loss, global-norm clip at 0.3, torch AdamW) against PEFT +
-/// torch.optim.AdamW: per-step losses and every LoRA weight after each update.
+/// torch.optim.AdamW: per-step losses and every LoRA weight after each update, with the
+/// per-parameter update (the CPU's default) and with LibTorch's multi-tensor kernel (CUDA's).
 #[test]
 fn training_steps_match_torch_adamw() {
-    three_steps_match_torch_adamw(&fixture(
-        "tiny-s64-b2-3steps",
-        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"],
-    ));
+    let args = ["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"];
+    let dir = fixture("tiny-s64-b2-3steps", &args);
+    three_steps_match_torch_adamw(&dir, FusedOptim::Off);
+    three_steps_match_torch_adamw(&dir, FusedOptim::On);
 }
 
 /// The 70B MLPerf config's targets (`qkv_proj`, `o_proj`, named for the

@@ -3,6 +3,7 @@
 //! sync counters and Kineto traces of a step, and the device's memory peaks.
 
 pub use crate::dropout::dropout;
+pub use crate::fused_adamw::ROUTE as FUSED_ADAMW_ROUTE;
 pub use crate::norm::FUSED_KERNELS_ROUTE as RMS_NORM_FUSED_ROUTE;
 pub use crate::norm::fp8_route::ROUTE as RMS_NORM_FP8_ROUTE;
 pub use crate::precision::swiglu_route::ROUTE as SWIGLU_FP8_ROUTE;

@@ -115,6 +115,15 @@ pub enum ParamKind {
     Adapters,
 }
 
+/// What [`ParamMut::put_flat`] needs to put a taken value back.
+#[derive(Debug, Clone, Copy)]
+pub struct ParamShape {
+    /// A matrix's `[rows, cols]`; `None` for a vector.
+    dims: Option<[usize; 2]>,
+    /// Whether the value requires a gradient.
+    trainable: bool,
+}
+
 /// A mutable parameter of either rank the model has.
 pub enum ParamMut<'a> {
     /// A norm gain `[d]`.
@@ -132,11 +141,52 @@ impl ParamMut<'_> {
         }
     }
 
+    /// The value's dtype and device.
+    pub fn dtype_and_device(&self) -> (burn::tensor::DType, burn::tensor::Device) {
+        match self {
+            Self::Vector(p) => (p.dtype(), p.device()),
+            Self::Matrix(p) => (p.dtype(), p.device()),
+        }
+    }
+
     /// The gradient of this parameter in `grads`, flattened.
     pub fn grad_flat(&self, grads: &burn::tensor::Gradients) -> Option<Tensor<1>> {
         match self {
             Self::Vector(p) => p.val().grad(grads),
             Self::Matrix(p) => p.val().grad(grads).map(|g| g.flatten(0, 1)),
+        }
+    }
+
+    /// Takes the value out, flattened, on the plain backend, leaving an empty placeholder until
+    /// [`ParamMut::put_flat`]: the caller then holds the only handle Burn keeps to it (unless
+    /// something else cloned the value), so an in-place update is seen by nobody else.
+    pub fn take_flat(&mut self) -> (Tensor<1>, ParamShape) {
+        match self {
+            Self::Vector(p) => {
+                let shape = ParamShape { dims: None, trainable: p.val().is_require_grad() };
+                let empty = Param::initialized(p.id, Tensor::empty([0], &p.device()));
+                (std::mem::replace(&mut **p, empty).into_value().inner(), shape)
+            }
+            Self::Matrix(p) => {
+                let shape = ParamShape { dims: Some(p.shape().dims()), trainable: p.val().is_require_grad() };
+                let empty = Param::initialized(p.id, Tensor::empty([0, 0], &p.device()));
+                (std::mem::replace(&mut **p, empty).into_value().inner().flatten(0, 1), shape)
+            }
+        }
+    }
+
+    /// Puts a value taken by [`ParamMut::take_flat`] back as `new` (flattened, plain backend,
+    /// the taken value's length), with the taken value's shape, id and trainability.
+    pub fn put_flat(&mut self, new: Tensor<1>, shape: ParamShape) {
+        match (self, shape.dims) {
+            (Self::Vector(p), None) => {
+                **p = Param::initialized(p.id, Tensor::from_inner(new).set_require_grad(shape.trainable));
+            }
+            (Self::Matrix(p), Some(dims)) => {
+                let t = Tensor::from_inner(new.reshape(dims)).set_require_grad(shape.trainable);
+                **p = Param::initialized(p.id, t);
+            }
+            _ => panic!("put_flat: a shape taken from a parameter of the other rank"),
         }
     }
 

@@ -27,7 +27,7 @@ pub fn all() -> &'static [Route] {
     &ROUTES
 }
 
-static ROUTES: [Route; 8] = [
+static ROUTES: [Route; 9] = [
     Route {
         name: crate::fp8::CUDA_ROUTES_CHECK,
         part: "gemm",
@@ -83,5 +83,12 @@ static ROUTES: [Route; 8] = [
         check: crate::norm::fp8_route::checked_on,
         passed: "1/rms, output and codes equal the LibTorch route's (a bf16 ulp, codes bit for bit)",
         used: Some(|| crate::norm::fp8_route::ROUTE.used()),
+    },
+    Route {
+        name: "optimizer: fused AdamW Float (one multi-tensor launch)",
+        part: "optimizer",
+        check: crate::fused_adamw::verify,
+        passed: "three steps of 41 parameters match AdamW's definition in f64",
+        used: Some(|| crate::fused_adamw::ROUTE.used()),
     },
 ];

@@ -7,7 +7,7 @@ pub use llora_model::BuildOptions;
 pub use llora_model::checkpoint::HfCheckpoint;
 pub use llora_model::loss::causal_lm_loss;
 pub use llora_model::peft::load_peft_adapter;
-pub use llora_trainer::config::{OptimConfig, ScheduleConfig};
+pub use llora_trainer::config::{FusedOptim, OptimConfig, ScheduleConfig};
 pub use llora_trainer::engine::optim::{AdamW, lr_at};
 pub use llora_trainer::engine::step::{MicroBatch, StepOptions, StepStats, train_step};
 pub use safetensors::SafeTensors;
@@ -282,15 +282,18 @@ pub fn adapter_and_merged_export_load_in_hf_with(base: &Path, spec: llora_model:
 }
 
 /// Three steps of the fixture in `dir` (made with `--steps 3`): losses, global norms and every
-/// trainable adapter value after each update.
-pub fn three_steps_match_torch_adamw(dir: &Path) {
+/// trainable adapter value after each update, with the optimizer `fused` chooses. With
+/// [`FusedOptim::On`], LibTorch's multi-tensor kernel took the steps, writing every parameter
+/// in place (no copy: each keeps its buffer).
+pub fn three_steps_match_torch_adamw(dir: &Path, fused: FusedOptim) {
     // Its training passes reseed torch's generator per block: not while a seeding test runs.
     let _rng = llora_model::device::torch_rng_lock();
     let fx = load_fixture(dir);
     let device = Device::libtorch().autodiff();
     let mut model = HfCheckpoint::open(dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     load_peft_adapter(&mut model, dir, &device).unwrap();
-    let optim_cfg = OptimConfig::default(); // lr 4e-4, wd 1e-4, betas (0.9, 0.999), eps 1e-8, clip 0.3: the fixture's
+    // lr 4e-4, wd 1e-4, betas (0.9, 0.999), eps 1e-8, clip 0.3: the fixture's.
+    let optim_cfg = OptimConfig { fused, ..OptimConfig::default() };
     let schedule = ScheduleConfig { max_steps: 1_000_000, warmup_steps: 0 }; // constant lr, as the fixture
     let mut optim = AdamW::new(optim_cfg.clone());
     let [b, s] = [fx.input_ids.0[0], fx.input_ids.0[1]];
@@ -300,6 +303,7 @@ pub fn three_steps_match_torch_adamw(dir: &Path) {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let lr = lr_at(0, optim_cfg.lr, &schedule);
+        let buffers_before = buffers(&mut model);
         let StepStats { loss, grad_norm: norm, .. } = train_step(
             &mut model,
             &mut optim,
@@ -309,6 +313,9 @@ pub fn three_steps_match_torch_adamw(dir: &Path) {
             StepOptions { lr, clip_grad_norm: optim_cfg.clip_grad_norm, recompute_layers: 0, sync_phases: false },
         )
         .unwrap();
+        if fused == FusedOptim::On {
+            assert_eq!(buffers(&mut model), buffers_before, "step {k}: the fused update moved a parameter");
+        }
         let ref_loss = fx.json["losses"][k - 1].as_f64().unwrap();
         let ref_norm = fx.json["grad_norm_total_preclip"][k - 1].as_f64().unwrap();
         assert!((loss - ref_loss).abs() <= 1e-4, "step {k}: loss {loss} vs {ref_loss}");
@@ -324,7 +331,20 @@ pub fn three_steps_match_torch_adamw(dir: &Path) {
         let peft = fx.expected.keys().filter(|n| n.starts_with(&format!("step{k}.param_after."))).count();
         assert_eq!(checked, peft, "step {k}: llora trains another set of parameters than PEFT");
     }
-    eprintln!("3 AdamW steps: worst LoRA weight relative error {worst:e}");
+    eprintln!("3 AdamW steps ({fused:?}): worst LoRA weight relative error {worst:e}");
+    if fused == FusedOptim::On {
+        assert!(llora_model::diagnostics::FUSED_ADAMW_ROUTE.used(), "the fused kernel did not run");
+    }
+}
+
+/// Where each trainable parameter's values live.
+fn buffers(model: &mut llora_model::LlamaForCausalLM) -> Vec<usize> {
+    let params = model.trainable_params_mut();
+    let ptr = |p: &llora_model::ParamMut<'_>| {
+        let t = p.flat().inner().try_into_primitive::<burn::backend::LibTorch>().unwrap();
+        t.tensor.data_ptr() as usize
+    };
+    params.iter().map(|(_, p)| ptr(p)).collect()
 }
 
 /// `llora eval` with `extra` arguments on a fixture's batch (written as MLPerf-schema

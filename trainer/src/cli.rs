@@ -80,8 +80,9 @@ pub struct SelftestArgs {
     /// Intra-op threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Run one group of checks: `gemm`, `attention`, `norm` (CUDA only), `dropout` or `all-reduce`.
-    #[arg(long, value_parser = ["gemm", "attention", "norm", "dropout", "all-reduce"])]
+    /// Run one group of checks: `gemm`, `attention`, `norm` or `optimizer` (CUDA only),
+    /// `dropout` or `all-reduce`.
+    #[arg(long, value_parser = ["gemm", "attention", "norm", "optimizer", "dropout", "all-reduce"])]
     pub only: Option<String>,
 }
 

@@ -404,12 +404,36 @@ pub struct OptimConfig {
     pub weight_decay: f64,
     /// Global gradient-norm clip (0 disables clipping).
     pub clip_grad_norm: f64,
+    /// Whether the update runs as LibTorch's multi-tensor AdamW (one launch for all parameters).
+    pub fused: FusedOptim,
 }
 
 impl Default for OptimConfig {
     fn default() -> Self {
-        Self { lr: 4e-4, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 1e-4, clip_grad_norm: 0.3 }
+        Self {
+            lr: 4e-4,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 1e-4,
+            clip_grad_norm: 0.3,
+            fused: FusedOptim::Auto,
+        }
     }
+}
+
+/// `optim.fused`: where the update runs as LibTorch's multi-tensor AdamW (`_fused_adamw_`, as
+/// `torch.optim.AdamW(fused=True)`) rather than a few ops per parameter. Wherever it runs, it
+/// is first checked against AdamW's definition on that device, and a refusal is logged and
+/// falls back to the per-parameter update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FusedOptim {
+    /// Where the CUDA routes run: on CUDA (and on the CPU under `LLORA_CUDA_ROUTES_ON_CPU=1`).
+    Auto,
+    /// On any LibTorch device (LibTorch has the kernel on the CPU too).
+    On,
+    /// Never: the per-parameter update everywhere.
+    Off,
 }
 
 impl OptimConfig {

@@ -8,7 +8,8 @@
 //! kernel of the device, forward and backward, against plain LibTorch ops (the kernels tried
 //! in turn in training; at least one bf16 kernel must pass; on CUDA also the variable-length
 //! flash kernel of packed rows, under a block-diagonal mask); on CUDA LibTorch's fused RMSNorm
-//! kernels against the definition in f64; dropout's mask redrawn in
+//! kernels against the definition in f64; on CUDA LibTorch's multi-tensor AdamW against its
+//! definition in f64; dropout's mask redrawn in
 //! backward equal to the forward's; an all-reduce on a real c10d group (NCCL on a GPU) and its
 //! bus bandwidth. Each check says whether the run depends on it (`required`).
 //!

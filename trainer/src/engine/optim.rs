@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 
 use burn::tensor::Tensor;
-use llora_model::ParamMut;
+use llora_model::{AdamWHyper, AdamWItem, ParamMut, fused_adamw_update, fused_adamw_usable};
 
-use crate::config::{OptimConfig, ScheduleConfig};
+use crate::config::{FusedOptim, OptimConfig, ScheduleConfig};
 
 /// Learning rate for optimizer step `k` (0-based), as HF's `get_cosine_schedule_with_warmup`:
 /// linear from 0 over `warmup_steps`, then half a cosine from `lr` to 0 at `max_steps`.
@@ -54,16 +54,37 @@ impl AdamW {
         Self { config, step: 0, state: HashMap::new() }
     }
 
-    /// Advances the step counter; call once per optimizer step, before [`AdamW::update`].
-    pub fn begin_step(&mut self) {
+    /// One optimizer step over every trainable parameter with its gradient (flattened, in the
+    /// order of `params`), each gradient multiplied by `clip` first, at learning rate `lr`.
+    ///
+    /// Where `optim.fused` asks for LibTorch's multi-tensor AdamW (by default: CUDA, or the CPU
+    /// under `LLORA_CUDA_ROUTES_ON_CPU=1`) and it passed its first-use check there, the f32
+    /// parameters take one launch; the others take [`AdamW::update`] one at a time. An error (the
+    /// kernel refused its inputs) comes back with every parameter in its place: the run stops.
+    pub fn step(
+        &mut self,
+        params: Vec<(String, ParamMut<'_>)>,
+        grads: Vec<Tensor<1>>,
+        clip: f64,
+        lr: f64,
+    ) -> Result<(), String> {
         self.step += 1;
+        let mut fused = Vec::new();
+        for ((name, mut param), grad) in params.into_iter().zip(grads) {
+            if self.takes_fused(&param, &grad) {
+                fused.push((name, param, grad));
+            } else {
+                self.update(&name, &mut param, grad.mul_scalar(clip), lr);
+            }
+        }
+        self.update_fused(fused, clip, lr)
     }
 
     /// Updates one parameter with its (already clipped, flattened) gradient at learning rate `lr`.
     ///
     /// The parameter keeps its id and stays trainable; the gradient and moments live on the
     /// plain (non-autodiff) backend.
-    pub fn update(&mut self, name: &str, param: &mut ParamMut<'_>, grad: Tensor<1>, lr: f64) {
+    fn update(&mut self, name: &str, param: &mut ParamMut<'_>, grad: Tensor<1>, lr: f64) {
         let c = &self.config;
         let [b1, b2] = c.betas;
         let t = self.step as i32;
@@ -78,6 +99,48 @@ impl AdamW {
         let denom = moments.v.clone().sqrt().div_scalar((1.0 - b2.powi(t)).sqrt()).add_scalar(c.eps);
         let p = p.mul_scalar(1.0 - lr * c.weight_decay) - moments.m.clone().div(denom).mul_scalar(step_size);
         param.set_flat(p);
+    }
+
+    /// Whether `param` takes the multi-tensor update: an f32 parameter and gradient on a LibTorch
+    /// device where `optim.fused` asks for it and the kernel passed its check.
+    fn takes_fused(&self, param: &ParamMut<'_>, grad: &Tensor<1>) -> bool {
+        let anywhere = match self.config.fused {
+            FusedOptim::Off => return false,
+            FusedOptim::Auto => false,
+            FusedOptim::On => true,
+        };
+        let f32 = burn::tensor::DType::F32;
+        let (dtype, device) = param.dtype_and_device();
+        dtype == f32
+            && grad.dtype() == f32
+            && llora_model::precision::tch_device(&device).is_some_and(|d| fused_adamw_usable(d, anywhere))
+    }
+
+    /// [`fused_adamw_update`] over `fused`, the moments kept here.
+    fn update_fused(
+        &mut self,
+        fused: Vec<(String, ParamMut<'_>, Tensor<1>)>,
+        clip: f64,
+        lr: f64,
+    ) -> Result<(), String> {
+        if fused.is_empty() {
+            return Ok(());
+        }
+        let mut names = Vec::with_capacity(fused.len());
+        let mut items = Vec::with_capacity(fused.len());
+        for (name, param, grad) in fused {
+            let moments = self.state.remove(&name);
+            let Moments { m, v } = moments.unwrap_or_else(|| Moments { m: grad.zeros_like(), v: grad.zeros_like() });
+            items.push(AdamWItem { param, grad, exp_avg: m, exp_avg_sq: v });
+            names.push(name);
+        }
+        let c = &self.config;
+        let hyper = AdamWHyper { lr, betas: c.betas, weight_decay: c.weight_decay, eps: c.eps };
+        let (moments, result) = fused_adamw_update(items, self.step, &hyper, clip);
+        for (name, [m, v]) in names.into_iter().zip(moments) {
+            self.state.insert(name, Moments { m, v });
+        }
+        result
     }
 }
 

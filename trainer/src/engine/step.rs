@@ -228,10 +228,7 @@ pub fn train_step(
         bail!("loss {loss_sum} / gradient norm {total_norm} is not finite; run aborted");
     }
     let coef = clip_coefficient(total_norm, clip_grad_norm);
-    optim.begin_step();
-    for ((name, mut param), g) in model.trainable_params_mut().into_iter().zip(grads) {
-        optim.update(&name, &mut param, g.mul_scalar(coef), lr);
-    }
+    optim.step(model.trainable_params_mut(), grads, coef, lr).map_err(|e| anyhow::anyhow!("optimizer step: {e}"))?;
     if comm.world_size() > 1 {
         // Delayed scaling follows the global batch: every rank takes the largest amax any saw.
         let mut amaxes = model.fp8_pending_amaxes();

@@ -693,6 +693,7 @@ fn routes() -> Value {
         "rms_norm": if llora_model::diagnostics::RMS_NORM_FUSED_ROUTE.used() { "cuda-fused" } else { "composite" },
         // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
         "swiglu": if llora_model::diagnostics::SWIGLU_FP8_ROUTE.used() { "kernel" } else { "libtorch" },
+        "optimizer": if llora_model::diagnostics::FUSED_ADAMW_ROUTE.used() { "fused-adamw" } else { "per-parameter" },
         // Whether the norms wrote their projections' FP8 input (kernels/rmsnorm_fp8.cu).
         "rms_norm_fp8_codes": llora_model::diagnostics::RMS_NORM_FP8_ROUTE.used(),
         // Every CUDA route of the one list (llora_model::diagnostics::all_routes), and whether this run took
