@@ -157,22 +157,31 @@ impl ParamMut<'_> {
         }
     }
 
+    /// What [`ParamMut::put_flat`] needs to put a flattened value back: the shape and whether
+    /// the value requires a gradient.
+    fn shape(&self) -> ParamShape {
+        match self {
+            Self::Vector(p) => ParamShape { dims: None, trainable: p.val().is_require_grad() },
+            Self::Matrix(p) => ParamShape { dims: Some(p.shape().dims()), trainable: p.val().is_require_grad() },
+        }
+    }
+
     /// Takes the value out, flattened, on the plain backend, leaving an empty placeholder until
     /// [`ParamMut::put_flat`]: the caller then holds the only handle Burn keeps to it (unless
     /// something else cloned the value), so an in-place update is seen by nobody else.
     pub fn take_flat(&mut self) -> (Tensor<1>, ParamShape) {
-        match self {
+        let shape = self.shape();
+        let value = match self {
             Self::Vector(p) => {
-                let shape = ParamShape { dims: None, trainable: p.val().is_require_grad() };
                 let empty = Param::initialized(p.id, Tensor::empty([0], &p.device()));
-                (std::mem::replace(&mut **p, empty).into_value().inner(), shape)
+                std::mem::replace(&mut **p, empty).into_value().inner()
             }
             Self::Matrix(p) => {
-                let shape = ParamShape { dims: Some(p.shape().dims()), trainable: p.val().is_require_grad() };
                 let empty = Param::initialized(p.id, Tensor::empty([0, 0], &p.device()));
-                (std::mem::replace(&mut **p, empty).into_value().inner().flatten(0, 1), shape)
+                std::mem::replace(&mut **p, empty).into_value().inner().flatten(0, 1)
             }
-        }
+        };
+        (value, shape)
     }
 
     /// Puts a value taken by [`ParamMut::take_flat`] back as `new` (flattened, plain backend,
@@ -192,16 +201,7 @@ impl ParamMut<'_> {
 
     /// Replaces the value with `new` (flattened, plain backend), keeping the id and trainability.
     pub fn set_flat(&mut self, new: Tensor<1>) {
-        match self {
-            Self::Vector(p) => {
-                let trainable = p.val().is_require_grad();
-                **p = Param::initialized(p.id, Tensor::from_inner(new).set_require_grad(trainable));
-            }
-            Self::Matrix(p) => {
-                let dims: [usize; 2] = p.shape().dims();
-                let t = Tensor::from_inner(new.reshape(dims)).set_require_grad(p.val().is_require_grad());
-                **p = Param::initialized(p.id, t);
-            }
-        }
+        let shape = self.shape();
+        self.put_flat(new, shape);
     }
 }
