@@ -414,9 +414,10 @@ fn safetensors_shapes(path: &Path) -> Vec<(String, Vec<usize>)> {
 /// Frozen weights sharded over 2 ranks (ZeRO-3 for the base) train to bitwise the adapters and
 /// eval losses of the unsharded 2-rank run: in fp32 with 2 of the 4 blocks recomputed (the
 /// other 2 keep their graphs), with FP8 weights and activations, and over an NF4 base in bf16
-/// (its codes sharded, its scales on every rank; one block recomputed), and a Qwen 2 model in
-/// fp32 (its q/k/v biases frozen with the weights, a window shorter than the rows; one of its 2
-/// blocks recomputed). The adapters are whole: every tensor has PEFT's `[r, in]` / `[out, r]`
+/// (its codes sharded, its scales on every rank; one block recomputed), and on family bases
+/// whose biases and norm gains are away from 0 and 1: Qwen 2 in fp32 (q/k/v biases, a window
+/// shorter than the rows; one of its 2 blocks recomputed) and over an NF4 base, Qwen 3 with
+/// `attention_bias` (q/k/v/o biases, q/k head norms). The adapters are whole: every tensor has PEFT's `[r, in]` / `[out, r]`
 /// shape (ZeRO-3 users report `Size([0])`).
 #[test]
 fn sharded_frozen_weights_train_to_the_unsharded_adapters() {
@@ -433,13 +434,28 @@ fn sharded_frozen_weights_train_to_the_unsharded_adapters() {
     ];
     let fp8 = ["precision.compute=\"fp8\"", "precision.fp8_weights=true", "precision.fp8_activations=true"];
     let nf4 = ["precision.compute=\"bf16\"", "model.quantize=\"nf4\""];
-    let qwen2 = ["model.preset=\"tiny-qwen2\""];
-    for (name, precision, recompute, blocks) in
-        [("fp32", &[][..], "2", 4), ("fp8", &fp8[..], "0", 4), ("nf4", &nf4[..], "1", 4), ("qwen2", &qwen2[..], "1", 2)]
-    {
+    // Family bases whose biases and norm gains are away from 0 and 1: a sharded path that
+    // dropped one trained as if it were 0 (or 1) and matched a preset's random init.
+    let family = |preset: &str| {
+        let base = common::family_base_away_from_0_and_1(dir.path(), preset);
+        vec![format!("model.preset=\"{preset}\""), format!("model.path=\"{}\"", base.display())]
+    };
+    let (qwen2, qwen3) = (family("tiny-qwen2"), family("tiny-qwen3"));
+    let qwen2_nf4: Vec<String> = qwen2.iter().cloned().chain(nf4.iter().map(|s| s.to_string())).collect();
+    let fp8: Vec<String> = fp8.iter().map(|s| s.to_string()).collect();
+    let nf4: Vec<String> = nf4.iter().map(|s| s.to_string()).collect();
+    for (name, precision, recompute, blocks) in [
+        ("fp32", &[][..], "2", 4),
+        ("fp8", &fp8[..], "0", 4),
+        ("nf4", &nf4[..], "1", 4),
+        ("qwen2", &qwen2[..], "1", 2),
+        ("qwen3-biased", &qwen3[..], "0", 2),
+        ("qwen2-nf4", &qwen2_nf4[..], "1", 2),
+    ] {
         let run = |sharded: bool| {
             let run_dir = dir.path().join(format!("{name}-{}", if sharded { "sharded" } else { "plain" }));
-            let mut extra: Vec<String> = settings.iter().chain(precision).map(|s| s.to_string()).collect();
+            let mut extra: Vec<String> =
+                settings.iter().map(|s| s.to_string()).chain(precision.iter().cloned()).collect();
             extra.push(format!("train.shard_frozen_weights={sharded}"));
             extra.push(format!("train.recompute_layers={}", if sharded { recompute } else { "0" }));
             let out = torchrun(&strs(&train_args(&config, &run_dir, &strs(&extra))));

@@ -164,7 +164,7 @@ impl BlockWeights for Loader<'_, '_, '_> {
         let (mut linear, whole) = match self.stores {
             Some(spec) => {
                 let whole = self.weights.stored(&name, shape, spec)?;
-                (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec), Some((whole, spec)))
+                (LoraLinear::from_stored(FrozenWeight::Whole(whole.clone()), spec), Some(whole))
             }
             None => (LoraLinear::new(self.weights.get(&name, shape)?, self.trainable), None),
         };
@@ -179,11 +179,11 @@ impl BlockWeights for Loader<'_, '_, '_> {
             // Before sharding: DoRA's initial magnitude is the whole weight's row norms.
             linear = linear.with_new_adapter(&own, self.device);
         }
-        if let (Some((whole, spec)), Some(s)) = (whole, self.sharding) {
-            let adapter = linear.lora.take();
+        if let (Some(whole), Some(s)) = (whole, self.sharding) {
+            // Only the weight is cut to this rank's slice: the bias, the adapter and the
+            // layer's precision state stay as they are.
             let shard = FrozenWeight::Sharded(Arc::new(WeightShard::new(whole, s)));
-            linear = LoraLinear::from_stored(shard, spec);
-            linear.lora = adapter;
+            linear.weight = crate::lora::BaseWeight::Stored(burn::module::Ignored(shard));
         }
         Ok(linear)
     }

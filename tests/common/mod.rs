@@ -230,3 +230,40 @@ fn signals(args: &[String], run_dir: &Path, signal: &str, gaps: &[std::time::Dur
     }
     Output { status, stdout, stderr }
 }
+
+/// An HF checkpoint of a tiny family preset (`tiny-qwen2`, `tiny-qwen3`, `tiny-mistral`, `demo`)
+/// in `dir`, whose frozen tensors a preset's random init leaves at 0 or 1 are not: every bias
+/// U(-0.3, 0.3) (Qwen 3 gets `attention_bias`), every norm gain U(0.5, 1.5). Sharded, recomputed
+/// and distributed runs must carry each of them: a path that dropped one would still match a
+/// zero bias or a unit gain.
+pub fn family_base_away_from_0_and_1(dir: &Path, preset: &str) -> PathBuf {
+    #![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
+    use rand::{Rng, SeedableRng};
+    let mut config = llora_model::LlamaConfig::preset(preset).unwrap();
+    if config.family.model_type == llora_model::ModelType::Qwen3 {
+        (config.family.qkv_bias, config.family.o_bias) = (true, true);
+    }
+    let device = burn::tensor::Device::libtorch();
+    let opts = llora_model::BuildOptions::default();
+    let mut model = llora_model::LlamaForCausalLM::random(&config, &opts, &device).unwrap();
+    let base = dir.join(format!("{preset}-base"));
+    llora_model::checkpoint::save_hf_checkpoint(&mut model, &base).unwrap();
+    let file = base.join("model.safetensors");
+    let mut tensors = llora_model::checkpoint::read_safetensors_f32(&file).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (mut biases, mut gains) = (0, 0);
+    for (name, (_, values)) in tensors.iter_mut() {
+        if name.ends_with(".bias") {
+            biases += 1;
+            values.iter_mut().for_each(|v| *v = 0.6 * rng.random::<f32>() - 0.3);
+        } else if name.ends_with("norm.weight") {
+            gains += 1;
+            values.iter_mut().for_each(|v| *v = 0.5 + rng.random::<f32>());
+        }
+    }
+    let has_bias = config.family.qkv_bias;
+    assert!(gains > 0 && (biases > 0) == has_bias, "{preset}: {biases} biases, {gains} gains");
+    let list: Vec<_> = tensors.into_iter().map(|(n, (s, v))| (n, s, v)).collect();
+    std::fs::write(&file, llora_model::checkpoint::safetensors_bytes(&list).unwrap()).unwrap();
+    base
+}
