@@ -906,4 +906,15 @@ impl LlamaForCausalLM {
     pub fn num_lora_parameters(&self) -> usize {
         self.adapters().iter().map(|(_, a)| a.num_params()).sum()
     }
+
+    /// Whether the base weights train (full fine-tuning) rather than adapters.
+    pub fn trains_base(&self) -> bool {
+        self.embed_tokens.val().is_require_grad()
+    }
+
+    /// Values the optimizer updates: every base parameter under full fine-tuning, else the
+    /// adapters'.
+    pub fn num_trainable_parameters(&self) -> usize {
+        if self.trains_base() { self.config.num_parameters() } else { self.num_lora_parameters() }
+    }
 }

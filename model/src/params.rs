@@ -101,8 +101,7 @@ impl LlamaForCausalLM {
     /// The parameters training updates: every base weight under full fine-tuning, else the
     /// adapters.
     pub fn trainable_params_mut(&mut self) -> Vec<(String, ParamMut<'_>)> {
-        let full = self.embed_tokens.val().is_require_grad();
-        self.params_mut(if full { ParamKind::Base } else { ParamKind::Adapters })
+        self.params_mut(if self.trains_base() { ParamKind::Base } else { ParamKind::Adapters })
     }
 }
 

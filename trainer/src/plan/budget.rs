@@ -2,8 +2,13 @@
 
 use super::*;
 
-/// Bytes per element of a frozen linear weight as stored.
-pub(super) fn weight_elem(p: &PrecisionSpec) -> f64 {
+/// Bytes per element of a linear weight as stored: f32 when it trains (full fine-tuning),
+/// else as the precision stores frozen weights.
+pub(super) fn weight_elem(s: &Shape) -> f64 {
+    let p = &s.precision;
+    if s.full_fine_tuning {
+        return 4.0;
+    }
     if let Some(nf4) = p.nf4 {
         return nf4.bytes_per_value();
     }
@@ -49,7 +54,19 @@ pub(super) fn widths(s: &Shape) -> Widths {
 /// input needs no gradient), op by op as the code does it, one entry per tensor (the
 /// allocator rounds each one up on its own: [`allocated`]).
 pub fn kept_per_token(s: &Shape) -> Vec<Saved> {
-    llora_model::llama::DecoderLayer::saved_per_token(&s.model, &s.lora, &s.precision)
+    if !s.full_fine_tuning {
+        return llora_model::llama::DecoderLayer::saved_per_token(&s.model, &s.lora, &s.precision);
+    }
+    // No adapters; every linear keeps its input for its weight's gradient instead (o_proj's is
+    // the attention output, kept by attention already).
+    let none = llora_model::LoraSpec { targets: Vec::new(), ..s.lora.clone() };
+    let mut kept = llora_model::llama::DecoderLayer::saved_per_token(&s.model, &none, &s.precision);
+    let (e, d, i) = (s.precision.activation_bytes(), s.model.hidden_size as f64, s.model.intermediate_size as f64);
+    let why = "the weight's gradient (full fine-tuning)";
+    kept.push(Saved::new("q/k/v input (the attention norm's output)", e * d, why));
+    kept.push(Saved::new("gate/up input (the MLP norm's output)", e * d, why));
+    kept.push(Saved::new("down_proj input (SwiGLU's output)", e * i, why));
+    kept
 }
 
 /// The least a LoRA backward of one block must keep per token with the same numerics (the
@@ -147,10 +164,7 @@ pub fn budget(s: &Shape) -> Budget {
     lines.push(frozen_weights(s));
     lines.extend(nf4_dequantised(s));
     lines.push(tables_and_norms(s));
-    let n_lora = lora_params(s);
-    // Parameter, its gradient, the flat gradient the step reduces, AdamW's two moments.
-    let note = format!("{n_lora} parameters x 5 f32");
-    lines.push(Line { name: "LoRA weights, gradients, AdamW", bytes: n_lora * 4.0 * 5.0, note });
+    lines.push(trained_state(s));
     lines.push(saved_activations(s));
     lines.push(final_norm_and_loss(s));
     lines.extend(context_exchange(s));
@@ -164,6 +178,27 @@ pub fn budget(s: &Shape) -> Budget {
         peak += margin;
     }
     Budget { lines, peak }
+}
+
+/// What training adds per trained parameter. LoRA: the parameter, its gradient, the flat
+/// gradient the step reduces, AdamW's two moments. Full fine-tuning (the weights are counted
+/// as stored): the gradient and the two moments, the all-reduce's bucket on the host and the
+/// device with more than one rank, and one temporary of the largest tensor for the
+/// per-parameter update (`engine/optim.rs`; burn-tch updates a tensor it holds alone in place,
+/// and the update runs after backward has freed the activations).
+pub(super) fn trained_state(s: &Shape) -> Line {
+    if !s.full_fine_tuning {
+        let n_lora = lora_params(s);
+        let note = format!("{n_lora} parameters x 5 f32");
+        return Line { name: "LoRA weights, gradients, AdamW", bytes: n_lora * 4.0 * 5.0, note };
+    }
+    let c = &s.model;
+    let n = c.num_parameters() as f64;
+    let copies = 3.0 + if s.world > 1 { 2.0 } else { 0.0 };
+    let largest = block_linears(c).1.max((c.vocab_size * c.hidden_size) as f64);
+    let bytes = allocated(n * 4.0, s.target) * copies + allocated(largest * 4.0, s.target);
+    let note = format!("{n} parameters x {copies} f32 (gradient, AdamW moments) + the update of the largest");
+    Line { name: "gradients and AdamW (full fine-tuning)", bytes, note }
 }
 
 /// Tokens of one micro-batch on this rank: under context parallelism its share of each
@@ -237,7 +272,7 @@ pub(super) fn frozen_weights(s: &Shape) -> Line {
         && p.fp8_weights
         && !p.fp8_weights_one_layout
         && !sharded(s);
-    let w = weight_elem(p) * if transposed { 2.0 } else { 1.0 };
+    let w = weight_elem(s) * if transposed { 2.0 } else { 1.0 };
     let block = |share: f64| weights.iter().map(|&n| allocated(n * w / share, s.target)).sum::<f64>();
     let (bytes, note) = if sharded(s) {
         // The block that runs and the next one, whose gather is in flight meanwhile.
@@ -255,7 +290,8 @@ pub(super) fn frozen_weights(s: &Shape) -> Line {
         };
         (l as f64 * block(1.0), format!("{w} B/elem{layouts}, replicated"))
     };
-    Line { name: "frozen linear weights", bytes, note }
+    let name = if s.full_fine_tuning { "linear weights (trained)" } else { "frozen linear weights" };
+    Line { name, bytes, note }
 }
 
 /// NF4: each GEMM dequantises its weight whole: NF4 codes to f32 (precision/weights.rs), then
@@ -276,7 +312,8 @@ pub(super) fn nf4_dequantised(s: &Shape) -> Option<Line> {
 pub(super) fn tables_and_norms(s: &Shape) -> Line {
     let c = &s.model;
     let (d, v, l) = (c.hidden_size as f64, c.vocab_size as f64, c.num_hidden_layers);
-    let e = s.precision.activation_bytes();
+    // Trained tables stay f32 (load.rs casts only frozen ones).
+    let e = if s.full_fine_tuning { 4.0 } else { s.precision.activation_bytes() };
     // A tied LM head is the embedding table itself (Llama 3.2 1B/3B).
     let tables = if c.tie_word_embeddings { 1.0 } else { 2.0 };
     Line {
@@ -326,10 +363,18 @@ pub(super) fn upcast_gemms(s: &Shape) -> bool {
 }
 
 /// The loss's transients: one chunk of f32 logits (and the chunk's bf16 GEMM output it is
-/// upcast from), and the LM head's f32 column block when bf16 GEMMs go through f32.
+/// upcast from), and the LM head's f32 column block when bf16 GEMMs go through f32; under full
+/// fine-tuning, every target row's logits.
 pub(super) fn loss_transients(s: &Shape) -> (f64, f64) {
     let (e, d, v) = (s.precision.activation_bytes(), s.model.hidden_size as f64, s.model.vocab_size as f64);
     let alloc = |bytes: f64| allocated(bytes, s.target);
+    if s.full_fine_tuning {
+        // A trained head takes the unfused loss (loss.rs): the target rows' logits whole, in
+        // f32, kept for the cross-entropy's backward, which makes `logits − lse` and its exp
+        // beside them (three at once; forward has two and the GEMM's output when not f32).
+        let logits = alloc(target_rows(s) * v * 4.0);
+        return (3.0 * logits, 0.0);
+    }
     let chunk = LCE_CHUNK_BYTES.min(target_rows(s) * v * 4.0);
     let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
     let head_block = (v * d).min(llora_model::loss::LCE_HEAD_BLOCK_ELEMENTS as f64);

@@ -87,6 +87,9 @@ pub struct Shape {
     pub recompute_layers: usize,
     /// `train.shard_frozen_weights`.
     pub shard_frozen_weights: bool,
+    /// `model.trainable = "all"`: every weight trains in f32 (gradients, AdamW moments), no
+    /// adapters.
+    pub full_fine_tuning: bool,
     /// Ranks in all (data-parallel groups × `context_parallel`).
     pub world: usize,
     /// `train.context_parallel`: ranks sharing each sequence (1: none).

@@ -35,7 +35,7 @@ pub(super) fn shard_cost(s: &Shape) -> f64 {
         Target::Cpu => CPU_FLOP_PER_LINK_BYTE_PER_THREAD * s.threads.max(1) as f64,
     };
     // Per value: bytes gathered (all but this rank's share) against 2 FLOPs per token.
-    let ratio = weight_elem(&s.precision) * (w - 1.0) / w * flop_per_byte / (2.0 * tokens(s).max(1.0));
+    let ratio = weight_elem(s) * (w - 1.0) / w * flop_per_byte / (2.0 * tokens(s).max(1.0));
     let exposed = 2.0 * s.model.num_hidden_layers as f64 * (ratio - 1.0).max(0.0);
     let p = &s.precision;
     let transposes =
@@ -52,7 +52,9 @@ pub(super) fn shard_cost(s: &Shape) -> f64 {
 /// [`shard_cost`]; the cheapest wins, ties to the replicated weights. None if nothing fits.
 pub fn cheapest_recipe(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget)> {
     let own = s.context_parallel.max(1);
-    let more = (1..).map(|k| own << k).take_while(|&n| n <= s.world && s.world.is_multiple_of(n));
+    // Full fine-tuning runs neither context-parallel nor sharded (config.rs refuses both).
+    let more =
+        (1..).map(|k| own << k).take_while(|&n| !s.full_fine_tuning && n <= s.world && s.world.is_multiple_of(n));
     std::iter::once(own)
         .chain(more)
         .find_map(|n| cheapest_at(&Shape { context_parallel: n, ..s.clone() }, device_bytes))
@@ -67,7 +69,7 @@ pub(super) fn cheapest_at(s: &Shape, device_bytes: f64) -> Option<(Shape, Budget
     if s.target == Target::Cuda && p.fp8_weights && !p.fp8_weights_one_layout {
         ways.push((false, true));
     }
-    if s.world > 1 {
+    if s.world > 1 && !s.full_fine_tuning {
         ways.push((true, p.fp8_weights_one_layout));
     }
     let mut best: Option<(f64, Shape, Budget)> = None;

@@ -73,16 +73,9 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
         }
     );
     let (kept, min) = (kept_per_token(s), minimum_per_token(s));
-    let _ = writeln!(
-        o,
-        "\nsaved activations per token per block: llora keeps {:.0} B, the minimum is {:.0} B ({:.2}x)",
-        per_token(&kept),
-        per_token(&min),
-        per_token(&kept) / per_token(&min)
-    );
-    let _ = writeln!(o, "| minimum keeps | B per token | for |\n|---|---|---|");
-    for k in &min {
-        let _ = writeln!(o, "| {} | {:.0} | {} |", k.name, k.bytes, k.why);
+    // The minimum is LoRA's (frozen weights need no input kept for their gradients).
+    if !s.full_fine_tuning {
+        minimum_table(&mut o, &kept, &min);
     }
     if let Some(dev) = device {
         let verdict = if b.peak <= dev { "fits" } else { "does NOT fit" };
@@ -118,8 +111,31 @@ pub(crate) fn report(s: &Shape, device: Option<f64>) -> String {
     o
 }
 
+/// The saved activations llora keeps per token against the least LoRA's backward needs.
+fn minimum_table(o: &mut String, kept: &[Saved], min: &[Saved]) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        o,
+        "\nsaved activations per token per block: llora keeps {:.0} B, the minimum is {:.0} B ({:.2}x)",
+        per_token(kept),
+        per_token(min),
+        per_token(kept) / per_token(min)
+    );
+    let _ = writeln!(o, "| minimum keeps | B per token | for |\n|---|---|---|");
+    for k in min {
+        let _ = writeln!(o, "| {} | {:.0} | {} |", k.name, k.bytes, k.why);
+    }
+}
+
 /// What else could make `s` fit when no recipe does: only the changes it has not made.
 pub(super) fn no_fit_advice(s: &Shape) -> String {
+    if s.full_fine_tuning {
+        // Its weights, gradients and moments are f32 on every rank, whatever the recipe.
+        return "full fine-tuning keeps every weight, its gradient and two AdamW moments in f32 on each rank: \
+                train adapters instead (model.trainable = \"lora\", with an NF4 base: model.quantize = \"nf4\"), \
+                or use shorter sequences"
+            .into();
+    }
     let p = &s.precision;
     let mut ways = vec!["use more ranks (and split each sequence over them: train.context_parallel)".to_string()];
     if !(p.compute == Compute::Fp8 && p.fp8_weights) {

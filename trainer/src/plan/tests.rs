@@ -130,6 +130,7 @@ fn mlperf(world: usize, recompute: usize, shard: bool) -> Shape {
         target_fraction: 1.0,
         recompute_layers: recompute,
         shard_frozen_weights: shard,
+        full_fine_tuning: false,
         world,
         context_parallel: 1,
         target: Target::Cuda,
@@ -344,4 +345,49 @@ fn a_sliding_window_costs_scores_only_where_the_masked_path_runs() {
         let line = budget::sliding_window_scores(&s).expect("f32: the masked path");
         assert!(line.bytes >= 32.0 * per_layer && line.bytes < 1.1 * 34.0 * per_layer, "{target:?}: {}", line.bytes);
     }
+}
+
+/// Full fine-tuning is planned as it runs, hand-counted on `tiny` (V 32000, d 256, I 688, 4
+/// layers) at 512 tokens on the CPU: every weight f32 (the linears and both tables), each
+/// parameter's gradient and two AdamW moments plus one temporary of the largest tensor (the
+/// embedding), every linear's input kept for its weight's gradient (o_proj's is attention's
+/// output), and the unfused loss's three f32 `[rows, V]` buffers; no adapter, no sharding, no
+/// context parallelism; the advice says to train adapters. (It planned LoRA's memory before.)
+#[test]
+fn full_fine_tuning_plans_f32_weights_gradients_moments_and_whole_logits() {
+    let c = LlamaConfig::preset("tiny").unwrap();
+    let lora = Shape {
+        model: c.clone(),
+        precision: PrecisionSpec::default(),
+        seq_len: 512,
+        target: Target::Cpu,
+        ..mlperf(1, 0, false)
+    };
+    let full = Shape { full_fine_tuning: true, ..lora.clone() };
+    let line = |s: &Shape, name: &str| budget(s).lines.iter().find(|l| l.name == name).map(|l| l.bytes);
+    let alloc = |bytes: f64| allocated(bytes, Target::Cpu);
+    let n = c.num_parameters() as f64;
+    assert_eq!(n, 2.0 * 32000.0 * 256.0 + 4.0 * (4.0 * 256.0 * 256.0 + 3.0 * 256.0 * 688.0 + 2.0 * 256.0) + 256.0);
+    let state = line(&full, "gradients and AdamW (full fine-tuning)").unwrap();
+    assert_eq!(state, 3.0 * alloc(n * 4.0) + alloc(32000.0 * 256.0 * 4.0));
+    assert_eq!(line(&full, "LoRA weights, gradients, AdamW"), None);
+    // fp32 stores frozen weights in f32 too: the linears' bytes are the same, named as trained.
+    assert_eq!(line(&full, "linear weights (trained)"), line(&lora, "frozen linear weights"));
+    let kept = |s: &Shape| per_token(&kept_per_token(s));
+    let no_adapters =
+        Shape { lora: llora_model::LoraSpec { targets: Vec::new(), ..lora.lora.clone() }, ..lora.clone() };
+    assert_eq!(kept(&full) - kept(&no_adapters), 4.0 * (256.0 + 256.0 + 688.0));
+    let rows = (512.0 * full.target_fraction).ceil();
+    assert_eq!(loss_transients(&full), (3.0 * alloc(rows * 32000.0 * 4.0), 0.0));
+    assert!(budget(&full).peak > budget(&lora).peak + 3.0 * n * 4.0);
+    // bf16 compute: the tables stay f32 where they train.
+    let bf16 = PrecisionSpec { compute: Compute::Bf16, ..Default::default() };
+    let tables = |s: &Shape| line(&Shape { precision: bf16, ..s.clone() }, "embedding, LM head, norms").unwrap();
+    assert_eq!(tables(&full), 2.0 * tables(&lora) - 9.0 * alloc(256.0 * 4.0));
+    // Eight ranks: no sharded or context-parallel recipe; the advice is LoRA.
+    let eight = Shape { world: 8, target: Target::Cuda, seq_len: 8192, ..full.clone() };
+    let (r, _) = cheapest_recipe(&eight, 1e12).unwrap();
+    assert_eq!((r.shard_frozen_weights, r.context_parallel), (false, 1));
+    assert!(cheapest_recipe(&eight, 1e9).is_none());
+    assert!(no_fit_advice(&eight).contains("model.trainable = \"lora\""), "{}", no_fit_advice(&eight));
 }

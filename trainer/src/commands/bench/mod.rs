@@ -619,8 +619,9 @@ fn train(bench: &Bench, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> an
     // the balanced chunks give every rank of a group the same work).
     let seqs = batch * args.accum;
     let adapters = crate::flops::Adapters::of(model);
-    let flops =
-        crate::flops::Flops::sequence(config, adapters, seq_len, false).times(seqs as u64).to_json(config, adapters);
+    let flops = crate::flops::Flops::sequence(config, adapters, seq_len, model.trains_base())
+        .times(seqs as u64)
+        .to_json(config, adapters);
     let per_step = flops["flops_per_step"].as_f64().unwrap_or(0.0);
     let mut breakdown = flops.as_object().cloned().unwrap_or_default();
     breakdown.remove("flops_per_step");
@@ -632,7 +633,7 @@ fn train(bench: &Bench, device_spec: DeviceSpec, dist: &crate::dist::Dist) -> an
         "fp8_weights_one_layout": precision.fp8_weights_one_layout, "dora": run.lora.dora,
         "adapter_compute": precision.for_adapters().compute.name(),
         "nf4": precision.nf4.map(|n| json!({"block": n.block, "double": n.double})),
-        "trainable_params": model.num_lora_parameters(),
+        "trainable_params": model.num_trainable_parameters(),
         "total_params": model.config.num_parameters() + model.num_lora_parameters(),
         "flops_per_step": per_step, "flops_breakdown": breakdown,
         "warmup": args.warmup, "steps": args.steps,
