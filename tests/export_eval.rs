@@ -110,3 +110,61 @@ fn saved_hf_checkpoint_loads_in_transformers() {
         "transformers on llora's checkpoint: {loss} vs {reference}"
     );
 }
+
+/// A config.json that ties the head to the embedding while the file holds a head of its own
+/// (what a transformers-5 save of an untied model relabelled, or a hand-edited config, looks
+/// like): transformers 5 keeps the file's head, untied, with a warning, and so does llora, in
+/// `llora eval` (the loss HF + PEFT computes on the same files, and the warning) and in `llora
+/// export --merged` (its config.json says untied; transformers and llora read the export alike).
+#[test]
+fn a_tied_config_with_its_own_head_keeps_the_files_head_as_transformers_does() {
+    let fixture = fixture(
+        "tiny-s64-b2",
+        &["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tied");
+    std::fs::create_dir(&dir).unwrap();
+    for f in ["model.safetensors", "adapter_config.json", "adapter_model.safetensors", "batch.safetensors"] {
+        std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap()).unwrap();
+    config["tie_word_embeddings"] = true.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let fx = load_fixture(&fixture);
+    // transformers takes a directory holding an adapter for the adapter: the base alone.
+    let base = base_only_copy(&dir, tmp.path());
+    let hf = transformers_loss(&base, &dir, &dir.join("batch.safetensors"), tmp.path());
+    let ours = eval_fixture_batch(&dir, &fx, &[])["loss_per_token"].as_f64().unwrap();
+    assert!(((ours - hf) / hf).abs() <= 1e-5, "llora eval {ours} vs transformers {hf} on a tied config with a head");
+    let tied_loss = fx.json["losses"][0].as_f64().unwrap();
+    assert!(
+        ((ours - tied_loss) / tied_loss).abs() <= 1e-5,
+        "the file's head is the fixture's own: {ours} vs {tied_loss}"
+    );
+    let out = common::llora(&["eval", "--model", dir.to_str().unwrap(), "--data", "absent.parquet"]);
+    let (_, stderr) = common::text(&out);
+    assert!(stderr.contains("using the file's head, untied, as transformers does"), "no warning:\n{stderr}");
+
+    let merged = tmp.path().join("merged");
+    let out = export_merged(&base, &dir, &merged);
+    assert!(out.status.success(), "{}", common::text(&out).1);
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["tie_word_embeddings"], false, "the export says what llora read");
+    let hf_merged = transformers_loss(&merged, Path::new("-"), &dir.join("batch.safetensors"), tmp.path());
+    assert!(((hf_merged - hf) / hf).abs() <= 1e-5, "transformers on the export {hf_merged} vs on base + adapter {hf}");
+}
+
+/// The HF causal-LM loss of `batch` through transformers (+ PEFT with `adapter`; `-`: none).
+fn transformers_loss(base: &Path, adapter: &Path, batch: &Path, tmp: &Path) -> f64 {
+    let out = tmp.join("hf-loss.safetensors");
+    let status = Command::new(python())
+        .arg(repo_root().join("scripts/peft_forward.py"))
+        .args([base, adapter, batch, &out])
+        .status()
+        .unwrap();
+    assert!(status.success(), "peft_forward.py failed on {}", base.display());
+    f32::from_le_bytes(read_all(&out)["loss"].1[..4].try_into().unwrap()) as f64
+}

@@ -174,7 +174,34 @@ impl HfCheckpoint {
         if index.contains_key("model.layers.0.self_attn.qkv_proj.weight") {
             config.fused_qkv = true;
         }
-        Ok(Self { dir: dir.to_path_buf(), config, shards, index })
+        let mut ckpt = Self { dir: dir.to_path_buf(), config, shards, index };
+        if ckpt.config.tie_word_embeddings && ckpt.holds_its_own_head()? {
+            tracing::warn!(
+                dir = %dir.display(),
+                "config.json ties the LM head to the embedding (tie_word_embeddings = true), but the checkpoint \
+                 holds an lm_head.weight with other values: using the file's head, untied, as transformers does \
+                 (set tie_word_embeddings = false in config.json to silence this)"
+            );
+            ckpt.config.tie_word_embeddings = false;
+        }
+        Ok(ckpt)
+    }
+
+    /// Whether the checkpoint holds an `lm_head.weight` that differs from the embedding (dtype,
+    /// shape or any byte). transformers then keeps the file's head and unties the two, whatever
+    /// `tie_word_embeddings` says; a head equal to the embedding stays tied.
+    fn holds_its_own_head(&self) -> anyhow::Result<bool> {
+        let (head, embed) = ("lm_head.weight", "model.embed_tokens.weight");
+        let (Some(&h), Some(&e)) = (self.index.get(head), self.index.get(embed)) else { return Ok(false) };
+        let (hs, es) = (&self.shards[h], &self.shards[e]);
+        let same_layout = match (hs.meta.info(head), es.meta.info(embed)) {
+            (Some(a), Some(b)) => a.dtype == b.dtype && a.shape == b.shape,
+            _ => false,
+        };
+        let differ = !same_layout || hs.raw(head)? != es.raw(embed)?;
+        hs.forget(head);
+        es.forget(embed);
+        Ok(differ)
     }
 
     /// Reads one tensor as f32 in the expected shape.

@@ -285,6 +285,11 @@ pub fn export_merged(
         &std::fs::read_to_string(ckpt.dir.join("config.json"))
             .with_context(|| format!("cannot read {}", ckpt.dir.join("config.json").display()))?,
     )?;
+    // A head the base holds apart from a "tied" embedding was read untied: say so in the
+    // export's config.json, so that every reader of the export takes it as llora did.
+    if !ckpt.config.tie_word_embeddings && config.get("tie_word_embeddings") == Some(&true.into()) {
+        config["tie_word_embeddings"] = false.into();
+    }
     if let Some(d) = dtype {
         config["torch_dtype"] = torch_name(d).into();
         if config.get("dtype").is_some() {
