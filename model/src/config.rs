@@ -79,6 +79,19 @@ struct HfConfig {
     eos_token_id: Option<serde_json::Value>,
 }
 
+/// The keys of a parsed config.json as `T`, an error naming the key whose value does not fit
+/// (`"sliding_window": "8"` is "key `sliding_window`: invalid type: string \"8\", expected usize").
+pub(crate) fn read_keys<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> anyhow::Result<T> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let key = e.path().to_string();
+        let inner = e.into_inner();
+        match key.as_str() {
+            "." | "" => anyhow::anyhow!("{inner}"),
+            key => anyhow::anyhow!("key `{key}`: {inner}"),
+        }
+    })
+}
+
 fn default_eps() -> f64 {
     1e-6
 }
@@ -119,7 +132,7 @@ impl LlamaConfig {
     /// scalings (linear, dynamic, yarn, longrope, ...) are rejected rather than mis-run.
     pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
         let value: serde_json::Value = serde_json::from_str(text).context("config.json is not JSON")?;
-        let hf = HfConfig::deserialize(&value).context("not a Llama-architecture config.json")?;
+        let hf: HfConfig = read_keys(&value).context("not a Llama-architecture config.json")?;
         let family = Family::from_hf_value(&value)?;
         if let Some(act) = &hf.hidden_act
             && act != "silu"
@@ -597,6 +610,22 @@ mod tests {
         let partial = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,
             "num_attention_heads":2,"rope_parameters":{"rope_type":"default","partial_rotary_factor":0.5}}"#;
         assert!(LlamaConfig::from_hf_json(partial).unwrap_err().to_string().contains("partial_rotary_factor"));
+    }
+
+    /// A value of the wrong type is refused naming its key, in the architecture's keys and the
+    /// family's.
+    #[test]
+    fn mistyped_values_name_their_key() {
+        let base = r#""vocab_size":10,"hidden_size":8,"intermediate_size":16,"num_attention_heads":2"#;
+        for (extra, key) in [
+            (r#""num_hidden_layers":"1""#, "`num_hidden_layers`"),
+            (r#""num_hidden_layers":1,"rms_norm_eps":"1e-6""#, "`rms_norm_eps`"),
+            (r#""num_hidden_layers":1,"model_type":"mistral","sliding_window":"8""#, "`sliding_window`"),
+            (r#""num_hidden_layers":1,"model_type":"qwen2","use_sliding_window":"yes""#, "`use_sliding_window`"),
+        ] {
+            let e = format!("{:#}", LlamaConfig::from_hf_json(&format!("{{{base},{extra}}}")).unwrap_err());
+            assert!(e.contains(key) && e.contains("invalid type"), "{extra}: {e}");
+        }
     }
 
     /// Llama 3.2 1B's config.json (transformers 4.x spelling), and back through to_hf_json.

@@ -87,7 +87,12 @@ impl Family {
 
     /// [`Self::from_hf_json`] of a config.json already parsed.
     pub fn from_hf_value(config: &serde_json::Value) -> anyhow::Result<Self> {
-        let hf = HfFamily::deserialize(config)?;
+        let hf: HfFamily = crate::config::read_keys(config)?;
+        // transformers' configs default the window to 4096 when the key is absent (null: none).
+        let hf = HfFamily {
+            sliding_window: hf.sliding_window.or(config.get("sliding_window").is_none().then_some(4096)),
+            ..hf
+        };
         if hf.mlp_bias {
             bail!("mlp_bias = true is not supported: no family llora runs has MLP biases");
         }
@@ -158,7 +163,14 @@ fn windows(hf: &HfFamily, model_type: ModelType) -> anyhow::Result<(Option<usize
         // transformers' default when the key is absent.
         _ => hf.max_window_layers.unwrap_or(28),
     };
-    let Some(types) = &hf.layer_types else { return Ok((window, if window.is_some() { from } else { 0 })) };
+    let Some(types) = &hf.layer_types else {
+        // A window from a layer past the last (Qwen's default `max_window_layers` of 28 on a
+        // smaller model) applies to none: the model has no window.
+        return Ok(match window {
+            Some(w) if from < hf.num_hidden_layers => (Some(w), from),
+            _ => (None, 0),
+        });
+    };
     if types.len() != hf.num_hidden_layers {
         bail!("layer_types has {} entries for {} layers", types.len(), hf.num_hidden_layers);
     }
@@ -212,6 +224,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!((listed.window_of(0), listed.window_of(1)), (None, Some(8)));
+    }
+
+    /// The window transformers 5.23 takes when config.json names none (its config classes'
+    /// default 4096; `null` is no window) or places it past the last layer (no window).
+    #[test]
+    fn a_missing_window_key_is_transformers_default_and_a_window_past_the_layers_is_none() {
+        let mistral = family(r#""model_type": "mistral""#).unwrap();
+        assert_eq!((mistral.sliding_window, mistral.window_of(0)), (Some(4096), Some(4096)));
+        assert_eq!(family(r#""model_type": "mistral", "sliding_window": null"#).unwrap().sliding_window, None);
+        let qwen = family(r#""model_type": "qwen2", "use_sliding_window": true, "max_window_layers": 1"#).unwrap();
+        assert_eq!((qwen.window_of(0), qwen.window_of(1)), (None, Some(4096)));
+        assert_eq!(family(r#""model_type": "qwen2""#).unwrap().sliding_window, None, "use_sliding_window false");
+        // transformers' default max_window_layers (28) on a 4-layer model: no layer has the window.
+        let past = family(r#""model_type": "qwen3", "use_sliding_window": true, "sliding_window": 8"#).unwrap();
+        assert_eq!((past.sliding_window, past.window_from), (None, 0));
+        let past = r#""model_type": "qwen2", "use_sliding_window": true, "sliding_window": 8, "max_window_layers": 4"#;
+        assert_eq!(family(past).unwrap().sliding_window, None);
+    }
+
+    /// A value of the wrong type is refused naming its key.
+    #[test]
+    fn a_mistyped_value_names_its_key() {
+        let err = format!("{:#}", family(r#""model_type": "mistral", "sliding_window": "8""#).unwrap_err());
+        assert!(err.contains("`sliding_window`") && err.contains("invalid type"), "{err}");
     }
 
     /// What llora does not implement is refused, naming the key.
