@@ -205,7 +205,21 @@ pub fn masked_window_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, w: usiz
     let (q, k, v) = (f32(q), f32(repeat_kv(k, group)), f32(repeat_kv(v, group)));
     let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((hd as f64).sqrt().recip());
     let scores = scores.mask_fill(masked.reshape([1, 1, s, s]).expand([b, h, s, s]), f32::NEG_INFINITY);
-    burn::tensor::activation::softmax(scores, 3).matmul(v).cast(dtype)
+    softmax_as_autodiff_computes_it(scores).matmul(v).cast(dtype)
+}
+
+/// Softmax over the last dimension in the ops Burn's autodiff decomposes it into (a detached
+/// max, exp, sum, divide), tracked or not. burn-tch computes an untracked softmax with torch's
+/// own kernel, which rounds differently: a recomputed block, whose first forward runs
+/// untracked, would then see other values than the tracked forward of the same block.
+///
+/// # Shapes
+/// - scores: `[batch, heads, seq, seq]`; output: as scores
+fn softmax_as_autodiff_computes_it(scores: Tensor<4>) -> Tensor<4> {
+    let max = scores.clone().detach().max_dim(3);
+    let exp = (scores - max).exp();
+    let sum = exp.clone().sum_dim(3);
+    exp / sum
 }
 
 /// Causal attention within each document of packed rows (block-diagonal): the work is the
