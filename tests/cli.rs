@@ -675,3 +675,26 @@ fn pattern_keys_that_set_nothing_and_oversized_ranks_are_refused() {
         }
     }
 }
+
+/// `llora eval` names a bad row's own problem; the sequence-length limit and `--skip-bad-rows`
+/// are said only where a row is too long (every data error used to start with them).
+#[test]
+fn eval_says_the_length_limit_only_for_rows_too_long() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::family_base_away_from_0_and_1(tmp.path(), "demo");
+    let row =
+        |ids: Vec<u32>| llora_data::Sample { labels: ids.iter().map(|&i| i64::from(i)).collect(), input_ids: ids };
+    for (name, sample, says, not) in [
+        ("bad-id", row(vec![1, 2, 100_000]), "input_ids[2] = 100000 is outside the vocabulary", Some("rows may hold")),
+        ("long", row(vec![1; 40]), "rows may hold at most 32 tokens (--max-seq-len", None),
+    ] {
+        let data = tmp.path().join(format!("{name}.parquet"));
+        std::fs::write(&data, llora_data::parquet_io::parquet_bytes(&[sample]).unwrap()).unwrap();
+        let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
+        let out = llora(&["eval", "--model", m, "--data", d, "--max-seq-len", "32"]);
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains(says) && stderr.contains("row 1"), "{name}: {stderr}");
+        assert!(not.is_none_or(|n| !stderr.contains(n)), "{name}: {stderr}");
+    }
+}

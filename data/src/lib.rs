@@ -50,6 +50,9 @@ pub struct Sample {
     pub labels: Vec<i64>,
 }
 
+/// What a row's error says when the row holds more tokens than the run's sequence length.
+pub const TOO_LONG: &str = "is longer than max_seq_len";
+
 impl Sample {
     /// Number of positions that take a loss after HF's shift (label at t+1 for t < len-1).
     pub fn target_tokens(&self) -> usize {
@@ -67,7 +70,7 @@ impl Sample {
         }
         if n > max_seq_len {
             return Err(format!(
-                "{n} tokens is longer than max_seq_len {max_seq_len}: raise it (data.max_seq_len, or the \
+                "{n} tokens {TOO_LONG} {max_seq_len}: raise it (data.max_seq_len, or the \
                  command's --max-seq-len, up to the model's max_position_embeddings), or drop such rows \
                  (data.on_bad_row = \"skip\")"
             ));

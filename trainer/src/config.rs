@@ -945,7 +945,8 @@ impl Config {
             p.check(self.run.device != DeviceSpec::Flex, "run.device", &self.run.device.to_string(), why);
             // Each rank holds part of every sequence: the trainable embedding and head would need
             // their gradients summed over the group, which only the adapters' path does.
-            let why = "full fine-tuning is not supported under context parallelism (train.context_parallel > 1):                        train adapters (model.trainable = \"lora\") or set train.context_parallel = 1";
+            let why = "full fine-tuning is not supported under context parallelism (train.context_parallel > 1): \
+                       train adapters (model.trainable = \"lora\") or set train.context_parallel = 1";
             p.check(self.model.trainable == Trainable::Lora, "model.trainable", &"all", why);
         }
         self.run.check(&mut p);
@@ -971,6 +972,13 @@ impl Config {
             let why = "only applies with model.trainable = \"lora\" (full fine-tuning has no adapters): drop this key";
             let compute = self.precision.adapter_compute;
             p.check(compute == AdapterCompute::Auto, "precision.adapter_compute", &word(compute), why);
+            // What shapes the adapters beyond their size (which every config carries a default of).
+            let l = &self.lora;
+            p.check(!l.dora, "lora.dora", &l.dora, why);
+            p.check(!l.rslora, "lora.rslora", &l.rslora, why);
+            p.check(l.rank_pattern.is_empty(), "lora.rank_pattern", &"{...}", why);
+            p.check(l.alpha_pattern.is_empty(), "lora.alpha_pattern", &"{...}", why);
+            p.check(l.layers.is_none(), "lora.layers_to_transform", &"[...]", why);
         }
     }
 }
@@ -1378,7 +1386,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`model.trainable` = \"all\"") && err.contains("train.context_parallel"), "{err}");
+        assert!(!err.contains("   "), "no run of spaces inside the message: {err}");
         assert!(Config::load(None, &[ov("model.trainable=\"all\"")]).is_ok());
+        // What shapes adapters is refused where there are none, by key.
+        for (set, key) in [
+            ("lora.dora=true", "`lora.dora`"),
+            ("lora.rslora=true", "`lora.rslora`"),
+            ("lora.layers_to_transform=[0]", "`lora.layers_to_transform`"),
+            (r#"lora.rank_pattern={"q_proj"=4}"#, "`lora.rank_pattern`"),
+        ] {
+            let err = Config::load(None, &[ov("model.trainable=\"all\""), ov(set)]).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains("full fine-tuning has no adapters"), "{set}: {err}");
+        }
         assert!(Config::load(None, &[ov("train.context_parallel=2")]).is_ok());
     }
 

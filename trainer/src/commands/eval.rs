@@ -56,8 +56,15 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
         on_bad_row: if args.skip_bad_rows { OnBadRow::Skip } else { OnBadRow::Error },
     };
     let limit = if args.max_seq_len.is_some() { "--max-seq-len" } else { "the model's max_position_embeddings" };
-    let (samples, report) = read_parquet(&args.data, &opts).with_context(|| {
-        format!("rows may hold at most {max_seq_len} tokens ({limit}; --skip-bad-rows skips longer ones)")
+    // The limit's source and eval's own flag, said where a row is too long (and only there).
+    let (samples, report) = read_parquet(&args.data, &opts).map_err(|e| {
+        if format!("{e:#}").contains(llora_data::TOO_LONG) {
+            e.context(format!(
+                "rows may hold at most {max_seq_len} tokens ({limit}; --skip-bad-rows skips longer ones)"
+            ))
+        } else {
+            e
+        }
     })?;
     anyhow::ensure!(!samples.is_empty(), "{}: no usable rows", args.data.display());
     let samples = Arc::new(samples);

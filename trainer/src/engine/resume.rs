@@ -153,6 +153,8 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
     // How many ranks share a sequence: the same data and adapters (a run's world may change too).
     "train.context_parallel",
     "train.warmup_batches",
+    // One AdamW kernel or one launch per parameter: the same update (within f32 rounding).
+    "optim.fused",
     "mlperf.check",
     "logging.",
     "dist.",
@@ -361,6 +363,19 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How the optimizer runs may change on resume (one kernel or a launch per parameter); what
+    /// it computes may not.
+    #[test]
+    fn the_optimizer_kernel_may_change_on_resume_its_hyperparameters_may_not() {
+        let ov = |s: &str| s.parse::<crate::config::Override>().unwrap();
+        let saved = Config::load(None, &[]).unwrap();
+        let fused_off = Config::load(None, &[ov("optim.fused=\"off\"")]).unwrap();
+        check_compatible(&saved, &fused_off, 3).unwrap();
+        let lr = Config::load(None, &[ov("optim.lr=1e-3")]).unwrap();
+        let err = check_compatible(&saved, &lr, 3).unwrap_err().to_string();
+        assert!(err.contains("optim.lr") && err.contains("would change what the checkpoint was trained with"), "{err}");
+    }
 
     /// Moments of the wrong size, missing after a step, or of no parameter are refused naming
     /// the moment (a wrong shape used to panic in burn's Add on every retry); before the

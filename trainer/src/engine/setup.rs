@@ -322,22 +322,13 @@ pub(crate) fn load_model(
         Some(path) => {
             let ckpt = HfCheckpoint::open(path).with_context(|| format!("model.path = {}", path.display()))?;
             if let Some(preset) = &config.model.preset {
-                let want = LlamaConfig::preset(preset)?;
-                let got = &ckpt.config;
+                let differ = preset_differences(&ckpt.config, &LlamaConfig::preset(preset)?);
                 anyhow::ensure!(
-                    (got.hidden_size, got.num_hidden_layers, got.num_attention_heads, got.num_key_value_heads)
-                        == (
-                            want.hidden_size,
-                            want.num_hidden_layers,
-                            want.num_attention_heads,
-                            want.num_key_value_heads
-                        ),
-                    "model.path {} is not a {preset} checkpoint (d {}, {} layers, {} heads, {} KV heads)",
+                    differ.is_empty(),
+                    "model.path {} is not a {preset} checkpoint: its config.json has {}; drop model.preset to \
+                     train the checkpoint as it is, or point model.path at a {preset} checkpoint",
                     path.display(),
-                    got.hidden_size,
-                    got.num_hidden_layers,
-                    got.num_attention_heads,
-                    got.num_key_value_heads
+                    differ.join(", ")
                 );
             }
             ckpt.load_model(&opts, device)
@@ -347,6 +338,21 @@ pub(crate) fn load_model(
             LlamaForCausalLM::random(&LlamaConfig::preset(preset)?, &opts, device)
         }
     }
+}
+
+/// The dimensions in which a checkpoint's architecture differs from a preset's, each as
+/// "key got (preset: want)".
+fn preset_differences(got: &LlamaConfig, want: &LlamaConfig) -> Vec<String> {
+    [
+        ("hidden_size", got.hidden_size, want.hidden_size),
+        ("num_hidden_layers", got.num_hidden_layers, want.num_hidden_layers),
+        ("num_attention_heads", got.num_attention_heads, want.num_attention_heads),
+        ("num_key_value_heads", got.num_key_value_heads, want.num_key_value_heads),
+    ]
+    .into_iter()
+    .filter(|(_, g, w)| g != w)
+    .map(|(key, g, w)| format!("{key} {g} (the preset: {w})"))
+    .collect()
 }
 
 /// Forward + backward passes on random tokens of the run's shape, then the gradients are
@@ -365,4 +371,21 @@ fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) -> anyhow
         drop(model.recomputed_backward(ids, labels, None, 1.0, config.train.recompute_layers, || ())?);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint that is not the preset is named by the dimension that differs, with both
+    /// values; the ones that match are not listed.
+    #[test]
+    fn a_preset_mismatch_names_the_dimension_that_differs() {
+        let want = LlamaConfig::preset("tiny").unwrap();
+        assert!(preset_differences(&want, &want).is_empty());
+        let got = LlamaConfig { num_hidden_layers: want.num_hidden_layers + 2, ..want.clone() };
+        let differ = preset_differences(&got, &want);
+        let expected = format!("num_hidden_layers {} (the preset: {})", got.num_hidden_layers, want.num_hidden_layers);
+        assert_eq!(differ, vec![expected]);
+    }
 }

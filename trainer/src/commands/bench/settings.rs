@@ -199,6 +199,7 @@ fn count(n: u64) -> Result<toml::Value, clap::Error> {
 /// and `--set`'s), with `accum` micro-batches per step; every problem named by the flag that set
 /// its key (or the key).
 pub fn config(flags: &KeyFlags, extra: &[Override], accum: usize) -> anyhow::Result<Config> {
+    refuse_keys_the_bench_does_not_read(extra)?;
     let overrides: Vec<Override> = flags.0.iter().map(|(_, o)| o.clone()).chain(extra.iter().cloned()).collect();
     let name = "llora bench";
     let by_flag = |lines: Vec<String>| {
@@ -215,6 +216,32 @@ pub fn config(flags: &KeyFlags, extra: &[Override], accum: usize) -> anyhow::Res
     config.train.global_batch_size = config.train.micro_batch_size.max(1).saturating_mul(accum.max(1));
     config.validate().map_err(by_flag)?;
     Ok(config)
+}
+
+/// Keys `--set` may name that the bench has no use for, with what to do instead: it draws
+/// random tokens (no corpus) and measures one rank's step of `--accum` micro-batches.
+const NOT_READ_BY_THE_BENCH: &[(&str, &str)] = &[
+    ("data.train", "the bench draws random tokens of --seq-len: it reads no corpus (drop this key)"),
+    ("data.eval", "the bench draws random tokens of --seq-len: it reads no corpus (drop this key)"),
+    ("data.synthetic", "the bench draws random tokens of --seq-len: it reads no corpus (drop this key)"),
+    (
+        "train.global_batch_size",
+        "the bench times one rank's step of --accum micro-batches of --batch sequences: set those instead",
+    ),
+];
+
+/// Refuses `--set` keys the bench would ignore, by key.
+fn refuse_keys_the_bench_does_not_read(extra: &[Override]) -> anyhow::Result<()> {
+    let lines: Vec<String> = extra
+        .iter()
+        .filter_map(|o| {
+            let (key, why) =
+                NOT_READ_BY_THE_BENCH.iter().find(|(k, _)| o.key == *k || o.key.starts_with(&format!("{k}.")))?;
+            Some(format!("config key `{}` (from --set): {why} [{key}]", o.key))
+        })
+        .collect();
+    anyhow::ensure!(lines.is_empty(), "invalid llora bench settings:\n  - {}", lines.join("\n  - "));
+    Ok(())
 }
 
 /// `line` with each key a flag set written as that flag (`--lora-r` for `lora.rank`).
@@ -306,5 +333,21 @@ mod tests {
         let set: Override = "lora.rank=0".parse().unwrap();
         let err = config(&parse(&[]), &[set], 1).unwrap_err().to_string();
         assert!(err.contains("config key `lora.rank` = 0"), "{err}");
+    }
+
+    /// Keys the bench has no use for are refused by key with what to set instead (the global
+    /// batch was ignored; a corpus was refused naming `data.synthetic`).
+    #[test]
+    fn keys_the_bench_would_ignore_are_refused_by_key() {
+        for (set, want) in [
+            ("train.global_batch_size=8", "--accum"),
+            ("data.train=\"x.parquet\"", "reads no corpus"),
+            ("data.synthetic.train_samples=4", "reads no corpus"),
+        ] {
+            let key = set.split('=').next().unwrap();
+            let err = config(&parse(&[]), &[set.parse().unwrap()], 1).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{key}`")) && err.contains(want), "{set}: {err}");
+        }
+        config(&parse(&[]), &["data.max_seq_len=64".parse().unwrap()], 1).unwrap();
     }
 }
