@@ -233,9 +233,12 @@ pub(super) fn context_exchange(s: &Shape) -> Option<Line> {
 
 /// The masked path of sliding-window attention (`attention::masked_window_attention`, on the
 /// layers whose window is shorter than the sequence, where flash attention's window does not
-/// run: the CPU, and f32 on CUDA): each keeps its f32 probabilities `[batch, H, seq, seq]` and
-/// f32 copies of q and of K/V repeated to H heads for backward, and one layer's scores and
-/// masked scores are live at once. On CUDA in bf16 the window costs what causal attention does.
+/// run: the CPU, and f32 on CUDA): autodiff keeps, per layer, three f32 `[batch, H, seq, seq]`
+/// tensors (the shifted scores Burn's exp recomputes from in backward, the exp the quotient
+/// keeps, the probabilities), the `seq x seq` mask and f32 copies of q and of K/V repeated to H
+/// heads; one layer's backward has two more at once. Measured on the tiny Mistral, Qwen 2 and
+/// Qwen 3 at 1024-4096 tokens (docs/memory.md). On CUDA in bf16 the window costs what causal
+/// attention does.
 pub(super) fn sliding_window_scores(s: &Shape) -> Option<Line> {
     let c = &s.model;
     let w = c.family.sliding_window.filter(|&w| w < s.seq_len)?;
@@ -249,7 +252,7 @@ pub(super) fn sliding_window_scores(s: &Shape) -> Option<Line> {
     let copies = 3.0 * alloc(b * h * seq * c.head_dim as f64 * 4.0);
     Some(Line {
         name: "sliding-window attention (masked path)",
-        bytes: layers * (scores + copies + alloc(seq * seq)) + 2.0 * scores,
+        bytes: layers * (3.0 * scores + copies + alloc(seq * seq)) + 2.0 * scores,
         note: format!("window {w} < {} tokens in {layers} layers: f32 seq x seq probabilities per layer", s.seq_len),
     })
 }

@@ -339,11 +339,13 @@ fn a_sliding_window_costs_scores_only_where_the_masked_path_runs() {
     s.precision = PrecisionSpec::default();
     assert!(budget::sliding_window_scores(&s).is_none(), "a window as long as the rows is causal attention");
     s.model.family.sliding_window = Some(4096);
-    let per_layer = 32.0 * 8192.0 * 8192.0 * 4.0;
+    // Per layer three f32 [H, seq, seq] tensors kept (32 heads), two more in one layer's backward.
+    let scores = 32.0 * 8192.0 * 8192.0 * 4.0;
     for target in [Target::Cuda, Target::Cpu] {
         s.target = target;
         let line = budget::sliding_window_scores(&s).expect("f32: the masked path");
-        assert!(line.bytes >= 32.0 * per_layer && line.bytes < 1.1 * 34.0 * per_layer, "{target:?}: {}", line.bytes);
+        let least = (32.0 * 3.0 + 2.0) * scores;
+        assert!(line.bytes >= least && line.bytes < 1.05 * least, "{target:?}: {} vs {least}", line.bytes);
     }
 }
 
