@@ -9,8 +9,8 @@
 #     torch wheel lacks gloo's headers; installed with apt-get when missing and we are root) and
 #     two header-only CUDA wheels for its NCCL half, matching torch's CUDA (crt and cccl);
 #   - the official MLPerf compliance checker (mlperf-logging), which `llora mlperf check` runs;
-#   - with --parity: transformers, peft, safetensors, pyarrow and bitsandbytes, for the HF/PEFT
-#     parity tests (bitsandbytes: the NF4 reference)
+#   - with --parity: transformers, peft, safetensors, pyarrow, bitsandbytes and trl, for the
+#     HF/PEFT parity tests (bitsandbytes: the NF4 reference; trl: real chat templates)
 #     and the PyTorch + PEFT peer (scripts/peer/).
 # Running it again reuses what is already right and only repairs what is not.
 #
@@ -58,8 +58,9 @@ case "${BASH_REMATCH[2]}" in
   11) NCCL_HEADER_PKGS=(nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85) ;;            # CUDA 13.0 (crt split from nvcc)
 esac
 # Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
-# the peer's time-to-train job (scripts/peer/ttt.py).
-PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow bitsandbytes==0.50.2)
+# the peer's time-to-train job (scripts/peer/ttt.py); TRL for its models' own chat templates
+# (trl/chat_templates: Qwen 2.5, Qwen 3, Llama 3.1, and Qwen 3's with generation markup).
+PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow bitsandbytes==0.50.2 trl==1.16.0)
 # The official MLPerf Training compliance checker behind `llora mlperf check`.
 CHECKER_PKG=mlperf-logging==4.1.68
 
@@ -130,7 +131,7 @@ if ! "$VPY" -c 'import mlperf_logging.compliance_checker' >/dev/null 2>&1; then
 fi
 
 if [[ $WANT_PARITY == 1 ]]; then
-  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow, bitsandbytes' >/dev/null 2>&1; then
+  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow, bitsandbytes, trl' >/dev/null 2>&1; then
     say "installing parity-test packages: ${PARITY_PKGS[*]}"
     pip_install "${PARITY_PKGS[@]}"
   else

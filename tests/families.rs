@@ -483,3 +483,140 @@ fn dora_and_rslora_with_biases_match_peft() {
         llora_model::LoraSpec { dropout: 0.0, dora: true, targets, ..Default::default() },
     );
 }
+
+/// Real checkpoints' chat templates, each saved by transformers 5 (into `chat_template.jinja`,
+/// which llora used to miss): TRL 1.16's copies of Qwen 2.5's, Qwen 3's and Llama 3.1's own,
+/// Qwen 3's training variant with `{% generation %}` markup, and Mistral v3's rule. On
+/// multi-turn conversations with a system message, with reasoning blocks (which Qwen 3 drops
+/// from earlier turns), and starting with the assistant: where transformers renders a
+/// conversation, `llora data prepare --format chat` gives `apply_chat_template`'s ids; where
+/// the template marks generation, exactly transformers' assistant mask is labelled; elsewhere
+/// one run of labels per assistant turn, holding its visible answer, ending in the template's
+/// end of turn, and no user or system text. Where the template refuses one, so does llora (by
+/// the template's own message). 42 of 64 Qwen 3 and 22 of 64 Mistral v0.3 rows were refused.
+#[test]
+fn real_chat_templates_prepare_as_apply_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let qwen = qwen_tokenizer(dir.path());
+    let mistral = made_tokenizer(dir.path(), "make-mistral", "mistral-tokenizer");
+    let mistral_template = dir.path().join("mistral-v3-style.jinja");
+    std::fs::write(&mistral_template, common::MISTRAL_V3_STYLE).unwrap();
+    let m = |r: &str, c: &str| serde_json::json!({"role": r, "content": c});
+    let chats = vec![
+        serde_json::json!([
+            m("system", "You answer in one line."),
+            m("user", "What is 2+2?"),
+            m("assistant", "Four."),
+            m("user", "And 3+3?"),
+            m("assistant", "Six, as\nthe report says."),
+        ]),
+        serde_json::json!([
+            m("user", "Summarise: the GAO found 12 of 30 agencies had no plan."),
+            m("assistant", "<think>\n12 of 30 is 40%.\n</think>\n\n40% lack plans."),
+            m("user", "And the rest?"),
+            m("assistant", "<think>\n30 - 12 = 18.\n</think>\n\n18 have one."),
+        ]),
+        serde_json::json!([
+            m("assistant", "Ask me about the report."),
+            m("user", "Who wrote it?"),
+            m("assistant", "The GAO.")
+        ]),
+    ];
+    let templates: [(&str, &Path, String, &str); 5] = [
+        ("qwen2.5", &qwen, "trl:qwen2_5.jinja".into(), "<|im_end|>\n"),
+        ("qwen3", &qwen, "trl:qwen3.jinja".into(), "<|im_end|>\n"),
+        ("qwen3-training", &qwen, "trl:qwen3_training.jinja".into(), ""),
+        ("llama3.1", &qwen, "trl:llama3_1.jinja".into(), "<|eot_id|>"),
+        ("mistral-v3", &mistral, mistral_template.display().to_string(), "</s>"),
+    ];
+    for (name, base, template, turn_end) in templates {
+        let tok = dir.path().join(format!("{name}-tokenizer"));
+        let saved = peer_tokenizer(&["retemplate", base.to_str().unwrap(), &template, tok.to_str().unwrap()], None);
+        assert!(saved["saved"].as_array().unwrap().contains(&"chat_template.jinja".into()), "{name}: {saved}");
+        let reference = peer_tokenizer(&["chat-mask", tok.to_str().unwrap()], Some(&serde_json::json!(chats)));
+        for (k, chat) in chats.iter().enumerate() {
+            let what = format!("{name}, conversation {k}");
+            let prepared = prepare_one_chat(dir.path(), &tok, chat, &format!("{name}-{k}"));
+            let want = &reference[k];
+            if let Some(refusal) = want["error"].as_str() {
+                let err = prepared.expect_err(&format!("{what}: transformers refused it ({refusal})"));
+                assert!(err.contains(refusal.split('.').next().unwrap()), "{what}: {err} vs {refusal}");
+                continue;
+            }
+            let sample = prepared.unwrap_or_else(|e| panic!("{what}: {e}"));
+            let ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).unwrap();
+            assert_eq!(sample.input_ids, ids, "{what}: ids differ from apply_chat_template");
+            match want["mask"].as_array() {
+                Some(mask) => {
+                    let labels: Vec<i64> =
+                        ids.iter().zip(mask).map(|(&id, m)| if m == 1 { i64::from(id) } else { -100 }).collect();
+                    assert_eq!(sample.labels, labels, "{what}: labels differ from transformers' assistant mask");
+                }
+                None => assert_labels_are_the_answers(&tok, &sample, chat, turn_end, &what),
+            }
+        }
+    }
+}
+
+/// `llora data prepare --format chat` of one conversation with the tokenizer in `tok`: the
+/// sample, or the error it printed.
+fn prepare_one_chat(
+    dir: &Path,
+    tok: &Path,
+    chat: &serde_json::Value,
+    name: &str,
+) -> Result<llora_data::Sample, String> {
+    let input = dir.join(format!("{name}.jsonl"));
+    std::fs::write(&input, serde_json::json!({"messages": chat}).to_string()).unwrap();
+    let out = dir.join(format!("{name}.parquet"));
+    let (i, t, o) = (input.to_str().unwrap(), tok.to_str().unwrap(), out.to_str().unwrap());
+    let res = common::llora(&["data", "prepare", "--format", "chat", "--input", i, "--tokenizer", t, "--out", o]);
+    if !res.status.success() {
+        return Err(common::text(&res).1);
+    }
+    let opts = llora_data::parquet_io::ReadOptions {
+        vocab: 1000,
+        max_seq_len: 4096,
+        on_bad_row: llora_data::parquet_io::OnBadRow::Error,
+    };
+    let mut samples = llora_data::parquet_io::read_parquet(&out, &opts).unwrap().0;
+    assert_eq!(samples.len(), 1);
+    Ok(samples.remove(0))
+}
+
+/// One run of labels per assistant message, each holding the message's visible answer (what
+/// follows a reasoning block) and ending in `turn_end`; no user or system text labelled.
+fn assert_labels_are_the_answers(
+    tok: &Path,
+    sample: &llora_data::Sample,
+    chat: &serde_json::Value,
+    turn_end: &str,
+    what: &str,
+) {
+    let decoder = llora_data::tokenizer::load_tokenizer(tok).unwrap();
+    let mut runs: Vec<Vec<u32>> = Vec::new();
+    for (j, (&id, &l)) in sample.input_ids.iter().zip(&sample.labels).enumerate() {
+        assert!(l == -100 || l == i64::from(id), "{what}: a label differs from its token");
+        if l != -100 && (j == 0 || sample.labels[j - 1] == -100) {
+            runs.push(Vec::new());
+        }
+        if l != -100 {
+            runs.last_mut().unwrap().push(id);
+        }
+    }
+    let messages = chat.as_array().unwrap();
+    let answers: Vec<&str> = messages
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| m["content"].as_str().unwrap())
+        .map(|c| c.rsplit_once("</think>").map_or(c, |(_, a)| a.trim()))
+        .collect();
+    assert_eq!(runs.len(), answers.len(), "{what}: one labelled run per assistant turn");
+    for (run, answer) in runs.iter().zip(&answers) {
+        let text = decoder.decode(run, false).unwrap();
+        assert!(text.contains(answer) && text.ends_with(turn_end), "{what}: labelled {text:?} for {answer:?}");
+        for m in messages.iter().filter(|m| m["role"] != "assistant") {
+            assert!(!text.contains(m["content"].as_str().unwrap()), "{what}: {:?} text labelled", m["role"]);
+        }
+    }
+}

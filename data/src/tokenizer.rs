@@ -25,9 +25,13 @@ pub fn plain(tokenizer: &Tokenizer) -> Tokenizer {
 /// The tokenizer's beginning- and end-of-sequence ids (Llama 3's `<|begin_of_text|>` and
 /// `<|end_of_text|>`, Llama 2's `<s>` and `</s>`).
 pub fn special_ids(tokenizer: &Tokenizer) -> anyhow::Result<(u32, u32)> {
-    let find = |names: &[&str]| names.iter().find_map(|n| tokenizer.token_to_id(n));
-    let bos = find(&["<|begin_of_text|>", "<s>"]).context("the tokenizer has no <|begin_of_text|> or <s> token")?;
+    let bos = bos_id(tokenizer).context("the tokenizer has no <|begin_of_text|> or <s> token")?;
     Ok((bos, end_of_text_id(tokenizer)?))
+}
+
+/// The tokenizer's beginning-of-sequence id, if it has one (Qwen's has none).
+pub fn bos_id(tokenizer: &Tokenizer) -> Option<u32> {
+    ["<|begin_of_text|>", "<s>"].iter().find_map(|n| tokenizer.token_to_id(n))
 }
 
 /// The tokenizer's end-of-text id: Llama 3's `<|end_of_text|>`, Llama 2's and Mistral's `</s>`,

@@ -12,6 +12,15 @@
   family_tokenizers.py encode DIR        stdin: a JSON list of strings; stdout: their ids (tokenizers)
   family_tokenizers.py chat DIR          stdin: a JSON list of conversations; stdout: each one's
                                          apply_chat_template ids (transformers)
+  family_tokenizers.py retemplate DIR TEMPLATE OUT
+                                         the tokenizer in DIR with another chat template, saved by
+                                         transformers (which writes it to OUT/chat_template.jinja);
+                                         TEMPLATE is a file, or trl:NAME for TRL's copy of a model's
+                                         own template (trl/chat_templates/NAME)
+  family_tokenizers.py chat-mask DIR     stdin: a JSON list of conversations; stdout: each one's
+                                         {"ids", "mask"} from apply_chat_template with
+                                         return_assistant_tokens_mask (or {"error"} where the
+                                         template refuses it)
 """
 import json
 import sys
@@ -103,8 +112,35 @@ def chat(path):
     print(json.dumps(ids))
 
 
+def retemplate(path, template, out):
+    from transformers import AutoTokenizer
+    if template.startswith("trl:"):
+        import trl
+        template = Path(trl.__file__).parent / "chat_templates" / template[len("trl:"):]
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = Path(template).read_text()
+    tok.save_pretrained(out)
+    print(json.dumps({"saved": [p.name for p in sorted(Path(out).iterdir())]}))
+
+
+def chat_mask(path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    out = []
+    for c in json.load(sys.stdin):
+        try:
+            # The mask needs the template's {% generation %} markup; without it, only the ids.
+            marked = "generation %}" in tok.chat_template
+            r = tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked)
+            out.append({"ids": r["input_ids"], "mask": r["assistant_masks"] if marked else None})
+        except Exception as e:  # the template's raise_exception (a refused conversation)
+            out.append({"error": str(e)})
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
-    commands = {"make": make, "make-mistral": make_mistral, "encode": encode, "chat": chat}
-    if len(sys.argv) != 3 or sys.argv[1] not in commands:
+    commands = {"make": make, "make-mistral": make_mistral, "encode": encode, "chat": chat, "chat-mask": chat_mask,
+                "retemplate": retemplate}
+    if len(sys.argv) < 3 or sys.argv[1] not in commands:
         sys.exit(__doc__)
-    commands[sys.argv[1]](sys.argv[2])
+    commands[sys.argv[1]](*sys.argv[2:])

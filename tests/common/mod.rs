@@ -267,3 +267,30 @@ pub fn family_base_away_from_0_and_1(dir: &Path, preset: &str) -> PathBuf {
     std::fs::write(&file, llora_model::checkpoint::safetensors_bytes(&list).unwrap()).unwrap();
     base
 }
+
+/// Mistral's v3 chat templates' rule (7B Instruct v0.3, Nemo 2407), written here: after an
+/// optional system message roles alternate, and the system message goes into the *last* user
+/// turn only (a training conversation, which ends with the assistant, loses it).
+pub const MISTRAL_V3_STYLE: &str = "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}\
+{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}{{- bos_token }}\
+{%- for message in loop_messages %}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\
+{{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}\
+{%- endif %}{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}\
+{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}{%- else %}\
+{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}{%- elif message['role'] == 'assistant' %}\
+{{- ' ' + message['content'] | trim + eos_token }}{%- endif %}{%- endfor %}";
+
+/// TRL's copies of models' own chat templates in the project venv (`trl/chat_templates`,
+/// installed by `scripts/setup.sh --parity`).
+pub fn trl_chat_templates() -> PathBuf {
+    let lib = root().join(".venv/lib");
+    let python = std::fs::read_dir(&lib)
+        .unwrap_or_else(|e| panic!("{}: {e}: run ./scripts/setup.sh --parity", lib.display()))
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3")))
+        .expect("the venv's python3.X directory");
+    let dir = python.join("site-packages/trl/chat_templates");
+    assert!(dir.is_dir(), "{} missing: run ./scripts/setup.sh --parity", dir.display());
+    dir
+}
