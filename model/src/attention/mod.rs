@@ -19,6 +19,7 @@
 //! backward, their check against plain LibTorch); `cuda.rs` calls the forwards tch does not
 //! bind through `sdpa_shim.cpp` (built by `model/build.rs`).
 
+mod banded;
 mod choice;
 mod cuda;
 mod fused;
@@ -53,6 +54,9 @@ pub fn kernels_used() -> Vec<&'static str> {
     }
     if varlen::WINDOW_ROUTE.used() {
         used.push("cuda-flash-window");
+    }
+    if banded::used() {
+        used.push("cpu-flash-window");
     }
     used
 }
@@ -168,7 +172,8 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
 ///
 /// Under a shorter window, on CUDA in bf16/f16, flash attention with its window arguments
 /// (each row one sequence of the variable-length kernel, checked on first use: `varlen.rs`);
-/// elsewhere [`masked_window_attention`].
+/// on the CPU, its flash kernel on blocks of queries over the keys their band reaches
+/// (`banded.rs`); elsewhere [`masked_window_attention`].
 ///
 /// # Shapes
 /// As [`attention`].
@@ -183,7 +188,30 @@ pub fn windowed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, windo
             Err(e) => tracing::warn!("sliding-window attention: {e}; using the masked path"),
         }
     }
+    let on_cpu = matches!(q.device().inner().as_dispatch(), DispatchDevice::LibTorch(LibTorchDevice::Cpu));
+    if on_cpu && BANDED_ON_CPU.with(Cell::get) {
+        return Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::banded_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            w,
+        ));
+    }
     masked_window_attention(q, k, v, w)
+}
+
+thread_local! {
+    /// Whether windows on the CPU take the banded kernel (tests turn it off to run the masked
+    /// path, the reference it is checked against).
+    static BANDED_ON_CPU: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Runs `f` with sliding windows on the CPU on [`masked_window_attention`] (on this thread).
+pub fn with_masked_windows<T>(f: impl FnOnce() -> T) -> T {
+    let before = BANDED_ON_CPU.with(|b| b.replace(false));
+    let out = f();
+    BANDED_ON_CPU.with(|b| b.set(before));
+    out
 }
 
 /// Causal attention in a sliding `window` by Burn's ops: the scores masked to the band and
@@ -346,6 +374,14 @@ pub trait FusedAttentionBackend: Backend {
         window: Option<usize>,
     ) -> FloatTensor<Self>;
 
+    /// Causal attention in a sliding `window` on the CPU, block by block ([`banded`]).
+    fn banded_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        window: usize,
+    ) -> FloatTensor<Self>;
+
     /// Causal attention of this rank's share of a context-parallel sequence over the whole of
     /// it ([`gathered_kv`]).
     fn context_attention(
@@ -369,6 +405,10 @@ impl FusedAttentionBackend for LibTorch {
         window: Option<usize>,
     ) -> TchTensor {
         varlen::forward(&q.tensor, &k.tensor, &v.tensor, &spans, true, window).expect("packed attention forward").out
+    }
+
+    fn banded_attention(q: TchTensor, k: TchTensor, v: TchTensor, window: usize) -> TchTensor {
+        banded::forward(&q.tensor, &k.tensor, &v.tensor, window).expect("sliding-window attention forward").out
     }
 
     fn context_attention(
@@ -467,6 +507,17 @@ impl<C: CheckpointStrategy> FusedAttentionBackend for Autodiff<LibTorch, C> {
     ) -> FloatTensor<Self> {
         tracked::<C>([q, k, v], true, |q, k, v| {
             varlen::forward(q, k, v, &spans, true, window).expect("packed attention forward")
+        })
+    }
+
+    fn banded_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        window: usize,
+    ) -> FloatTensor<Self> {
+        tracked::<C>([q, k, v], true, |q, k, v| {
+            banded::forward(q, k, v, window).expect("sliding-window attention forward")
         })
     }
 
@@ -819,6 +870,48 @@ mod tests {
                 let err = (got - want.clone()).powi_scalar(2).sum().sqrt().into_scalar::<f32>();
                 let scale = want.powi_scalar(2).sum().sqrt().into_scalar::<f32>();
                 assert!(err <= 1e-2 * scale, "{what} {name}: error {err:e} of {scale:e}");
+            }
+        }
+    }
+
+    /// On the CPU a window shorter than the row runs on the CPU flash kernel by blocks
+    /// (`banded.rs`): its output and every gradient equal the masked path's (Burn's ops on the
+    /// whole `seq x seq` scores) within f32 rounding, over grouped K/V heads, windows of 1, 8,
+    /// 63 and 129 (one block, a block edge, several blocks, a window past one block), a sequence
+    /// that is no multiple of the block, and in bf16 within its rounding.
+    #[test]
+    fn cpu_windows_on_the_banded_kernel_equal_the_masked_path() {
+        let _rng = crate::device::torch_rng_lock();
+        let device = Device::libtorch().autodiff();
+        device.seed(9);
+        let (b, h, kv, s, hd) = (2, 6, 2, 201, 16);
+        for (dtype, bound) in [(burn::tensor::DType::F32, 2e-6), (burn::tensor::DType::BF16, 2e-2)] {
+            let q0 = rand([b, h, s, hd], &device).cast(dtype);
+            let k0 = rand([b, kv, s, hd], &device).cast(dtype);
+            let v0 = rand([b, kv, s, hd], &device).cast(dtype);
+            let w = rand([b, h, s, hd], &device);
+            for window in [1, 8, 63, 129] {
+                let run = |masked: bool| {
+                    let leaf = |x: &Tensor<4>| x.clone().require_grad();
+                    let (q, k, v) = (leaf(&q0), leaf(&k0), leaf(&v0));
+                    let attend = || windowed_causal_attention(q.clone(), k.clone(), v.clone(), Some(window));
+                    let out = if masked { with_masked_windows(attend) } else { attend() };
+                    let grads = (out.clone().cast(burn::tensor::DType::F32) * w.clone()).sum().backward();
+                    [out, q.grad(&grads).unwrap(), k.grad(&grads).unwrap(), v.grad(&grads).unwrap()]
+                        .map(|t| t.cast(burn::tensor::DType::F32))
+                };
+                let (got, want) = (run(false), run(true));
+                for (name, got, want) in
+                    ["out", "dq", "dk", "dv"].into_iter().zip(got).zip(want).map(|((n, g), w)| (n, g, w))
+                {
+                    let err = (got - want.clone()).powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+                    let scale = want.powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+                    // A window of 1 makes dq and dk exactly 0 (one key: a constant softmax); the flash
+                    // kernel's is the rounding of a difference of equal terms.
+                    let zero = window == 1 && (name == "dq" || name == "dk");
+                    let ok = if zero { err <= 1e-4 } else { scale > 0.0 && err <= bound * scale };
+                    assert!(ok, "{dtype:?} window {window} {name}: {err:e} of {scale:e}");
+                }
             }
         }
     }

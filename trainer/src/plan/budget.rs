@@ -232,17 +232,18 @@ pub(super) fn context_exchange(s: &Shape) -> Option<Line> {
 }
 
 /// The masked path of sliding-window attention (`attention::masked_window_attention`, on the
-/// layers whose window is shorter than the sequence, where flash attention's window does not
-/// run: the CPU, and f32 on CUDA): autodiff keeps, per layer, three f32 `[batch, H, seq, seq]`
+/// layers whose window is shorter than the sequence, where no flash kernel's window runs: f32
+/// on CUDA): autodiff keeps, per layer, three f32 `[batch, H, seq, seq]`
 /// tensors (the shifted scores Burn's exp recomputes from in backward, the exp the quotient
 /// keeps, the probabilities), the `seq x seq` mask and f32 copies of q and of K/V repeated to H
 /// heads; one layer's backward has two more at once. Measured on the tiny Mistral, Qwen 2 and
-/// Qwen 3 at 1024-4096 tokens (docs/memory.md). On CUDA in bf16 the window costs what causal
-/// attention does.
+/// Qwen 3 at 1024-4096 tokens when the CPU ran this path (docs/memory.md).
 pub(super) fn sliding_window_scores(s: &Shape) -> Option<Line> {
     let c = &s.model;
     let w = c.family.sliding_window.filter(|&w| w < s.seq_len)?;
-    if s.target == Target::Cuda && s.precision.activation_bytes() < 4.0 {
+    // The CPU runs windows on its flash kernel by blocks (`attention/banded.rs`), CUDA in bf16
+    // on flash attention's window: what causal attention keeps.
+    if s.target == Target::Cpu || s.precision.activation_bytes() < 4.0 {
         return None;
     }
     let layers = (0..c.num_hidden_layers).filter(|&l| c.family.window_of(l).is_some()).count() as f64;
