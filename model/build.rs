@@ -45,6 +45,112 @@ fn main() {
     for l in ["torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
+    build_kernel_emulation();
+}
+
+/// Our CUDA kernels (`src/kernels/*.cu`, each after `fp8_device.cuh`, as `Source::text` puts
+/// them) compiled for the CPU against `src/kernels/emulation/cuda_cpu.h`, for the tests
+/// (`src/kernels/emulate.rs`): every `.cu` found is built, each `extern "C" __global__` kernel
+/// gets a trampoline that reads its arguments from a cuLaunchKernel parameter array, and each
+/// `__shared__` declaration becomes a checked array (`cuda_cpu_shared.h`).
+fn build_kernel_emulation() {
+    let kernels = PathBuf::from("src/kernels");
+    let emulation = kernels.join("emulation");
+    println!("cargo:rerun-if-changed={}", kernels.display());
+    println!("cargo:rerun-if-changed={}", emulation.display());
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let device = std::fs::read_to_string(kernels.join("fp8_device.cuh")).expect("src/kernels/fp8_device.cuh");
+    let cu_files = |dir: &PathBuf| {
+        let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+            .collect();
+        found.sort();
+        found
+    };
+    // Our kernels after the device helpers, and the emulator's own check kernels alone.
+    let sources: Vec<(PathBuf, &str)> = cu_files(&kernels)
+        .into_iter()
+        .map(|p| (p, device.as_str()))
+        .chain(cu_files(&emulation).into_iter().map(|p| (p, "")))
+        .collect();
+    let (mut files, mut names) = (vec![emulation.join("emulate.cpp")], Vec::new());
+    for (cu, prefix) in &sources {
+        let text = std::fs::read_to_string(cu).unwrap_or_else(|e| panic!("{}: {e}", cu.display()));
+        let kernels = kernel_names(&text);
+        let mut unit = format!("// {} for the CPU (model/build.rs).\n#include \"cuda_cpu.h\"\n", cu.display());
+        unit += &checked_shared(&format!("{prefix}\n{text}"));
+        for k in &kernels {
+            unit += &format!("\nextern \"C\" void llora_emu_tramp_{k}(void** p) {{ ::llora_emu::call(&{k}, p); }}");
+        }
+        let path = out.join(format!("emu_{}.cpp", cu.file_stem().and_then(|s| s.to_str()).expect("a file name")));
+        std::fs::write(&path, unit).expect("OUT_DIR is writable");
+        files.push(path);
+        names.extend(kernels);
+    }
+    let mut registry = String::from("#include <cstring>\n");
+    for k in &names {
+        registry += &format!("extern \"C\" void llora_emu_tramp_{k}(void**);\n");
+    }
+    registry += "extern \"C\" void (*llora_emu_find(const char* name))(void**) {\n";
+    for k in &names {
+        registry += &format!("    if (std::strcmp(name, \"{k}\") == 0) return llora_emu_tramp_{k};\n");
+    }
+    registry += "    return nullptr;\n}\n";
+    let path = out.join("emu_registry.cpp");
+    std::fs::write(&path, registry).expect("OUT_DIR is writable");
+    files.push(path);
+    cc::Build::new()
+        .cpp(true)
+        .files(files)
+        .include(&emulation)
+        .include(emulation.join("include"))
+        .define("LLORA_EMU_CHECKED_SHARED", None)
+        .flag("-std=c++20")
+        .flag("-pthread")
+        // No multiply-add contracted: NVRTC compiles the kernels with --fmad=false too.
+        .flag("-ffp-contract=off")
+        .warnings(false)
+        .compile("llora_kernel_emulation");
+}
+
+/// The `extern "C" __global__ void NAME(` kernels of a source.
+fn kernel_names(text: &str) -> Vec<String> {
+    let marker = "extern \"C\" __global__ void ";
+    text.match_indices(marker)
+        .map(|(at, _)| {
+            let rest = &text[at + marker.len()..];
+            rest[..rest.find('(').expect("a kernel's parameter list")].trim().to_string()
+        })
+        .collect()
+}
+
+/// `text` with each `__shared__ T name[A][B];` as `static ::llora_emu::SharedArray<T, (A), (B)>
+/// name;` and each `__shared__ T name;` as `static ::llora_emu::Shared<T> name;`.
+fn checked_shared(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("__shared__") {
+        out += &rest[..at];
+        let after = &rest[at + "__shared__".len()..];
+        let end = after.find(';').expect("a __shared__ declaration ends with ;");
+        let decl = after[..end].trim();
+        let (head, dims) = decl.split_at(decl.find('[').unwrap_or(decl.len()));
+        let (ty, name) = head.trim().rsplit_once(char::is_whitespace).expect("__shared__ TYPE NAME");
+        if dims.is_empty() {
+            out += &format!("static ::llora_emu::Shared<{ty}> {name}");
+        } else {
+            let sizes: Vec<String> = dims
+                .split('[')
+                .filter(|d| !d.trim().is_empty())
+                .map(|d| format!("({})", d.trim_end_matches([']', ' '])))
+                .collect();
+            out += &format!("static ::llora_emu::SharedArray<{ty}, {}> {name}", sizes.join(", "));
+        }
+        rest = &after[end..];
+    }
+    out + rest
 }
 
 /// The LibTorch minor versions llora builds against (tch 0.22's wrapper compiles against each;

@@ -32,4 +32,7 @@ if ((QUICK)); then
   cargo test --release --workspace --lib --test house --test checkpoint_errors "$@"
 else
   cargo test --release --workspace "$@"
+  # Our CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer + UBSan (the sources
+  # the release build above generated; ~20 s the first time, cached after).
+  ./scripts/sanitize-kernels.sh
 fi

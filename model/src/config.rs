@@ -79,19 +79,6 @@ struct HfConfig {
     eos_token_id: Option<serde_json::Value>,
 }
 
-/// The keys of a parsed config.json as `T`, an error naming the key whose value does not fit
-/// (`"sliding_window": "8"` is "key `sliding_window`: invalid type: string \"8\", expected usize").
-pub(crate) fn read_keys<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> anyhow::Result<T> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let key = e.path().to_string();
-        let inner = e.into_inner();
-        match key.as_str() {
-            "." | "" => anyhow::anyhow!("{inner}"),
-            key => anyhow::anyhow!("key `{key}`: {inner}"),
-        }
-    })
-}
-
 fn default_eps() -> f64 {
     1e-6
 }
@@ -132,7 +119,7 @@ impl LlamaConfig {
     /// scalings (linear, dynamic, yarn, longrope, ...) are rejected rather than mis-run.
     pub fn from_hf_json(text: &str) -> anyhow::Result<Self> {
         let value: serde_json::Value = serde_json::from_str(text).context("config.json is not JSON")?;
-        let hf: HfConfig = read_keys(&value).context("not a Llama-architecture config.json")?;
+        let hf: HfConfig = crate::family::read_keys(&value).context("not a Llama-architecture config.json")?;
         let family = Family::from_hf_value(&value)?;
         if let Some(act) = &hf.hidden_act
             && act != "silu"

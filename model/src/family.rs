@@ -87,7 +87,7 @@ impl Family {
 
     /// [`Self::from_hf_json`] of a config.json already parsed.
     pub fn from_hf_value(config: &serde_json::Value) -> anyhow::Result<Self> {
-        let hf: HfFamily = crate::config::read_keys(config)?;
+        let hf: HfFamily = read_keys(config)?;
         // transformers' configs default the window to 4096 when the key is absent (null: none).
         let hf = HfFamily {
             sliding_window: hf.sliding_window.or(config.get("sliding_window").is_none().then_some(4096)),
@@ -143,6 +143,19 @@ impl Family {
         }
         v
     }
+}
+
+/// The keys of a parsed config.json as `T`, an error naming the key whose value does not fit
+/// (`"sliding_window": "8"` is "key `sliding_window`: invalid type: string \"8\", expected usize").
+pub(crate) fn read_keys<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> anyhow::Result<T> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let key = e.path().to_string();
+        let inner = e.into_inner();
+        match key.as_str() {
+            "." | "" => anyhow::anyhow!("{inner}"),
+            key => anyhow::anyhow!("key `{key}`: {inner}"),
+        }
+    })
 }
 
 /// The sliding window and the first layer it applies to, as transformers decides them: Mistral's

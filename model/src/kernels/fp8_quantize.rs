@@ -5,7 +5,7 @@
 
 use std::ffi::c_void;
 
-use super::launch::{THREADS, address, arg, ceil_div, cuda_index, grid_stride, launch as launch_kernel};
+use super::launch::{MAX_GRID_YZ, THREADS, address, arg, ceil_div, grid_stride, launch as launch_kernel, target};
 use super::nvrtc::{KernelError, Source};
 use crate::fp8::format::Fp8Format;
 
@@ -116,6 +116,14 @@ pub fn check(a: &QuantizeArgs<'_>) -> Result<Launch, KernelError> {
     }
     let kernel =
         if suffix == "bf16" { "llora_fp8_quantize_transpose_bf16" } else { "llora_fp8_quantize_transpose_f32" };
+    // One block per tile: rows of tiles on the grid's y, which CUDA caps.
+    if ceil_div(rows, TILE) > MAX_GRID_YZ || ceil_div(cols, TILE) > i64::from(i32::MAX) {
+        return fail(format!(
+            "a transpose of [{rows}, {cols}] needs a grid of {} x {} tiles: CUDA takes at most {MAX_GRID_YZ} in y",
+            ceil_div(cols, TILE),
+            ceil_div(rows, TILE)
+        ));
+    }
     Ok(Launch { kernel, dims: [rows, cols] })
 }
 
@@ -159,7 +167,7 @@ pub fn check_current(a: &CurrentArgs<'_>) -> Result<&'static str, KernelError> {
 /// launched, the caller runs the stand-in (`fp8::stand_ins`).
 pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
     let kernel = check_current(a)?;
-    let Some(index) = cuda_index(a.x, kernel)? else { return Ok(false) };
+    let Some(at) = target(a.x, kernel)? else { return Ok(false) };
     let _ = a.amax.shallow_clone().zero_();
     let mut n = a.x.numel() as i64;
     if n == 0 {
@@ -172,13 +180,13 @@ pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
     let amax_kernel = if kernel.ends_with("bf16") { "llora_fp8_amax_bf16" } else { "llora_fp8_amax_f32" };
     // SAFETY: (x, amax bits, n) as the amax kernel takes them; checked above.
     unsafe {
-        launch_kernel(&SOURCE, index, amax_kernel, blocks, THREADS, &mut [arg(&mut x), arg(&mut amax), arg(&mut n)])?
+        launch_kernel(&SOURCE, at, amax_kernel, blocks, THREADS, &mut [arg(&mut x), arg(&mut amax), arg(&mut n)])?
     };
     let (mut limit, mut e5m2) = (a.format.max(), i32::from(a.format == Fp8Format::E5M2));
     let mut p =
         [arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut inv), arg(&mut n), arg(&mut limit), arg(&mut e5m2)];
     // SAFETY: the current-scaling kernel's parameters in order and type; checked above.
-    unsafe { launch_kernel(&SOURCE, index, kernel, blocks, THREADS, &mut p)? };
+    unsafe { launch_kernel(&SOURCE, at, kernel, blocks, THREADS, &mut p)? };
     Ok(true)
 }
 
@@ -187,7 +195,7 @@ pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
 /// for a CPU tensor: nothing launched, the caller runs the stand-in (`fp8::stand_ins`).
 pub fn quantize(a: &QuantizeArgs<'_>) -> Result<bool, KernelError> {
     let launch = check(a)?;
-    let Some(index) = cuda_index(a.x, launch.kernel)? else { return Ok(false) };
+    let Some(at) = target(a.x, launch.kernel)? else { return Ok(false) };
     let [rows, cols] = launch.dims;
     if rows * cols == 0 {
         return Ok(true);
@@ -206,7 +214,7 @@ pub fn quantize(a: &QuantizeArgs<'_>) -> Result<bool, KernelError> {
     params.extend([arg(&mut scale), arg(&mut max), arg(&mut e5m2)]);
     // SAFETY: the arguments match the kernel's signature in order and type (checked above:
     // dtypes, shapes, contiguity, one device), and the tensors outlive the launch's enqueue.
-    unsafe { launch_kernel(&SOURCE, index, launch.kernel, grid, THREADS, &mut params)? };
+    unsafe { launch_kernel(&SOURCE, at, launch.kernel, grid, THREADS, &mut params)? };
     Ok(true)
 }
 
@@ -254,6 +262,13 @@ mod tests {
         refused(QuantizeArgs { out_t: Some(&out_t), ..args(&flat, &codes(&[15])) }, "2-D");
         let wide = Tensor::zeros([2], cpu);
         refused(QuantizeArgs { amax: Some(&wide), ..args(&x, &out) }, "amax");
+        // One row of tiles past CUDA's grid y.
+        let (tall, rows) = (Tensor::zeros([65535 * 32 + 1, 1], cpu), 65535 * 32 + 1);
+        let (tall_out, tall_t) = (codes(&[rows, 1]), codes(&[1, rows]));
+        refused(QuantizeArgs { out_t: Some(&tall_t), ..args(&tall, &tall_out) }, "at most 65535 in y");
+        let fits = Tensor::zeros([65535 * 32, 1], cpu);
+        let (fits_out, fits_t) = (codes(&[65535 * 32, 1]), codes(&[1, 65535 * 32]));
+        assert!(check(&QuantizeArgs { out_t: Some(&fits_t), ..args(&fits, &fits_out) }).is_ok());
         refused(QuantizeArgs { scale: 0.0, ..args(&x, &out) }, "scale");
         refused(QuantizeArgs { scale: f32::NAN, ..args(&x, &out) }, "scale");
         let one = Tensor::zeros([1], cpu);

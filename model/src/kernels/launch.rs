@@ -82,10 +82,15 @@ pub const THREADS: u32 = 256;
 /// Most blocks of a grid-stride launch (enough to fill any current GPU several times over).
 const MAX_BLOCKS: i64 = 65535;
 
+/// CUDA's largest grid y and z (x may reach 2^31 - 1).
+pub const MAX_GRID_YZ: i64 = 65535;
+
 /// The grid of a grid-stride launch over `n` elements: one thread each, up to [`MAX_BLOCKS`]
-/// blocks, at least one.
+/// blocks (fewer where the CPU emulation's tests ask, so that the stride loops run), at least
+/// one.
 pub fn grid_stride(n: i64) -> (u32, u32, u32) {
-    (ceil_div(n, i64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32, 1, 1)
+    let most = super::emulate::max_blocks().map_or(MAX_BLOCKS, i64::from);
+    (ceil_div(n, i64::from(THREADS)).clamp(1, most.min(MAX_BLOCKS)) as u32, 1, 1)
 }
 
 /// `a / b` rounded up (`a` ≥ 0, `b` > 0).
@@ -103,21 +108,35 @@ pub fn address(t: Option<&tch::Tensor>) -> u64 {
     t.map_or(0, |t| t.data_ptr() as u64)
 }
 
-/// Launches `kernel` of `source` on CUDA device `index` on the default stream, without
-/// waiting for it.
+/// Where a kernel launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// A CUDA device, by index.
+    Cuda(usize),
+    /// The CPU, through the kernels' emulation ([`super::emulate`]; tests only).
+    Emulated,
+}
+
+/// Launches `kernel` of `source` on `target`: on a CUDA device on the default stream, without
+/// waiting for it; emulated on the CPU, to its end.
 ///
 /// # Safety
 /// `params` must match the kernel's signature in order and type, and every tensor they
-/// address must be on device `index`, large enough for the grid, and alive until the launch
-/// is enqueued (LibTorch's later ops on them are ordered after it on the same stream).
+/// address must be on the target's device, large enough for the grid, and alive until the
+/// launch is enqueued (LibTorch's later ops on them are ordered after it on the same stream).
 pub unsafe fn launch(
     source: &'static Source,
-    index: usize,
+    target: Target,
     kernel: &'static str,
     grid: (u32, u32, u32),
     threads: u32,
     params: &mut [*mut c_void],
 ) -> Result<(), KernelError> {
+    let index = match target {
+        Target::Cuda(index) => index,
+        // SAFETY: the caller's contract, the same as for a GPU.
+        Target::Emulated => return unsafe { super::emulate::launch(kernel, grid, threads, params) },
+    };
     let f = *loaded(source, index)?
         .functions
         .get(kernel)
@@ -128,13 +147,14 @@ pub unsafe fn launch(
         .map_err(|e| KernelError::Driver(format!("{kernel}: {e:?}")))
 }
 
-/// The CUDA device index of `t`, `Ok(None)` for a CPU tensor (nothing launches: the caller
-/// runs the kernel's CPU stand-in, which it does only where the CPU stands in for CUDA), or
-/// why a kernel cannot run on it.
-pub fn cuda_index(t: &tch::Tensor, kernel: &'static str) -> Result<Option<usize>, KernelError> {
+/// Where a kernel on `t` launches: its CUDA device; the emulation for a CPU tensor where a test
+/// asked for it; `Ok(None)` for any other CPU tensor (nothing launches: the caller runs the
+/// kernel's CPU stand-in, which it does only where the CPU stands in for CUDA); or why a
+/// kernel cannot run on it.
+pub fn target(t: &tch::Tensor, kernel: &'static str) -> Result<Option<Target>, KernelError> {
     match t.device() {
-        tch::Device::Cuda(index) => Ok(Some(index)),
-        tch::Device::Cpu => Ok(None),
+        tch::Device::Cuda(index) => Ok(Some(Target::Cuda(index))),
+        tch::Device::Cpu => Ok(super::emulate::active().then_some(Target::Emulated)),
         other => Err(KernelError::Arguments { kernel, what: format!("tensors are on {other:?}: CUDA only") }),
     }
 }

@@ -3,8 +3,14 @@
 //! one read). Each kernel's CUDA C source sits beside the Rust that launches it
 //! (`fp8_quantize.cu` + `fp8_quantize.rs`), after the device helpers every source shares
 //! (`fp8_device.cuh`, prepended to it in its [`Source`]): compiled with
-//! `--gpu-architecture=compute_90 -default-device -std=c++17` and `-I` of the NVIDIA include
-//! folders beside the torch wheel, nothing else.
+//! `--gpu-architecture=compute_90 -default-device -std=c++17 --fmad=false` and `-I` of the
+//! NVIDIA include folders beside the torch wheel, nothing else.
+//!
+//! The same sources run on the CPU in the tests ([`emulate`]): compiled by the host's C++
+//! compiler against `emulation/cuda_cpu.h` (model/build.rs picks up every `.cu` here), launched
+//! through the launch code below with its parameter arrays and grid and block sizes, and held
+//! to their CPU stand-ins bit for bit; `scripts/sanitize-kernels.sh` runs them under
+//! ThreadSanitizer and AddressSanitizer + UndefinedBehaviorSanitizer.
 //!
 //! NVRTC and the driver come from the machine (cudarc, loaded dynamically): `libnvrtc` from
 //! the torch wheel's NVIDIA packages (`<site-packages>/nvidia/*/lib`, found from where
@@ -15,6 +21,7 @@
 //! (`fp8::stand_ins`). No file here names a route.
 
 pub mod args;
+pub mod emulate;
 pub mod fp8_quantize;
 pub mod launch;
 pub mod nvrtc;

@@ -105,7 +105,14 @@ pub fn compile(source: &Source, arch: &str) -> Result<String, KernelError> {
     let root = nvidia_root().ok_or_else(|| KernelError::NoNvrtc("no NVIDIA package folder".into()))?;
     let includes = package_dirs(&root, "include").into_iter().map(|p| p.display().to_string()).collect();
     let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "-default-device".into(), "-std=c++17".into()],
+        // No multiply-add contracted, as the CPU emulation compiles them (-ffp-contract=off):
+        // the two then round alike; our kernels are memory-bound, an FMA saves them nothing.
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            "-default-device".into(),
+            "-std=c++17".into(),
+            "--fmad=false".into(),
+        ],
         include_paths: includes,
         name: Some(source.name.into()),
         ..Default::default()

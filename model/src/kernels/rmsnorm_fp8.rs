@@ -5,7 +5,7 @@
 
 pub use super::args::DelayedCodes;
 use super::args::{Expect, codes_params};
-use super::launch::{THREADS, address, arg, cuda_index, launch};
+use super::launch::{THREADS, address, arg, launch, target};
 use super::nvrtc::{KernelError, Source};
 
 /// The kernel's source (after the shared device helpers).
@@ -64,7 +64,7 @@ pub fn check(a: &ForwardArgs<'_>) -> Result<(), KernelError> {
 /// (`fp8::stand_ins`).
 pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
     check(a)?;
-    let Some(index) = cuda_index(a.x, SOURCE.kernels[0])? else { return Ok(false) };
+    let Some(at) = target(a.x, SOURCE.kernels[0])? else { return Ok(false) };
     let [rows, mut cols] = [a.x.size()[0], a.x.size()[1]];
     if rows * cols == 0 {
         return Ok(true);
@@ -87,7 +87,7 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
         arg(&mut e5m2),
     ];
     // SAFETY: the kernel's parameters in order and type, checked above; one block per row.
-    unsafe { launch(&SOURCE, index, SOURCE.kernels[0], (rows as u32, 1, 1), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, at, SOURCE.kernels[0], (rows as u32, 1, 1), THREADS, &mut p)? };
     Ok(true)
 }
 

@@ -6,7 +6,7 @@
 
 pub use super::args::DelayedCodes;
 use super::args::{Expect, codes_params};
-use super::launch::{THREADS, address, arg, cuda_index, grid_stride, launch};
+use super::launch::{THREADS, address, arg, grid_stride, launch, target};
 use super::nvrtc::{KernelError, Source};
 use crate::fp8::format::Fp8Format;
 
@@ -93,7 +93,7 @@ pub fn check_backward(a: &BackwardArgs<'_>) -> Result<(), KernelError> {
 /// (`precision/swiglu_route.rs`, which holds the reference).
 pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
     check_forward(a)?;
-    let Some(index) = cuda_index(a.gate, "llora_swiglu_fp8_forward_bf16")? else { return Ok(false) };
+    let Some(at) = target(a.gate, "llora_swiglu_fp8_forward_bf16")? else { return Ok(false) };
     let mut n = a.gate.numel() as i64;
     if n == 0 {
         return Ok(true);
@@ -102,7 +102,7 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
     let (mut gate, mut up, mut amax) = (address(Some(a.gate)), address(Some(a.up)), address(Some(a.amax)));
     let mut p = [arg(&mut gate), arg(&mut up), arg(&mut amax), arg(&mut n)];
     // SAFETY: (gate, up, amax bits, n) as the kernel takes them, checked above.
-    unsafe { launch(&SOURCE, index, "llora_swiglu_amax_bf16", grid_stride(n), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, at, "llora_swiglu_amax_bf16", grid_stride(n), THREADS, &mut p)? };
     let (mut out, mut gq, mut uq) = (address(Some(a.out)), address(Some(a.gate_codes)), address(Some(a.up_codes)));
     let mut scale_inv = address(Some(a.scale_inv));
     let ([mut hq, mut hs, mut ha], mut h_limit, mut h_e5m2) = codes_params(a.h.as_ref());
@@ -124,7 +124,7 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
         arg(&mut h_e5m2),
     ];
     // SAFETY: the forward kernel's parameters in order and type, checked above.
-    unsafe { launch(&SOURCE, index, "llora_swiglu_fp8_forward_bf16", grid_stride(n), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, at, "llora_swiglu_fp8_forward_bf16", grid_stride(n), THREADS, &mut p)? };
     Ok(true)
 }
 
@@ -132,7 +132,7 @@ pub fn forward(a: &ForwardArgs<'_>) -> Result<bool, KernelError> {
 /// `Ok(true)`; `Ok(false)` where the CPU stands in (as [`forward`]).
 pub fn backward(a: &BackwardArgs<'_>) -> Result<bool, KernelError> {
     check_backward(a)?;
-    let Some(index) = cuda_index(a.grad, "llora_swiglu_fp8_backward_bf16")? else { return Ok(false) };
+    let Some(at) = target(a.grad, "llora_swiglu_fp8_backward_bf16")? else { return Ok(false) };
     let mut n = a.grad.numel() as i64;
     if n == 0 {
         return Ok(true);
@@ -141,7 +141,7 @@ pub fn backward(a: &BackwardArgs<'_>) -> Result<bool, KernelError> {
     let (mut grad, mut gg, mut gu) = (address(Some(a.grad)), address(Some(a.grad_gate)), address(Some(a.grad_up)));
     let mut p = [arg(&mut gq), arg(&mut uq), arg(&mut si), arg(&mut grad), arg(&mut gg), arg(&mut gu), arg(&mut n)];
     // SAFETY: the backward kernel's parameters in order and type, checked above.
-    unsafe { launch(&SOURCE, index, "llora_swiglu_fp8_backward_bf16", grid_stride(n), THREADS, &mut p)? };
+    unsafe { launch(&SOURCE, at, "llora_swiglu_fp8_backward_bf16", grid_stride(n), THREADS, &mut p)? };
     Ok(true)
 }
 

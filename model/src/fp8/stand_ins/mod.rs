@@ -12,6 +12,9 @@ use crate::kernels::{rmsnorm_fp8, swiglu_fp8};
 
 pub mod quantize;
 
+#[cfg(test)]
+mod kernels_on_cpu;
+
 /// `rmsnorm_fp8.cu`: the norm's composite (`norm/composite.rs`), its 1/rms, and y's codes at
 /// the delayed scale where asked.
 pub fn rmsnorm(a: &rmsnorm_fp8::ForwardArgs<'_>) {
