@@ -12,6 +12,9 @@ use std::path::PathBuf;
 #[path = "../build/rpath.rs"]
 mod rpath;
 
+#[path = "../build/cuda_headers.rs"]
+mod cuda_headers;
+
 fn main() {
     rpath::main();
     let shims = [
@@ -45,7 +48,37 @@ fn main() {
     for l in ["torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
+    build_stream_shim(torch, &lib);
     build_kernel_emulation();
+}
+
+/// `src/kernels/stream_shim.cpp`, LibTorch's current CUDA stream for our launches, against the
+/// venv's CUDA headers (without them it reports that, and launches take the default stream).
+fn build_stream_shim(torch: &std::path::Path, lib: &std::path::Path) {
+    println!("cargo:rerun-if-changed=src/kernels/stream_shim.cpp");
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .file("src/kernels/stream_shim.cpp")
+        .include(torch.join("include"))
+        .include(torch.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .warnings(false);
+    // Both the headers and LibTorch's CUDA library (a CPU-only torch has neither).
+    let headers = cuda_headers::includes(torch).filter(|_| lib.join("libc10_cuda.so").exists());
+    if let Some(dirs) = &headers {
+        for d in dirs {
+            build.include(d);
+        }
+        build.define("LLORA_WITH_CUDA_HEADERS", None).define("USE_CUDA", None);
+    } else {
+        println!("cargo:warning=CUDA headers not found in the venv: kernels launch on the default stream");
+    }
+    build.compile("llora_stream_shim");
+    if headers.is_some() {
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    }
 }
 
 /// Our CUDA kernels (`src/kernels/*.cu`, each after `fp8_device.cuh`, as `Source::text` puts

@@ -202,7 +202,12 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
 pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
     // A check runs on one rank alone: its amaxes are its own (a reduction would wait for
     // ranks that never reach it).
-    let check = || crate::scoped::with(&IN_CHECK, true, || crate::fp8::amax_group::with_amax_group(None, check));
+    // Our kernels' launches inside it wait and check their errors: a fault fails this check.
+    let check = || {
+        crate::scoped::with(&IN_CHECK, true, || {
+            crate::kernels::launch::with_checked_launches(|| crate::fp8::amax_group::with_amax_group(None, check))
+        })
+    };
     std::panic::catch_unwind(AssertUnwindSafe(check)).unwrap_or_else(|payload| {
         Err(format!("the check panicked: {}", crate::kernels::nvrtc::panic_message(&payload)))
     })

@@ -1,5 +1,5 @@
 //! NVRTC for our kernels: finding the torch wheel's NVIDIA packages (the library, the headers),
-//! loading the library once per process, and compiling a source to PTX.
+//! loading the library once per process, and compiling a source to PTX or CUBIN.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -98,34 +98,68 @@ fn load_nvrtc() -> Result<&'static Path, KernelError> {
     loaded.as_deref().map_err(|e| KernelError::NoNvrtc(e.clone()))
 }
 
-/// PTX of `source` for the virtual architecture `arch` (`compute_90`), with the include
-/// folders of the torch wheel's NVIDIA packages. Errors carry NVRTC's log.
-pub fn compile(source: &Source, arch: &str) -> Result<String, KernelError> {
+/// What NVRTC makes of a source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Image {
+    /// PTX for a virtual architecture (`compute_90`): the driver compiles it when loading (a
+    /// driver older than NVRTC's PTX version cannot).
+    Ptx(String),
+    /// Machine code for one real architecture (`sm_90`): loaded as it is.
+    Cubin(Vec<u8>),
+}
+
+/// `source` compiled for `arch`: CUBIN for a real architecture (`sm_90`), PTX for a virtual one
+/// (`compute_90`). Errors carry NVRTC's log.
+pub fn compile_image(source: &Source, arch: &str) -> Result<Image, KernelError> {
     load_nvrtc()?;
     let root = nvidia_root().ok_or_else(|| KernelError::NoNvrtc("no NVIDIA package folder".into()))?;
-    let includes = package_dirs(&root, "include").into_iter().map(|p| p.display().to_string()).collect();
-    let opts = cudarc::nvrtc::CompileOptions {
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "-default-device".into(),
+        "-std=c++17".into(),
         // No multiply-add contracted, as the CPU emulation compiles them (-ffp-contract=off):
         // the two then round alike; our kernels are memory-bound, an FMA saves them nothing.
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "-default-device".into(),
-            "-std=c++17".into(),
-            "--fmad=false".into(),
-        ],
-        include_paths: includes,
-        name: Some(source.name.into()),
-        ..Default::default()
-    };
+        "--fmad=false".into(),
+    ];
+    options.extend(package_dirs(&root, "include").into_iter().map(|p| format!("--include-path={}", p.display())));
     let error = |log: String| KernelError::Compile { file: source.name, arch: arch.into(), log };
+    let cubin = arch.starts_with("sm_");
     // cudarc panics where a library symbol is missing: that is an error here, not a crash.
-    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source.text, opts));
-    match compiled {
-        Ok(Ok(ptx)) => Ok(ptx.to_src()),
-        Ok(Err(cudarc::nvrtc::CompileError::CompileError { log, .. })) => Err(error(log.to_string_lossy().into())),
-        Ok(Err(e)) => Err(error(format!("{e:?}"))),
-        Err(panic) => Err(error(panic_message(&panic))),
-    }
+    std::panic::catch_unwind(|| run_nvrtc(source, &options, cubin))
+        .unwrap_or_else(|panic| Err(panic_message(&panic)))
+        .map_err(error)
+}
+
+/// One NVRTC program: created, compiled with `options`, its PTX or CUBIN taken, destroyed.
+fn run_nvrtc(source: &Source, options: &[String], cubin: bool) -> Result<Image, String> {
+    use cudarc::nvrtc::{result, sys};
+    let text = std::ffi::CString::new(source.text).map_err(|e| e.to_string())?;
+    let name = std::ffi::CString::new(source.name).map_err(|e| e.to_string())?;
+    let prog = result::create_program(&text, Some(&name)).map_err(|e| format!("{e:?}"))?;
+    // SAFETY: `prog` was just created and is destroyed once below; the buffers are sized by
+    // NVRTC's own size calls.
+    let made = unsafe {
+        match result::compile_program(prog, options) {
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned());
+                Err(log.unwrap_or_else(|_| format!("{e:?}")))
+            }
+            Ok(()) if cubin => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| format!("{e:?}"))?;
+                let mut image = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, image.as_mut_ptr().cast()).result().map_err(|e| format!("{e:?}"))?;
+                Ok(Image::Cubin(image))
+            }
+            Ok(()) => result::get_ptx(prog)
+                .map(|p| Image::Ptx(std::ffi::CStr::from_ptr(p.as_ptr()).to_string_lossy().into_owned()))
+                .map_err(|e| format!("{e:?}")),
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { result::destroy_program(prog) };
+    made
 }
 
 /// The message a caught panic carried (a route's first-use check, a kernel's compile or load).
@@ -146,7 +180,7 @@ mod tests {
     fn a_broken_source_fails_with_the_log() {
         let broken =
             Source { name: "broken.cu", text: "extern \"C\" __global__ void k() { undeclared(); }", kernels: &[] };
-        match compile(&broken, "compute_90") {
+        match compile_image(&broken, "compute_90") {
             Err(KernelError::Compile { file: "broken.cu", log, .. }) => assert!(log.contains("undeclared"), "{log}"),
             other => panic!("expected a compile error, got {other:?}"),
         }
