@@ -46,6 +46,8 @@ pub fn max_blocks() -> Option<u32> {
 }
 
 #[cfg(test)]
+mod golden;
+#[cfg(test)]
 mod tests;
 
 /// Runs `f` with kernels on CPU tensors launched emulated (on this thread), grid-stride
