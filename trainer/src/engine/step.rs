@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::bail;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use llora_data::batch::Collated;
 use llora_model::LlamaForCausalLM;
@@ -176,6 +175,17 @@ fn grads_of(
     Ok(MicroGrads { loss, grads: g, forward_s, backward_s: t.elapsed().as_secs_f64() - forward_s })
 }
 
+/// A step whose loss or gradient norm is not finite: nothing was updated (the trainer says
+/// where the last checkpoint is).
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("the loss is {loss} and the gradient norm {grad_norm}: training cannot go on from non-finite values")]
+pub struct NonFinite {
+    /// The step's loss.
+    pub loss: f64,
+    /// Its gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
 /// One optimizer step over this rank's micro-batches of a global batch.
 ///
 /// Each micro-batch's loss is its sum of token losses divided by `global_tokens`, the target
@@ -225,7 +235,7 @@ pub fn train_step(
     let loss_sum = loss[0];
     let total_norm = square_norms.iter().sum::<f64>().sqrt();
     if !loss_sum.is_finite() || !total_norm.is_finite() {
-        bail!("loss {loss_sum} / gradient norm {total_norm} is not finite; run aborted");
+        return Err(NonFinite { loss: loss_sum, grad_norm: total_norm }.into());
     }
     let coef = clip_coefficient(total_norm, clip_grad_norm);
     optim.step(model.trainable_params_mut(), grads, coef, lr).map_err(|e| anyhow::anyhow!("optimizer step: {e}"))?;

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context;
 use burn::module::Module;
 use burn::tensor::Device;
 use llora_data::Sample;
@@ -161,18 +160,15 @@ impl<'a> Trainer<'a> {
                 comm.all_reduce_f64(&mut stop, ReduceOp::Max)?;
                 Ok((s, stop[0] > 0.0))
             });
-        let (s, stop): (StepStats, bool) = stats.with_context(|| format!("step {}", step + 1))?;
-        if !s.loss.is_finite() || !s.grad_norm.is_finite() {
-            anyhow::bail!(
-                "step {}: the loss is {} and the gradient norm {}: training cannot go on from non-finite values \
-                 (a non-finite base weight, an lr too high for this run, or fp8 scales out of range); \
-                 the last checkpoint is still in {}",
+        let (s, stop): (StepStats, bool) = stats.map_err(|e| match e.downcast_ref::<super::step::NonFinite>() {
+            Some(bad) => anyhow::anyhow!(
+                "step {}: {bad} (a non-finite base weight, an lr too high for this run, or fp8 scales out of \
+                 range); the adapters were not updated, and the last checkpoint is still in {}",
                 step + 1,
-                s.loss,
-                s.grad_norm,
                 config.run.dir.display()
-            );
-        }
+            ),
+            None => e.context(format!("step {}", step + 1)),
+        })?;
         let step_s = t_step.elapsed().as_secs_f64();
         let p = &mut self.state.progress;
         p.step = step + 1;
