@@ -10,12 +10,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
     let outcome = match &args.resume {
         Some(dir) => {
             let resumed = train::load_resume(dir, &args.config.overrides)?;
-            let dist = dist::init_with_context(
-                &resumed.config.dist,
-                resumed.config.run.device.is_cuda(),
-                resumed.config.train.context_parallel,
-                "train.context_parallel",
-            )?;
+            let dist = dist::init_for(&resumed.config)?;
             let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
             let outcome = train::run(train::Request::Resume(resumed), &dist)?;
             dist.shutdown()?;
@@ -24,12 +19,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
         None => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let dist = dist::init_with_context(
-                &config.dist,
-                config.run.device.is_cuda(),
-                config.train.context_parallel,
-                "train.context_parallel",
-            )?;
+            let dist = dist::init_for(&config)?;
             crate::commands::pretrain::prepare_base(&config, dist.world.size)?;
             let target = (config.eval.target_loss, config.schedule.max_steps);
             let outcome = train::run(train::Request::Config { config, name, overwrite: args.overwrite }, &dist)?;
