@@ -515,3 +515,20 @@ fn the_length_check_reads_bodies_as_the_compiler_does() {
     assert_eq!(long_functions(&text, 5), [("long".to_string(), 3, 12)]);
     assert!(long_functions(&text, 12).is_empty());
 }
+
+/// A CUDA route is declared once, beside the op it replaces (`routes::declare_route!`: its
+/// verdicts, name, fallback, self-tests), and the list `llora selftest` and `llora bench` read
+/// is gathered from those declarations: `Verdicts::new` appears nowhere else, and the list
+/// file names no route.
+#[test]
+fn routes_are_declared_once() {
+    let src = common_root().join("model/src");
+    for path in rust_files(&src) {
+        let text = code(&std::fs::read_to_string(&path).unwrap());
+        let here = path.ends_with("routes.rs");
+        assert!(here || !text.contains("Verdicts::new("), "{}: a route declared outside declare_route!", path.display());
+    }
+    let list = code(&std::fs::read_to_string(src.join("route_list.rs")).unwrap());
+    let body = list.split("#[cfg(test)]").next().unwrap();
+    assert!(!body.contains("RouteSpec {") && !body.contains("SelfTest {"), "route_list.rs declares a route");
+}

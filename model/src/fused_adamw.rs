@@ -22,7 +22,6 @@ use burn::tensor::Tensor;
 use tch::{Device, Kind};
 
 use crate::params::ParamMut;
-use crate::routes::Verdicts;
 
 unsafe extern "C" {
     fn llora_fused_adamw(
@@ -116,9 +115,21 @@ pub(crate) fn step(lists: &Lists, t: u64, h: &AdamWHyper, grad_factor: f64) -> R
     Ok(())
 }
 
-/// The route: its verdict per device, and whether a run took it.
-pub static ROUTE: Verdicts<Device> =
-    Verdicts::new("optimizer: LibTorch's fused AdamW (one multi-tensor launch)", "the per-parameter update runs");
+crate::routes::declare_route! {
+    /// The route: its verdict per device, and whether a run took it.
+    pub static ROUTE: Verdicts<Device> = &crate::routes::RouteSpec {
+        name: "optimizer: LibTorch's fused AdamW (one multi-tensor launch)",
+        fallback: "the per-parameter update runs",
+        order: 80,
+        part: "optimizer",
+        self_tests: &[crate::routes::SelfTest {
+            name: "optimizer: fused AdamW Float (one multi-tensor launch)",
+            check: verify,
+            passed: "three steps of 41 parameters match AdamW's definition in f64",
+        }],
+        counts_uses: true,
+    };
+}
 
 /// Whether f32 parameters on `device` take the fused update: a device that takes the CUDA
 /// routes (or any, when `anywhere`), the fused routes not switched off, and the kernel passed

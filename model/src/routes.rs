@@ -117,15 +117,69 @@ pub fn stands_in(device: tch::Device) -> bool {
     device == tch::Device::Cpu && on_cpu()
 }
 
+/// What a route is, declared once beside the op it replaces ([`declare_route!`], which also
+/// registers it in [`ROUTES`], the list `llora selftest` and `llora bench` read).
+#[derive(Debug)]
+pub struct RouteSpec {
+    /// What the route is, as logs name its first-use check.
+    pub name: &'static str,
+    /// What runs instead when the check fails, for the warning.
+    pub fallback: &'static str,
+    /// Its place in the list (the order `llora selftest` runs the routes in).
+    pub order: u16,
+    /// The `llora selftest --only` part that checks it.
+    pub part: &'static str,
+    /// Its self-tests, each on a device against the route's reference.
+    pub self_tests: &'static [SelfTest],
+    /// Whether the route records that a run took it (bench JSON `used`; `null` otherwise).
+    pub counts_uses: bool,
+}
+
+/// One self-test of a route.
+#[derive(Debug)]
+pub struct SelfTest {
+    /// As `llora selftest` and `llora bench`'s `route_list` name it.
+    pub name: &'static str,
+    /// The check on a device (run once where the route keeps its verdict): `Ok` means a run
+    /// takes the route there.
+    pub check: fn(tch::Device) -> Result<(), String>,
+    /// What passing it says, for the self-test's detail.
+    pub passed: &'static str,
+}
+
+/// A declared route, as the list sees it.
+pub trait Declared: Sync {
+    /// Its description.
+    fn spec(&self) -> &'static RouteSpec;
+    /// Whether a run in this process took it.
+    fn used(&self) -> bool;
+}
+
+/// Every route [`declare_route!`] declared, gathered at link time.
+#[linkme::distributed_slice]
+pub static ROUTES: [&'static dyn Declared];
+
+/// Declares a route's [`Verdicts`] static from its [`RouteSpec`] and registers it in
+/// [`ROUTES`]: the one place a route is named.
+macro_rules! declare_route {
+    ($(#[$doc:meta])* $vis:vis static $name:ident: Verdicts<$key:ty> = $spec:expr;) => {
+        $(#[$doc])*
+        $vis static $name: $crate::routes::Verdicts<$key> = $crate::routes::Verdicts::new($spec);
+        const _: () = {
+            #[linkme::distributed_slice($crate::routes::ROUTES)]
+            static DECLARED: &'static dyn $crate::routes::Declared = &$name;
+        };
+    };
+}
+pub(crate) use declare_route;
+
 /// One route's state: its first-use verdicts, per key (a device, a device and dtype, an
 /// attention problem), each key's check run once, logged either way, with no lock held while
 /// it runs; and whether a run in this process took the route (`llora bench` reports it
 /// through [`crate::route_list`]).
 pub struct Verdicts<K> {
-    /// What the route is, as logs and `llora selftest` name it.
-    route: &'static str,
-    /// What runs instead when the check fails, for the warning.
-    fallback: &'static str,
+    /// What the route is.
+    spec: &'static RouteSpec,
     /// Per key: `None` while its check runs, then the check's result.
     map: Mutex<Option<HashMap<K, Verdict>>>,
     /// Whether the route ran in this process.
@@ -135,10 +189,20 @@ pub struct Verdicts<K> {
 /// A key's check: `None` while it runs, then its result.
 type Verdict = Option<Result<(), String>>;
 
+impl<K: Copy + Eq + Hash + Debug + Send> Declared for Verdicts<K> {
+    fn spec(&self) -> &'static RouteSpec {
+        self.spec
+    }
+
+    fn used(&self) -> bool {
+        Verdicts::used(self)
+    }
+}
+
 impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
-    /// An empty table for `route`, whose reference is `fallback`.
-    pub const fn new(route: &'static str, fallback: &'static str) -> Self {
-        Self { route, fallback, map: Mutex::new(None), used: AtomicBool::new(false) }
+    /// An empty table for the route `spec` describes ([`declare_route!`] makes each one).
+    pub const fn new(spec: &'static RouteSpec) -> Self {
+        Self { spec, map: Mutex::new(None), used: AtomicBool::new(false) }
     }
 
     /// Records that the route ran, unless it ran for a first-use check (its own or another's):
@@ -174,18 +238,18 @@ impl<K: Copy + Eq + Hash + Debug> Verdicts<K> {
             match map.get(&key) {
                 Some(Some(done)) => return done.clone(),
                 Some(None) => {
-                    tracing::trace!(route = self.route, ?key, "asked during its own check: the reference route");
-                    return Err(format!("{}: asked while its check runs", self.route));
+                    tracing::trace!(route = self.spec.name, ?key, "asked during its own check: the reference route");
+                    return Err(format!("{}: asked while its check runs", self.spec.name));
                 }
                 None => map.insert(key, None),
             };
         }
-        tracing::debug!(route = self.route, ?key, "first-use check: starting");
+        tracing::debug!(route = self.spec.name, ?key, "first-use check: starting");
         let result = run_check(check);
         self.lock().get_or_insert_with(HashMap::new).insert(key, Some(result.clone()));
         match &result {
-            Ok(()) => tracing::info!(?key, "{}: checked against its reference, taken", self.route),
-            Err(e) => tracing::warn!(?key, "{} refused ({e}); {}", self.route, self.fallback),
+            Ok(()) => tracing::info!(?key, "{}: checked against its reference, taken", self.spec.name),
+            Err(e) => tracing::warn!(?key, "{} refused ({e}); {}", self.spec.name, self.spec.fallback),
         }
         result
     }
@@ -217,6 +281,16 @@ pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), Strin
 pub(crate) mod tests {
     use super::*;
 
+    /// A route for the tests of [`Verdicts`] (not declared: not in the list).
+    static TEST_ROUTE: RouteSpec = RouteSpec {
+        name: "test route",
+        fallback: "the reference runs",
+        order: 0,
+        part: "test",
+        self_tests: &[],
+        counts_uses: true,
+    };
+
     /// Runs `f` on a thread of its own with the CUDA routes on the CPU, failing the test if it
     /// takes longer than `secs` (a deadlock fails, it does not hang the suite).
     pub(crate) fn on_cpu_within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -245,7 +319,7 @@ pub(crate) mod tests {
     /// verdict is then kept, and a check that panics is a refusal, not a stuck "checking".
     #[test]
     fn a_check_that_reenters_its_route_sees_the_reference() {
-        static V: Verdicts<u8> = Verdicts::new("test route", "the reference runs");
+        static V: Verdicts<u8> = Verdicts::new(&TEST_ROUTE);
         let inner = on_cpu_within(20, "re-entrant check", || {
             let mut seen = None;
             let outer = V.passed(1, || {
@@ -266,7 +340,7 @@ pub(crate) mod tests {
     /// model); run outside a check, it is.
     #[test]
     fn a_route_run_by_its_check_is_not_counted_as_used() {
-        static V: Verdicts<u8> = Verdicts::new("test route", "the reference runs");
+        static V: Verdicts<u8> = Verdicts::new(&TEST_ROUTE);
         assert!(!V.passed(1, || {
             V.mark_used();
             Err("wrong codes".into())

@@ -27,9 +27,7 @@ pub mod gathered_kv;
 mod varlen;
 
 pub use fused::{FusedKernel, verify};
-pub use varlen::{
-    ROUTE as VARLEN_ROUTE, VarlenSpans, WINDOW_ROUTE, verify as verify_varlen, verify_window as verify_varlen_window,
-};
+pub use varlen::{ROUTE as VARLEN_ROUTE, VarlenSpans, WINDOW_ROUTE};
 
 use std::cell::Cell;
 use std::sync::Arc;

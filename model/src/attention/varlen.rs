@@ -290,16 +290,38 @@ fn band_mask(len: i64, window: usize, q: &tch::Tensor) -> Result<tch::Tensor, tc
     tch::Tensor::f_zeros([len, len], (kind, tch::Device::Cpu))?.f_masked_fill(&hidden, f64::NEG_INFINITY)
 }
 
-/// The route: the verdict of [`verify`] per kind of problem, and whether [`forward`] ran.
-pub static ROUTE: crate::routes::Verdicts<Problem> =
-    crate::routes::Verdicts::new("packed attention: cuda-flash-varlen", "one fused kernel per document instead");
+crate::routes::declare_route! {
+    /// The route: the verdict of [`verify`] per kind of problem, and whether [`forward`] ran.
+    pub static ROUTE: Verdicts<Problem> = &crate::routes::RouteSpec {
+        name: "packed attention: cuda-flash-varlen",
+        fallback: "one fused kernel per document instead",
+        order: 40,
+        part: "attention",
+        self_tests: &[crate::routes::SelfTest {
+            name: "attention cuda-flash-varlen BFloat16 (packed rows)",
+            check: |device| verify(device, tch::Kind::BFloat16, 64, 8, 128),
+            passed: "packed rows' forward and backward match plain LibTorch",
+        }],
+        counts_uses: true,
+    };
+}
 
-/// The sliding-window route: the verdict of [`verify_window`] per kind of problem, and whether
-/// [`forward`] ran with a window.
-pub static WINDOW_ROUTE: crate::routes::Verdicts<Problem> = crate::routes::Verdicts::new(
-    "sliding-window attention: cuda-flash-window",
-    "the masked attention (f32 seq x seq scores) instead",
-);
+crate::routes::declare_route! {
+    /// The sliding-window route: the verdict of [`verify_window`] per kind of problem, and
+    /// whether [`forward`] ran with a window.
+    pub static WINDOW_ROUTE: Verdicts<Problem> = &crate::routes::RouteSpec {
+        name: "sliding-window attention: cuda-flash-window",
+        fallback: "the masked attention (f32 seq x seq scores) instead",
+        order: 50,
+        part: "attention",
+        self_tests: &[crate::routes::SelfTest {
+            name: "attention cuda-flash-window BFloat16 (sliding windows)",
+            check: |device| verify_window(device, tch::Kind::BFloat16, 32, 8, 128),
+            passed: "banded forward and backward match plain LibTorch",
+        }],
+        counts_uses: true,
+    };
+}
 
 /// The window [`verify_window`] checks with: shorter than the check's documents of 37, 60 and
 /// 132 tokens, longer than its others.

@@ -88,9 +88,21 @@ fn quantize_kernel(
 /// What our quantise kernel's first-use check is called, in logs and in `llora selftest`.
 pub const KERNEL_CHECK: &str = "FP8 quantise kernel (ours, NVRTC)";
 
-/// The verdict of [`check_kernel`] per device.
-static KERNEL: crate::routes::Verdicts<tch::Device> =
-    crate::routes::Verdicts::new(KERNEL_CHECK, "the LibTorch quantiser runs");
+crate::routes::declare_route! {
+    /// The verdict of [`check_kernel`] per device.
+    static KERNEL: Verdicts<tch::Device> = &crate::routes::RouteSpec {
+        name: KERNEL_CHECK,
+        fallback: "the LibTorch quantiser runs",
+        order: 20,
+        part: "gemm",
+        self_tests: &[crate::routes::SelfTest {
+            name: KERNEL_CHECK,
+            check: kernel_checked_on,
+            passed: "codes, transpose and amax equal the f32 route's, bit for bit",
+        }],
+        counts_uses: false,
+    };
+}
 
 /// Whether `x` takes our quantise kernel: f32 or bf16 on a device taking the CUDA routes (with
 /// `LLORA_CUDA_FUSED_ROUTES` on) where the kernel passed [`check_kernel`] (once per device).
@@ -232,9 +244,21 @@ fn two_pass_route(x: &tch::Tensor) -> bool {
 /// What the FP8 routes' check is called, in logs and in `llora selftest`.
 pub const CUDA_ROUTES_CHECK: &str = "FP8 two-pass quantiser and one-pass amax";
 
-/// The verdict of [`check_cuda_routes`] per device.
-static CUDA_ROUTES: crate::routes::Verdicts<tch::Device> =
-    crate::routes::Verdicts::new(CUDA_ROUTES_CHECK, "the f32 route runs");
+crate::routes::declare_route! {
+    /// The verdict of [`check_cuda_routes`] per device.
+    static CUDA_ROUTES: Verdicts<tch::Device> = &crate::routes::RouteSpec {
+        name: CUDA_ROUTES_CHECK,
+        fallback: "the f32 route runs",
+        order: 10,
+        part: "gemm",
+        self_tests: &[crate::routes::SelfTest {
+            name: CUDA_ROUTES_CHECK,
+            check: cuda_routes_checked_on,
+            passed: "codes and amaxes equal the f32 route's, bit for bit",
+        }],
+        counts_uses: false,
+    };
+}
 
 /// Whether `device` takes the CUDA routes ([`crate::routes::takes_cuda_routes`]) and its
 /// two-pass quantiser and one-pass amax passed [`check_cuda_routes`] there (run once per

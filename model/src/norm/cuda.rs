@@ -83,9 +83,28 @@ pub fn backward(
     Ok((own(dx), own(dw)))
 }
 
-/// The route: the verdict of [`verify`] per device and dtype, and whether [`forward`] ran.
-pub static ROUTE: crate::routes::Verdicts<(tch::Device, tch::Kind)> =
-    crate::routes::Verdicts::new("RMSNorm: LibTorch's fused kernels", "the composite runs");
+crate::routes::declare_route! {
+    /// The route: the verdict of [`verify`] per device and dtype, and whether [`forward`] ran.
+    pub static ROUTE: Verdicts<(tch::Device, tch::Kind)> = &crate::routes::RouteSpec {
+        name: "RMSNorm: LibTorch's fused kernels",
+        fallback: "the composite runs",
+        order: 60,
+        part: "norm",
+        self_tests: &[
+            crate::routes::SelfTest {
+                name: "RMSNorm fused kernels BFloat16",
+                check: |device| verify(device, tch::Kind::BFloat16),
+                passed: "forward and backward match the definition in f64",
+            },
+            crate::routes::SelfTest {
+                name: "RMSNorm fused kernels Float",
+                check: |device| verify(device, tch::Kind::Float),
+                passed: "forward and backward match the definition in f64",
+            },
+        ],
+        counts_uses: true,
+    };
+}
 
 /// Whether a norm of `x` takes the fused kernels: x on a device that takes the CUDA routes
 /// ([`crate::routes::takes_cuda_routes`]), in a float dtype, and the kernels passed their check

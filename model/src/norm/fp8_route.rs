@@ -10,14 +10,26 @@ use crate::fp8::stand_ins;
 use crate::fp8::tensor::CodesToWrite;
 use crate::kernels::args::host_bytes;
 use crate::kernels::rmsnorm_fp8::{self, ForwardArgs};
-use crate::routes::Verdicts;
 
 /// What the kernel's first-use check is called, in logs and in `llora selftest`.
 pub const CHECK: &str = "FP8 RMSNorm kernel (ours, NVRTC)";
 
-/// The route: the verdict of [`check`] per device, and whether [`forward`] ran our kernel
-/// (not the reference).
-pub static ROUTE: Verdicts<tch::Device> = Verdicts::new(CHECK, "the norm runs as before and each GEMM quantises");
+crate::routes::declare_route! {
+    /// The route: the verdict of [`check`] per device, and whether [`forward`] ran our kernel
+    /// (not the reference).
+    pub static ROUTE: Verdicts<tch::Device> = &crate::routes::RouteSpec {
+        name: CHECK,
+        fallback: "the norm runs as before and each GEMM quantises",
+        order: 70,
+        part: "norm",
+        self_tests: &[crate::routes::SelfTest {
+            name: CHECK,
+            check: checked_on,
+            passed: "1/rms, output and codes equal the LibTorch route's (a bf16 ulp, codes bit for bit)",
+        }],
+        counts_uses: true,
+    };
+}
 
 /// Whether a norm of `x` takes our kernel: bf16 on a device taking the CUDA routes with
 /// `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there.

@@ -9,7 +9,7 @@ pub(crate) mod composite;
 mod cuda;
 pub mod fp8_route;
 
-pub use cuda::{ROUTE as FUSED_KERNELS_ROUTE, verify as verify_fused_kernels};
+pub use cuda::ROUTE as FUSED_KERNELS_ROUTE;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;

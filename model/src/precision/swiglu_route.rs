@@ -9,15 +9,27 @@ use crate::fp8::stand_ins;
 use crate::fp8::tensor::CodesToWrite;
 use crate::kernels::args::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
-use crate::routes::Verdicts;
 
 use super::spec::Storage;
 
 /// What the kernel's first-use check is called, in logs and in `llora selftest`.
 pub const CHECK: &str = "FP8 SwiGLU kernel (ours, NVRTC)";
 
-/// The route: the verdict of [`check`] per device, and whether [`forward`] ran our kernel.
-pub static ROUTE: Verdicts<tch::Device> = Verdicts::new(CHECK, "LibTorch's SwiGLU and quantiser run");
+crate::routes::declare_route! {
+    /// The route: the verdict of [`check`] per device, and whether [`forward`] ran our kernel.
+    pub static ROUTE: Verdicts<tch::Device> = &crate::routes::RouteSpec {
+        name: CHECK,
+        fallback: "LibTorch's SwiGLU and quantiser run",
+        order: 30,
+        part: "gemm",
+        self_tests: &[crate::routes::SelfTest {
+            name: CHECK,
+            check: checked_on,
+            passed: "codes and scales equal the LibTorch route's bit for bit, h and gradients within a bf16 ulp",
+        }],
+        counts_uses: true,
+    };
+}
 
 /// Whether SwiGLU of `gate` kept as `storage` takes our kernel: FP8 storage, bf16 inputs, a
 /// device taking the CUDA routes with `LLORA_CUDA_FUSED_ROUTES` on, the kernel checked there;

@@ -701,7 +701,7 @@ fn routes() -> Value {
         // it (null: the route does not count its uses).
         "route_list": llora_model::diagnostics::all_routes()
             .iter()
-            .map(|r| json!({"name": r.name, "part": r.part, "used": r.used.map(|used| used())}))
+            .map(|r| json!({"name": r.name, "part": r.part, "used": r.used}))
             .collect::<Vec<_>>(),
     })
 }
