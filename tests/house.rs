@@ -526,9 +526,48 @@ fn routes_are_declared_once() {
     for path in rust_files(&src) {
         let text = code(&std::fs::read_to_string(&path).unwrap());
         let here = path.ends_with("routes.rs");
-        assert!(here || !text.contains("Verdicts::new("), "{}: a route declared outside declare_route!", path.display());
+        assert!(
+            here || !text.contains("Verdicts::new("),
+            "{}: a route declared outside declare_route!",
+            path.display()
+        );
     }
     let list = code(&std::fs::read_to_string(src.join("route_list.rs")).unwrap());
     let body = list.split("#[cfg(test)]").next().unwrap();
     assert!(!body.contains("RouteSpec {") && !body.contains("SelfTest {"), "route_list.rs declares a route");
+}
+
+/// Every repository path the docs, the README and the code's comments name in backticks exists
+/// (a file moved or split, as the precision module did into a folder, is renamed where it is named);
+/// placeholders in capitals (`commands/NAME.rs`) are left alone.
+#[test]
+fn named_paths_exist() {
+    let root = common_root();
+    let pattern =
+        regex::Regex::new(r"`((?:model|data|trainer|scripts|docs|tests|configs|build)/[A-Za-z0-9_./-]+)`").unwrap();
+    let mut files: Vec<PathBuf> = rust_files(&root.join("model/src"));
+    for dir in ["data/src", "trainer/src", "tests"] {
+        files.extend(rust_files(&root.join(dir)));
+    }
+    files.push(root.join("README.md"));
+    files.extend(
+        std::fs::read_dir(root.join("docs"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "md")),
+    );
+    let mut missing = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for m in pattern.captures_iter(&text) {
+            let path = m[1].trim_end_matches('.');
+            let placeholder =
+                path.split(['/', '.']).any(|part| part.len() > 1 && part.chars().all(|c| c.is_ascii_uppercase()));
+            if !placeholder && !root.join(path).exists() {
+                missing.push(format!("{}: {path}", file.display()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "named paths that do not exist:\n{}", missing.join("\n"));
 }

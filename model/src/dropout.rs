@@ -13,8 +13,8 @@
 //! draws its CPU Bernoulli masks one element at a time through a Mersenne Twister on one
 //! thread (a visible share of a step in perf: docs/performance.md, M7), while ChaCha8 fills the words
 //! at memory speed. On CUDA the mask is `bernoulli_` on the device after seeding the device's
-//! generator with the mask's seed (a host-made mask would cost a PCIe copy each way); that
-//! path is compiled but untested (no GPU here).
+//! generator with the mask's seed (a host-made mask would cost a PCIe copy each way; whether
+//! it ran on a GPU: docs/gpu.md).
 //!
 //! Under context parallelism each rank holds two chunks of the sequence; a mask drawn for its
 //! local `[batch, local, in]` tensor would repeat the same bits at the same local offset on

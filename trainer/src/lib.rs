@@ -1,4 +1,4 @@
-//! llora's recipe: configuration, command line and (as the issues land) the training loop.
+//! llora's recipe: configuration, command line and the training loop.
 #![recursion_limit = "256"] // serde_json::json! of the bench record
 pub mod cli;
 pub mod commands;

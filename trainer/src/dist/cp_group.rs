@@ -21,8 +21,8 @@ pub fn layout(rank: usize, n: usize) -> (usize, usize, Vec<usize>) {
 }
 
 /// A c10d group as the model's context group. Gathers move bytes and the K/V gradients are
-/// summed on the tensors' device, in place (Gloo on the CPU, NCCL on this rank's GPU: untested
-/// on a GPU). The time spent in its collectives is counted (`llora bench --cp` reports it per
+/// summed on the tensors' device, in place (Gloo on the CPU, NCCL on this rank's GPU; status
+/// on GPUs: docs/gpu.md). The time spent in its collectives is counted (`llora bench --cp` reports it per
 /// layer).
 pub struct ContextComm {
     /// The c10d subgroup.

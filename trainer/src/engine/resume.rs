@@ -378,8 +378,8 @@ mod tests {
     }
 
     /// Moments of the wrong size, missing after a step, or of no parameter are refused naming
-    /// the moment (a wrong shape used to panic in burn's Add on every retry); before the
-    /// first step none are needed.
+    /// the moment (a wrong shape would panic in burn's Add); before the first step none are
+    /// needed.
     #[test]
     fn moments_must_match_their_parameters() {
         let file = Path::new("optimizer.safetensors");

@@ -37,9 +37,10 @@ pub use shape::{checked_product, shape_of};
 /// allocator, the thread pools), measured with `llora bench` (docs/performance.md, M15).
 pub(super) const CPU_RUNTIME_BYTES: f64 = 366.0 * MB;
 /// CUDA: the context, cuBLAS/cuDNN workspaces and NCCL buffers a rank holds on its device
-/// (NVIDIA's usual 1-2 GB; not measured here: no GPU on this project's machines).
+/// (NVIDIA's usual 1-2 GB; measured against it on GPUs: docs/memory.md).
 pub(super) const CUDA_RUNTIME_BYTES: f64 = 2.0 * GB;
-/// CUDA: what the caching allocator holds beyond live tensors at the peak (a margin, untested).
+/// CUDA: what the caching allocator holds beyond live tensors at the peak (a margin; its
+/// measurements: docs/memory.md).
 pub(super) const CUDA_FRAGMENTATION: f64 = 0.05;
 /// CPU: the packing buffers one thread's f32 GEMMs hold, which MKL's memory manager keeps
 /// after the first GEMM: the most measured per thread (docs/performance.md, M15). bf16 GEMMs
