@@ -853,6 +853,15 @@ impl std::str::FromStr for Override {
 }
 
 impl Config {
+    /// Joins the world this config trains in: its `[dist]`, its device, its
+    /// `train.context_parallel` (what `llora train`, `--resume` and `llora mlperf run` start with).
+    pub fn join_world(&self) -> anyhow::Result<crate::dist::Dist> {
+        let cp = self.train.context_parallel;
+        crate::dist::init_with_context(&self.dist, self.run.device.is_cuda(), cp, "train.context_parallel")
+    }
+}
+
+impl Config {
     /// Loads `path` (or the embedded `tiny-cpu.toml` when `None`), applies `overrides`, validates.
     ///
     /// Relative paths (`model.path`, `data.train`, `data.eval`, `run.dir`) are relative to the

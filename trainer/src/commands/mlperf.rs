@@ -35,7 +35,7 @@ pub fn run(command: &MlperfCommand) -> anyhow::Result<()> {
         MlperfCommand::Run(args) => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let dist = crate::dist::init_for(&config)?;
+            let dist = config.join_world()?;
             let score = run_many(&config, &name, args.runs as usize, &args.out, &dist)?;
             dist.shutdown()?;
             if let Some(score) = score {

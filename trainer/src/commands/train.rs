@@ -2,7 +2,6 @@
 //! process's ranks; fails unless the run reached its target.
 
 use crate::config::{Config, TINY_CPU_NAME};
-use crate::dist;
 use crate::engine::train;
 
 /// Runs `llora train`.
@@ -10,7 +9,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
     let outcome = match &args.resume {
         Some(dir) => {
             let resumed = train::load_resume(dir, &args.config.overrides)?;
-            let dist = dist::init_for(&resumed.config)?;
+            let dist = resumed.config.join_world()?;
             let target = (resumed.config.eval.target_loss, resumed.config.schedule.max_steps);
             let outcome = train::run(train::Request::Resume(resumed), &dist)?;
             dist.shutdown()?;
@@ -19,7 +18,7 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
         None => {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
-            let dist = dist::init_for(&config)?;
+            let dist = config.join_world()?;
             crate::commands::pretrain::prepare_base(&config, dist.world.size)?;
             let target = (config.eval.target_loss, config.schedule.max_steps);
             let outcome = train::run(train::Request::Config { config, name, overwrite: args.overwrite }, &dist)?;

@@ -183,13 +183,6 @@ pub fn init(config: &DistConfig, cuda: bool) -> anyhow::Result<Dist> {
     init_with_context(config, cuda, 1, "train.context_parallel")
 }
 
-/// Joins the world a training config describes: its `[dist]`, its device, its
-/// `train.context_parallel` (what `llora train`, `--resume` and `llora mlperf run` start with).
-pub fn init_for(config: &crate::config::Config) -> anyhow::Result<Dist> {
-    let c = config;
-    init_with_context(&c.dist, c.run.device.is_cuda(), c.train.context_parallel, "train.context_parallel")
-}
-
 /// [`init`], each sequence shared by `context` consecutive ranks (`train.context_parallel`, or
 /// the setting `named`): their c10d subgroup is joined after the world's, once every rank is
 /// known to ask for the same size (different sizes joined different subgroups and waited for
