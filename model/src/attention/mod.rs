@@ -170,7 +170,7 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
 ///
 /// Under a shorter window, on CUDA in bf16/f16, flash attention with its window arguments
 /// (each row one sequence of the variable-length kernel, checked on first use: `varlen.rs`);
-/// on the CPU, its flash kernel on blocks of queries over the keys their band reaches
+/// on the CPU, its flash kernel in f32 on blocks of queries over the keys their band reaches
 /// (`banded.rs`); elsewhere [`masked_window_attention`].
 ///
 /// # Shapes
@@ -188,12 +188,16 @@ pub fn windowed_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, windo
     }
     let on_cpu = matches!(q.device().inner().as_dispatch(), DispatchDevice::LibTorch(LibTorchDevice::Cpu));
     if on_cpu && BANDED_ON_CPU.with(Cell::get) {
-        return Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::banded_attention(
-            q.into_dispatch(),
-            k.into_dispatch(),
-            v.into_dispatch(),
+        // In f32, as the masked path computes (and HF's eager attention its softmax): the CPU
+        // kernel's bf16 moved bf16 LoRA gradients past PEFT's bf16 twin.
+        let (dtype, f32) = (q.dtype(), |t: Tensor<4>| t.cast(burn::tensor::DType::F32));
+        let out: Tensor<4> = Tensor::from_dispatch(<Dispatch as FusedAttentionBackend>::banded_attention(
+            f32(q).into_dispatch(),
+            f32(k).into_dispatch(),
+            f32(v).into_dispatch(),
             w,
         ));
+        return out.cast(dtype);
     }
     masked_window_attention(q, k, v, w)
 }
