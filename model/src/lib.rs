@@ -11,6 +11,7 @@ pub(crate) mod family;
 pub mod fp8;
 pub(crate) mod fused_adamw;
 pub mod generate;
+pub(crate) mod inference;
 pub(crate) mod kernels;
 pub(crate) mod layout;
 pub mod llama;

@@ -2,9 +2,7 @@
 
 use std::sync::Arc;
 
-use anyhow::Context;
 use llora_data::parquet_io::{OnBadRow, ReadOptions, read_parquet};
-use llora_model::BuildOptions;
 use llora_model::checkpoint::HfCheckpoint;
 use serde_json::json;
 
@@ -39,17 +37,7 @@ pub fn run(args: &crate::cli::EvalArgs) -> anyhow::Result<()> {
          positions beyond it were never trained, and train and generate refuse them too; lower --max-seq-len",
         args.model.display()
     );
-    // An NF4 base is quantised one tensor at a time as it loads (never whole in f32).
-    let build = BuildOptions { precision: spec.nf4.map(|_| spec), ..Default::default() };
-    let mut model = ckpt.load_model(&build, &device)?;
-    if let Some(adapter) = &args.adapter {
-        llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
-            .with_context(|| format!("loading the adapter {}", adapter.display()))?;
-    }
-    // After the adapter: its weights load into f32 parameters, then everything switches.
-    if !spec.is_fp32() {
-        model.set_precision(&spec)?;
-    }
+    let model = ckpt.load_for_inference(args.adapter.as_deref(), &spec, &device)?;
     let opts = ReadOptions {
         vocab: model.config.vocab_size,
         max_seq_len,

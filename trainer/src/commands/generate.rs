@@ -7,7 +7,6 @@ use std::time::Instant;
 use anyhow::Context;
 use llora_data::chat::{ChatTemplate, Message};
 use llora_data::tokenizer::load_tokenizer;
-use llora_model::BuildOptions;
 use llora_model::checkpoint::HfCheckpoint;
 use llora_model::generate::{Sampling, generate};
 use serde_json::json;
@@ -61,17 +60,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let mut p = crate::config::Problems::new(&flag);
     crate::config::check_precision_flags(&spec, &mut p);
     p.finish().map_err(|problems| anyhow::anyhow!("invalid llora generate flags:\n  - {}", problems.join("\n  - ")))?;
-    // An NF4 base is quantised one tensor at a time as it loads (never whole in f32).
-    let build = BuildOptions { precision: spec.nf4.map(|_| spec), ..Default::default() };
-    let mut model = ckpt.load_model(&build, &device)?;
-    if let Some(adapter) = &a.adapter {
-        llora_model::peft::load_peft_adapter(&mut model, adapter, &device)
-            .with_context(|| format!("loading the adapter {}", adapter.display()))?;
-    }
-    // After the adapter (it loads into f32 parameters), as `llora eval` does.
-    if !spec.is_fp32() {
-        model.set_precision(&spec)?;
-    }
+    let model = ckpt.load_for_inference(a.adapter.as_deref(), &spec, &device)?;
     let sampling = if a.temperature == 0.0 {
         Sampling::Greedy
     } else {
