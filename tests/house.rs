@@ -571,3 +571,17 @@ fn named_paths_exist() {
     }
     assert!(missing.is_empty(), "named paths that do not exist:\n{}", missing.join("\n"));
 }
+
+/// The trainer reaches into at most 8 of the model crate's modules (the rest it names through
+/// the crate's root, or not at all): the model owns its micro-step (`loss_and_grads`) and its
+/// inference loading, so the recipe does not reach into amax groups or precision internals.
+#[test]
+fn the_trainer_names_at_most_8_model_modules() {
+    let named = regex::Regex::new(r"llora_model::([a-z0-9_]+)::").unwrap();
+    let mut modules = BTreeSet::new();
+    for path in rust_files(&common_root().join("trainer/src")) {
+        let text = std::fs::read_to_string(&path).unwrap();
+        modules.extend(named.captures_iter(&text).map(|c| c[1].to_string()));
+    }
+    assert!(modules.len() <= 8, "{} model modules: {modules:?}", modules.len());
+}

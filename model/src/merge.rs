@@ -64,7 +64,7 @@ fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
 struct Adapter {
     shard: Shard,
     /// The adapter's settings (each module's scale from its rank and alpha patterns).
-    spec: crate::LoraSpec,
+    spec: crate::lora_spec::LoraSpec,
     /// PEFT name without the adapter name (`...lora_A.weight`) → stored name; removed when used.
     unused: HashMap<String, String>,
     /// The modules its config selects (`model.layers.0.self_attn.q_proj`); removed when merged.
@@ -72,12 +72,12 @@ struct Adapter {
 }
 
 impl Adapter {
-    fn open(dir: &Path, config: &crate::LlamaConfig) -> anyhow::Result<Self> {
+    fn open(dir: &Path, config: &crate::config::LlamaConfig) -> anyhow::Result<Self> {
         let peft = read_peft_config(dir)?;
         let mut selected = peft.select.modules(config);
         if config.fused_qkv {
             // A q/k/v adapter folds into a fused qkv_proj by rows (see `update_of`).
-            let parts = peft.select.modules(&crate::LlamaConfig { fused_qkv: false, ..config.clone() });
+            let parts = peft.select.modules(&crate::config::LlamaConfig { fused_qkv: false, ..config.clone() });
             selected = match (selected, parts) {
                 (Ok(mut a), Ok(b)) => {
                     a.extend(b);

@@ -252,7 +252,7 @@ impl Default for PretrainConfig {
 }
 
 /// Architecture presets `model.preset` accepts (the model crate's list).
-pub const MODEL_PRESETS: &[&str] = llora_model::config::PRESETS;
+pub const MODEL_PRESETS: &[&str] = llora_model::PRESETS;
 
 /// Records what is wrong with the `[lora]` section: the model crate's spec, written as it is
 /// (one definition, one check: [`LoraSpec::problems`]).
@@ -263,7 +263,7 @@ pub fn check_lora(l: &LoraSpec, p: &mut Problems<'_>) {
 }
 
 /// Module names `lora.targets` accepts (`qkv_proj` on fused-QKV checkpoints).
-pub const LORA_TARGETS: &[&str] = llora_model::lora::TARGET_MODULES;
+pub const LORA_TARGETS: &[&str] = llora_model::TARGET_MODULES;
 
 /// `[data]`: the datasets and their loaders.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

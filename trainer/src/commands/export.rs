@@ -15,15 +15,15 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
     crate::paths::ensure_new_output("--out", &args.out, None)?;
     crate::paths::ensure_not_an_input("--out", &args.out, &[("--model", &args.model), ("--adapter", &args.adapter)])?;
     let dtype = args.dtype.as_deref().map(|d| match d {
-        "bf16" => llora_model::merge::Dtype::BF16,
-        "f16" => llora_model::merge::Dtype::F16,
-        _ => llora_model::merge::Dtype::F32,
+        "bf16" => llora_model::ExportDtype::BF16,
+        "f16" => llora_model::ExportDtype::F16,
+        _ => llora_model::ExportDtype::F32,
     });
     let ckpt = HfCheckpoint::open(&args.model).with_context(|| format!("--model {}", args.model.display()))?;
-    let spec = llora_model::peft::read_peft_config(&args.adapter)?.spec;
+    let spec = llora_model::read_peft_config(&args.adapter)?.spec;
     // An adapter trained on a quantised base (QLoRA) learned to correct that base, not the
     // full-precision one it is folded into here: the merged model is not the one trained.
-    let trained_on = llora_model::peft::base_quantization(&args.adapter)?;
+    let trained_on = llora_model::base_quantization(&args.adapter)?;
     if let Some(q) = &trained_on {
         tracing::warn!(
             adapter = %args.adapter.display(),
@@ -36,7 +36,7 @@ pub fn run(args: &crate::cli::ExportArgs) -> anyhow::Result<()> {
     // Written beside --out and renamed into place whole: a failure leaves nothing behind.
     crate::paths::write_dir_atomic(&args.out, |tmp| {
         done = Some(
-            llora_model::merge::export_merged(&ckpt, &args.adapter, tmp, dtype)
+            llora_model::export_merged(&ckpt, &args.adapter, tmp, dtype)
                 .with_context(|| format!("merging the adapter {}", args.adapter.display()))?,
         );
         Ok(())

@@ -8,7 +8,7 @@ use anyhow::Context;
 use llora_data::chat::{ChatTemplate, Message};
 use llora_data::tokenizer::load_tokenizer;
 use llora_model::checkpoint::HfCheckpoint;
-use llora_model::generate::{Sampling, generate};
+use llora_model::{Sampling, generate};
 use serde_json::json;
 
 use crate::cli::GenerateArgs;

@@ -19,8 +19,8 @@
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor};
-use llora_model::attention::{FusedKernel, verify};
 use llora_model::device::DeviceSpec;
+use llora_model::diagnostics::{FusedKernel, verify_attention_kernel as verify};
 use llora_model::fp8::gemm::check_layer_gemms;
 use serde_json::{Value, json};
 use tch::Kind;

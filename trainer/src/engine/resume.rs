@@ -21,7 +21,7 @@ use anyhow::{Context, ensure};
 use burn::tensor::{Device, Tensor, TensorData};
 use llora_data::loader::Position;
 use llora_model::checkpoint::{read_safetensors_f32, safetensors_bytes, write_atomic};
-use llora_model::peft::save_peft_adapter;
+use llora_model::save_peft_adapter;
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use serde::{Deserialize, Serialize};
 

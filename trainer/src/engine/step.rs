@@ -4,27 +4,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use llora_data::batch::Collated;
-use llora_model::LlamaForCausalLM;
-use llora_model::PackedRows;
-use llora_model::loss::Labels;
+use llora_model::Labels;
+use llora_model::{LlamaForCausalLM, PackedRows};
+
+pub use llora_model::{MicroBatch, device_sync};
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
 use crate::engine::optim::{AdamW, clip_coefficient};
-
-/// One micro-batch on the device, with the seed of its dropout masks.
-pub struct MicroBatch {
-    /// `[batch, seq]` token ids.
-    pub ids: Tensor<2, Int>,
-    /// `[batch, seq]` labels (−100 = no loss), with their host values when known.
-    pub labels: Labels,
-    /// Where the documents of packed rows lie; `None`: a sample per row.
-    pub packed: Option<Arc<PackedRows>>,
-    /// Reseeds the device's generator before the forward, when set.
-    pub seed: Option<u64>,
-}
 
 /// The dropout seed of micro-batch `micro` (its index in the global batch) of optimizer step
 /// `step`: the same sample sees the same masks on any rank and world size, and a resumed run
@@ -64,16 +53,9 @@ pub struct StepOptions {
     pub sync_phases: bool,
 }
 
-/// Waits until `device` has finished the work queued on it (a no-op on the CPU).
-pub fn device_sync(device: &Device) {
-    if let Some(tch::Device::Cuda(n)) = llora_model::precision::tch_device(device) {
-        tch::Cuda::synchronize(n as i64);
-    }
-}
-
 /// One micro-batch's loss (`loss_sum / norm`) and the flattened gradients of every trainable
 /// parameter, in `trainable_params_mut` order, with the first `recompute` blocks recomputed
-/// ([`LlamaForCausalLM::recomputed_backward`]); also the forward and backward seconds (real on
+/// ([`LlamaForCausalLM::loss_and_grads`]); also the forward and backward seconds (real on
 /// CUDA: the device is waited for after the forward and at the end).
 pub fn micro_batch_grads(
     model: &mut LlamaForCausalLM,
@@ -81,98 +63,9 @@ pub fn micro_batch_grads(
     norm: f64,
     recompute: usize,
 ) -> anyhow::Result<(f64, Vec<Tensor<1>>, f64, f64)> {
-    let g = grads_on_device(model, mb, norm, recompute, true)?;
+    let g = model.loss_and_grads(mb, norm, recompute, true)?;
     let loss = llora_model::device::to_host(g.loss).convert::<f32>().try_into_vec::<f32>().expect("f32")[0] as f64;
     Ok((loss, g.grads, g.forward_s, g.backward_s))
-}
-
-/// A micro-batch's loss and gradients, left on the device.
-pub struct MicroGrads {
-    /// `loss_sum / norm`, `[1]` (f32), not read back.
-    pub loss: Tensor<1>,
-    /// The flattened gradient of each trainable parameter, in `trainable_params_mut` order.
-    pub grads: Vec<Tensor<1>>,
-    /// Seconds of the forward, to the loss (a recomputed block's second forward is backward's).
-    pub forward_s: f64,
-    /// Seconds of the backward and the gradients' gathering.
-    pub backward_s: f64,
-}
-
-/// [`micro_batch_grads`] without reading anything back: the host queues the forward and the
-/// backward without waiting for the device, unless `sync` asks for real phase times. Under
-/// context parallelism the FP8 scales chosen inside (first uses, current scaling) come from
-/// the whole sequence's amaxes, as one process's would (`llora_model::fp8::amax_group`).
-pub fn grads_on_device(
-    model: &mut LlamaForCausalLM,
-    mb: MicroBatch,
-    norm: f64,
-    recompute: usize,
-    sync: bool,
-) -> anyhow::Result<MicroGrads> {
-    let group = model.context.as_ref().map(|c| c.group.clone());
-    llora_model::fp8::amax_group::with_amax_group(group, || grads_of(model, mb, norm, recompute, sync))
-}
-
-/// [`grads_on_device`] inside its amax scope.
-fn grads_of(
-    model: &mut LlamaForCausalLM,
-    mb: MicroBatch,
-    norm: f64,
-    recompute: usize,
-    sync: bool,
-) -> anyhow::Result<MicroGrads> {
-    let t = Instant::now();
-    let device = mb.ids.device();
-    if let Some(seed) = mb.seed {
-        device.seed(seed);
-    }
-    let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
-        // The forward ends at the loss; the recomputed blocks' second forward counts as backward.
-        tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward, then backward block by block");
-        let mut forward_s = 0.0;
-        let forward_done = || {
-            if sync {
-                device_sync(&device);
-            }
-            forward_s = t.elapsed().as_secs_f64();
-        };
-        let (loss, grads) =
-            model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute, forward_done)?;
-        (loss, grads, forward_s)
-    } else {
-        let loss = {
-            let _span = debug_span!("forward").entered();
-            // An event at the start (spans print when they close): a hang names its phase.
-            tracing::debug!("step phase: forward");
-            model.loss(mb.ids, mb.labels, mb.packed.as_ref(), true)?.loss_sum.sum().div_scalar(norm)
-        };
-        if sync {
-            device_sync(&device);
-        }
-        let forward_s = t.elapsed().as_secs_f64();
-        let _span = debug_span!("backward").entered();
-        tracing::debug!("step phase: backward");
-        (loss.clone().inner(), vec![loss.backward()], forward_s)
-    };
-    // A context-parallel collective that failed inside attention (a lost rank) ends the step here.
-    llora_model::context_parallel::take_failure()?;
-    let g: Vec<Tensor<1>> = model
-        .trainable_params_mut()
-        .iter()
-        .map(|(name, p)| {
-            // A tied embedding has a part in the head's segment and one in the embedding's.
-            grads
-                .iter()
-                .filter_map(|gr| p.grad_flat(gr))
-                .reduce(|a, b| a + b)
-                .unwrap_or_else(|| panic!("{name} got no gradient"))
-        })
-        .collect();
-    if sync {
-        device_sync(&device);
-    }
-    let loss = loss.cast(burn::tensor::DType::F32);
-    Ok(MicroGrads { loss, grads: g, forward_s, backward_s: t.elapsed().as_secs_f64() - forward_s })
 }
 
 /// A step whose loss or gradient norm is not finite: nothing was updated (the trainer says
@@ -213,7 +106,7 @@ pub fn train_step(
     let mut losses = Vec::with_capacity(micro_batches.len());
     let (mut forward_s, mut backward_s) = (0.0, 0.0);
     for mb in micro_batches {
-        let g = grads_on_device(model, mb, norm, opts.recompute_layers, opts.sync_phases)?;
+        let g = model.loss_and_grads(mb, norm, opts.recompute_layers, opts.sync_phases)?;
         losses.push(g.loss);
         grads_acc.push(g.grads, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
         forward_s += g.forward_s;
@@ -384,6 +277,7 @@ mod tests {
     use super::*;
     use crate::config::OptimConfig;
     use crate::dist::SingleProcess;
+    use burn::tensor::Int;
     use llora_model::{BuildOptions, LlamaConfig, LoraSpec};
 
     /// The tree's association, written out by hand for 8 and 5 terms; a rank's block of 4 is
@@ -558,7 +452,7 @@ mod tests {
             let grads: Vec<Vec<f32>> = host(grads);
             // What fp32 alone moves each tensor by: one process with Burn's generic attention
             // (as HF's "eager") instead of the flash kernel, summing the softmax in another order.
-            let eager = llora_model::attention::with_generic_attention(|| {
+            let eager = llora_model::diagnostics::with_generic_attention(|| {
                 micro_batch_grads(&mut model(preset), mb(packed.clone()), 76.0, recompute).unwrap()
             });
             let noise = relative_differences(&grads, &host(eager.1)).into_iter().fold(0.0, f64::max);
@@ -662,7 +556,7 @@ mod tests {
         let (loss, grads, amaxes) = step(&mut model());
         assert!(amaxes.iter().filter(|a| **a > 0.0).count() > 20, "{amaxes:?}");
         let (eager_loss, eager_grads, eager_amaxes) =
-            llora_model::attention::with_generic_attention(|| step(&mut model()));
+            llora_model::diagnostics::with_generic_attention(|| step(&mut model()));
         let noise_amax = worst(&amaxes, &eager_amaxes);
         let noise_grads = relative_differences(std::slice::from_ref(&grads), &[eager_grads])[0];
         let noise_loss = (eager_loss - loss).abs() / loss;

@@ -12,7 +12,7 @@ use llora_data::Sample;
 use llora_data::batch::StepBatch;
 use llora_data::prefetch::Prefetched;
 use llora_model::checkpoint::save_hf_checkpoint;
-use llora_model::peft::save_peft_adapter;
+use llora_model::save_peft_adapter;
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use tracing::{debug_span, info};
 

@@ -55,12 +55,12 @@ pub(super) fn widths(s: &Shape) -> Widths {
 /// allocator rounds each one up on its own: [`allocated`]).
 pub fn kept_per_token(s: &Shape) -> Vec<Saved> {
     if !s.full_fine_tuning {
-        return llora_model::llama::DecoderLayer::saved_per_token(&s.model, &s.lora, &s.precision);
+        return llora_model::DecoderLayer::saved_per_token(&s.model, &s.lora, &s.precision);
     }
     // No adapters; every linear keeps its input for its weight's gradient instead (o_proj's is
     // the attention output, kept by attention already).
     let none = llora_model::LoraSpec { targets: Vec::new(), ..s.lora.clone() };
-    let mut kept = llora_model::llama::DecoderLayer::saved_per_token(&s.model, &none, &s.precision);
+    let mut kept = llora_model::DecoderLayer::saved_per_token(&s.model, &none, &s.precision);
     let (e, d, i) = (s.precision.activation_bytes(), s.model.hidden_size as f64, s.model.intermediate_size as f64);
     let why = "the weight's gradient (full fine-tuning)";
     kept.push(Saved::new("q/k/v input (the attention norm's output)", e * d, why));
@@ -381,7 +381,7 @@ pub(super) fn loss_transients(s: &Shape) -> (f64, f64) {
     }
     let chunk = LCE_CHUNK_BYTES.min(target_rows(s) * v * 4.0);
     let chunk = alloc(chunk) + if e < 4.0 { alloc(chunk * e / 4.0) } else { 0.0 };
-    let head_block = (v * d).min(llora_model::loss::LCE_HEAD_BLOCK_ELEMENTS as f64);
+    let head_block = (v * d).min(llora_model::LCE_HEAD_BLOCK_ELEMENTS as f64);
     let table = if upcast_gemms(s) { alloc(head_block * 4.0) } else { 0.0 };
     (chunk, table)
 }

@@ -71,14 +71,14 @@ fn random_batch(
     seq: usize,
     vocab: usize,
     device: &Device,
-) -> (Tensor<2, Int>, llora_model::loss::Labels, usize) {
+) -> (Tensor<2, Int>, llora_model::Labels, usize) {
     let ids: Vec<i64> = (0..batch * seq).map(|_| rng.random_range(0..vocab as i64)).collect();
     let labels: Vec<i64> = ids.iter().enumerate().map(|(j, &t)| if j % seq < seq / 2 { -100 } else { t }).collect();
     // Position t predicts label t+1, so the last position of a row has no target.
     let targets = batch * (seq - seq / 2 - 1);
     (
         Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
-        llora_model::loss::Labels::from_host(labels, [batch, seq], device),
+        llora_model::Labels::from_host(labels, [batch, seq], device),
         targets,
     )
 }
@@ -690,7 +690,7 @@ fn run_json(counts: &llora_model::diagnostics::Counts, loadavg_start: Option<Vec
 /// `LLORA_CUDA_ROUTES_ON_CPU=1`); the FP8 quantisers' are in `fp8_quantiser_routes`.
 fn routes() -> Value {
     json!({
-        "attn_impl": llora_model::attention::kernels_used(),
+        "attn_impl": llora_model::diagnostics::attention_kernels_used(),
         "rms_norm": if llora_model::diagnostics::RMS_NORM_FUSED_ROUTE.used() { "cuda-fused" } else { "composite" },
         // SwiGLU with FP8-kept inputs: our kernel (kernels/swiglu_fp8.cu) or LibTorch's ops.
         "swiglu": if llora_model::diagnostics::SWIGLU_FP8_ROUTE.used() { "kernel" } else { "libtorch" },

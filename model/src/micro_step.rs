@@ -1,0 +1,129 @@
+//! One micro-batch through the model: its loss and the gradient of every trainable parameter
+//! ([`LlamaForCausalLM::loss_and_grads`]), what a training step asks of the model, with what the
+//! model owns about it (dropout seeding, recomputed blocks, the FP8 amax scope of a
+//! context-parallel group, a lost rank's failure). The step around it (accumulation, the
+//! all-reduce, clipping, the optimizer) is the trainer's.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::{Device, Int, Tensor};
+use tracing::debug_span;
+
+use crate::llama::LlamaForCausalLM;
+use crate::loss::Labels;
+use crate::packing::PackedRows;
+
+/// One micro-batch on the device, with the seed of its dropout masks.
+pub struct MicroBatch {
+    /// `[batch, seq]` token ids.
+    pub ids: Tensor<2, Int>,
+    /// `[batch, seq]` labels (−100 = no loss), with their host values when known.
+    pub labels: Labels,
+    /// Where the documents of packed rows lie; `None`: a sample per row.
+    pub packed: Option<Arc<PackedRows>>,
+    /// Reseeds the device's generator before the forward, when set.
+    pub seed: Option<u64>,
+}
+
+/// Waits until `device` has finished the work queued on it (a no-op on the CPU).
+pub fn device_sync(device: &Device) {
+    if let Some(tch::Device::Cuda(n)) = crate::precision::tch_device(device) {
+        tch::Cuda::synchronize(n as i64);
+    }
+}
+
+/// A micro-batch's loss and gradients, left on the device.
+pub struct MicroGrads {
+    /// `loss_sum / norm`, `[1]` (f32), not read back.
+    pub loss: Tensor<1>,
+    /// The flattened gradient of each trainable parameter, in `trainable_params_mut` order.
+    pub grads: Vec<Tensor<1>>,
+    /// Seconds of the forward, to the loss (a recomputed block's second forward is backward's).
+    pub forward_s: f64,
+    /// Seconds of the backward and the gradients' gathering.
+    pub backward_s: f64,
+}
+
+impl LlamaForCausalLM {
+    /// One micro-batch's loss (`loss_sum / norm`, left on the device) and the flattened
+    /// gradient of every trainable parameter, in `trainable_params_mut` order: the dropout
+    /// masks seeded from the batch's seed, the first `recompute` blocks recomputed (and a
+    /// sharded model block by block: [`Self::recomputed_backward`]), a context-parallel
+    /// collective's failure turned into this error. The host queues the forward and the
+    /// backward without waiting for the device, unless `sync` asks for real phase times. Under
+    /// context parallelism the FP8 scales chosen inside (first uses, current scaling) come from
+    /// the whole sequence's amaxes, as one process's would (`fp8::amax_group`).
+    pub fn loss_and_grads(
+        &mut self,
+        mb: MicroBatch,
+        norm: f64,
+        recompute: usize,
+        sync: bool,
+    ) -> anyhow::Result<MicroGrads> {
+        let group = self.context.as_ref().map(|c| c.group.clone());
+        crate::fp8::amax_group::with_amax_group(group, || grads_of(self, mb, norm, recompute, sync))
+    }
+}
+
+/// [`LlamaForCausalLM::loss_and_grads`] inside its amax scope.
+fn grads_of(
+    model: &mut LlamaForCausalLM,
+    mb: MicroBatch,
+    norm: f64,
+    recompute: usize,
+    sync: bool,
+) -> anyhow::Result<MicroGrads> {
+    let t = Instant::now();
+    let device = mb.ids.device();
+    if let Some(seed) = mb.seed {
+        device.seed(seed);
+    }
+    let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
+        // The forward ends at the loss; the recomputed blocks' second forward counts as backward.
+        tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward, then backward block by block");
+        let mut forward_s = 0.0;
+        let forward_done = || {
+            if sync {
+                device_sync(&device);
+            }
+            forward_s = t.elapsed().as_secs_f64();
+        };
+        let (loss, grads) =
+            model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute, forward_done)?;
+        (loss, grads, forward_s)
+    } else {
+        let loss = {
+            let _span = debug_span!("forward").entered();
+            // An event at the start (spans print when they close): a hang names its phase.
+            tracing::debug!("step phase: forward");
+            model.loss(mb.ids, mb.labels, mb.packed.as_ref(), true)?.loss_sum.sum().div_scalar(norm)
+        };
+        if sync {
+            device_sync(&device);
+        }
+        let forward_s = t.elapsed().as_secs_f64();
+        let _span = debug_span!("backward").entered();
+        tracing::debug!("step phase: backward");
+        (loss.clone().inner(), vec![loss.backward()], forward_s)
+    };
+    // A context-parallel collective that failed inside attention (a lost rank) ends the step here.
+    crate::context_parallel::take_failure()?;
+    let g: Vec<Tensor<1>> = model
+        .trainable_params_mut()
+        .iter()
+        .map(|(name, p)| {
+            // A tied embedding has a part in the head's segment and one in the embedding's.
+            grads
+                .iter()
+                .filter_map(|gr| p.grad_flat(gr))
+                .reduce(|a, b| a + b)
+                .unwrap_or_else(|| panic!("{name} got no gradient"))
+        })
+        .collect();
+    if sync {
+        device_sync(&device);
+    }
+    let loss = loss.cast(burn::tensor::DType::F32);
+    Ok(MicroGrads { loss, grads: g, forward_s, backward_s: t.elapsed().as_secs_f64() - forward_s })
+}
