@@ -525,6 +525,10 @@ pub struct BuildOptions<'a> {
     pub sharding: Option<Sharding>,
 }
 
+/// How the step's FP8 amaxes are max-reduced over the data-parallel ranks, in place
+/// ([`LlamaForCausalLM::reduce_and_update_fp8`]).
+pub type AmaxReduce<'a> = dyn Fn(&mut [f32]) -> anyhow::Result<()> + 'a;
+
 /// Llama causal language model with (optional) LoRA adapters.
 #[derive(Module, Debug)]
 pub struct LlamaForCausalLM {
@@ -874,6 +878,25 @@ impl LlamaForCausalLM {
                 d.pending = (v >= 0.0).then_some(v);
             }
         }
+    }
+
+    /// Ends a training step for delayed scaling (Transformer Engine's `reduce_and_update`): the
+    /// amaxes recorded this step max-reduced by `reduce` (over the data-parallel ranks: every
+    /// rank then takes the largest any saw; `None` on one rank), then every one joins its
+    /// history and the next step's scales follow.
+    pub fn reduce_and_update_fp8(
+        &self,
+        reduce: Option<&AmaxReduce<'_>>,
+    ) -> anyhow::Result<()> {
+        if let Some(reduce) = reduce {
+            let mut amaxes = self.fp8_pending_amaxes();
+            if !amaxes.is_empty() {
+                reduce(&mut amaxes)?;
+                self.set_fp8_pending_amaxes(&amaxes);
+            }
+        }
+        self.update_fp8_scales();
+        Ok(())
     }
 
     /// Ends a training step for delayed scaling: every recorded amax joins its history.

@@ -16,7 +16,7 @@
 //! | our NVRTC kernels (argument checks, launches) | `kernels/` |
 //! | what each kernel computes in LibTorch ops: its reference and CPU stand-in | [`stand_ins`] |
 //! | a route's first-use check and fallback; every route in one list (`llora selftest`, `llora bench`) | `routes.rs`, `route_list.rs` |
-//! | the step's end: amaxes max-reduced over ranks, then every scale updated | the trainer's `engine/step.rs` (`LlamaForCausalLM::update_fp8_scales`) |
+//! | the step's end: amaxes max-reduced over ranks, then every scale updated | `LlamaForCausalLM::reduce_and_update_fp8` (llama.rs), called once by the trainer's `engine/step.rs` |
 //!
 //! A tensor is quantised as `q = cast(clamp(x·s, ±max))` and stands for `float(q) · (1/s)`.
 //! Delayed scaling takes `s` from the amaxes of earlier steps (a role's first use from its own

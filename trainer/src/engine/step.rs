@@ -132,15 +132,9 @@ pub fn train_step(
     }
     let coef = clip_coefficient(total_norm, clip_grad_norm);
     optim.step(model.trainable_params_mut(), grads, coef, lr).map_err(|e| anyhow::anyhow!("optimizer step: {e}"))?;
-    if comm.world_size() > 1 {
-        // Delayed scaling follows the global batch: every rank takes the largest amax any saw.
-        let mut amaxes = model.fp8_pending_amaxes();
-        if !amaxes.is_empty() {
-            comm.all_reduce_f32(&mut amaxes, ReduceOp::Max)?;
-            model.set_fp8_pending_amaxes(&amaxes);
-        }
-    }
-    model.update_fp8_scales();
+    // Delayed scaling follows the global batch: every rank takes the largest amax any saw.
+    let max_over_ranks = |amaxes: &mut [f32]| Ok(comm.all_reduce_f32(amaxes, ReduceOp::Max)?);
+    model.reduce_and_update_fp8((comm.world_size() > 1).then_some(&max_over_ranks as _))?;
     if opts.sync_phases
         && let Some(g) = model.trainable_params_mut().first().map(|(_, p)| p.flat().inner())
     {
