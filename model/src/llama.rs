@@ -884,10 +884,7 @@ impl LlamaForCausalLM {
     /// amaxes recorded this step max-reduced by `reduce` (over the data-parallel ranks: every
     /// rank then takes the largest any saw; `None` on one rank), then every one joins its
     /// history and the next step's scales follow.
-    pub fn reduce_and_update_fp8(
-        &self,
-        reduce: Option<&AmaxReduce<'_>>,
-    ) -> anyhow::Result<()> {
+    pub fn reduce_and_update_fp8(&self, reduce: Option<&AmaxReduce<'_>>) -> anyhow::Result<()> {
         if let Some(reduce) = reduce {
             let mut amaxes = self.fp8_pending_amaxes();
             if !amaxes.is_empty() {

@@ -4,7 +4,8 @@
 //! | idea | where |
 //! |---|---|
 //! | the formats E4M3 / E5M2, and an exact scalar emulation of torch's cast | [`format`](mod@format) |
-//! | the recipe: delayed-scaling settings, one tensor's amax history and scale, a linear's three | [`recipe`] |
+//! | the recipe, configuration only: delayed-scaling settings, the scale an amax gives | [`recipe`] |
+//! | the scaling state a run keeps: one tensor's amax history and scale, a linear's three | [`scaling_state`] |
 //! | the one FP8 tensor: codes + inverse scale (host or device) + kept transpose; codes a kernel writes | [`tensor`] |
 //! | quantise / dequantise / amax, each on the fastest route its device checked | [`quantize`] |
 //! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
@@ -29,12 +30,14 @@ pub mod format;
 pub mod gemm;
 pub mod quantize;
 pub mod recipe;
+pub mod scaling_state;
 pub mod shared_codes;
 pub mod stand_ins;
 pub mod tensor;
 
 pub use format::Fp8Format;
 pub use quantize::*;
-pub use recipe::{AmaxAlgo, AmaxSpec, DelayedScaling, scale_for_amax};
+pub use recipe::{AmaxAlgo, AmaxSpec, scale_for_amax};
+pub use scaling_state::DelayedScaling;
 pub use shared_codes::{SharedCodes, WriteCodes};
 pub use tensor::{CodesToWrite, Fp8Tensor, InvScale};

@@ -11,7 +11,7 @@ use super::bf16;
 use super::spec::{Compute, PrecisionSpec};
 use super::weights::StoredWeight;
 use crate::fp8::gemm::fp8_gemm;
-use crate::fp8::recipe::{LinearScales, Role, scale_of};
+use crate::fp8::scaling_state::{LinearScales, Role, scale_of};
 use crate::fp8::tensor::Fp8Tensor;
 use crate::fp8::{Fp8Format, SharedCodes, amax_tch, dequantize, quantize_current_on_device, quantize_tch};
 use crate::shard::FrozenWeight;

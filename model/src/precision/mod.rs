@@ -43,7 +43,7 @@ mod spec;
 pub mod swiglu_route;
 pub(crate) mod weights;
 
-pub use crate::fp8::recipe::{LinearScales, Role};
+pub use crate::fp8::scaling_state::{LinearScales, Role};
 pub use linear::{LinearPrecision, LinearWeight};
 pub use nodes::{
     PrecisionBackend, frozen_linear, precision_linear, precision_linear_reading, stored_row_terms, swiglu,
