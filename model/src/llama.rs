@@ -781,57 +781,41 @@ impl LlamaForCausalLM {
         Ok(())
     }
 
-    /// Every delayed-scaling state, by name (`<module>` for the base GEMM, `<module>.lora_A`
-    /// and `<module>.lora_B` for the adapter's); empty unless the compute is FP8.
-    pub fn fp8_scales(&self) -> std::collections::BTreeMap<String, LinearScales> {
-        let mut out = std::collections::BTreeMap::new();
+    /// Every linear layer's reduced-precision state by name, base before adapter, in module
+    /// order: `<module>` for the base GEMM, `<module>.lora_A` and `<module>.lora_B` for the
+    /// adapter's. The one walk over them (scales saved and restored, amaxes read, updated).
+    fn named_quant_states(&self) -> Vec<(String, &crate::precision::LinearPrecision)> {
+        let mut out = Vec::new();
         for (name, linear) in self.named_linears() {
-            if let Some(q) = linear.quant.as_ref().filter(|q| q.spec.compute == Compute::Fp8) {
-                out.insert(name.clone(), q.scales.lock().unwrap().clone());
+            if let Some(q) = &linear.quant {
+                out.push((name.clone(), &**q));
             }
-            if let Some([qa, qb]) =
-                linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8)
-            {
-                out.insert(format!("{name}.lora_A"), qa.scales.lock().unwrap().clone());
-                out.insert(format!("{name}.lora_B"), qb.scales.lock().unwrap().clone());
+            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
+                out.extend([(format!("{name}.lora_A"), &**qa), (format!("{name}.lora_B"), &**qb)]);
             }
         }
         out
     }
 
+    /// Every delayed-scaling state, by name ([`Self::named_quant_states`]'s); empty unless the
+    /// compute is FP8.
+    pub fn fp8_scales(&self) -> std::collections::BTreeMap<String, LinearScales> {
+        let fp8 = self.named_quant_states().into_iter().filter(|(_, q)| q.spec.compute == Compute::Fp8);
+        fp8.map(|(name, q)| (name, q.scales.lock().unwrap().clone())).collect()
+    }
+
     /// Restores states saved by [`Self::fp8_scales`]; every state of this model must be there.
     pub fn set_fp8_scales(&self, saved: &std::collections::BTreeMap<String, LinearScales>) -> anyhow::Result<()> {
-        let mut targets = Vec::new();
-        for (name, linear) in self.named_linears() {
-            if let Some(q) = linear.quant.as_ref().filter(|q| q.spec.compute == Compute::Fp8) {
-                targets.push((name.clone(), q.clone()));
-            }
-            if let Some([qa, qb]) =
-                linear.lora.as_ref().and_then(|a| a.quant.as_ref()).filter(|[q, _]| q.spec.compute == Compute::Fp8)
-            {
-                targets.push((format!("{name}.lora_A"), qa.clone()));
-                targets.push((format!("{name}.lora_B"), qb.clone()));
-            }
-        }
-        for (name, q) in targets {
+        for (name, q) in self.named_quant_states().into_iter().filter(|(_, q)| q.spec.compute == Compute::Fp8) {
             let state = saved.get(&name).ok_or_else(|| anyhow::anyhow!("no FP8 scaling state for {name:?}"))?;
             *q.scales.lock().unwrap() = state.clone();
         }
         Ok(())
     }
 
-    /// Every linear layer's reduced-precision state, base before adapter, in module order.
+    /// Every linear layer's reduced-precision state ([`Self::named_quant_states`]'s order).
     fn quant_states(&self) -> Vec<&crate::precision::LinearPrecision> {
-        let mut out = Vec::new();
-        for (_, linear) in self.named_linears() {
-            if let Some(q) = &linear.quant {
-                out.push(&**q);
-            }
-            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
-                out.extend([&**qa, &**qb]);
-            }
-        }
-        out
+        self.named_quant_states().into_iter().map(|(_, q)| q).collect()
     }
 
     /// Reads back, in one host-device transfer, the amaxes the step's FP8 GEMMs left on the
@@ -899,14 +883,8 @@ impl LlamaForCausalLM {
     /// Ends a training step for delayed scaling: every recorded amax joins its history.
     pub fn update_fp8_scales(&self) {
         self.settle_fp8_amaxes();
-        for (_, linear) in self.named_linears() {
-            if let Some(q) = &linear.quant {
-                q.update();
-            }
-            if let Some([qa, qb]) = linear.lora.as_ref().and_then(|a| a.quant.as_ref()) {
-                qa.update();
-                qb.update();
-            }
+        for q in self.quant_states() {
+            q.update();
         }
     }
 
