@@ -8,6 +8,7 @@
 //! | the scaling state a run keeps: one tensor's amax history and scale, a linear's three | [`scaling_state`] |
 //! | the one FP8 tensor: codes + inverse scale (host or device) + kept transpose; codes a kernel writes | [`tensor`] |
 //! | quantise / dequantise / amax, each on the fastest route its device checked | [`quantize`] |
+//! | a tensor made an [`Fp8Tensor`] at a delayed scale or its own amax (current scaling) | [`quantizer`] |
 //! | amaxes taken over a context-parallel group (one process's scales) | [`amax_group`] |
 //! | one input's codes made once and handed to each GEMM reading it (q/k/v, gate/up, down) | [`shared_codes`] |
 //! | the FP8 linear: its GEMMs' operands and what it saves for backward, each an [`Fp8Tensor`] | `precision/linear.rs`, `precision/nodes.rs` |
@@ -29,6 +30,7 @@ pub mod amax_group;
 pub mod format;
 pub mod gemm;
 pub mod quantize;
+pub mod quantizer;
 pub mod recipe;
 pub mod scaling_state;
 pub mod shared_codes;
@@ -37,6 +39,7 @@ pub mod tensor;
 
 pub use format::Fp8Format;
 pub use quantize::*;
+pub use quantizer::Quantizer;
 pub use recipe::{AmaxAlgo, AmaxSpec, scale_for_amax};
 pub use scaling_state::DelayedScaling;
 pub use shared_codes::{SharedCodes, WriteCodes};

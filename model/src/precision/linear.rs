@@ -13,7 +13,7 @@ use super::weights::StoredWeight;
 use crate::fp8::gemm::fp8_gemm;
 use crate::fp8::scaling_state::{LinearScales, Role, scale_of};
 use crate::fp8::tensor::Fp8Tensor;
-use crate::fp8::{Fp8Format, SharedCodes, amax_tch, dequantize, quantize_current_on_device, quantize_tch};
+use crate::fp8::{Fp8Format, SharedCodes, amax_tch, quantize_tch};
 use crate::shard::FrozenWeight;
 
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
@@ -266,8 +266,7 @@ impl LinearPrecision {
                 // (an adapter of a bf16 layer) upcasts them, as PEFT does.
                 let saved = keep_input.then(|| {
                     if fp8_store {
-                        let (q, scale_inv) = quantize_current_on_device(&x2, Fp8Format::E4M3);
-                        SavedInput::Fp8(Fp8Tensor::device(q, scale_inv))
+                        SavedInput::Fp8(crate::fp8::Quantizer::Current(Fp8Format::E4M3).quantize(&x2))
                     } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
                         // The activation itself: no copy.
                         SavedInput::Bf16(x_in.clone())
@@ -294,7 +293,9 @@ impl LinearPrecision {
             SavedInput::AsIs(x) => {
                 let x = x.tensor.reshape([-1, *x.tensor.size().last().unwrap()]);
                 match self.spec.compute {
-                    Compute::Fp8 => dequantize(&quantize_tch(&x, in_scale, Fp8Format::E4M3), 1.0 / in_scale),
+                    Compute::Fp8 => crate::fp8::Quantizer::Delayed { scale: in_scale, format: Fp8Format::E4M3 }
+                        .quantize(&x)
+                        .dequantize(),
                     _ => x.to_kind(Kind::Float),
                 }
             }

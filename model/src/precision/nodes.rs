@@ -16,7 +16,7 @@ use tch::Kind;
 
 use super::linear::{LinearPrecision, LinearState, LinearWeight};
 use super::spec::Storage;
-use crate::fp8::{Fp8Format, Fp8Tensor, SharedCodes, WriteCodes, quantize_current_on_device};
+use crate::fp8::{Fp8Format, Fp8Tensor, SharedCodes, WriteCodes};
 use crate::shard::FrozenWeight;
 
 /// Bytes of activations the ops in this module saved for backward since the last
@@ -253,10 +253,7 @@ impl Kept {
         match storage {
             Storage::F32 => Self::Plain(x),
             Storage::Bf16 => Self::Plain(TchTensor::new(x.tensor.to_kind(Kind::BFloat16))),
-            Storage::Fp8 => {
-                let (q, scale_inv) = quantize_current_on_device(&x.tensor, Fp8Format::E4M3);
-                Self::Fp8(Fp8Tensor::device(q, scale_inv))
-            }
+            Storage::Fp8 => Self::Fp8(crate::fp8::Quantizer::Current(Fp8Format::E4M3).quantize(&x.tensor)),
         }
     }
 
