@@ -1,6 +1,6 @@
 //! The training engine, read top-down: `train.rs` is the run in one page (the ranks agree, the
-//! start decided once), `setup.rs` everything before the first step, `trainer.rs` the loop
-//! (evaluation, checkpoints, the finish), `records.rs` the run's records, `outcome.rs` how a run
+//! start decided once), `trainer.rs` the [`trainer::Trainer`] with all its methods (set-up,
+//! the loop, evaluation, checkpoints, the finish), `setup.rs` the set-up's named steps, `records.rs` the run's records, `outcome.rs` how a run
 //! ended; `step.rs` one optimizer step (micro-batches, gradients, the all-reduce, clipping),
 //! `eval.rs` an evaluation pass; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
 //! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues (`claim.rs`: the directory a run holds; `run_lock.rs`: a live run's lock on it; `outputs.rs`: the names of what it writes); `events.rs`

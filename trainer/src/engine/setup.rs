@@ -1,10 +1,10 @@
-//! Everything before the first step, in the result log's order: the device, the preflight
-//! checks, `init_start`, the model and its adapters (or the checkpoint's state), warm-up,
-//! every rank ready, `run_start`, the data.
+//! The named steps of [`Trainer::setup`](crate::engine::trainer::Trainer::setup), everything
+//! before the first step in the result log's order: the device, the preflight checks, the
+//! batch geometry, the model and its adapters (or the checkpoint's state) with warm-up, the
+//! data and its batches.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Context;
 use burn::tensor::{Device, Int, Tensor};
@@ -22,93 +22,13 @@ use tracing::info;
 
 use crate::config::{Config, Trainable};
 use crate::dist::Dist;
-use crate::engine::claim;
 use crate::engine::events::RunEvent;
-use crate::engine::mllog::now_ms;
 use crate::engine::optim::AdamW;
-use crate::engine::outputs;
-use crate::engine::records::Records;
 use crate::engine::resume::{self, Checkpoint, TrainState};
-use crate::engine::stop_signal::StopSignal;
-use crate::engine::trainer::Trainer;
-
-impl<'a> Trainer<'a> {
-    /// Everything before the first step (the ranks have agreed on `config`), in the result
-    /// log's order: device, `init_start`, model and adapters, optimizer (or the checkpoint's
-    /// state), warm-up, every rank ready, `run_start`, data.
-    pub fn setup(
-        config: &'a Config,
-        name: &str,
-        dist: &'a Dist,
-        resumed: Option<Checkpoint>,
-        claim: claim::Claim,
-    ) -> anyhow::Result<Self> {
-        let (device_spec, device) = start_device(config, name, dist)?;
-        check_inputs(config, dist.world.size)?;
-        let geometry = geometry(config, dist.data_share())?;
-        let fresh = resumed.is_none();
-        let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);
-        let mut records = Records::open(config, name, dist, geometry, (!fresh).then_some(start_step))?;
-        records.emit(RunEvent::Init);
-        let spec = config.lora.clone();
-        let train_device = device.clone().autodiff();
-        train_device.seed(config.run.seed);
-        let (model, mut state) = match ready_model(config, &spec, dist, resumed, &device, &train_device) {
-            Ok(ready) => ready,
-            Err(e) => {
-                // Nothing ran: a fresh run leaves no outputs, so that the corrected rerun
-                // takes this run.dir rather than the next free one.
-                if fresh {
-                    records.discard(config, dist.is_main());
-                }
-                return Err(e);
-            }
-        };
-        // Every rank is ready before the clock starts.
-        dist.comm.barrier()?;
-        if fresh {
-            state.progress.run_start_ms = now_ms();
-        }
-        records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
-        let samples = state.progress.samples;
-        let data = records.stop_on_error(samples, load_datasets(config, model.config.vocab_size))?;
-        records.emit(data_event(config, &data));
-        info!(train = data.train.len(), eval = data.eval.len(), "data ready");
-        let batches = records.stop_on_error(samples, batches(config, &data, &state.progress, geometry, fresh))?;
-        records.emit(RunEvent::Block { samples });
-        let base_name = config
-            .model
-            .path
-            .as_ref()
-            .map_or_else(|| config.model.preset.clone().unwrap_or_default(), |p| p.display().to_string());
-        Ok(Self {
-            config,
-            name: name.to_string(),
-            dist,
-            device,
-            train_device,
-            model,
-            state,
-            spec,
-            base_name,
-            config_toml: config.to_toml(),
-            resumed: !fresh,
-            eval_set: data.eval,
-            batches,
-            records,
-            result_log: config.run.dir.join(outputs::RESULT_LOG),
-            stop: StopSignal::install()?,
-            tokens_here: 0,
-            t_train: Instant::now(),
-            peak_tflops: peak_tflops(config, &device_spec, dist.is_main()),
-            claim,
-        })
-    }
-}
 
 /// The peak MFU is measured against: `logging.peak_tflops` when set, else on a CUDA device the
 /// dense bf16 peak of a GPU llora knows by name (logged once on the main rank).
-fn peak_tflops(config: &Config, device: &llora_model::device::DeviceSpec, main: bool) -> Option<f64> {
+pub(super) fn peak_tflops(config: &Config, device: &llora_model::device::DeviceSpec, main: bool) -> Option<f64> {
     if config.logging.peak_tflops > 0.0 {
         return Some(config.logging.peak_tflops);
     }
@@ -128,7 +48,7 @@ fn peak_tflops(config: &Config, device: &llora_model::device::DeviceSpec, main: 
 
 /// Fails before any work when inputs are absent (a 70B run should not load 140 GB first) or
 /// the run cannot fit.
-fn check_inputs(config: &Config, world: usize) -> anyhow::Result<()> {
+pub(super) fn check_inputs(config: &Config, world: usize) -> anyhow::Result<()> {
     if let Some(p) = &config.model.path {
         anyhow::ensure!(
             p.is_dir(),
@@ -152,7 +72,11 @@ pub(crate) fn check_data_files(config: &Config) -> anyhow::Result<()> {
 }
 
 /// Starts this rank's device and says what runs where (main rank).
-fn start_device(config: &Config, name: &str, dist: &Dist) -> anyhow::Result<(llora_model::device::DeviceSpec, Device)> {
+pub(super) fn start_device(
+    config: &Config,
+    name: &str,
+    dist: &Dist,
+) -> anyhow::Result<(llora_model::device::DeviceSpec, Device)> {
     let (world, comm) = (&dist.world, dist.comm.as_ref());
     let device_spec = dist.device(config.run.device);
     let device = device_spec
@@ -177,7 +101,7 @@ fn start_device(config: &Config, name: &str, dist: &Dist) -> anyhow::Result<(llo
 ///
 /// `(rank, world)` is this rank's data-parallel share: under context parallelism the ranks of
 /// one group read the same sequences.
-fn geometry(config: &Config, (rank, world): (usize, usize)) -> anyhow::Result<Geometry> {
+pub(super) fn geometry(config: &Config, (rank, world): (usize, usize)) -> anyhow::Result<Geometry> {
     let t = &config.train;
     let g = Geometry { global: t.global_batch_size, micro: t.micro_batch_size, rank, world };
     let ranks = if t.context_parallel > 1 { "data-parallel groups (ranks / train.context_parallel)" } else { "ranks" };
@@ -194,7 +118,7 @@ fn geometry(config: &Config, (rank, world): (usize, usize)) -> anyhow::Result<Ge
 
 /// The model with its adapters and the state training starts from: the checkpoint's, or fresh
 /// after the warm-up passes.
-fn ready_model(
+pub(super) fn ready_model(
     config: &Config,
     spec: &LoraSpec,
     dist: &Dist,
@@ -227,7 +151,7 @@ fn ready_model(
 
 /// The datasets' sizes in the schedule's unit: documents, or packed rows (the training set
 /// packed in file order; the shuffled epochs' rows differ by a few).
-fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> {
+pub(super) fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> {
     let (train, eval) = (data.train.len(), data.eval.len());
     let Some(packing) = config.data.packing() else { return RunEvent::Data { train, eval, packed_documents: None } };
     let rows = |set: &[Sample]| {
@@ -239,7 +163,7 @@ fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> {
 
 /// The training stream from where `progress` stands: one global order for every rank, each
 /// taking its micro-batches of every global batch; packed into rows when the config packs.
-fn batches(
+pub(super) fn batches(
     config: &Config,
     data: &Datasets,
     progress: &resume::Progress,
@@ -271,12 +195,12 @@ fn batches(
 }
 
 /// The training and evaluation sets.
-struct Datasets {
-    train: Arc<Vec<Sample>>,
-    eval: Arc<Vec<Sample>>,
+pub(super) struct Datasets {
+    pub(super) train: Arc<Vec<Sample>>,
+    pub(super) eval: Arc<Vec<Sample>>,
 }
 
-fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
+pub(super) fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
     let d = &config.data;
     if let Some(syn) = &d.synthetic {
         let synth = Synth::new(SynthConfig {

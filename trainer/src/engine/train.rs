@@ -1,10 +1,10 @@
 //! `llora train`: the recipe. LoRA fine-tuning to a target eval loss, logged the MLPerf way,
 //! on one process or on many data-parallel ranks.
 //!
-//! [`run`] is the run in one page: the ranks agree, the start is decided once, then
-//! [`Trainer::setup`] (`setup.rs`: device, records, model, data) and [`Trainer::train`]
-//! (`trainer.rs`: step, maybe evaluate, maybe checkpoint, until the target or `max_steps`; then
-//! finish). The step itself and evaluation are `step.rs`; what happened is emitted as
+//! [`run`] is the run in one page: the ranks agree, the start is decided once, then the
+//! [`Trainer`] (`trainer.rs`, the type with all its methods): `setup` (its named steps in
+//! `setup.rs`: device, records, model, data) and `train` (step, maybe evaluate, maybe
+//! checkpoint, until the target or `max_steps`; then finish). The step itself and evaluation are `step.rs`; what happened is emitted as
 //! `RunEvent`s to the run's records (`records.rs`: the result log, metrics and progress); what
 //! is saved and restored is `resume.rs`'s `TrainState`.
 

@@ -1,6 +1,7 @@
-//! The training loop: [`Trainer`] owns everything it touches; [`Trainer::train`] steps, maybe
-//! evaluates, maybe checkpoints, until the target or `max_steps`, then finishes (outputs,
-//! `run_stop`, plot, the compliance check). Its set-up is `setup.rs`.
+//! The [`Trainer`] and all its methods: [`Trainer::setup`] (everything before the first step,
+//! as named steps in `setup.rs`), then [`Trainer::train`]: step, maybe evaluate, maybe
+//! checkpoint, until the target or `max_steps`, then finish (outputs, `run_stop`, plot, the
+//! compliance check).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,39 +28,117 @@ use crate::engine::optim::lr_at;
 use crate::engine::outcome::{Interrupted, Outcome};
 use crate::engine::outputs;
 use crate::engine::records::Records;
+use crate::engine::resume::Checkpoint;
 use crate::engine::resume::{self, TrainState};
+use crate::engine::setup::{
+    batches, check_inputs, data_event, geometry, load_datasets, peak_tflops, ready_model, start_device,
+};
 use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, train_step, upload};
 use crate::engine::stop_signal::StopSignal;
 
 /// Everything the training loop touches.
 pub struct Trainer<'a> {
-    pub(super) config: &'a Config,
-    pub(super) name: String,
-    pub(super) dist: &'a Dist,
+    config: &'a Config,
+    name: String,
+    dist: &'a Dist,
     /// The device without autodiff (evaluation).
-    pub(super) device: Device,
+    device: Device,
     /// The same device with autodiff (training).
-    pub(super) train_device: Device,
-    pub(super) model: LlamaForCausalLM,
-    pub(super) state: TrainState,
-    pub(super) spec: LoraSpec,
-    pub(super) base_name: String,
-    pub(super) config_toml: String,
-    pub(super) resumed: bool,
-    pub(super) eval_set: Arc<Vec<Sample>>,
-    pub(super) batches: Prefetched<StepBatch>,
+    train_device: Device,
+    model: LlamaForCausalLM,
+    state: TrainState,
+    spec: LoraSpec,
+    base_name: String,
+    config_toml: String,
+    resumed: bool,
+    eval_set: Arc<Vec<Sample>>,
+    batches: Prefetched<StepBatch>,
     /// The run's records, each an observer of its events.
-    pub(super) records: Records,
-    pub(super) result_log: PathBuf,
-    pub(super) stop: StopSignal,
+    records: Records,
+    result_log: PathBuf,
+    stop: StopSignal,
     /// Tokens and wall time since this process started training (for tokens/s).
-    pub(super) tokens_here: usize,
-    pub(super) t_train: Instant,
+    tokens_here: usize,
+    t_train: Instant,
     /// Dense bf16 peak TFLOP/s of one device, for MFU: `logging.peak_tflops`, else the known
     /// peak of the GPU's name (`flops::gpu_peak_tflops`); `None`: MFU is not reported.
-    pub(super) peak_tflops: Option<f64>,
+    peak_tflops: Option<f64>,
     /// The run directory; what `--overwrite` replaced is deleted once this run saved something.
-    pub(super) claim: claim::Claim,
+    claim: claim::Claim,
+}
+
+impl<'a> Trainer<'a> {
+    /// Everything before the first step (the ranks have agreed on `config`), in the result
+    /// log's order: device, `init_start`, model and adapters, optimizer (or the checkpoint's
+    /// state), warm-up, every rank ready, `run_start`, data.
+    pub fn setup(
+        config: &'a Config,
+        name: &str,
+        dist: &'a Dist,
+        resumed: Option<Checkpoint>,
+        claim: claim::Claim,
+    ) -> anyhow::Result<Self> {
+        let (device_spec, device) = start_device(config, name, dist)?;
+        check_inputs(config, dist.world.size)?;
+        let geometry = geometry(config, dist.data_share())?;
+        let fresh = resumed.is_none();
+        let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);
+        let mut records = Records::open(config, name, dist, geometry, (!fresh).then_some(start_step))?;
+        records.emit(RunEvent::Init);
+        let spec = config.lora.clone();
+        let train_device = device.clone().autodiff();
+        train_device.seed(config.run.seed);
+        let (model, mut state) = match ready_model(config, &spec, dist, resumed, &device, &train_device) {
+            Ok(ready) => ready,
+            Err(e) => {
+                // Nothing ran: a fresh run leaves no outputs, so that the corrected rerun
+                // takes this run.dir rather than the next free one.
+                if fresh {
+                    records.discard(config, dist.is_main());
+                }
+                return Err(e);
+            }
+        };
+        // Every rank is ready before the clock starts.
+        dist.comm.barrier()?;
+        if fresh {
+            state.progress.run_start_ms = now_ms();
+        }
+        records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
+        let samples = state.progress.samples;
+        let data = records.stop_on_error(samples, load_datasets(config, model.config.vocab_size))?;
+        records.emit(data_event(config, &data));
+        info!(train = data.train.len(), eval = data.eval.len(), "data ready");
+        let batches = records.stop_on_error(samples, batches(config, &data, &state.progress, geometry, fresh))?;
+        records.emit(RunEvent::Block { samples });
+        let base_name = config
+            .model
+            .path
+            .as_ref()
+            .map_or_else(|| config.model.preset.clone().unwrap_or_default(), |p| p.display().to_string());
+        Ok(Self {
+            config,
+            name: name.to_string(),
+            dist,
+            device,
+            train_device,
+            model,
+            state,
+            spec,
+            base_name,
+            config_toml: config.to_toml(),
+            resumed: !fresh,
+            eval_set: data.eval,
+            batches,
+            records,
+            result_log: config.run.dir.join(outputs::RESULT_LOG),
+            stop: StopSignal::install()?,
+            tokens_here: 0,
+            t_train: Instant::now(),
+            peak_tflops: peak_tflops(config, &device_spec, dist.is_main()),
+            claim,
+        })
+    }
 }
 
 impl Trainer<'_> {
