@@ -210,10 +210,7 @@ thread_local! {
 
 /// Runs `f` with sliding windows on the CPU on [`masked_window_attention`] (on this thread).
 pub fn with_masked_windows<T>(f: impl FnOnce() -> T) -> T {
-    let before = BANDED_ON_CPU.with(|b| b.replace(false));
-    let out = f();
-    BANDED_ON_CPU.with(|b| b.set(before));
-    out
+    crate::scoped::with(&BANDED_ON_CPU, false, f)
 }
 
 /// Causal attention in a sliding `window` by Burn's ops: the scores masked to the band and
