@@ -585,3 +585,40 @@ fn the_trainer_names_at_most_8_model_modules() {
     }
     assert!(modules.len() <= 8, "{} model modules: {modules:?}", modules.len());
 }
+
+/// The spine of `llora train`, from `main` to the first optimizer step, as docs/architecture.md
+/// tells it: each file with the call by which it hands the run on (or, for a file the run
+/// passes through and returns from, the function it is entered by).
+const SPINE: [(&str, &str); 8] = [
+    ("trainer/src/main.rs", "commands::train::run("),
+    ("trainer/src/commands/train.rs", "train::run("),
+    ("trainer/src/engine/train.rs", "pretrain::base_to_make("),
+    ("trainer/src/engine/pretrain.rs", "pub fn base_to_make("),
+    ("trainer/src/engine/train.rs", "Trainer::setup("),
+    ("trainer/src/engine/trainer.rs", "train_step("),
+    ("trainer/src/engine/step.rs", "optim.step("),
+    ("trainer/src/engine/optim.rs", "pub fn step("),
+];
+
+/// From `llora train` to the first optimizer step a reader opens at most ten trainer files
+/// (pre-training's run goes back through `engine/train.rs`, the same function, and is not a
+/// second file); each file makes the call that leads to the next, and docs/architecture.md
+/// names every one.
+#[test]
+fn the_spine_of_a_run_is_at_most_ten_files_each_calling_the_next() {
+    let root = common_root();
+    let files: BTreeSet<&str> = SPINE.iter().map(|(f, _)| *f).collect();
+    assert!(files.len() <= 10, "{} files on the spine: {files:?}", files.len());
+    for (file, call) in SPINE {
+        let text = std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(
+            code(&text).contains(call),
+            "{file} no longer calls `{call}`: update the spine and docs/architecture.md"
+        );
+    }
+    let doc = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
+    let spine_doc = &doc[doc.find("A run is told top-down").unwrap()..doc.find("Every record of the run").unwrap()];
+    for file in files {
+        assert!(spine_doc.contains(&format!("`{file}`")), "docs/architecture.md's spine does not name {file}");
+    }
+}

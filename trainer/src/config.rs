@@ -887,6 +887,14 @@ impl Config {
         Ok(config)
     }
 
+    /// This config with `overrides` applied, validated again (`name`: where it came from).
+    pub fn with_overrides(&self, name: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
+        if overrides.is_empty() {
+            return Ok(self.clone());
+        }
+        Self::parse(name, &self.to_toml(), overrides)
+    }
+
     /// Parses TOML text and applies overrides, without validation (see [`Config::parse`]).
     pub(crate) fn from_toml_str(name: &str, text: &str, overrides: &[Override]) -> Result<Self, ConfigError> {
         let mut table: toml::Table = toml::from_str(text)

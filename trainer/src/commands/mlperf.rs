@@ -71,7 +71,8 @@ pub fn run_many(
             out.display()
         );
     }
-    crate::commands::pretrain::prepare_base(config, dist.world.size)?;
+    // Made once before the runs: a base that cannot be made stops here, not in each run.
+    crate::engine::train::make_base(config, dist.world.size)?;
     for i in 0..runs {
         let mut c = config.clone();
         c.run.seed = config.run.seed.wrapping_add(i as u64);

@@ -10,6 +10,5 @@ pub mod generate;
 pub mod mlperf;
 pub mod plan;
 pub mod plot;
-pub mod pretrain;
 pub mod selftest;
 pub mod train;

@@ -19,7 +19,6 @@ pub fn run(args: &crate::cli::TrainArgs) -> anyhow::Result<()> {
             let config = Config::load(args.config.config.as_deref(), &args.config.overrides)?;
             let name = args.config.config.as_ref().map_or(TINY_CPU_NAME.to_string(), |p| p.display().to_string());
             let dist = config.join_world()?;
-            crate::commands::pretrain::prepare_base(&config, dist.world.size)?;
             let target = (config.eval.target_loss, config.schedule.max_steps);
             let outcome = train::run(train::Request::Config { config, name, overwrite: args.overwrite }, &dist)?;
             dist.shutdown()?;

@@ -17,6 +17,7 @@ pub mod observe;
 pub mod optim;
 pub mod outcome;
 pub mod outputs;
+pub mod pretrain;
 pub mod records;
 pub mod resume;
 pub mod run_dir;

@@ -46,31 +46,6 @@ pub(super) fn peak_tflops(config: &Config, device: &llora_model::device::DeviceS
     found.map(|(bf16, _)| bf16)
 }
 
-/// Fails before any work when inputs are absent (a 70B run should not load 140 GB first) or
-/// the run cannot fit.
-pub(super) fn check_inputs(config: &Config, world: usize) -> anyhow::Result<()> {
-    if let Some(p) = &config.model.path {
-        anyhow::ensure!(
-            p.is_dir(),
-            "model.path = {}: no such directory (download the HF checkpoint there, or set model.path{})",
-            p.display(),
-            if config.model.pretrain.is_some() { "; `llora train` makes it from [model.pretrain]" } else { "" }
-        );
-    }
-    check_data_files(config)?;
-    crate::plan::check_fits(config, world)
-}
-
-/// The data files the config names exist.
-pub(crate) fn check_data_files(config: &Config) -> anyhow::Result<()> {
-    for (key, p) in [("data.train", &config.data.train), ("data.eval", &config.data.eval)] {
-        if let Some(p) = p {
-            anyhow::ensure!(p.is_file(), "{key} = {}: no such file", p.display());
-        }
-    }
-    Ok(())
-}
-
 /// Starts this rank's device and says what runs where (main rank).
 pub(super) fn start_device(
     config: &Config,
@@ -220,7 +195,6 @@ pub(super) fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Dat
     let opts = ReadOptions { vocab, max_seq_len: d.max_seq_len, on_bad_row: d.on_bad_row };
     let read = |p: &Option<PathBuf>, key: &str| -> anyhow::Result<Vec<Sample>> {
         let path = p.as_ref().with_context(|| format!("{key} is not set"))?;
-        anyhow::ensure!(path.is_file(), "{key} = {}: no such file", path.display());
         let (rows, _) = read_parquet(path, &opts)?;
         anyhow::ensure!(!rows.is_empty(), "{key} = {}: no usable rows", path.display());
         Ok(rows)

@@ -17,6 +17,7 @@ use crate::config::{Config, Override};
 use crate::dist::Dist;
 use crate::engine::claim;
 use crate::engine::outputs;
+use crate::engine::pretrain;
 use crate::engine::resume::{self, Checkpoint};
 use crate::engine::run_dir;
 use crate::engine::trainer::Trainer;
@@ -39,12 +40,20 @@ pub enum Request {
     },
     /// `llora train --resume DIR`: the checkpoint [`load_resume`] read.
     Resume(Resumed),
+    /// Pre-training the base another config asks for (`pretrain.rs`): full fine-tuning into
+    /// its own run directory, the result moved into that config's `model.path`.
+    Pretrain {
+        /// The pre-training run's config.
+        config: Config,
+        /// Where its result goes.
+        base: pretrain::Base,
+    },
 }
 
 impl Request {
     fn config(&self) -> &Config {
         match self {
-            Self::Config { config, .. } => config,
+            Self::Config { config, .. } | Self::Pretrain { config, .. } => config,
             Self::Resume(r) => &r.config,
         }
     }
@@ -69,28 +78,65 @@ struct Started {
 }
 
 /// `llora train` on `dist`'s ranks, top to bottom: the ranks agree on the config and the data;
-/// the start is decided (fresh, resumed, or already finished); then the device, the records,
-/// the model and the data are set up ([`Trainer::setup`]); then the loop runs to the target or
-/// `max_steps`, and the run finishes (outputs, `run_stop`, plot) or ends as aborted or
-/// interrupted ([`Trainer::train`]).
+/// the checks that need no model pass ([`preflight`]); the base is pre-trained if the config
+/// asks for one not made yet; the start is decided (fresh, resumed, or already finished); then
+/// the device, the records, the model and the data are set up ([`Trainer::setup`]); then the
+/// loop runs to the target or `max_steps`, and the run finishes (outputs, `run_stop`, plot) or
+/// ends as aborted or interrupted ([`Trainer::train`]).
 pub fn run(request: Request, dist: &Dist) -> anyhow::Result<Outcome> {
     // Ranks agree on the config, run.dir included, before rank 0 decides for all of them.
     crate::config::check_same_config(dist.comm.as_ref(), &request.config().to_toml())?;
     check_same_data(request.config(), dist)?;
-    match decide_start(request, dist)? {
-        Start::Finished(dir) => finished_outcome(&dir),
-        Start::Run(started) => {
-            let Started { config, name, checkpoint, claim } = *started;
-            if let Some(c) = &checkpoint {
-                info!(checkpoint = %c.dir.display(), step = c.progress.step, samples = c.progress.samples, "resuming");
-            }
-            Trainer::setup(&config, &name, dist, checkpoint, claim)?.train()
-        }
+    preflight(request.config(), dist.world.size)?;
+    make_base(request.config(), dist.world.size)?;
+    let base = match &request {
+        Request::Pretrain { base, .. } => Some(base.clone()),
+        _ => None,
+    };
+    let Started { config, name, checkpoint, claim } = match decide_start(request, dist)? {
+        Start::Finished(dir) => return finished_outcome(&dir),
+        Start::Run(started) => *started,
+    };
+    if let Some(c) = &checkpoint {
+        info!(checkpoint = %c.dir.display(), step = c.progress.step, samples = c.progress.samples, "resuming");
     }
+    let outcome = Trainer::setup(&config, &name, dist, checkpoint, claim)?.train()?;
+    if let Some(base) = base {
+        pretrain::publish(&outcome, &config.run.dir, &base)?;
+    }
+    Ok(outcome)
 }
 
-/// Claims the run directory and, where the run continues, loads its checkpoint and checks it
-/// against the config: the one place a run's start is decided.
+/// Makes the base `config` asks for, if `model.path` holds none yet: the pre-training request
+/// run on this process alone, its checkpoint moved into place. Nothing otherwise.
+pub fn make_base(config: &Config, world: usize) -> anyhow::Result<()> {
+    let Some((config, base)) = pretrain::base_to_make(config, world)? else { return Ok(()) };
+    run(Request::Pretrain { config, base }, &Dist::single()).map(|_| ())
+}
+
+/// The checks that need no model, made once before anything is claimed or loaded (a 70B run
+/// should not load 140 GB first): the base is there (or `[model.pretrain]` makes it), the data
+/// files are, and the run fits (`llora plan`; a base still to be made is planned from
+/// `model.preset`).
+fn preflight(config: &Config, world: usize) -> anyhow::Result<()> {
+    if let Some(p) = &config.model.path {
+        anyhow::ensure!(
+            p.is_dir() || config.model.pretrain.is_some(),
+            "model.path = {}: no such directory (download the HF checkpoint there, or set model.path)",
+            p.display()
+        );
+    }
+    for (key, p) in [("data.train", &config.data.train), ("data.eval", &config.data.eval)] {
+        if let Some(p) = p {
+            anyhow::ensure!(p.is_file(), "{key} = {}: no such file", p.display());
+        }
+    }
+    crate::plan::check_fits(config, world)
+}
+
+/// Claims the run directory and, where the run continues, loads its checkpoint (checked
+/// against the config once: by the claim, or by [`load_resume`]): the one place a run's
+/// start is decided.
 fn decide_start(request: Request, dist: &Dist) -> anyhow::Result<Start> {
     let (config, name, overwrite) = match request {
         Request::Resume(Resumed { checkpoint, config, name }) => {
@@ -98,6 +144,7 @@ fn decide_start(request: Request, dist: &Dist) -> anyhow::Result<Start> {
             return Ok(Start::Run(Box::new(Started { config, name, checkpoint: Some(checkpoint), claim })));
         }
         Request::Config { config, name, overwrite } => (config, name, overwrite),
+        Request::Pretrain { config, .. } => (config, "model.pretrain".to_string(), false),
     };
     let policy = run_dir::Policy {
         overwrite,
@@ -105,6 +152,8 @@ fn decide_start(request: Request, dist: &Dist) -> anyhow::Result<Start> {
         restarted: dist.world.attempt > 0,
         job: dist.world.job.as_deref().map(run_dir::job_hash),
     };
+    // The one compatibility check of an auto-resumed run: the claim resumes only a run whose
+    // newest checkpoint's config passes it.
     let compatible = |dir: &Path| -> anyhow::Result<()> {
         let (saved, step) = resume::peek(dir)?;
         resume::check_compatible(&saved, &config, step)
@@ -122,9 +171,6 @@ fn decide_start(request: Request, dist: &Dist) -> anyhow::Result<Start> {
         return Ok(Start::Run(Box::new(Started { config, name, checkpoint: None, claim })));
     }
     let checkpoint = resume::load(claim.dir())?;
-    let saved = Config::parse(&checkpoint.dir.join("config.toml").display().to_string(), &checkpoint.config_toml, &[])?;
-    resume::check_compatible(&saved, &config, checkpoint.progress.step)
-        .with_context(|| format!("cannot resume {}", claim.dir().display()))?;
     if dist.is_main() {
         info!(
             dir = %config.run.dir.display(),
@@ -173,11 +219,11 @@ pub fn load_resume(dir: &Path, overrides: &[Override]) -> anyhow::Result<Resumed
     // under a launcher, rank 0 may already hold the lock of the run every rank resumes).
     let checkpoint = resume::load(dir).map_err(|e| crate::engine::run_lock::refuse_if_live(dir).err().unwrap_or(e))?;
     let name = checkpoint.dir.join("config.toml").display().to_string();
-    let mut config = Config::parse(&name, &checkpoint.config_toml, overrides)?;
+    let saved = Config::parse(&name, &checkpoint.config_toml, &[])?;
+    let mut config = saved.with_overrides(&name, overrides)?;
     // The run continues where its files are, even if the directory was moved.
     let home = checkpoint.run_dir();
     run_dir::check_resumable(&home)?;
-    let saved = Config::parse(&name, &checkpoint.config_toml, &[])?;
     resume::check_overrides(&saved, &config, overrides, checkpoint.progress.step)
         .with_context(|| format!("cannot resume {}", home.display()))?;
     config.run.dir = home;

@@ -30,9 +30,7 @@ use crate::engine::outputs;
 use crate::engine::records::Records;
 use crate::engine::resume::Checkpoint;
 use crate::engine::resume::{self, TrainState};
-use crate::engine::setup::{
-    batches, check_inputs, data_event, geometry, load_datasets, peak_tflops, ready_model, start_device,
-};
+use crate::engine::setup::{batches, data_event, geometry, load_datasets, peak_tflops, ready_model, start_device};
 use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, train_step, upload};
 use crate::engine::stop_signal::StopSignal;
 
@@ -79,7 +77,6 @@ impl<'a> Trainer<'a> {
         claim: claim::Claim,
     ) -> anyhow::Result<Self> {
         let (device_spec, device) = start_device(config, name, dist)?;
-        check_inputs(config, dist.world.size)?;
         let geometry = geometry(config, dist.data_share())?;
         let fresh = resumed.is_none();
         let start_step = resumed.as_ref().map_or(0, |c| c.progress.step);

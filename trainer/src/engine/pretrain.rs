@@ -1,22 +1,33 @@
-//! `llora train`'s first step when the config asks for a base it does not have yet: pre-training
-//! one (`[model.pretrain]`: full fine-tuning of `model.preset`, a run of its own) before the run
-//! that needs it.
+//! Pre-training a base a config asks for (`[model.pretrain]`: full fine-tuning of
+//! `model.preset` into `model.path` when that holds no checkpoint yet): its run's config and
+//! where the result goes, which `engine/train.rs` runs as a `Request::Pretrain` before the run
+//! that needs the base, and the base moved into place after it.
 
 use anyhow::Context;
 use tracing::info;
 
-use crate::config::{Config, PretrainConfig, Trainable};
-use crate::dist::Dist;
+use crate::config::{Config, Trainable};
+use crate::engine::events::RunStatus;
+use crate::engine::outcome::Outcome;
 use crate::engine::outputs;
-use crate::engine::train::{self, Request, RunStatus};
 
-/// The train command's first step: when `[model.pretrain]` asks for a base and `model.path`
-/// holds none yet, makes it (full fine-tuning of `model.preset`, a run of its own) before the
-/// run that needs it; nothing otherwise.
-pub fn prepare_base(config: &Config, world: usize) -> anyhow::Result<()> {
-    let (Some(pt), Some(path)) = (&config.model.pretrain, &config.model.path) else { return Ok(()) };
+/// The base a pre-training run makes: where it goes, and the eval loss it must reach.
+#[derive(Debug, Clone)]
+pub struct Base {
+    /// `model.path` of the config that asked for it.
+    pub path: std::path::PathBuf,
+    /// `model.pretrain.target_loss`.
+    target_loss: f64,
+    /// `model.pretrain.steps`.
+    steps: usize,
+}
+
+/// The pre-training run's config and the base it makes, when `config`'s `[model.pretrain]`
+/// asks for one and `model.path` holds no checkpoint; `None` otherwise.
+pub fn base_to_make(config: &Config, world: usize) -> anyhow::Result<Option<(Config, Base)>> {
+    let (Some(pt), Some(path)) = (&config.model.pretrain, &config.model.path) else { return Ok(None) };
     if path.join("config.json").is_file() {
-        return Ok(());
+        return Ok(None);
     }
     anyhow::ensure!(
         world == 1,
@@ -31,15 +42,6 @@ pub fn prepare_base(config: &Config, world: usize) -> anyhow::Result<()> {
          only where nothing is: point model.path at a checkpoint or at a new directory",
         path.display()
     );
-    crate::engine::setup::check_data_files(config)?;
-    // Before pre-training too: a base still to be made is planned from model.preset.
-    crate::plan::check_fits(config, world)?;
-    pretrain(config, pt, path)
-}
-
-/// Makes the base checkpoint `model.path` by full fine-tuning `model.preset` on the
-/// pre-training corpus (see [`PretrainConfig`]), then moves it into place.
-fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> anyhow::Result<()> {
     info!(path = %path.display(), steps = pt.steps, "no base checkpoint yet: pre-training one (full fine-tuning)");
     let mut c = config.clone();
     c.model.path = None;
@@ -60,20 +62,26 @@ fn pretrain(config: &Config, pt: &PretrainConfig, path: &std::path::Path) -> any
         std::fs::remove_dir_all(&c.run.dir)
             .with_context(|| format!("cannot remove the unfinished pre-training run {}", c.run.dir.display()))?;
     }
-    let request = Request::Config { config: c.clone(), name: "model.pretrain".into(), overwrite: false };
-    let outcome = train::run(request, &Dist::single())?;
+    let base = Base { path: path.clone(), target_loss: pt.target_loss, steps: pt.steps };
+    Ok(Some((c, base)))
+}
+
+/// After the pre-training run: the base it reached is moved into `model.path`; a run that did
+/// not reach `model.pretrain.target_loss` is an error saying what to raise.
+pub(super) fn publish(outcome: &Outcome, run_dir: &std::path::Path, base: &Base) -> anyhow::Result<()> {
     anyhow::ensure!(
         outcome.status == RunStatus::Success,
         "pre-training stopped at eval loss {} above model.pretrain.target_loss = {} after {} steps; raise model.pretrain.steps",
         outcome.eval_loss.map_or("(none: no evaluation ran)".to_string(), |l| format!("{l:.4}")),
-        pt.target_loss,
-        pt.steps
+        base.target_loss,
+        base.steps
     );
+    let path = &base.path;
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
     }
     // The checkpoint was written completely in the run directory; one rename publishes it.
-    std::fs::rename(c.run.dir.join(outputs::FULL_CHECKPOINT), path)
+    std::fs::rename(run_dir.join(outputs::FULL_CHECKPOINT), path)
         .with_context(|| format!("cannot move the pre-trained base to {}", path.display()))?;
     info!(path = %path.display(), "pre-trained base saved");
     Ok(())
