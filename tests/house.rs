@@ -622,3 +622,28 @@ fn the_spine_of_a_run_is_at_most_ten_files_each_calling_the_next() {
         assert!(spine_doc.contains(&format!("`{file}`")), "docs/architecture.md's spine does not name {file}");
     }
 }
+
+/// No model struct holds FP8 codes as a bare tensor outside `fp8/tensor.rs` (where
+/// `Fp8Tensor` pairs them with their scale and `CodesToWrite` is what a kernel writes): a field
+/// named for codes typed `tch::Tensor` or `TchTensor` is one. NF4's `u8` codes
+/// (`precision/weights.rs`) are not FP8; kernel argument views borrow (`&tch::Tensor`).
+#[test]
+fn fp8_codes_are_held_as_fp8_tensors() {
+    let root = common_root();
+    let field = Regex::new(r"^\s*(pub(\([a-z]+\))? )?\w*codes\w*: (tch::Tensor|TchTensor),\s*$").unwrap();
+    let mut found = Vec::new();
+    for path in rust_files(&root.join("model/src")) {
+        let rel = path.strip_prefix(&root).unwrap().display().to_string();
+        if rel == "model/src/fp8/tensor.rs" || rel == "model/src/precision/weights.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (i, line) in code(&text).lines().enumerate() {
+            if field.is_match(line) {
+                found.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "bare FP8 codes held outside fp8/tensor.rs (hold an Fp8Tensor):\n{}", found.join("\n"));
+    assert!(field.is_match("    pub gate_codes: tch::Tensor,") && !field.is_match("    gate: &'a tch::Tensor,"));
+}

@@ -11,14 +11,15 @@
 use std::sync::{Arc, Mutex};
 
 use super::format::Fp8Format;
+use super::tensor::Fp8Tensor;
 
-/// Codes of one input at one scale and format, and the input's amax (0-dim f32, on its device).
+/// Codes of one input at one scale, and the input's amax (0-dim f32, on its device).
 #[derive(Debug)]
 struct Made {
-    codes: tch::Tensor,
+    codes: Fp8Tensor,
     amax: tch::Tensor,
+    /// The scale's bits: codes are taken only at the reader's own scale.
     scale: u32,
-    format: Fp8Format,
     numel: i64,
 }
 
@@ -37,9 +38,9 @@ impl SharedCodes {
     /// that wrote the input.
     ///
     /// # Shapes
-    /// - codes: the input's shape (or a view of it), `format`'s dtype
-    pub fn offer(&self, codes: tch::Tensor, amax: tch::Tensor, scale: f32, format: Fp8Format) {
-        let made = Made { numel: codes.numel() as i64, codes, amax, scale: scale.to_bits(), format };
+    /// - codes: the input's shape (or a view of it)
+    pub fn offer(&self, codes: Fp8Tensor, amax: tch::Tensor, scale: f32) {
+        let made = Made { numel: codes.codes().numel() as i64, codes, amax, scale: scale.to_bits() };
         *self.0.lock().unwrap() = Some(made);
     }
 
@@ -54,17 +55,17 @@ impl SharedCodes {
         x: &tch::Tensor,
         scale: f32,
         format: Fp8Format,
-        make: impl FnOnce() -> (tch::Tensor, tch::Tensor),
-    ) -> (tch::Tensor, tch::Tensor) {
+        make: impl FnOnce() -> (Fp8Tensor, tch::Tensor),
+    ) -> (Fp8Tensor, tch::Tensor) {
         let found = self.0.lock().unwrap().as_ref().and_then(|m| {
-            let fits = m.scale == scale.to_bits() && m.format == format && m.numel == x.numel() as i64;
-            fits.then(|| (m.codes.reshape(x.size()), m.amax.shallow_clone()))
+            let fits = m.scale == scale.to_bits() && m.codes.format() == format && m.numel == x.numel() as i64;
+            fits.then(|| (m.codes.reshape(&x.size()), m.amax.shallow_clone()))
         });
         if let Some(found) = found {
             return found;
         }
         let (codes, amax) = make();
-        self.offer(codes.shallow_clone(), amax.shallow_clone(), scale, format);
+        self.offer(codes.clone(), amax.shallow_clone(), scale);
         (codes, amax)
     }
 }

@@ -102,6 +102,11 @@ impl Fp8Tensor {
         dequantize(codes, &self.inv_scale)
     }
 
+    /// The same codes in `shape` (a view where the codes allow), at this scale.
+    pub fn reshape(&self, shape: &[i64]) -> Self {
+        Self::new(self.codes().reshape(shape), self.inv_scale.clone())
+    }
+
     /// The same codes viewed `[in, out]` (a transpose view: no copy).
     pub fn t(&self) -> Self {
         Self::new(self.codes().tr(), self.inv_scale.clone())
@@ -137,6 +142,8 @@ pub struct CodesToWrite {
     pub amax: tch::Tensor,
     /// E4M3 (forward GEMM inputs) or E5M2.
     pub format: Fp8Format,
+    /// The delayed scale on the host (what `scale` holds on the device).
+    host_scale: f32,
 }
 
 impl CodesToWrite {
@@ -147,7 +154,14 @@ impl CodesToWrite {
             scale: tch::Tensor::from_slice(&[scale]).to_device(device),
             amax: tch::Tensor::zeros([1], (tch::Kind::Float, device)),
             format,
+            host_scale: scale,
         }
+    }
+
+    /// Once the kernel wrote them: the codes as an [`Fp8Tensor`] at `1 / scale`, and the
+    /// output's amax (0-dim f32).
+    pub fn written(self) -> (Fp8Tensor, tch::Tensor) {
+        (Fp8Tensor::host(self.codes, 1.0 / self.host_scale), self.amax.reshape([] as [i64; 0]))
     }
 
     /// The kernel's view of them.

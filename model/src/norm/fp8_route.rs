@@ -7,7 +7,7 @@
 
 use crate::fp8::format::Fp8Format;
 use crate::fp8::stand_ins;
-use crate::fp8::tensor::CodesToWrite;
+use crate::fp8::tensor::{CodesToWrite, Fp8Tensor};
 use crate::kernels::args::host_bytes;
 use crate::kernels::rmsnorm_fp8::{self, ForwardArgs};
 
@@ -53,7 +53,7 @@ pub struct Normed {
     /// `[.., 1]` f32.
     pub inv_rms: tch::Tensor,
     /// `[rows, d]` E4M3 codes of y at the scale asked.
-    pub codes: tch::Tensor,
+    pub codes: Fp8Tensor,
     /// y's amax, 0-dim f32.
     pub amax: tch::Tensor,
 }
@@ -79,8 +79,8 @@ pub fn forward(x: &tch::Tensor, w: &tch::Tensor, eps: f64, scale: f32, reference
     }
     let mut stat = x.size();
     *stat.last_mut().expect("checked above") = 1;
-    let amax = codes.amax.reshape([] as [i64; 0]);
-    Ok(Normed { y: y.reshape(x.size()), inv_rms: inv_rms.reshape(stat), codes: codes.codes, amax })
+    let (codes, amax) = codes.written();
+    Ok(Normed { y: y.reshape(x.size()), inv_rms: inv_rms.reshape(stat), codes, amax })
 }
 
 /// Checks the kernel against the LibTorch route on `device` (bf16 rows of 1000 over ±40 and a
@@ -103,7 +103,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     }
     let own = (y.reshape([7, 1000]) * 2.0).clamp(-448.0, 448.0).to_kind(Fp8Format::E4M3.kind());
     let bits = host_bytes;
-    if bits(&got.codes) != bits(&own) {
+    if bits(got.codes.codes()) != bits(&own) {
         return Err("the codes differ from the output's own codes".into());
     }
     if got.amax.double_value(&[]) != y.abs().max().double_value(&[]) {

@@ -21,7 +21,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, DispatchDevice, LibTorch, backe
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Tensor};
 
-use crate::fp8::{Fp8Format, WriteCodes};
+use crate::fp8::WriteCodes;
 use crate::precision::PrecisionSpec;
 use crate::saved::Saved;
 
@@ -111,7 +111,7 @@ fn norm_forward(
     if let Some(write) = codes.filter(|_| fp8_route::takes_kernel(x)) {
         match fp8_route::forward(x, w, eps, write.scale, false) {
             Ok(n) => {
-                write.to.offer(n.codes, n.amax, write.scale, Fp8Format::E4M3);
+                write.to.offer(n.codes, n.amax, write.scale);
                 // LibTorch's fused backward reads the same 1/rms where it passed its check.
                 return (n.y, n.inv_rms, cuda::usable(x));
             }

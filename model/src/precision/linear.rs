@@ -13,7 +13,7 @@ use super::weights::StoredWeight;
 use crate::fp8::gemm::fp8_gemm;
 use crate::fp8::scaling_state::{LinearScales, Role, scale_of};
 use crate::fp8::tensor::Fp8Tensor;
-use crate::fp8::{Fp8Format, SharedCodes, amax_tch, quantize_tch};
+use crate::fp8::{Fp8Format, Quantizer, SharedCodes, amax_tch};
 use crate::shard::FrozenWeight;
 
 /// The reduced-precision state of one linear layer, shared by the module and the autodiff
@@ -91,14 +91,14 @@ impl LinearPrecision {
         format: Fp8Format,
         train: bool,
         shared: Option<&SharedCodes>,
-    ) -> (tch::Tensor, f32) {
+    ) -> (Fp8Tensor, f32) {
         let (ready, scale) = {
             let st = self.scales.lock().unwrap();
             let state = st.get(role);
             (train && state.initialized && x.numel() > 0, state.scale)
         };
         if ready {
-            let make = || crate::fp8::quantize_and_amax(x, scale, format);
+            let make = || Quantizer::quantize_with_amax(scale, format, x);
             let (codes, amax) = match shared {
                 Some(shared) => shared.get_or_make(x, scale, format, make),
                 None => make(),
@@ -108,7 +108,7 @@ impl LinearPrecision {
         }
         let amax = amax_tch(x);
         let scale = scale_of(self.scales.lock().unwrap().get_mut(role), amax, &self.spec.amax, train);
-        (quantize_tch(x, scale, format), scale)
+        (Quantizer::Delayed { scale, format }.quantize(x), scale)
     }
 
     /// The delayed scale this layer's forward GEMM will quantise its input with, where it is
@@ -224,11 +224,10 @@ impl LinearPrecision {
                 LinearWeight::Stored(_) => unreachable!("a stored weight has its whole"),
             },
         };
-        let (codes, s) = match scale {
-            Some(s) => (quantize_tch(w, s, Fp8Format::E4M3), s),
+        match scale {
+            Some(s) => (Quantizer::Delayed { scale: s, format: Fp8Format::E4M3 }.quantize(w), s),
             None => self.quantize_delayed(Role::Weight, w, Fp8Format::E4M3, train, None),
-        };
-        (Fp8Tensor::host(codes, 1.0 / s), s)
+        }
     }
 
     /// Forward of `y = x·Wᵀ` on LibTorch tensors; with `keep_input`, also what backward needs
@@ -252,7 +251,6 @@ impl LinearPrecision {
         let (y, saved, w_scale) = match self.spec.compute {
             Compute::Fp8 => {
                 let (q, s) = self.quantize_delayed(Role::Input, &x2, Fp8Format::E4M3, train, shared);
-                let q = Fp8Tensor::host(q, 1.0 / s);
                 let (wq, w_scale) = self.fp8_weight(w, None, train);
                 // E4M3 x E4M3 on `_scaled_mm`, out in the activations' dtype.
                 let y = fp8_gemm(&q, &wq.t(), x.kind(), true);
@@ -320,8 +318,7 @@ impl LinearPrecision {
         let (dx, fp8_grad) = match self.spec.compute {
             Compute::Fp32 | Compute::Bf16 => (want_dx.then(|| self.gemm(&g2, &self.compute_weight(w))), None),
             Compute::Fp8 => {
-                let (q, s) = self.quantize_delayed(Role::Grad, &g2, Fp8Format::E5M2, true, None);
-                let q = Fp8Tensor::host(q, 1.0 / s);
+                let (q, _) = self.quantize_delayed(Role::Grad, &g2, Fp8Format::E5M2, true, None);
                 // E5M2 x E4M3 on `_scaled_mm`, with the weight quantised as in forward.
                 let dx = want_dx.then(|| {
                     let (wq, _) = self.fp8_weight(w, Some(st.w_scale), true);

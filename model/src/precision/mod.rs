@@ -287,7 +287,7 @@ mod tests {
         let zeros = || tch::Tensor::zeros([n as i64, k as i64], (Fp8Format::E4M3.kind(), tch::Device::Cpu));
         let handed = |at: f32| {
             let codes = SharedCodes::new();
-            codes.offer(zeros(), tch::Tensor::from(1.0f32), at, Fp8Format::E4M3);
+            codes.offer(crate::fp8::Fp8Tensor::host(zeros(), 1.0 / at), tch::Tensor::from(1.0f32), at);
             codes
         };
         let own = y(x0.clone(), None);

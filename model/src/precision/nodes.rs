@@ -284,9 +284,7 @@ fn kernel_backward(kept: &(Kept, Kept), grad: &tch::Tensor) -> Option<(tch::Tens
     if !super::swiglu_route::takes_kernel(grad, Storage::Fp8) {
         return None;
     }
-    let device = gate.codes().device();
-    let scale_inv = tch::Tensor::stack(&[gate.inv_scale().on_device(device), up.inv_scale().on_device(device)], 0);
-    super::swiglu_route::backward(gate.codes(), up.codes(), &scale_inv, grad)
+    super::swiglu_route::backward(gate, up, grad)
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU backward failed, LibTorch's runs: {e}"))
         .ok()
 }
@@ -306,11 +304,11 @@ fn kernel_forward(
     let f = super::swiglu_route::forward(&gate.tensor, &up.tensor, h_codes.map(|w| w.scale))
         .inspect_err(|e| tracing::warn!("our FP8 SwiGLU forward failed, LibTorch's runs: {e}"))
         .ok()?;
-    if let (Some(hc), Some(write)) = (&f.h_codes, h_codes) {
-        write.to.offer(hc.codes.shallow_clone(), hc.amax.reshape([] as [i64; 0]), write.scale, Fp8Format::E4M3);
+    if let (Some(hc), Some(write)) = (f.h_codes, h_codes) {
+        let (codes, amax) = hc.written();
+        write.to.offer(codes, amax, write.scale);
     }
-    let keep = |codes: tch::Tensor, i: i64| Kept::Fp8(Fp8Tensor::device(codes, f.scale_inv.get(i)));
-    Some((TchTensor::new(f.h), (keep(f.gate_codes, 0), keep(f.up_codes, 1))))
+    Some((TchTensor::new(f.h), (Kept::Fp8(f.gate), Kept::Fp8(f.up))))
 }
 
 impl Backward<LibTorch, 2> for SwigluBackward {

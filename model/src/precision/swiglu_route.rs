@@ -6,7 +6,7 @@
 
 use crate::fp8::format::Fp8Format;
 use crate::fp8::stand_ins;
-use crate::fp8::tensor::CodesToWrite;
+use crate::fp8::tensor::{CodesToWrite, Fp8Tensor};
 use crate::kernels::args::host_bytes;
 use crate::kernels::swiglu_fp8::{self, BackwardArgs, ForwardArgs};
 
@@ -50,16 +50,17 @@ pub fn checked_on(device: tch::Device) -> Result<(), String> {
     ROUTE.check(device, || check(device))
 }
 
-/// What the kernel's forward gives: h, and gate's and up's codes with their inverse scales.
+/// What the kernel's forward gives: h, and gate and up as E4M3 codes at their own current
+/// scales (the kernel writes the codes and `scale_inv`, which the two tensors' scales view).
 pub struct Forward {
     /// silu(gate) · up, bf16.
     pub h: tch::Tensor,
-    /// gate's E4M3 codes.
-    pub gate_codes: tch::Tensor,
-    /// up's E4M3 codes.
-    pub up_codes: tch::Tensor,
-    /// `[2]` f32: gate's and up's inverse scales.
-    pub scale_inv: tch::Tensor,
+    /// gate's E4M3 codes, its inverse scale `scale_inv[0]`.
+    pub gate: Fp8Tensor,
+    /// up's E4M3 codes, its inverse scale `scale_inv[1]`.
+    pub up: Fp8Tensor,
+    /// `[2]` f32: gate's and up's inverse scales, as the kernel writes them.
+    scale_inv: tch::Tensor,
     /// h's E4M3 codes at down_proj's delayed input scale, when asked for.
     pub h_codes: Option<CodesToWrite>,
 }
@@ -70,12 +71,13 @@ impl Forward {
         let codes = || tch::Tensor::empty(gate.size(), (Fp8Format::E4M3.kind(), gate.device()));
         let scale_inv = tch::Tensor::zeros([2], (tch::Kind::Float, gate.device()));
         let h_codes = h_scale.map(|s| CodesToWrite::empty(&gate.size(), s, Fp8Format::E4M3, gate.device()));
-        Self { h: gate.empty_like(), gate_codes: codes(), up_codes: codes(), scale_inv, h_codes }
+        let (g, u) = (Fp8Tensor::device(codes(), scale_inv.get(0)), Fp8Tensor::device(codes(), scale_inv.get(1)));
+        Self { h: gate.empty_like(), gate: g, up: u, scale_inv, h_codes }
     }
 
     /// The forward's arguments writing into `self`, `amax` a `[2]` f32 scratch.
     fn args<'a>(&'a self, gate: &'a tch::Tensor, up: &'a tch::Tensor, amax: &'a tch::Tensor) -> ForwardArgs<'a> {
-        let (out, gate_codes, up_codes, scale_inv) = (&self.h, &self.gate_codes, &self.up_codes, &self.scale_inv);
+        let (out, gate_codes, up_codes, scale_inv) = (&self.h, self.gate.codes(), self.up.codes(), &self.scale_inv);
         ForwardArgs {
             gate,
             up,
@@ -105,23 +107,34 @@ pub fn forward(gate: &tch::Tensor, up: &tch::Tensor, h_scale: Option<f32>) -> Re
     Ok(out)
 }
 
-/// The kernel's backward: (grad of gate, grad of up) from the kept codes and h's gradient.
+/// The kernel's backward: (grad of gate, grad of up) from the kept E4M3 gate and up and h's
+/// gradient.
 ///
 /// # Shapes
-/// - codes, grad: `[.., I]`; scale_inv `[2]` f32; outputs: as grad, bf16
-pub fn backward(
-    gate_codes: &tch::Tensor,
-    up_codes: &tch::Tensor,
-    scale_inv: &tch::Tensor,
-    grad: &tch::Tensor,
-) -> Result<(tch::Tensor, tch::Tensor), String> {
+/// - gate, up, grad: `[.., I]`; outputs: as grad, bf16
+pub fn backward(gate: &Fp8Tensor, up: &Fp8Tensor, grad: &tch::Tensor) -> Result<(tch::Tensor, tch::Tensor), String> {
     let grad = grad.contiguous();
     let (grad_gate, grad_up) = (grad.empty_like(), grad.empty_like());
-    let args = BackwardArgs { gate_codes, up_codes, scale_inv, grad: &grad, grad_gate: &grad_gate, grad_up: &grad_up };
+    let scale_inv = inverse_scales(gate, up);
+    let (gate_codes, up_codes) = (gate.codes(), up.codes());
+    let args = BackwardArgs {
+        gate_codes,
+        up_codes,
+        scale_inv: &scale_inv,
+        grad: &grad,
+        grad_gate: &grad_gate,
+        grad_up: &grad_up,
+    };
     if !swiglu_fp8::backward(&args).map_err(|e| e.to_string())? {
         stand_ins::swiglu_backward(&args);
     }
     Ok((grad_gate, grad_up))
+}
+
+/// gate's and up's inverse scales as the kernels read them: `[2]` f32 on their device.
+fn inverse_scales(gate: &Fp8Tensor, up: &Fp8Tensor) -> tch::Tensor {
+    let device = gate.codes().device();
+    tch::Tensor::stack(&[gate.inv_scale().on_device(device), up.inv_scale().on_device(device)], 0)
 }
 
 /// Checks the kernels against the LibTorch route on `device` (bf16 probe values over ±40 with
@@ -137,8 +150,8 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     let want = forward_reference(&gate, &up);
     let bits = host_bytes;
     for (name, a, b) in [
-        ("gate codes", &got.gate_codes, &want.gate_codes),
-        ("up codes", &got.up_codes, &want.up_codes),
+        ("gate codes", got.gate.codes(), want.gate.codes()),
+        ("up codes", got.up.codes(), want.up.codes()),
         ("inverse scales", &got.scale_inv, &want.scale_inv),
     ] {
         if bits(a) != bits(b) {
@@ -156,7 +169,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
         return Err("h's codes or amax differ from those of its h".into());
     }
     let grad = (gate.flip([0]) * 0.25).contiguous();
-    let (gg, gu) = backward(&got.gate_codes, &got.up_codes, &got.scale_inv, &grad)?;
+    let (gg, gu) = backward(&got.gate, &got.up, &grad)?;
     let (gg_want, gu_want) = backward_reference(&want, &grad);
     within_ulp("gate gradient", &gg, &gg_want)?;
     within_ulp("up gradient", &gu, &gu_want)
@@ -179,7 +192,7 @@ fn forward_reference(gate: &tch::Tensor, up: &tch::Tensor) -> Forward {
 /// The LibTorch route's backward on the reference's codes.
 fn backward_reference(f: &Forward, grad: &tch::Tensor) -> (tch::Tensor, tch::Tensor) {
     let (grad_gate, grad_up) = (grad.empty_like(), grad.empty_like());
-    let (gate_codes, up_codes, scale_inv) = (&f.gate_codes, &f.up_codes, &f.scale_inv);
+    let (gate_codes, up_codes, scale_inv) = (f.gate.codes(), f.up.codes(), &inverse_scales(&f.gate, &f.up));
     stand_ins::swiglu_backward(&BackwardArgs {
         gate_codes,
         up_codes,
@@ -216,8 +229,7 @@ mod tests {
         let _on = crate::routes::on_cpu_for_this_thread(true);
         let (gate, up) = inputs([4, 9], tch::Device::Cpu);
         let f = forward(&gate, &up, Some(0.25)).unwrap();
-        let decode = |codes: &Tensor, i: i64| crate::fp8::dequantize(codes, &f.scale_inv.get(i));
-        let (g, u) = (decode(&f.gate_codes, 0), decode(&f.up_codes, 1));
+        let (g, u) = (f.gate.dequantize(), f.up.dequantize());
         let off =
             |x: &Tensor, y: &Tensor| (x.to_kind(Kind::Float) - y.to_kind(Kind::Float)).abs().max().double_value(&[]);
         assert!(off(&g, &gate) <= gate.abs().max().double_value(&[]) * 2f64.powi(-4));
@@ -233,7 +245,7 @@ mod tests {
             (g.to_kind(Kind::BFloat16).set_requires_grad(true), u.to_kind(Kind::BFloat16).set_requires_grad(true));
         let grad = Tensor::randn([4, 9], (Kind::Float, tch::Device::Cpu)).to_kind(Kind::BFloat16);
         (g.silu() * &u * &grad).sum(Kind::Float).backward();
-        let (gg, gu) = backward(&f.gate_codes, &f.up_codes, &f.scale_inv, &grad).unwrap();
+        let (gg, gu) = backward(&f.gate, &f.up, &grad).unwrap();
         assert!(ulp(&gg, &g.grad()) && ulp(&gu, &u.grad()));
         assert!(check(tch::Device::Cpu).is_ok());
     }
@@ -301,14 +313,14 @@ mod tests {
             );
             stand_ins::swiglu_forward(&ForwardArgs { h: Some(h_want.args()), ..want.args(&gate, &up, &amax) });
             let bits = |t: &Tensor| host_bytes(t).unwrap();
-            assert_eq!(bits(&mine.gate_codes), bits(&want.gate_codes), "gate codes, {shape:?}");
-            assert_eq!(bits(&mine.up_codes), bits(&want.up_codes), "up codes, {shape:?}");
+            assert_eq!(bits(mine.gate.codes()), bits(want.gate.codes()), "gate codes, {shape:?}");
+            assert_eq!(bits(mine.up.codes()), bits(want.up.codes()), "up codes, {shape:?}");
             assert_eq!(bits(&mine.scale_inv), bits(&want.scale_inv), "inverse scales, {shape:?}");
             assert_eq!(bits(&h_mine.codes), bits(&h_want.codes), "h codes, {shape:?}");
             assert_eq!(bits(&h_mine.amax), bits(&h_want.amax), "h amax, {shape:?}");
             assert!(ulp(&mine.h, &want.h), "h, {shape:?}");
             let grad = Tensor::randn(shape, (Kind::Float, dev)).to_kind(Kind::BFloat16);
-            let (gg, gu) = backward(&mine.gate_codes, &mine.up_codes, &mine.scale_inv, &grad).unwrap();
+            let (gg, gu) = backward(&mine.gate, &mine.up, &grad).unwrap();
             let (gg_want, gu_want) = backward_reference(&want, &grad);
             assert!(ulp(&gg, &gg_want) && ulp(&gu, &gu_want), "gradients, {shape:?}");
         }
