@@ -113,21 +113,34 @@ pub fn forward(gate: &tch::Tensor, up: &tch::Tensor, h_scale: Option<f32>) -> Re
 /// # Shapes
 /// - gate, up, grad: `[.., I]`; outputs: as grad, bf16
 pub fn backward(gate: &Fp8Tensor, up: &Fp8Tensor, grad: &tch::Tensor) -> Result<(tch::Tensor, tch::Tensor), String> {
+    with_backward_args(gate, up, grad, |args| {
+        if !swiglu_fp8::backward(args).map_err(|e| e.to_string())? {
+            stand_ins::swiglu_backward(args);
+        }
+        Ok(())
+    })
+}
+
+/// Runs `run` on the backward's arguments (the one place they are made: the kernel and its
+/// reference read the same view) and returns the gradients it wrote.
+fn with_backward_args(
+    gate: &Fp8Tensor,
+    up: &Fp8Tensor,
+    grad: &tch::Tensor,
+    run: impl FnOnce(&BackwardArgs<'_>) -> Result<(), String>,
+) -> Result<(tch::Tensor, tch::Tensor), String> {
     let grad = grad.contiguous();
     let (grad_gate, grad_up) = (grad.empty_like(), grad.empty_like());
     let scale_inv = inverse_scales(gate, up);
     let (gate_codes, up_codes) = (gate.codes(), up.codes());
-    let args = BackwardArgs {
+    run(&BackwardArgs {
         gate_codes,
         up_codes,
         scale_inv: &scale_inv,
         grad: &grad,
         grad_gate: &grad_gate,
         grad_up: &grad_up,
-    };
-    if !swiglu_fp8::backward(&args).map_err(|e| e.to_string())? {
-        stand_ins::swiglu_backward(&args);
-    }
+    })?;
     Ok((grad_gate, grad_up))
 }
 
@@ -170,7 +183,7 @@ pub fn check(device: tch::Device) -> Result<(), String> {
     }
     let grad = (gate.flip([0]) * 0.25).contiguous();
     let (gg, gu) = backward(&got.gate, &got.up, &grad)?;
-    let (gg_want, gu_want) = backward_reference(&want, &grad);
+    let (gg_want, gu_want) = backward_reference(&want, &grad)?;
     within_ulp("gate gradient", &gg, &gg_want)?;
     within_ulp("up gradient", &gu, &gu_want)
 }
@@ -190,18 +203,12 @@ fn forward_reference(gate: &tch::Tensor, up: &tch::Tensor) -> Forward {
 }
 
 /// The LibTorch route's backward on the reference's codes.
-fn backward_reference(f: &Forward, grad: &tch::Tensor) -> (tch::Tensor, tch::Tensor) {
-    let (grad_gate, grad_up) = (grad.empty_like(), grad.empty_like());
-    let (gate_codes, up_codes, scale_inv) = (f.gate.codes(), f.up.codes(), &inverse_scales(&f.gate, &f.up));
-    stand_ins::swiglu_backward(&BackwardArgs {
-        gate_codes,
-        up_codes,
-        scale_inv,
-        grad,
-        grad_gate: &grad_gate,
-        grad_up: &grad_up,
-    });
-    (grad_gate, grad_up)
+fn backward_reference(f: &Forward, grad: &tch::Tensor) -> Result<(tch::Tensor, tch::Tensor), String> {
+    let run = |args: &BackwardArgs<'_>| {
+        stand_ins::swiglu_backward(args);
+        Ok(())
+    };
+    with_backward_args(&f.gate, &f.up, grad, run)
 }
 
 #[cfg(test)]
@@ -321,7 +328,7 @@ mod tests {
             assert!(ulp(&mine.h, &want.h), "h, {shape:?}");
             let grad = Tensor::randn(shape, (Kind::Float, dev)).to_kind(Kind::BFloat16);
             let (gg, gu) = backward(&mine.gate, &mine.up, &grad).unwrap();
-            let (gg_want, gu_want) = backward_reference(&want, &grad);
+            let (gg_want, gu_want) = backward_reference(&want, &grad).unwrap();
             assert!(ulp(&gg, &gg_want) && ulp(&gu, &gu_want), "gradients, {shape:?}");
         }
     }
