@@ -32,8 +32,9 @@
 # moment leaves what it measured. Sections in order of value: CUDA tests (a bundle's test
 # executables, `--ignored`, one test at a time; TESTS=0 skips), self-test parts, parity
 # (PARITY=0 skips), the benches (the 70B layer first, PEFT beside each shape; SHAPES= runs
-# none), the whole 70B (WHOLE_70B=1, default on a GPU of 140 GB or more), packing, the tiny job
-# end to end (E2E=1, default on a GPU).
+# none), the tiny job end to end (E2E=1, default on a GPU), two ranks on the one device (data and
+# context parallel against one process; RANKS_ON_ONE=1, default on a GPU), the whole 70B
+# (WHOLE_70B=1, default on a GPU of 140 GB or more), packing.
 #
 #   scripts/gpu-check.sh                      # on a GPU node, all of the above
 #   scripts/gpu-check.sh --cpu                # the same report path on the CPU, small shapes
@@ -60,7 +61,7 @@ abs() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 # Every variable it honours is checked before anything runs: one line naming it, rather than a
 # section skipped without a word, a bash error or a Python traceback later.
 refuse() { echo "gpu-check.sh: $*" >&2; exit 2; }
-for v in TESTS PARITY PACKING E2E WHOLE_70B TRACE; do
+for v in TESTS PARITY PACKING E2E RANKS_ON_ONE WHOLE_70B TRACE; do
   [[ -z ${!v-} || ${!v} == 0 || ${!v} == 1 ]] || refuse "$v=${!v}: say 0 or 1"
 done
 for v in LIMIT_S L_TEST L_SELFTEST L_PARITY L_BENCH L_PEER L_WHOLE L_PACKING L_E2E STEPS WHOLE_STEPS PACKING_STEPS PACKING_DOCS; do
@@ -273,6 +274,11 @@ if by("e2e"):
     md += ["", "## The tiny job end to end (to the benchmark's target)", "", "| precision | ok | time to train s | final eval |", "|---|---|---|---|"]
     for r in by("e2e"):
         md.append(f"| {r['precision']} | {'yes' if r['ok'] else '**no**'} | {f(r.get('time_to_train_s'),1)} | {f(r.get('final_eval'),4)} |")
+if by("ranks_on_one_device"):
+    md += ["", "## Two ranks on one device against one process (3 steps' losses, gradient norms, eval loss)", "",
+           "| layout | ok | bitwise | max relative difference | error |", "|---|---|---|---|---|"]
+    for r in by("ranks_on_one_device"):
+        md.append(f"| {r['layout']} | {'yes' if r['ok'] else '**no**'} | {r.get('bitwise', '')} | {f(r.get('max_rel_diff'), 9)} | {r.get('error', '')} |")
 open(f"{out}/report.md", "w").write("\n".join(md) + "\n")
 json.dump({"rows": rows, "final": final}, open(f"{out}/report.json", "w"), indent=1)
 if not final:
@@ -282,6 +288,7 @@ failed += [f"parity {r['precision']}" for r in by("parity") if "skipped" not in 
 failed += [f"{r.get('status', 'exit')} (exit {r['rc']}): {r['what']}" for r in by("exit") if r["rc"] != 0]
 failed += [f"CUDA test {r['test']}: {r['status']}" for r in by("cuda_test") if r["status"] != "passed"]
 failed += [f"end to end {r['precision']}" for r in by("e2e") if not r["ok"]]
+failed += [f"two ranks on one device, {r['layout']}" for r in by("ranks_on_one_device") if not r["ok"]]
 failed += [f"whole model: {r['error']}" for r in by("whole") if r.get("error")]
 failed += [f"packing run {r['run']}" for r in by("packing") if not r.get("ok", True)]
 import os
@@ -333,7 +340,7 @@ fi
 
 # 2. Self-tests, one part at a time (a hang hides nothing else): this process alone (NCCL on
 # one GPU), then one rank per GPU for the all-reduce's bus bandwidth.
-for part in gemm attention norm optimizer dropout all-reduce; do
+for part in gemm attention norm rope optimizer dropout all-reduce; do
   say "self-test $part on $DEVICE"
   limited "llora selftest --only $part --device $DEVICE" "$L_SELFTEST" "$work/selftest.log" \
     "$LLORA" selftest --device "$DEVICE" --threads "$THREADS" --only "$part" >"$work/selftest-$part.out"
@@ -486,6 +493,51 @@ PY
   done
 fi
 
+
+# 5b. Two ranks on the one device (RANKS_ON_ONE=1, default on a GPU): the tiny job for 3 steps in
+# fp32 (dropout 0, AdamW eps 1e-3 as tests/dist.rs has it: at 1e-8 the first updates are
+# ~lr·sign(g), which rounding flips) on one process, then under torchrun x2 with
+# dist.share_device (both ranks on cuda:0, Gloo through the host), data- and context-parallel:
+# every step's loss and gradient norm and the eval loss against the one process's (within 1e-6
+# relative; bitwise on the CPU for data parallelism, where tests/dist.rs holds both).
+if [[ ${RANKS_ON_ONE:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
+  short=(--set "run.device=\"$DEVICE\"" --set "run.threads=$THREADS" --set schedule.max_steps=3
+    --set eval.every_samples=24 --set eval.target_loss=100 --set data.synthetic.train_samples=64
+    --set data.synthetic.eval_samples=9 --set lora.dropout=0.0 --set optim.eps=1e-3 --set dist.share_device=true
+    --set 'logging.progress="never"')
+  for layout in one dp2 cp2; do
+    say "two ranks on one device: $layout"
+    cmd=("$LLORA")
+    [[ $layout != one ]] && cmd=("${TORCHRUN[@]}" --standalone --nproc-per-node 2 --no-python "$LLORA")
+    cp=()
+    [[ $layout == cp2 ]] && cp=(--set train.context_parallel=2)
+    limited "llora train tiny x $layout on one device" "$L_E2E" "$work/ranks.log" "${cmd[@]}" train configs/tiny-cpu.toml \
+      "${short[@]}" "${cp[@]}" --set "run.dir=\"$work/ranks-$layout\"" >"$work/ranks-$layout.out"
+  done
+  "$PYTHON" - "$work" >>"$rows" <<'PY'
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+def numbers(layout):
+    f = work / f"ranks-{layout}" / "metrics.jsonl"
+    if not f.exists():
+        return None
+    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+    steps = [(r["loss"], r["grad_norm"]) for r in rows if isinstance(r.get("step"), int) and "loss" in r]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    return [x for pair in steps for x in pair] + evals
+one = numbers("one")
+for layout in ("dp2", "cp2"):
+    other = numbers(layout)
+    row = {"section": "ranks_on_one_device", "layout": layout}
+    if not one or other is None or len(other) != len(one):
+        row.update(ok=False, error="no metrics, or not the one process's steps (see the exit rows)")
+    else:
+        rel = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(one, other))
+        row.update(max_rel_diff=rel, bitwise=one == other, ok=rel <= 1e-6)
+    print(json.dumps(row))
+PY
+  report
+fi
 
 # 6. The whole Llama 2 70B on one GPU (WHOLE_70B=1; default on a GPU of 140 GB or more): FP8
 # weights in one layout and the recomputed blocks `llora plan` chooses for this memory, one

@@ -77,7 +77,10 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     // added to llora_model::diagnostics::all_routes appears here without touching selftest).
     let optimizer = selftest_checks("optimizer");
     named(&optimizer, "optimizer: fused AdamW Float (one multi-tensor launch)");
-    let parts = [("gemm", &gemm), ("norm", &norm), ("attention", &attention), ("optimizer", &optimizer)];
+    let rope = selftest_checks("rope");
+    named(&rope, "RoPE kernel (ours, NVRTC)");
+    let parts =
+        [("gemm", &gemm), ("norm", &norm), ("attention", &attention), ("optimizer", &optimizer), ("rope", &rope)];
     for route in llora_model::diagnostics::all_routes() {
         let (_, checks) = parts.iter().find(|(p, _)| *p == route.part).expect("a part selftest runs");
         named(checks, route.name);
@@ -127,6 +130,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     let used =
         |name: &str| r["route_list"].as_array().unwrap().iter().find(|x| x["name"] == name).unwrap()["used"].clone();
     assert_eq!(used("FP8 SwiGLU kernel (ours, NVRTC)"), true, "{r}");
+    assert_eq!(used("RoPE kernel (ours, NVRTC)"), true, "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
@@ -148,6 +152,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(stderr.contains("FP8 quantise kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 SwiGLU kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 RMSNorm kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
+    assert!(stderr.contains("RoPE kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     let optimizer = "optimizer: LibTorch's fused AdamW (one multi-tensor launch): checked against its reference, taken";
     assert!(stderr.contains(optimizer), "{stderr}");
 

@@ -29,7 +29,7 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
     // One row per part, each its own process.
     let selftest = section("selftest");
     let parts: Vec<&str> = selftest.iter().map(|r| r["part"].as_str().unwrap()).collect();
-    assert_eq!(parts, ["gemm", "attention", "norm", "optimizer", "dropout", "all-reduce"], "{report}");
+    assert_eq!(parts, ["gemm", "attention", "norm", "rope", "optimizer", "dropout", "all-reduce"], "{report}");
     let names: Vec<&str> =
         selftest.iter().flat_map(|r| r["checks"].as_array().unwrap()).map(|c| c["name"].as_str().unwrap()).collect();
     for want in [
@@ -249,7 +249,7 @@ fn gpu_check_reports_a_hung_process_and_goes_on() {
     assert!(hung[0]["tail"].as_array().unwrap().iter().any(|l| l == "gemm: about to hang"), "{}", hung[0]);
     let parts: Vec<&str> =
         rows.iter().filter(|r| r["section"] == "selftest").map(|r| r["part"].as_str().unwrap()).collect();
-    assert_eq!(parts, ["attention", "norm", "optimizer", "dropout", "all-reduce"], "the other parts ran");
+    assert_eq!(parts, ["attention", "norm", "rope", "optimizer", "dropout", "all-reduce"], "the other parts ran");
     assert!(rows.iter().any(|r| r["section"] == "allreduce"), "{rows:?}");
     let md = std::fs::read_to_string(report_dir.join("report.md")).unwrap();
     assert!(md.contains("**hung**") && md.contains("gemm: about to hang"), "{md}");

@@ -82,7 +82,7 @@ pub struct SelftestArgs {
     pub threads: usize,
     /// Run one group of checks: `gemm`, `attention`, `norm` or `optimizer` (CUDA only),
     /// `dropout` or `all-reduce`.
-    #[arg(long, value_parser = ["gemm", "attention", "norm", "optimizer", "dropout", "all-reduce"])]
+    #[arg(long, value_parser = ["gemm", "attention", "norm", "rope", "optimizer", "dropout", "all-reduce"])]
     pub only: Option<String>,
 }
 

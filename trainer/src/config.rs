@@ -966,6 +966,13 @@ impl Config {
                        train adapters (model.trainable = \"lora\") or set train.context_parallel = 1";
             p.check(self.model.trainable == Trainable::Lora, "model.trainable", &"all", why);
         }
+        let why = "dist.share_device = true runs several ranks on one GPU, which NCCL refuses: set dist.backend = \"gloo\" (or \"auto\")";
+        p.check(
+            !(self.dist.share_device && self.dist.backend == crate::dist::BackendChoice::Nccl),
+            "dist.backend",
+            &"nccl",
+            why,
+        );
         self.run.check(&mut p);
         self.mlperf.check(&mut p);
         self.logging.check(&mut p);
@@ -1395,6 +1402,21 @@ mod tests {
     }
 
     /// Full fine-tuning under context parallelism is refused at load (rank 1 panicked in its
+    /// Ranks sharing one GPU talk over Gloo: NCCL asked for with `dist.share_device` is refused by
+    /// key (NCCL itself fails later with "duplicate GPU"); Gloo and `auto` are accepted.
+    #[test]
+    fn a_shared_gpu_refuses_nccl_by_key() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let err =
+            Config::load(None, &[ov("dist.share_device=true"), ov("dist.backend=\"nccl\"")]).unwrap_err().to_string();
+        assert!(err.contains("`dist.backend` = \"nccl\"") && err.contains("dist.share_device = true"), "{err}");
+        for backend in ["gloo", "auto"] {
+            assert!(
+                Config::load(None, &[ov("dist.share_device=true"), ov(&format!("dist.backend=\"{backend}\""))]).is_ok()
+            );
+        }
+    }
+
     /// first step: "lm_head.weight got no gradient"), naming both keys.
     #[test]
     fn full_fine_tuning_under_context_parallelism_is_refused() {

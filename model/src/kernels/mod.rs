@@ -26,6 +26,7 @@ pub mod fp8_quantize;
 pub mod launch;
 pub mod nvrtc;
 pub mod rmsnorm_fp8;
+pub mod rope;
 pub mod swiglu_fp8;
 
 pub use nvrtc::KernelError;
@@ -36,7 +37,7 @@ mod tests {
     use super::*;
 
     /// Every kernel source llora compiles.
-    const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE];
+    const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE, rope::SOURCE];
 
     /// The architectures CI compiles every source for (Hopper, Blackwell).
     const CI_ARCHES: &[(i32, i32)] = &[(9, 0), (10, 0)];

@@ -161,10 +161,12 @@ impl Dist {
         self.world.rank == 0
     }
 
-    /// The device this rank computes on for the configured `spec`: `cuda` is `cuda:LOCAL_RANK`
-    /// (train and bench pick it here; `DeviceSpec::init` then makes it the current device).
-    pub fn device(&self, spec: llora_model::device::DeviceSpec) -> llora_model::device::DeviceSpec {
-        spec.for_local_rank(self.world.local_rank)
+    /// The device this rank computes on for the configured `spec`: `cuda` is `cuda:LOCAL_RANK`,
+    /// or `cuda:0` for every rank with `dist.share_device` (train and bench pick it here;
+    /// `DeviceSpec::init` then makes it the current device). Several ranks of a node on one
+    /// explicit `cuda:N` are refused unless shared on purpose.
+    pub fn device(&self, spec: llora_model::device::DeviceSpec) -> anyhow::Result<llora_model::device::DeviceSpec> {
+        rank_device(spec, &self.world).map_err(anyhow::Error::msg)
     }
 
     /// Ends the process group after the command's work succeeded (see [`Collective::shutdown`]);
@@ -174,6 +176,24 @@ impl Dist {
             c.comm.shutdown()?;
         }
         Ok(self.comm.shutdown()?)
+    }
+}
+
+/// [`Dist::device`] for a rank of `world`.
+fn rank_device(
+    spec: llora_model::device::DeviceSpec,
+    world: &World,
+) -> Result<llora_model::device::DeviceSpec, String> {
+    use llora_model::device::DeviceSpec;
+    match spec {
+        DeviceSpec::CudaLocal if world.share_device => Ok(DeviceSpec::Cuda(0)),
+        DeviceSpec::Cuda(n) if world.local_size > 1 && !world.share_device => Err(format!(
+            "run.device = \"cuda:{n}\" puts all {} ranks of this node on one GPU (rank {}): set run.device = \"cuda\" \
+             (each rank its own GPU, cuda:LOCAL_RANK), or set dist.share_device = true with dist.backend = \"gloo\" \
+             to run them on one GPU on purpose",
+            world.local_size, world.rank
+        )),
+        other => Ok(other.for_local_rank(world.local_rank)),
     }
 }
 
@@ -258,7 +278,8 @@ fn same_context_everywhere(comm: &dyn Collective, context: usize, named: &str) -
 /// The c10d backend `config` asks for on a CUDA (`cuda`) or CPU device.
 fn backend_for(config: &DistConfig, cuda: bool) -> anyhow::Result<Backend> {
     let backend = match config.backend {
-        BackendChoice::Auto if cuda => Backend::Nccl,
+        // NCCL refuses two ranks on one device: shared, the ranks talk over Gloo.
+        BackendChoice::Auto if cuda && !config.share_device => Backend::Nccl,
         BackendChoice::Auto | BackendChoice::Gloo => Backend::Gloo,
         BackendChoice::Nccl => Backend::Nccl,
     };
@@ -554,14 +575,44 @@ mod tests {
                     ("MASTER_ADDR", "node0"),
                 ];
                 let world = World::from_env(env(&vars), &DistConfig::default()).unwrap();
-                Dist { world, comm: Arc::new(SingleProcess), context: None }.device(DeviceSpec::CudaLocal)
+                Dist { world, comm: Arc::new(SingleProcess), context: None }.device(DeviceSpec::CudaLocal).unwrap()
             })
             .collect();
         assert_eq!(picked, (0..8).map(DeviceSpec::Cuda).collect::<Vec<_>>());
         let dist =
             Dist { world: World { local_rank: 5, ..World::single() }, comm: Arc::new(SingleProcess), context: None };
-        assert_eq!(dist.device(DeviceSpec::Cuda(2)), DeviceSpec::Cuda(2));
-        assert_eq!(dist.device(DeviceSpec::Cpu), DeviceSpec::Cpu);
+        assert_eq!(dist.device(DeviceSpec::Cuda(2)).unwrap(), DeviceSpec::Cuda(2));
+        assert_eq!(dist.device(DeviceSpec::Cpu).unwrap(), DeviceSpec::Cpu);
+    }
+
+    /// Two ranks on a one-GPU machine: with `dist.share_device` both compute on `cuda:0`
+    /// (`cuda` and `cuda:0` alike) and `auto` picks Gloo; without it an explicit `cuda:0` for
+    /// both is refused by key, naming the ways on; the CPU is shared as always.
+    #[test]
+    fn ranks_share_a_gpu_only_when_asked() {
+        use llora_model::device::DeviceSpec;
+        let world = |local_rank, share_device| World {
+            local_rank,
+            local_size: 2,
+            size: 2,
+            rank: local_rank,
+            share_device,
+            ..World::single()
+        };
+        for r in 0..2 {
+            assert_eq!(rank_device(DeviceSpec::CudaLocal, &world(r, true)), Ok(DeviceSpec::Cuda(0)));
+            assert_eq!(rank_device(DeviceSpec::Cuda(0), &world(r, true)), Ok(DeviceSpec::Cuda(0)));
+            assert_eq!(rank_device(DeviceSpec::CudaLocal, &world(r, false)), Ok(DeviceSpec::Cuda(r)));
+            assert_eq!(rank_device(DeviceSpec::Cpu, &world(r, false)), Ok(DeviceSpec::Cpu));
+            let refused = rank_device(DeviceSpec::Cuda(0), &world(r, false)).unwrap_err();
+            assert!(
+                refused.contains("all 2 ranks of this node on one GPU") && refused.contains("dist.share_device = true"),
+                "{refused}"
+            );
+        }
+        let shared = DistConfig { share_device: true, ..DistConfig::default() };
+        assert_eq!(backend_for(&shared, true).unwrap(), Backend::Gloo);
+        assert_eq!(backend_for(&DistConfig::default(), false).unwrap(), Backend::Gloo);
     }
 
     #[test]

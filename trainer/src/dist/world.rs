@@ -41,6 +41,8 @@ pub struct World {
     /// The launcher's id of the whole job, the same in every restarted attempt
     /// (`TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID`): how a restart recognises its job's run directory.
     pub job: Option<String>,
+    /// `dist.share_device`: the node's ranks compute on one GPU.
+    pub share_device: bool,
 }
 
 impl World {
@@ -57,6 +59,7 @@ impl World {
             attempt: 0,
             launcher: Launcher::Single,
             job: None,
+            share_device: false,
         }
     }
 
@@ -112,7 +115,20 @@ impl World {
             None => config.master_port,
         };
         let agent_store = env("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True");
-        Ok(Self { rank, size, local_rank, local_size, master_addr, master_port, agent_store, attempt, launcher, job })
+        let share_device = config.share_device;
+        Ok(Self {
+            rank,
+            size,
+            local_rank,
+            local_size,
+            master_addr,
+            master_port,
+            agent_store,
+            attempt,
+            launcher,
+            job,
+            share_device,
+        })
     }
 
     /// Whether a launcher that restarts or requeues jobs by itself started this process:
@@ -157,10 +173,20 @@ pub struct DistConfig {
     pub master_addr: Option<String>,
     /// TCPStore port when the launcher does not export `MASTER_PORT`.
     pub master_port: u16,
+    /// Every rank of a node computes on its first GPU (`run.device = "cuda"` is `cuda:0` for
+    /// all): a rehearsal of several ranks on a machine with one GPU. Needs Gloo (NCCL refuses
+    /// two ranks on one device); its collectives stage through the host.
+    pub share_device: bool,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        Self { backend: BackendChoice::Auto, timeout_s: 600, master_addr: None, master_port: 29500 }
+        Self {
+            backend: BackendChoice::Auto,
+            timeout_s: 600,
+            master_addr: None,
+            master_port: 29500,
+            share_device: false,
+        }
     }
 }

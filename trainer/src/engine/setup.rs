@@ -53,7 +53,7 @@ pub(super) fn start_device(
     dist: &Dist,
 ) -> anyhow::Result<(llora_model::device::DeviceSpec, Device)> {
     let (world, comm) = (&dist.world, dist.comm.as_ref());
-    let device_spec = dist.device(config.run.device);
+    let device_spec = dist.device(config.run.device)?;
     let device = device_spec
         .init(config.run.threads)
         .with_context(|| format!("cannot start on run.device = \"{}\" (rank {})", config.run.device, world.rank))?;

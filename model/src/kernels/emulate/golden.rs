@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 use super::with_emulation;
 use crate::fp8::format::Fp8Format;
 use crate::kernels::args::{DelayedCodes, host_bytes};
-use crate::kernels::{fp8_quantize, rmsnorm_fp8, swiglu_fp8};
+use crate::kernels::{fp8_quantize, rmsnorm_fp8, rope, swiglu_fp8};
 
 /// The digests, one line each: `case/output fnv1a64`.
 const GOLDEN: &str = include_str!("golden.txt");
@@ -65,6 +65,7 @@ pub fn outputs(dev: tch::Device) -> Vec<(String, Tensor)> {
     }
     out.extend(rmsnorm(dev, &run));
     out.extend(swiglu(dev, &run));
+    out.extend(rotary(dev, &run));
     out
 }
 
@@ -149,6 +150,23 @@ fn swiglu(dev: tch::Device, run: &dyn Fn(&mut dyn FnMut())) -> Vec<(String, Tens
     .into_iter()
     .map(|(n, t)| (format!("swiglu/{n}"), t))
     .collect()
+}
+
+fn rotary(dev: tch::Device, run: &dyn Fn(&mut dyn FnMut())) -> Vec<(String, Tensor)> {
+    let bf16 = |shape: &[i64], phase: f64, m: f64| {
+        (fixed(shape, Kind::Float, dev, phase).nan_to_num(0.0, 0.0, 0.0).clamp(-300.0, 300.0) * (m / 300.0))
+            .to_kind(Kind::BFloat16)
+    };
+    let x = bf16(&[2, 7, 3, 20], 6.0, 40.0);
+    let (cos, sin) = (bf16(&[2, 7, 1, 20], 7.0, 1.0), bf16(&[2, 7, 1, 20], 8.0, 1.0));
+    let mut out = Vec::new();
+    for (name, direction) in [("forward", rope::Direction::Forward), ("backward", rope::Direction::Backward)] {
+        let y = x.zeros_like();
+        let a = rope::RopeArgs { x: &x, cos: &cos, sin: &sin, y: &y, direction };
+        run(&mut || assert_eq!(rope::launch(&a), Ok(true)));
+        out.push((format!("rope/{name}"), y));
+    }
+    out
 }
 
 /// FNV-1a over a tensor's bytes: enough to tell outputs apart, the same on every machine.

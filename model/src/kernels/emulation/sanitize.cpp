@@ -116,6 +116,18 @@ void swiglu(long n) {
     }
 }
 
+// RoPE both ways over [b, s, h, hd], tables one a row (per_row) or shared, grid-stride with two
+// blocks so the loop runs more than once.
+void rope(long b, long s, long h, long hd, int per_row) {
+    long tb = per_row != 0 ? b : 1, half = hd / 2, pairs = b * s * h * half;
+    std::vector<unsigned short> x = bf16(values(b * s * h * hd)), y(b * s * h * hd);
+    std::vector<unsigned short> c = bf16(values(tb * s * hd)), sn = bf16(values(tb * s * hd));
+    void *px = x.data(), *pc = c.data(), *ps = sn.data(), *py = y.data();
+    for (int backward = 0; backward < 2; ++backward) {
+        run("llora_rope_bf16", 2, 1, {&px, &pc, &ps, &py, &pairs, &half, &h, &s, &per_row, &backward});
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -125,6 +137,8 @@ int main() {
     rmsnorm(2, 7);
     swiglu(1000);
     swiglu(1);
+    rope(2, 33, 3, 128, 1);
+    rope(1, 5, 2, 10, 0);
     std::vector<float> out(512);
     void* po = out.data();
     run("llora_check_reverse_tile", 2, 1, {&po});

@@ -121,7 +121,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     validate(&bench)?;
     let config = &bench.config;
     let dist = crate::dist::init_with_context(&config.dist, bench.device().is_cuda(), bench.cp(), "--cp")?;
-    let device = dist.device(bench.device());
+    let device = dist.device(bench.device())?;
     let record = match &args.load {
         Some(dir) => load(&bench, device, dir)?,
         None if args.allreduce_values > 0 => allreduce(&bench, &dist)?,

@@ -1,5 +1,8 @@
 //! Rotary position embeddings (RoPE): the frequency tables, Llama 3's frequency scaling, and
-//! their application to queries and keys, in HF transformers' `rotate_half` layout.
+//! their application to queries and keys, in HF transformers' `rotate_half` layout; on a
+//! device taking the CUDA routes, bf16 q and k take our kernel (`fused.rs`).
+
+pub mod fused;
 
 use anyhow::{Context, bail, ensure};
 use burn::tensor::{Device, Tensor, TensorData};
@@ -174,6 +177,9 @@ impl RopeCache {
 /// - cos, sin: `[1, 1, seq, head_dim]`
 /// - output: `[batch, heads, seq, head_dim]`
 pub fn apply_rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
+    if fused::takes_kernel(&x) {
+        return fused::rope(x, cos, sin);
+    }
     let hd = x.dims()[3];
     let first = x.clone().narrow(3, 0, hd / 2);
     let second = x.clone().narrow(3, hd / 2, hd / 2);
