@@ -60,7 +60,8 @@ esac
 # Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
 # the peer's time-to-train job (scripts/peer/ttt.py); TRL for its models' own chat templates
 # (trl/chat_templates: Qwen 2.5, Qwen 3, Llama 3.1, and Qwen 3's with generation markup).
-PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow bitsandbytes==0.50.2 trl==1.16.0)
+# TensorBoard for its own reader of the event files llora writes (tests/train.rs).
+PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow bitsandbytes==0.50.2 trl==1.16.0 tensorboard==2.20.0)
 # The official MLPerf Training compliance checker behind `llora mlperf check`.
 CHECKER_PKG=mlperf-logging==4.1.68
 
@@ -131,7 +132,7 @@ if ! "$VPY" -c 'import mlperf_logging.compliance_checker' >/dev/null 2>&1; then
 fi
 
 if [[ $WANT_PARITY == 1 ]]; then
-  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow, bitsandbytes, trl' >/dev/null 2>&1; then
+  if ! "$VPY" -c 'import transformers, peft, safetensors, numpy, pyarrow, bitsandbytes, trl, tensorboard' >/dev/null 2>&1; then
     say "installing parity-test packages: ${PARITY_PKGS[*]}"
     pip_install "${PARITY_PKGS[@]}"
   else

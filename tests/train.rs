@@ -643,3 +643,53 @@ fn recomputing_blocks_changes_nothing_of_the_run() {
         assert!(adapters[0] == adapters[1], "{family}: recomputation changed the adapters");
     }
 }
+
+/// A short run's TensorBoard event files, read by TensorBoard's own reader (its
+/// `EventAccumulator`, in the project venv), hold every number of `metrics.jsonl` at its step:
+/// each step's loss, learning rate, gradient norm, tokens/s, step time, TFLOP/s, samples and
+/// target tokens, and each evaluation's loss (as f32, TensorBoard's scalar type).
+#[test]
+fn tensorboard_reads_every_scalar_of_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let run = dir.path().join("run");
+    let _ = llora(&strs(&short_run_args(&config, &run)));
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let read = "import json, sys\n\
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+        acc = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0}); acc.Reload()\n\
+        print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))";
+    let py = common::root().join(".venv/bin/python");
+    let out = std::process::Command::new(&py).args(["-c", read]).arg(run.join("tensorboard")).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "TensorBoard's reader (run ./scripts/setup.sh --parity): {stderr}");
+    let scalars: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    let at = |tag: &str, step: u64| -> Option<f64> {
+        scalars.get(tag)?.as_array()?.iter().find(|p| p[0] == step).and_then(|p| p[1].as_f64())
+    };
+    let (mut steps, mut evals) = (0, 0);
+    for record in metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()) {
+        let step = record["step"].as_u64().unwrap();
+        let keys: Vec<&str> = match record.get("eval_loss") {
+            Some(_) => vec!["eval_loss"],
+            None => vec![
+                "loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s",
+                "step_s",
+                "model_tflops_per_s",
+                "samples",
+                "target_tokens",
+            ],
+        };
+        for key in keys {
+            let want = record[key].as_f64().unwrap() as f32;
+            // As f32: serde_json's reading of Python's decimal may be one f64 ulp off.
+            assert_eq!(at(key, step).map(|v| v as f32), Some(want), "{key} at step {step}: {stdout}");
+        }
+        if record.get("eval_loss").is_some() { evals += 1 } else { steps += 1 }
+    }
+    assert_eq!((steps, evals), (12, 3), "{metrics}");
+    assert_eq!(scalars["loss"].as_array().unwrap().len(), 12, "one loss a step, none twice");
+}

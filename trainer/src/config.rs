@@ -752,11 +752,14 @@ pub struct LoggingConfig {
     /// peak of a GPU llora knows by name (H100, H200, B200, MI300X, MI355X), else no MFU
     /// (achieved TFLOP/s is reported either way).
     pub peak_tflops: f64,
+    /// Write TensorBoard event files (`RUN_DIR/tensorboard/`) with the scalars of
+    /// `metrics.jsonl`: `tensorboard --logdir runs`.
+    pub tensorboard: bool,
 }
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        Self { every_steps: 10, progress: ProgressBar::Auto, peak_tflops: 0.0 }
+        Self { every_steps: 10, progress: ProgressBar::Auto, peak_tflops: 0.0, tensorboard: true }
     }
 }
 

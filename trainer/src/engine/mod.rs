@@ -5,7 +5,7 @@
 //! `eval.rs` an evaluation pass; `optim.rs` AdamW and the schedule; `checkpoints.rs`,
 //! `resume.rs` and `run_dir.rs` what a run leaves on disk and how it continues (`claim.rs`: the directory a run holds; `run_lock.rs`: a live run's lock on it; `outputs.rs`: the names of what it writes); `events.rs`
 //! what a run emits (start, step, eval, checkpoint, stop) and the `Observer`s that record it:
-//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress; `stop_signal.rs`
+//! `mllog.rs` the MLPerf result log, `observe.rs` metrics and progress, `tensorboard.rs` TensorBoard's event file; `stop_signal.rs`
 //! SIGINT/SIGTERM. The commands (`crate::commands`) call it; it parses no arguments.
 
 pub mod checkpoints;
@@ -25,5 +25,6 @@ pub mod run_lock;
 pub mod setup;
 pub mod step;
 pub mod stop_signal;
+pub mod tensorboard;
 pub mod train;
 pub mod trainer;

@@ -1,5 +1,5 @@
-//! The run's records: the MLPerf result log, `metrics.jsonl` and the progress bar, each an
-//! observer of the run's events.
+//! The run's records: the MLPerf result log, `metrics.jsonl`, TensorBoard's event file and the
+//! progress bar, each an observer of the run's events.
 
 use anyhow::Context;
 use llora_data::batch::Geometry;
@@ -10,12 +10,14 @@ use crate::engine::events::{Observer, RunEvent, RunStatus};
 use crate::engine::mllog::{MlperfKeys, RunLog, now_ms};
 use crate::engine::observe::{Metrics, Progress};
 use crate::engine::outputs;
+use crate::engine::tensorboard::EventFile;
 
 /// The run's records: the MLPerf result log, `metrics.jsonl` and the progress bar, each an
 /// [`Observer`] of the run's events (silent on ranks other than 0).
 pub(crate) struct Records {
     log: RunLog,
     pub(crate) metrics: Metrics,
+    events: EventFile,
     bar: Progress,
 }
 
@@ -38,8 +40,9 @@ impl Records {
         // run, which the MLPerf rules do not accept as a result (they time uninterrupted runs).
         let log = RunLog::open(&run_dir.join(outputs::RESULT_LOG), main, resumed_at.is_some(), keys)?;
         let metrics = Metrics::open(&run_dir.join(outputs::METRICS), resumed_at, main)?;
+        let events = EventFile::open(run_dir, config.logging.tensorboard, main)?;
         let bar = Progress::new(config, resumed_at.unwrap_or(0), main);
-        Ok(Self { log, metrics, bar })
+        Ok(Self { log, metrics, events, bar })
     }
 
     /// Removes what a fresh run's records wrote (rank 0), when it failed before `run_start`.
@@ -49,6 +52,7 @@ impl Records {
             for name in [outputs::RESULT_LOG, outputs::METRICS] {
                 let _ = std::fs::remove_file(config.run.dir.join(name));
             }
+            let _ = std::fs::remove_dir_all(config.run.dir.join(outputs::TENSORBOARD));
         }
     }
 
@@ -56,6 +60,7 @@ impl Records {
     pub(crate) fn emit(&mut self, event: RunEvent<'_>) {
         self.log.observe(&event);
         self.metrics.observe(&event);
+        self.events.observe(&event);
         self.bar.observe(&event);
     }
 
