@@ -1,0 +1,124 @@
+//! Preference tuning's objective (DPO and its variants, as TRL 1.16's `DPOTrainer` computes
+//! them): from the summed log-probabilities of each pair's chosen and rejected completions
+//! under the policy (the model with its adapters) and under the reference (the same model with
+//! the adapters off, [`crate::lora::without_adapters`]), the loss and the rewards TRL logs.
+//!
+//! A batch holds P pairs as 2P rows, the P chosen completions first, then the P rejected ones
+//! in the same order (TRL concatenates them so: one forward for both).
+
+use burn::tensor::Tensor;
+use burn::tensor::activation::{log_sigmoid, relu};
+
+use crate::loss::LossSums;
+
+/// One of TRL's DPO losses (`DPOConfig.loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreferenceLoss {
+    /// DPO: `−log σ(β·Δ)`, Δ the chosen log-ratio minus the rejected one.
+    Sigmoid,
+    /// SLiC's hinge: `max(0, 1 − β·Δ)`.
+    Hinge,
+    /// IPO: `(Δ̄ − 1/(2β))²`, Δ̄ with each log-ratio averaged over its completion's tokens (as TRL).
+    Ipo,
+    /// The chosen completions' negative log-likelihood per token (TRL's `"sft"`: an SFT term).
+    Sft,
+}
+
+/// The objective: β and the losses summed with their weights (TRL's `loss_type` and
+/// `loss_weights`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreferenceObjective {
+    /// How far the policy may move from the reference (TRL's `beta`; IPO's τ).
+    pub beta: f64,
+    /// Each loss and its weight.
+    pub losses: Vec<(PreferenceLoss, f64)>,
+}
+
+/// The means over the batch's pairs TRL logs (`rewards/chosen`, ..., `logps/rejected`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PairStats {
+    /// β · (policy − reference) log-probability of the chosen completions.
+    pub rewards_chosen: f64,
+    /// The same for the rejected completions.
+    pub rewards_rejected: f64,
+    /// The share of pairs whose chosen reward exceeds the rejected one.
+    pub rewards_accuracy: f64,
+    /// Chosen minus rejected reward.
+    pub rewards_margin: f64,
+    /// The policy's summed log-probability of the chosen completions.
+    pub logps_chosen: f64,
+    /// The same of the rejected completions.
+    pub logps_rejected: f64,
+}
+
+/// The objective's loss over a batch of pairs, and its statistics.
+///
+/// `policy` and `reference` are the rows' loss sums (−Σ log p over each completion's target
+/// tokens, and their counts: [`crate::LlamaForCausalLM::loss`]); the reference carries no
+/// gradient (computed without autodiff, or detached). The loss is a mean over pairs, as TRL's.
+///
+/// # Shapes
+/// - policy, reference: `[2P]` (chosen rows, then rejected rows); output: `[1]`, f32
+pub fn preference_loss(
+    policy: &LossSums,
+    reference: &LossSums,
+    objective: &PreferenceObjective,
+) -> (Tensor<1>, PairStats) {
+    let rows = policy.loss_sum.dims()[0];
+    let pairs = rows / 2;
+    let half = |t: &Tensor<1>, at: usize| t.clone().narrow(0, at, pairs);
+    let logps = policy.loss_sum.clone().neg();
+    let ref_logps = reference.loss_sum.clone().neg().detach();
+    let (chosen, rejected) = (half(&logps, 0), half(&logps, pairs));
+    let chosen_ratio = chosen.clone() - half(&ref_logps, 0);
+    let rejected_ratio = rejected.clone() - half(&ref_logps, pairs);
+    let delta = chosen_ratio.clone() - rejected_ratio.clone();
+    let beta = objective.beta;
+    let tokens = policy.tokens.clone().detach().clamp_min(1.0);
+    let mut loss = Tensor::<1>::zeros([1], &logps.device());
+    for &(kind, weight) in &objective.losses {
+        let per_pair = match kind {
+            PreferenceLoss::Sigmoid => log_sigmoid(delta.clone().mul_scalar(beta)).neg(),
+            PreferenceLoss::Hinge => relu(delta.clone().mul_scalar(-beta).add_scalar(1.0)),
+            PreferenceLoss::Ipo => {
+                let averaged = chosen_ratio.clone() / half(&tokens, 0) - rejected_ratio.clone() / half(&tokens, pairs);
+                averaged.sub_scalar(1.0 / (2.0 * beta)).powi_scalar(2)
+            }
+            // One value for the batch: every chosen target token's −log p, averaged.
+            PreferenceLoss::Sft => {
+                let nll = half(&policy.loss_sum, 0).sum() / half(&policy.tokens, 0).detach().sum().clamp_min(1.0);
+                nll.expand([pairs])
+            }
+        };
+        loss = loss + per_pair.mean().mul_scalar(weight);
+    }
+    (loss, stats(&chosen_ratio, &rejected_ratio, &chosen, &rejected, beta))
+}
+
+/// [`PairStats`] from the log-ratios and the policy's log-probabilities (read from the device).
+fn stats(
+    chosen_ratio: &Tensor<1>,
+    rejected_ratio: &Tensor<1>,
+    chosen: &Tensor<1>,
+    rejected: &Tensor<1>,
+    beta: f64,
+) -> PairStats {
+    let host = |t: &Tensor<1>| -> Vec<f64> {
+        t.clone().detach().cast(burn::tensor::DType::F64).into_data().into_vec::<f64>().unwrap_or_default()
+    };
+    let (rc, rr) = (host(chosen_ratio), host(rejected_ratio));
+    let n = rc.len().max(1) as f64;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / n;
+    let (rc, rr): (Vec<f64>, Vec<f64>) = (rc.iter().map(|x| beta * x).collect(), rr.iter().map(|x| beta * x).collect());
+    PairStats {
+        rewards_chosen: mean(&rc),
+        rewards_rejected: mean(&rr),
+        rewards_accuracy: rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / n,
+        rewards_margin: rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / n,
+        logps_chosen: mean(&host(chosen)),
+        logps_rejected: mean(&host(rejected)),
+    }
+}
+
+#[cfg(test)]
+mod tests;
