@@ -66,6 +66,23 @@ impl LlamaForCausalLM {
     }
 }
 
+/// The flattened gradient of every trainable parameter in `grads` (the backward's, or each
+/// recomputed segment's), in `trainable_params_mut` order.
+pub(crate) fn flat_grads(model: &mut LlamaForCausalLM, grads: &[burn::tensor::Gradients]) -> Vec<Tensor<1>> {
+    model
+        .trainable_params_mut()
+        .iter()
+        .map(|(name, p)| {
+            // A tied embedding has a part in the head's segment and one in the embedding's.
+            grads
+                .iter()
+                .filter_map(|gr| p.grad_flat(gr))
+                .reduce(|a, b| a + b)
+                .unwrap_or_else(|| panic!("{name} got no gradient"))
+        })
+        .collect()
+}
+
 /// [`LlamaForCausalLM::loss_and_grads`] inside its amax scope.
 fn grads_of(
     model: &mut LlamaForCausalLM,
@@ -109,18 +126,7 @@ fn grads_of(
     };
     // A context-parallel collective that failed inside attention (a lost rank) ends the step here.
     crate::context_parallel::take_failure()?;
-    let g: Vec<Tensor<1>> = model
-        .trainable_params_mut()
-        .iter()
-        .map(|(name, p)| {
-            // A tied embedding has a part in the head's segment and one in the embedding's.
-            grads
-                .iter()
-                .filter_map(|gr| p.grad_flat(gr))
-                .reduce(|a, b| a + b)
-                .unwrap_or_else(|| panic!("{name} got no gradient"))
-        })
-        .collect();
+    let g = flat_grads(model, &grads);
     if sync {
         device_sync(&device);
     }

@@ -9,7 +9,10 @@
 use burn::tensor::Tensor;
 use burn::tensor::activation::{log_sigmoid, relu};
 
+use crate::llama::LlamaForCausalLM;
+use crate::lora::without_adapters;
 use crate::loss::LossSums;
+use crate::micro_step::{MicroBatch, MicroGrads, flat_grads};
 
 /// One of TRL's DPO losses (`DPOConfig.loss_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +96,45 @@ pub fn preference_loss(
         loss = loss + per_pair.mean().mul_scalar(weight);
     }
     (loss, stats(&chosen_ratio, &rejected_ratio, &chosen, &rejected, beta))
+}
+
+impl LlamaForCausalLM {
+    /// One micro-batch of P pairs (2P rows: the chosen completions, then the rejected ones,
+    /// each with its prompt; labels −100 outside the completion): the reference's sums with the
+    /// adapters off (no gradient), the policy's, the objective's loss times `weight` (the
+    /// micro-batch's share of the step's pairs), and the flattened gradient of every trainable
+    /// parameter, in `trainable_params_mut` order. Whole rows only: packed rows, recomputed or
+    /// sharded blocks and context parallelism are refused by the config before a run.
+    ///
+    /// # Shapes
+    /// - mb.ids, mb.labels: `[2P, seq]`
+    pub fn preference_loss_and_grads(
+        &mut self,
+        mb: MicroBatch,
+        objective: &PreferenceObjective,
+        weight: f64,
+    ) -> anyhow::Result<(MicroGrads, PairStats)> {
+        let t = std::time::Instant::now();
+        anyhow::ensure!(mb.packed.is_none(), "preference pairs are whole rows: packed rows are not supported");
+        let rows = mb.ids.dims()[0];
+        anyhow::ensure!(
+            rows % 2 == 0 && rows > 0,
+            "a batch of pairs has an even number of rows (chosen, then rejected), not {rows}"
+        );
+        if let Some(seed) = mb.seed {
+            mb.ids.device().seed(seed);
+        }
+        // The reference: the base alone, in evaluation (no dropout, no amax recorded).
+        let reference = without_adapters(|| self.loss(mb.ids.clone(), mb.labels.clone(), None, false))?;
+        let policy = self.loss(mb.ids, mb.labels, None, true)?;
+        let (loss, stats) = preference_loss(&policy, &reference, objective);
+        let loss = loss.mul_scalar(weight);
+        let forward_s = t.elapsed().as_secs_f64();
+        let grads = vec![loss.clone().backward()];
+        let grads = flat_grads(self, &grads);
+        let loss = loss.inner();
+        Ok((MicroGrads { loss, grads, forward_s, backward_s: t.elapsed().as_secs_f64() - forward_s }, stats))
+    }
 }
 
 /// [`PairStats`] from the log-ratios and the policy's log-probabilities (read from the device).

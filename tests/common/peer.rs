@@ -62,7 +62,12 @@ pub fn fixture_key(args: &[&str]) -> String {
 /// Generates (once per key, [`fixture_key`]) a fixture with the peer's fixture maker and
 /// returns its directory.
 pub fn fixture(name: &str, args: &[&str]) -> PathBuf {
-    let script = repo_root().join("scripts/peer/fixtures.py");
+    fixture_of("fixtures.py", name, args)
+}
+
+/// A fixture directory made by `scripts/peer/SCRIPT --out DIR ARGS` (once per key, as [`fixture`]).
+pub fn fixture_of(script: &str, name: &str, args: &[&str]) -> PathBuf {
+    let script = repo_root().join("scripts/peer").join(script);
     // Tests run in parallel and share fixtures: generate each one once.
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -83,7 +88,7 @@ pub fn fixture(name: &str, args: &[&str]) -> PathBuf {
             .arg(&dir)
             .args(args)
             .output()
-            .expect("run scripts/peer/fixtures.py");
+            .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
         assert!(
             out.status.success(),
             "fixture generation failed:\n{}\n{}",
