@@ -118,7 +118,7 @@ impl LlamaForCausalLM {
         anyhow::ensure!(mb.packed.is_none(), "preference pairs are whole rows: packed rows are not supported");
         let rows = mb.ids.dims()[0];
         anyhow::ensure!(
-            rows % 2 == 0 && rows > 0,
+            rows.is_multiple_of(2) && rows > 0,
             "a batch of pairs has an even number of rows (chosen, then rejected), not {rows}"
         );
         if let Some(seed) = mb.seed {
