@@ -9,6 +9,7 @@ pub mod chat;
 pub mod loader;
 pub mod packing;
 pub mod parquet_io;
+pub mod preference;
 pub mod prefetch;
 pub mod rows;
 pub mod synth;

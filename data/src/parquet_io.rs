@@ -53,18 +53,27 @@ pub struct ReadReport {
 /// them) as the bytes of one parquet file, for the caller to write atomically
 /// (`llora_model::checkpoint::write_atomic`: the one atomic-write helper).
 pub fn parquet_bytes(samples: &[Sample]) -> anyhow::Result<Vec<u8>> {
+    let refs: Vec<&Sample> = samples.iter().collect();
+    columns_bytes(&[("", &refs)])
+}
+
+/// Columns `{prefix}input_ids` and `{prefix}labels` of each set of samples (one row each), as
+/// the bytes of one parquet file.
+pub(crate) fn columns_bytes(sets: &[(&str, &[&Sample])]) -> anyhow::Result<Vec<u8>> {
     let item = Arc::new(Field::new("item", DataType::Int64, true));
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("input_ids", DataType::List(item.clone()), false),
-        Field::new("labels", DataType::List(item), false),
-    ]));
-    let ids = ListArray::from_iter_primitive::<Int64Type, _, _>(
-        samples.iter().map(|s| Some(s.input_ids.iter().map(|&t| Some(t as i64)).collect::<Vec<_>>())),
-    );
-    let labels = ListArray::from_iter_primitive::<Int64Type, _, _>(
-        samples.iter().map(|s| Some(s.labels.iter().map(|&t| Some(t)).collect::<Vec<_>>())),
-    );
-    let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(ids) as ArrayRef, Arc::new(labels)])?;
+    let (mut fields, mut arrays) = (Vec::new(), Vec::<ArrayRef>::new());
+    for (prefix, samples) in sets {
+        fields.push(Field::new(format!("{prefix}input_ids"), DataType::List(item.clone()), false));
+        fields.push(Field::new(format!("{prefix}labels"), DataType::List(item.clone()), false));
+        arrays.push(Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(
+            samples.iter().map(|s| Some(s.input_ids.iter().map(|&t| Some(t as i64)).collect::<Vec<_>>())),
+        )));
+        arrays.push(Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(
+            samples.iter().map(|s| Some(s.labels.iter().map(|&t| Some(t)).collect::<Vec<_>>())),
+        )));
+    }
+    let schema = Arc::new(Schema::new(fields));
+    let batch = RecordBatch::try_new(schema.clone(), arrays)?;
     let mut bytes = Vec::new();
     let mut writer = ArrowWriter::try_new(&mut bytes, schema, None)?;
     writer.write(&batch)?;
@@ -88,7 +97,8 @@ fn row_values(col: &ListArray, row: usize) -> Result<Vec<i64>, String> {
     }
 }
 
-fn list_column<'a>(batch: &'a RecordBatch, name: &str, path: &Path) -> anyhow::Result<&'a ListArray> {
+/// The list column `name` of `batch`, or an error naming the file and the columns it has.
+pub(crate) fn list_column<'a>(batch: &'a RecordBatch, name: &str, path: &Path) -> anyhow::Result<&'a ListArray> {
     let col = batch.column_by_name(name).with_context(|| {
         format!(
             "{}: no column {name:?} (columns: {:?})",
@@ -140,6 +150,55 @@ pub fn for_each_batch(
     Ok(rows)
 }
 
+impl ReadReport {
+    /// Row `row`'s outcome: handed to `each`, an error naming the file and the row, or skipped
+    /// and recorded under `OnBadRow::Skip`.
+    pub(crate) fn take<T>(
+        &mut self,
+        result: Result<T, String>,
+        row: usize,
+        path: &Path,
+        on_bad_row: OnBadRow,
+        each: &mut impl FnMut(T),
+    ) -> anyhow::Result<()> {
+        match (result, on_bad_row) {
+            (Ok(value), _) => each(value),
+            (Err(reason), OnBadRow::Error) => bail!("{}: {}: {reason}", path.display(), RowPlace::Row(row + 1)),
+            (Err(reason), OnBadRow::Skip) => {
+                self.skipped += 1;
+                self.problems.push(format!("{}: {reason}", RowPlace::Row(row + 1)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Row `r` of the columns (input_ids, labels, attention_mask if any) as a validated sample.
+pub(crate) fn sample_at(
+    (ids, labels, mask): (&ListArray, &ListArray, Option<&ListArray>),
+    r: usize,
+    opts: &ReadOptions,
+) -> Result<Sample, String> {
+    let input_ids = row_values(ids, r).map_err(|e| format!("input_ids: {e}"))?;
+    let labels = row_values(labels, r).map_err(|e| format!("labels: {e}"))?;
+    if let Some(mask) = mask {
+        let m = row_values(mask, r).map_err(|e| format!("attention_mask: {e}"))?;
+        if m.len() != input_ids.len() {
+            return Err(format!("attention_mask has {} entries for {} tokens", m.len(), input_ids.len()));
+        }
+        // One sample per sequence: padding inside a row would be attended to.
+        if let Some(i) = m.iter().position(|&x| x != 1) {
+            return Err(format!("attention_mask[{i}] = {} (padded rows are not supported; one sample per row)", m[i]));
+        }
+    }
+    if let Some((i, id)) = input_ids.iter().enumerate().find(|(_, id)| **id < 0 || **id > u32::MAX as i64) {
+        return Err(format!("input_ids[{i}] = {id} is not a token id"));
+    }
+    let sample = Sample { input_ids: input_ids.iter().map(|&t| t as u32).collect(), labels };
+    sample.validate(opts.vocab, opts.max_seq_len)?;
+    Ok(sample)
+}
+
 /// Streams `path` (parquet or Arrow IPC) record batch by record batch, calling `each` for
 /// every valid row.
 ///
@@ -158,37 +217,8 @@ pub fn for_each_row(path: &Path, opts: &ReadOptions, mut each: impl FnMut(Sample
         for r in 0..batch.num_rows() {
             let row = report.rows;
             report.rows += 1;
-            let result = (|| {
-                let input_ids = row_values(ids, r).map_err(|e| format!("input_ids: {e}"))?;
-                let labels = row_values(labels, r).map_err(|e| format!("labels: {e}"))?;
-                if let Some(mask) = mask {
-                    let m = row_values(mask, r).map_err(|e| format!("attention_mask: {e}"))?;
-                    if m.len() != input_ids.len() {
-                        return Err(format!("attention_mask has {} entries for {} tokens", m.len(), input_ids.len()));
-                    }
-                    // One sample per sequence: padding inside a row would be attended to.
-                    if let Some(i) = m.iter().position(|&x| x != 1) {
-                        return Err(format!(
-                            "attention_mask[{i}] = {} (padded rows are not supported; one sample per row)",
-                            m[i]
-                        ));
-                    }
-                }
-                if let Some((i, id)) = input_ids.iter().enumerate().find(|(_, id)| **id < 0 || **id > u32::MAX as i64) {
-                    return Err(format!("input_ids[{i}] = {id} is not a token id"));
-                }
-                let sample = Sample { input_ids: input_ids.iter().map(|&t| t as u32).collect(), labels };
-                sample.validate(opts.vocab, opts.max_seq_len)?;
-                Ok(sample)
-            })();
-            match (result, opts.on_bad_row) {
-                (Ok(sample), _) => each(sample),
-                (Err(reason), OnBadRow::Error) => bail!("{}: {}: {reason}", path.display(), RowPlace::Row(row + 1)),
-                (Err(reason), OnBadRow::Skip) => {
-                    report.skipped += 1;
-                    report.problems.push(format!("{}: {reason}", RowPlace::Row(row + 1)));
-                }
-            }
+            let result = sample_at((ids, labels, mask), r, opts);
+            report.take(result, row, path, opts.on_bad_row, &mut each)?;
         }
         Ok(())
     })?;
