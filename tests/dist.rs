@@ -186,6 +186,14 @@ fn an_nf4_base_on_two_ranks_matches_one_process() {
     two_ranks_match_one_process(&["data.max_seq_len=128", "model.quantize=\"nf4\"", "precision.compute=\"bf16\""]);
 }
 
+/// Preference tuning on two ranks: each takes its share of every step's pairs (chosen and
+/// rejected together), the pair statistics are summed over ranks, and the adapters are the
+/// single process's bitwise; the 9 held-out pairs do not divide over the ranks.
+#[test]
+fn dpo_on_two_ranks_matches_one_process() {
+    two_ranks_match_one_process(&["data.max_seq_len=128", "train.objective=\"dpo\"", "mlperf.check=false"]);
+}
+
 /// A 3-step run on 64 synthetic samples with an evaluation of 9 after each step.
 const THREE_STEPS: [&str; 7] = [
     "schedule.max_steps=3",

@@ -74,18 +74,22 @@ pub fn pairs_parquet_bytes(pairs: &[Pair]) -> anyhow::Result<Vec<u8>> {
     columns_bytes(&[("chosen_", &chosen), ("rejected_", &rejected)])
 }
 
-/// `n` synthetic pairs of the stream `split`: each report's own summary (the topic's abstract,
-/// then the report's first words) chosen, and rejected a summary that quotes the report's words
-/// backwards from its end (the rule the chosen follows and the rejected breaks).
+/// `n` synthetic pairs of the stream `split`: each report's own summary (its topic's abstract,
+/// then the report's first words) chosen, and rejected the same summary under another topic's
+/// abstract (the rule the chosen follows and the rejected breaks: the abstract is the report's
+/// topic's).
 pub fn synthetic_pairs(synth: &Synth, split: u64, n: usize) -> Vec<Pair> {
-    let copy = synth.config().copy_len;
-    synth
-        .documents(split, n)
-        .into_iter()
-        .map(|d| {
-            let abstract_len = d.summary.len() - copy;
-            let quoted: Vec<u32> = d.report.iter().rev().take(copy).copied().collect();
-            let wrong = Document { report: d.report.clone(), summary: [&d.summary[..abstract_len], &quoted].concat() };
+    let abstract_len = synth.config().summary_len;
+    let docs = synth.documents(split, n);
+    let abstract_of = |d: &Document| d.summary[..abstract_len].to_vec();
+    (0..docs.len())
+        .map(|i| {
+            let d = &docs[i];
+            // The next report of another topic (every report's own when all share one topic).
+            let other = (1..docs.len()).map(|k| &docs[(i + k) % docs.len()]).find(|o| abstract_of(o) != abstract_of(d));
+            let wrong_abstract = other.map_or_else(|| abstract_of(d).into_iter().rev().collect(), abstract_of);
+            let summary = [&wrong_abstract[..], &d.summary[abstract_len..]].concat();
+            let wrong = Document { report: d.report.clone(), summary };
             Pair { chosen: d.sample(), rejected: wrong.sample() }
         })
         .collect()

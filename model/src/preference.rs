@@ -54,6 +54,21 @@ pub struct PairStats {
     pub logps_rejected: f64,
 }
 
+impl PairStats {
+    /// Each statistic with the name the records use (TRL's `rewards/chosen` is
+    /// `rewards_chosen`, ...).
+    pub fn named(&self) -> [(&'static str, f64); 6] {
+        [
+            ("rewards_chosen", self.rewards_chosen),
+            ("rewards_rejected", self.rewards_rejected),
+            ("rewards_accuracy", self.rewards_accuracy),
+            ("rewards_margin", self.rewards_margin),
+            ("logps_chosen", self.logps_chosen),
+            ("logps_rejected", self.logps_rejected),
+        ]
+    }
+}
+
 /// The objective's loss over a batch of pairs, and its statistics.
 ///
 /// `policy` and `reference` are the rows' loss sums (−Σ log p over each completion's target

@@ -109,8 +109,10 @@ pub struct Config {
     pub optim: OptimConfig,
     /// Learning-rate schedule.
     pub schedule: ScheduleConfig,
-    /// Batch geometry.
+    /// Batch geometry and the objective.
     pub train: TrainConfig,
+    /// Preference tuning's objective, with `train.objective = "dpo"`.
+    pub dpo: DpoConfig,
     /// Evaluation cadence, metric and stopping target.
     pub eval: EvalConfig,
     /// Numerical precision: the model crate's spec as the `[precision]` section writes it
@@ -523,6 +525,9 @@ pub struct TrainConfig {
     /// allocator growth, as NVIDIA's and AMD's submissions do); they touch neither the dataset
     /// nor the adapters.
     pub warmup_batches: usize,
+    /// `"sft"` (the target tokens' cross-entropy) or `"dpo"` (preference pairs, `[dpo]`; the
+    /// batch sizes then count pairs).
+    pub objective: Objective,
 }
 
 impl Default for TrainConfig {
@@ -534,7 +539,67 @@ impl Default for TrainConfig {
             shard_frozen_weights: false,
             context_parallel: 1,
             warmup_batches: 0,
+            objective: Objective::Sft,
         }
+    }
+}
+
+/// `train.objective`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Objective {
+    /// Supervised fine-tuning: the target tokens' cross-entropy.
+    Sft,
+    /// Direct preference optimisation on pairs (`[dpo]`), the reference the base with the
+    /// adapters off (TRL's `DPOTrainer` with a fresh PEFT adapter).
+    Dpo,
+}
+
+/// `[dpo]`: the preference objective (TRL's `DPOConfig` names in brackets).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DpoConfig {
+    /// How far the policy may move from the reference (`beta`; IPO's τ).
+    pub beta: f64,
+    /// `"sigmoid"` (DPO), `"ipo"` (per-token averaged) or `"hinge"` (`loss_type`).
+    pub loss: DpoLoss,
+    /// Weight of the chosen completions' per-token NLL added to it (`loss_type` + `"sft"` with
+    /// this `loss_weights` entry); 0 = none.
+    pub sft_weight: f64,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self { beta: 0.1, loss: DpoLoss::Sigmoid, sft_weight: 0.0 }
+    }
+}
+
+/// `dpo.loss`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DpoLoss {
+    /// `−log σ(β·Δ)`.
+    Sigmoid,
+    /// `(Δ̄ − 1/(2β))²`, log-ratios averaged per token.
+    Ipo,
+    /// `max(0, 1 − β·Δ)`.
+    Hinge,
+}
+
+impl DpoConfig {
+    /// The model crate's objective.
+    pub fn objective(&self) -> llora_model::PreferenceObjective {
+        use llora_model::PreferenceLoss as L;
+        let main = match self.loss {
+            DpoLoss::Sigmoid => L::Sigmoid,
+            DpoLoss::Ipo => L::Ipo,
+            DpoLoss::Hinge => L::Hinge,
+        };
+        let mut losses = vec![(main, 1.0)];
+        if self.sft_weight > 0.0 {
+            losses.push((L::Sft, self.sft_weight));
+        }
+        llora_model::PreferenceObjective { beta: self.beta, losses }
     }
 }
 
@@ -976,6 +1041,9 @@ impl Config {
             &"nccl",
             why,
         );
+        if self.train.objective == Objective::Dpo {
+            self.check_dpo(&mut p);
+        }
         self.run.check(&mut p);
         self.mlperf.check(&mut p);
         self.logging.check(&mut p);
@@ -986,7 +1054,42 @@ impl Config {
 impl Config {
     /// Keys set to a value nothing reads in this config (as the NF4 keys without NF4): a
     /// user who sets one expects it to act, so it is refused, naming what it needs.
+    /// What preference tuning does not compose with yet, each refused by its key.
+    fn check_dpo(&self, p: &mut Problems<'_>) {
+        let d = &self.dpo;
+        p.check(d.beta > 0.0 && d.beta.is_finite(), "dpo.beta", &d.beta, "must be a finite number > 0");
+        p.check(
+            d.sft_weight >= 0.0 && d.sft_weight.is_finite(),
+            "dpo.sft_weight",
+            &d.sft_weight,
+            "must be a finite number >= 0",
+        );
+        let not_yet = |what: &str| format!("is not supported with train.objective = \"dpo\" yet ({what})");
+        let t = &self.train;
+        p.check(
+            t.context_parallel == 1,
+            "train.context_parallel",
+            &t.context_parallel,
+            &not_yet("pairs are whole rows: set it to 1"),
+        );
+        p.check(t.recompute_layers == 0, "train.recompute_layers", &t.recompute_layers, &not_yet("set it to 0"));
+        p.check(!t.shard_frozen_weights, "train.shard_frozen_weights", &true, &not_yet("set it to false"));
+        let why = "preference tuning trains adapters: the reference is the base with the adapters off";
+        p.check(self.model.trainable == Trainable::Lora, "model.trainable", &"all", why);
+        p.check(self.data.packing().is_none(), "data.packing", &true, &not_yet("pairs are not packed, as in TRL"));
+        let why =
+            "the MLPerf checker judges the benchmark's supervised job, not a preference run: set mlperf.check = false";
+        p.check(!self.mlperf.check, "mlperf.check", &true, why);
+    }
+
     fn check_keys_that_would_be_ignored(&self, p: &mut Problems<'_>) {
+        if self.train.objective != Objective::Dpo {
+            let (d, default) = (&self.dpo, DpoConfig::default());
+            let only = "only applies with train.objective = \"dpo\": set it, or drop this key";
+            p.check(d.beta == default.beta, "dpo.beta", &d.beta, only);
+            p.check(d.loss == default.loss, "dpo.loss", &word(d.loss), only);
+            p.check(d.sft_weight == default.sft_weight, "dpo.sft_weight", &d.sft_weight, only);
+        }
         let (spec, default) = (&self.precision.amax, llora_model::fp8::AmaxSpec::default());
         if self.precision.compute != Compute::Fp8 {
             let only = "only applies with precision.compute = \"fp8\" (delayed scaling of the FP8 GEMMs' inputs; \
@@ -1405,6 +1508,34 @@ mod tests {
     }
 
     /// Full fine-tuning under context parallelism is refused at load (rank 1 panicked in its
+    /// Preference tuning refuses by key what it does not compose with yet (each message names
+    /// the way on), and a β that is not positive; the supervised objective is untouched.
+    #[test]
+    fn dpo_refuses_what_it_does_not_compose_with_by_key() {
+        let ov = |s: &str| s.parse::<Override>().unwrap();
+        let dpo = [ov("train.objective=\"dpo\""), ov("mlperf.check=false")];
+        assert!(Config::load(None, &dpo).is_ok());
+        for (set, key) in [
+            ("train.context_parallel=2", "`train.context_parallel`"),
+            ("train.recompute_layers=1", "`train.recompute_layers`"),
+            ("train.shard_frozen_weights=true", "`train.shard_frozen_weights`"),
+            ("data.packing=true", "`data.packing`"),
+            ("model.trainable=\"all\"", "`model.trainable`"),
+            ("mlperf.check=true", "`mlperf.check`"),
+            ("dpo.beta=0", "`dpo.beta`"),
+            ("dpo.sft_weight=-1", "`dpo.sft_weight`"),
+        ] {
+            let err = Config::load(None, &[dpo[0].clone(), dpo[1].clone(), ov(set)]).unwrap_err().to_string();
+            assert!(err.contains(key), "{set}: {err}");
+        }
+        assert!(Config::load(None, &[ov("train.context_parallel=2")]).is_ok(), "the supervised objective is untouched");
+        let err = Config::load(None, &[ov("dpo.beta=0.5")]).unwrap_err().to_string();
+        assert!(err.contains("`dpo.beta`") && err.contains("only applies with train.objective"), "{err}");
+        let objective = DpoConfig { sft_weight: 0.5, loss: DpoLoss::Ipo, ..DpoConfig::default() }.objective();
+        use llora_model::PreferenceLoss as L;
+        assert_eq!(objective.losses, vec![(L::Ipo, 1.0), (L::Sft, 0.5)]);
+    }
+
     /// Ranks sharing one GPU talk over Gloo: NCCL asked for with `dist.share_device` is refused by
     /// key (NCCL itself fails later with "duplicate GPU"); Gloo and `auto` are accepted.
     #[test]

@@ -97,3 +97,63 @@ pub fn evaluate(
         tokens: sums[1] as usize,
     })
 }
+
+/// An evaluation over preference pairs (all ranks): the objective's loss and TRL's statistics,
+/// each a mean over pairs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairEval {
+    /// The objective's loss, mean over pairs.
+    pub loss: f64,
+    /// Rewards, accuracy, margin and log-probabilities, means over pairs.
+    pub stats: llora_model::PairStats,
+}
+
+/// The preference objective over the evaluation `pairs`, sharded across ranks as [`evaluate`]
+/// does (batch j on data-parallel group j mod groups; sums all-reduced): the single process's
+/// result for any world size. The reference is the base with the adapters off.
+pub fn evaluate_pairs(
+    model: &LlamaForCausalLM,
+    pairs: &Arc<Vec<llora_data::preference::Pair>>,
+    how: EvalBatching,
+    objective: &llora_model::PreferenceObjective,
+    (device, comm): (&Device, &dyn Collective),
+    share: (usize, usize),
+) -> anyhow::Result<PairEval> {
+    let batches =
+        llora_data::preference::eval_pair_batches(pairs.clone(), how.batch_size, share, how.padding, how.workers);
+    // [loss, rewards chosen, rejected, accuracy, margin, log-probs chosen, rejected] x pairs
+    let mut sums = [0f64; 7];
+    for batch in batches {
+        let n = (batch.batch / 2) as f64;
+        let mb = upload(batch, device);
+        let reference =
+            llora_model::lora::without_adapters(|| model.loss(mb.ids.clone(), mb.labels.clone(), None, false))?;
+        let policy = model.loss(mb.ids, mb.labels, None, false)?;
+        let (loss, s) = llora_model::preference_loss(&policy, &reference, objective);
+        let loss = f64::from(loss.into_scalar::<f32>());
+        let values = [
+            loss,
+            s.rewards_chosen,
+            s.rewards_rejected,
+            s.rewards_accuracy,
+            s.rewards_margin,
+            s.logps_chosen,
+            s.logps_rejected,
+        ];
+        for (sum, v) in sums.iter_mut().zip(values) {
+            *sum += v * n;
+        }
+    }
+    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
+    let n = pairs.len().max(1) as f64;
+    let [loss, rc, rr, acc, margin, lc, lr] = sums.map(|s| s / n);
+    let stats = llora_model::PairStats {
+        rewards_chosen: rc,
+        rewards_rejected: rr,
+        rewards_accuracy: acc,
+        rewards_margin: margin,
+        logps_chosen: lc,
+        logps_rejected: lr,
+    };
+    Ok(PairEval { loss, stats })
+}

@@ -49,6 +49,8 @@ pub struct StepReport {
     pub target_tokens: usize,
     /// Documents the step took, when rows are packed.
     pub documents: Option<usize>,
+    /// Preference tuning: the pairs' rewards, accuracy, margin and log-probabilities.
+    pub pairs: Option<llora_model::PairStats>,
 }
 
 /// What happened in a run, in the order runs emit them.
@@ -94,6 +96,8 @@ pub enum RunEvent<'a> {
         eval_loss: f64,
         /// `eval.target_loss`.
         target: f64,
+        /// Preference tuning: the held-out pairs' rewards, accuracy, margin and log-probabilities.
+        pairs: Option<llora_model::PairStats>,
     },
     /// A checkpoint was saved (rank 0).
     Checkpoint {

@@ -444,7 +444,7 @@ mod tests {
                 RunEvent::Block { samples: 0 },
                 RunEvent::Step(&step),
                 RunEvent::EvalStart { samples: 8 },
-                RunEvent::Eval { step: 1, samples: 8, eval_loss: 2.0, target: 1.0 },
+                RunEvent::Eval { step: 1, samples: 8, eval_loss: 2.0, target: 1.0, pairs: None },
                 RunEvent::Block { samples: 8 },
                 RunEvent::Stop { samples: 8, status: RunStatus::Aborted, time_ms: 9 },
                 RunEvent::Stop { samples: 8, status: RunStatus::Aborted, time_ms: 9 },

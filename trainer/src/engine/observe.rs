@@ -86,10 +86,17 @@ impl Observer for Metrics {
                     // A sample of the schedule is a packed row: say how many documents the step took.
                     record["documents"] = documents.into();
                 }
+                for (name, v) in r.pairs.iter().flat_map(|p| p.named()) {
+                    record[name] = v.into();
+                }
                 self.write(record);
             }
-            RunEvent::Eval { step, samples, eval_loss, .. } => {
-                self.write(json!({"step": step, "samples": samples, "eval_loss": eval_loss}));
+            RunEvent::Eval { step, samples, eval_loss, pairs, .. } => {
+                let mut record = json!({"step": step, "samples": samples, "eval_loss": eval_loss});
+                for (name, v) in pairs.iter().flat_map(|p| p.named()) {
+                    record[format!("eval_{name}")] = v.into();
+                }
+                self.write(record);
             }
             _ => {}
         }
@@ -171,9 +178,20 @@ impl Observer for Progress {
     fn observe(&mut self, event: &RunEvent<'_>) {
         match *event {
             RunEvent::Step(r) => self.step(r.step, r.samples, r.loss, r.lr, r.grad_norm, r.tokens_per_s),
-            RunEvent::Eval { samples, eval_loss, target, .. } => {
+            RunEvent::Eval { samples, eval_loss, target, pairs: None, .. } => {
                 self.print(|| info!(samples, eval_loss = format!("{eval_loss:.4}"), target, "eval"))
             }
+            RunEvent::Eval { samples, eval_loss, target, pairs: Some(p), .. } => self.print(|| {
+                let (accuracy, margin) = (format!("{:.3}", p.rewards_accuracy), format!("{:.4}", p.rewards_margin));
+                info!(
+                    samples,
+                    eval_loss = format!("{eval_loss:.4}"),
+                    target,
+                    reward_accuracy = accuracy,
+                    reward_margin = margin,
+                    "eval"
+                )
+            }),
             RunEvent::Checkpoint { step, dir } => self.print(|| info!(step, dir = %dir.display(), "checkpoint saved")),
             RunEvent::Interrupted | RunEvent::Stop { .. } => self.finish(),
             _ => {}

@@ -13,6 +13,7 @@ use llora_data::batch::{Geometry, RowOrder, StepBatch, train_batches};
 use llora_data::loader::SampleOrder;
 use llora_data::packing::PackedOrder;
 use llora_data::parquet_io::{ReadOptions, read_parquet};
+use llora_data::preference::{Pair, pair_batches, read_pairs, synthetic_pairs};
 use llora_data::prefetch::Prefetched;
 use llora_data::synth::{Synth, SynthConfig};
 use llora_model::checkpoint::HfCheckpoint;
@@ -20,7 +21,7 @@ use llora_model::shard::Sharding;
 use llora_model::{BuildOptions, LlamaConfig, LlamaForCausalLM, LoraSpec};
 use tracing::info;
 
-use crate::config::{Config, Trainable};
+use crate::config::{Config, Objective, Trainable};
 use crate::dist::Dist;
 use crate::engine::events::RunEvent;
 use crate::engine::optim::AdamW;
@@ -124,9 +125,15 @@ pub(super) fn ready_model(
     Ok((model, state))
 }
 
-/// The datasets' sizes in the schedule's unit: documents, or packed rows (the training set
-/// packed in file order; the shuffled epochs' rows differ by a few).
-pub(super) fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> {
+/// The datasets' sizes in the schedule's unit: documents (or pairs), or packed rows (the
+/// training set packed in file order; the shuffled epochs' rows differ by a few).
+pub(super) fn data_event(config: &Config, data: &Data) -> RunEvent<'static> {
+    let data = match data {
+        Data::Samples(d) => d,
+        Data::Pairs { train, eval } => {
+            return RunEvent::Data { train: train.len(), eval: eval.len(), packed_documents: None };
+        }
+    };
     let (train, eval) = (data.train.len(), data.eval.len());
     let Some(packing) = config.data.packing() else { return RunEvent::Data { train, eval, packed_documents: None } };
     let rows = |set: &[Sample]| {
@@ -140,15 +147,19 @@ pub(super) fn data_event(config: &Config, data: &Datasets) -> RunEvent<'static> 
 /// taking its micro-batches of every global batch; packed into rows when the config packs.
 pub(super) fn batches(
     config: &Config,
-    data: &Datasets,
+    data: &Data,
     progress: &resume::Progress,
     geometry: Geometry,
     fresh: bool,
 ) -> anyhow::Result<Prefetched<StepBatch>> {
     let position = progress.position;
-    let order = SampleOrder::new(data.train.len(), config.run.seed, true, position).with_context(|| {
+    let len = match data {
+        Data::Samples(d) => d.train.len(),
+        Data::Pairs { train, .. } => train.len(),
+    };
+    let order = SampleOrder::new(len, config.run.seed, true, position).with_context(|| {
         let source = config.data.train.as_ref().map_or("data.synthetic".into(), |p| p.display().to_string());
-        let n = data.train.len();
+        let n = len;
         match fresh {
             true => format!("the training data ({source}: {n} samples)"),
             false => format!(
@@ -158,6 +169,14 @@ pub(super) fn batches(
             ),
         }
     })?;
+    let padding = config.data.padding.padding(config.data.max_seq_len);
+    let data = match data {
+        Data::Samples(d) => d,
+        Data::Pairs { train, .. } => {
+            let order = RowOrder::Samples(order);
+            return Ok(pair_batches(train.clone(), order, geometry, padding, config.data.train_workers));
+        }
+    };
     let order = match config.data.packing() {
         None => RowOrder::Samples(order),
         Some(packing) => {
@@ -165,7 +184,6 @@ pub(super) fn batches(
             RowOrder::Packed(PackedOrder::new(order, lengths, packing, position.packed_rows)?)
         }
     };
-    let padding = config.data.padding.padding(config.data.max_seq_len);
     Ok(train_batches(data.train.clone(), order, geometry, padding, config.data.train_workers))
 }
 
@@ -175,18 +193,58 @@ pub(super) struct Datasets {
     pub(super) eval: Arc<Vec<Sample>>,
 }
 
+/// What a run trains on: samples, or preference pairs (`train.objective = "dpo"`).
+pub(super) enum Data {
+    /// Supervised samples.
+    Samples(Datasets),
+    /// Preference pairs.
+    Pairs {
+        /// Training pairs.
+        train: Arc<Vec<Pair>>,
+        /// Held-out pairs.
+        eval: Arc<Vec<Pair>>,
+    },
+}
+
+/// The run's data: [`load_datasets`], or the preference pairs of `data.train` / `data.eval`
+/// (prepared parquet, `llora_data::preference`'s schema) or of `data.synthetic`.
+pub(super) fn load_data(config: &Config, vocab: usize) -> anyhow::Result<Data> {
+    if config.train.objective != Objective::Dpo {
+        return Ok(Data::Samples(load_datasets(config, vocab)?));
+    }
+    let d = &config.data;
+    if let Some(syn) = &d.synthetic {
+        let synth = Synth::new(synth_config(d, syn, vocab)).context("data.synthetic")?;
+        let (train, eval) =
+            (synthetic_pairs(&synth, 0, syn.train_samples), synthetic_pairs(&synth, 1, syn.eval_samples));
+        return Ok(Data::Pairs { train: Arc::new(train), eval: Arc::new(eval) });
+    }
+    let opts = ReadOptions { vocab, max_seq_len: d.max_seq_len, on_bad_row: d.on_bad_row };
+    let read = |p: &Option<PathBuf>, key: &str| -> anyhow::Result<Vec<Pair>> {
+        let path = p.as_ref().with_context(|| format!("{key} is not set"))?;
+        let (pairs, _) = read_pairs(path, &opts)?;
+        anyhow::ensure!(!pairs.is_empty(), "{key} = {}: no usable pairs", path.display());
+        Ok(pairs)
+    };
+    Ok(Data::Pairs { train: Arc::new(read(&d.train, "data.train")?), eval: Arc::new(read(&d.eval, "data.eval")?) })
+}
+
+/// The data crate's corpus settings of `data.synthetic`.
+fn synth_config(d: &crate::config::DataConfig, syn: &crate::config::SyntheticConfig, vocab: usize) -> SynthConfig {
+    SynthConfig {
+        vocab,
+        max_seq_len: d.max_seq_len,
+        topics: syn.topics,
+        summary_len: syn.summary_len,
+        copy_len: syn.copy_len,
+        seed: syn.seed,
+    }
+}
+
 pub(super) fn load_datasets(config: &Config, vocab: usize) -> anyhow::Result<Datasets> {
     let d = &config.data;
     if let Some(syn) = &d.synthetic {
-        let synth = Synth::new(SynthConfig {
-            vocab,
-            max_seq_len: d.max_seq_len,
-            topics: syn.topics,
-            summary_len: syn.summary_len,
-            copy_len: syn.copy_len,
-            seed: syn.seed,
-        })
-        .context("data.synthetic")?;
+        let synth = Synth::new(synth_config(d, syn, vocab)).context("data.synthetic")?;
         return Ok(Datasets {
             train: Arc::new(synth.samples(0, syn.train_samples)),
             eval: Arc::new(synth.samples(1, syn.eval_samples)),

@@ -7,7 +7,7 @@ use std::time::Instant;
 use burn::tensor::{Device, Tensor, TensorData};
 use llora_data::batch::Collated;
 use llora_model::Labels;
-use llora_model::{LlamaForCausalLM, PackedRows};
+use llora_model::{LlamaForCausalLM, MicroGrads, PackedRows};
 
 pub use llora_model::{MicroBatch, device_sync};
 use tracing::debug_span;
@@ -102,21 +102,92 @@ pub fn train_step(
 ) -> anyhow::Result<StepStats> {
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
-    let mut grads_acc: TreeSum<Vec<Tensor<1>>> = TreeSum::default();
-    let mut losses = Vec::with_capacity(micro_batches.len());
-    let (mut forward_s, mut backward_s) = (0.0, 0.0);
+    let mut acc = Accumulated::default();
     for mb in micro_batches {
-        let g = model.loss_and_grads(mb, norm, opts.recompute_layers, opts.sync_phases)?;
-        losses.push(g.loss);
-        grads_acc.push(g.grads, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
-        forward_s += g.forward_s;
-        backward_s += g.backward_s;
+        acc.push(model.loss_and_grads(mb, norm, opts.recompute_layers, opts.sync_phases)?);
     }
+    apply(model, optim, comm, acc, opts)
+}
+
+/// One optimizer step of preference tuning over this rank's micro-batches of pairs
+/// ([`LlamaForCausalLM::preference_loss_and_grads`]): each micro-batch's loss weighted by its
+/// share of the step's `global_pairs` (so the step's loss is the objective's mean over every
+/// pair of the global batch, however they are split), then as [`train_step`]: one all-reduce,
+/// the same clip and AdamW step on every rank. Also the pairs' statistics, means over the
+/// global batch.
+pub fn preference_step(
+    model: &mut LlamaForCausalLM,
+    optim: &mut AdamW,
+    comm: &dyn Collective,
+    micro_batches: Vec<MicroBatch>,
+    (objective, global_pairs): (&llora_model::PreferenceObjective, usize),
+    opts: StepOptions,
+) -> anyhow::Result<(StepStats, llora_model::PairStats)> {
+    let mut acc = Accumulated::default();
+    // [rewards chosen, rejected, accuracy, margin, log-probs chosen, rejected] x pairs
+    let mut sums = [0f64; 6];
+    for mb in micro_batches {
+        let pairs = mb.ids.dims()[0] / 2;
+        let (g, s) = model.preference_loss_and_grads(mb, objective, pairs as f64 / global_pairs.max(1) as f64)?;
+        acc.push(g);
+        let values = [
+            s.rewards_chosen,
+            s.rewards_rejected,
+            s.rewards_accuracy,
+            s.rewards_margin,
+            s.logps_chosen,
+            s.logps_rejected,
+        ];
+        for (sum, v) in sums.iter_mut().zip(values) {
+            *sum += v * pairs as f64;
+        }
+    }
+    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
+    let [rc, rr, acc_, margin, lc, lr] = sums.map(|x| x / global_pairs.max(1) as f64);
+    let stats = llora_model::PairStats {
+        rewards_chosen: rc,
+        rewards_rejected: rr,
+        rewards_accuracy: acc_,
+        rewards_margin: margin,
+        logps_chosen: lc,
+        logps_rejected: lr,
+    };
+    Ok((apply(model, optim, comm, acc, opts)?, stats))
+}
+
+/// A rank's micro-batches' losses and gradients, summed in a fixed tree ([`TreeSum`]).
+#[derive(Default)]
+struct Accumulated {
+    grads: TreeSum<Vec<Tensor<1>>>,
+    losses: Vec<Tensor<1>>,
+    forward_s: f64,
+    backward_s: f64,
+}
+
+impl Accumulated {
+    fn push(&mut self, g: MicroGrads) {
+        self.losses.push(g.loss);
+        self.grads.push(g.grads, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
+        self.forward_s += g.forward_s;
+        self.backward_s += g.backward_s;
+    }
+}
+
+/// The step's end, whatever its objective: the ranks' gradients summed, the loss and the norm
+/// read back once (non-finite: nothing is updated), clipped, AdamW, the FP8 scales updated.
+fn apply(
+    model: &mut LlamaForCausalLM,
+    optim: &mut AdamW,
+    comm: &dyn Collective,
+    acc: Accumulated,
+    opts: StepOptions,
+) -> anyhow::Result<StepStats> {
+    let Accumulated { grads, losses, forward_s, backward_s } = acc;
     let (lr, clip_grad_norm) = (opts.lr, opts.clip_grad_norm);
     let t = Instant::now();
     let _span = debug_span!("optimizer").entered();
     tracing::debug!("step phase: all-reduce and optimizer");
-    let grads = grads_acc.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
+    let grads = grads.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
     let grads = all_reduce_bucket(comm, grads)?;
     let (micro_losses, square_norms) = read_losses_and_norms(losses, &grads);
     let mut loss_acc: TreeSum<f64> = TreeSum::default();

@@ -74,9 +74,16 @@ impl Observer for EventFile {
                 ];
                 values.extend(r.mfu.map(|m| ("mfu", m)));
                 values.extend(r.documents.map(|d| ("documents", d as f64)));
+                values.extend(r.pairs.iter().flat_map(|p| p.named()));
                 self.scalars(r.step, &values);
             }
-            RunEvent::Eval { step, eval_loss, .. } => self.scalars(step, &[("eval_loss", eval_loss)]),
+            RunEvent::Eval { step, eval_loss, pairs, .. } => {
+                let named: Vec<(String, f64)> =
+                    pairs.iter().flat_map(|p| p.named()).map(|(n, v)| (format!("eval_{n}"), v)).collect();
+                let mut values = vec![("eval_loss", eval_loss)];
+                values.extend(named.iter().map(|(n, v)| (n.as_str(), *v)));
+                self.scalars(step, &values);
+            }
             _ => {}
         }
     }

@@ -17,10 +17,10 @@ use llora_model::save_peft_adapter;
 use llora_model::{LlamaForCausalLM, LoraSpec};
 use tracing::{debug_span, info};
 
-use crate::config::{Averaging, Config, Trainable};
+use crate::config::{Averaging, Config, Objective, Trainable};
 use crate::dist::{Dist, ReduceOp};
 use crate::engine::claim;
-use crate::engine::eval::{EvalBatching, evaluate};
+use crate::engine::eval::{EvalBatching, evaluate, evaluate_pairs};
 use crate::engine::events::RunStatus;
 use crate::engine::events::{RunEvent, StepReport};
 use crate::engine::mllog::now_ms;
@@ -30,9 +30,17 @@ use crate::engine::outputs;
 use crate::engine::records::Records;
 use crate::engine::resume::Checkpoint;
 use crate::engine::resume::{self, TrainState};
-use crate::engine::setup::{batches, data_event, geometry, load_datasets, peak_tflops, ready_model, start_device};
-use crate::engine::step::{MicroBatch, StepOptions, StepStats, dropout_seed, train_step, upload};
+use crate::engine::setup::{Data, batches, data_event, geometry, load_data, peak_tflops, ready_model, start_device};
+use crate::engine::step::{MicroBatch, StepOptions, dropout_seed, preference_step, train_step, upload};
 use crate::engine::stop_signal::StopSignal;
+
+/// What an evaluation runs over.
+enum EvalSet {
+    /// Held-out samples (the target tokens' loss).
+    Samples(Arc<Vec<Sample>>),
+    /// Held-out preference pairs (the preference objective's loss and rewards).
+    Pairs(Arc<Vec<llora_data::preference::Pair>>),
+}
 
 /// Everything the training loop touches.
 pub struct Trainer<'a> {
@@ -49,7 +57,7 @@ pub struct Trainer<'a> {
     base_name: String,
     config_toml: String,
     resumed: bool,
-    eval_set: Arc<Vec<Sample>>,
+    eval_set: EvalSet,
     batches: Prefetched<StepBatch>,
     /// The run's records, each an observer of its events.
     records: Records,
@@ -103,9 +111,12 @@ impl<'a> Trainer<'a> {
         }
         records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
         let samples = state.progress.samples;
-        let data = records.stop_on_error(samples, load_datasets(config, model.config.vocab_size))?;
-        records.emit(data_event(config, &data));
-        info!(train = data.train.len(), eval = data.eval.len(), "data ready");
+        let data = records.stop_on_error(samples, load_data(config, model.config.vocab_size))?;
+        let event = data_event(config, &data);
+        if let RunEvent::Data { train, eval, .. } = event {
+            info!(train, eval, "data ready");
+        }
+        records.emit(event);
         let batches = records.stop_on_error(samples, batches(config, &data, &state.progress, geometry, fresh))?;
         records.emit(RunEvent::Block { samples });
         let base_name = config
@@ -125,7 +136,10 @@ impl<'a> Trainer<'a> {
             base_name,
             config_toml: config.to_toml(),
             resumed: !fresh,
-            eval_set: data.eval,
+            eval_set: match data {
+                Data::Samples(d) => EvalSet::Samples(d.eval),
+                Data::Pairs { eval, .. } => EvalSet::Pairs(eval),
+            },
             batches,
             records,
             result_log: config.run.dir.join(outputs::RESULT_LOG),
@@ -229,14 +243,23 @@ impl<'a> Trainer<'a> {
             recompute_layers: config.train.recompute_layers,
             sync_phases: false,
         };
-        let stats = train_step(&mut self.model, &mut self.state.optim, comm, micro, batch.target_tokens, opts)
-            .and_then(|s| {
-                // Ranks stop together, after the same step, or their collectives would not match.
-                let mut stop = [f64::from(u8::from(self.stop.raised()))];
-                comm.all_reduce_f64(&mut stop, ReduceOp::Max)?;
-                Ok((s, stop[0] > 0.0))
-            });
-        let (s, stop): (StepStats, bool) = stats.map_err(|e| match e.downcast_ref::<super::step::NonFinite>() {
+        let optim = &mut self.state.optim;
+        let stats = match config.train.objective {
+            Objective::Sft => {
+                train_step(&mut self.model, optim, comm, micro, batch.target_tokens, opts).map(|s| (s, None))
+            }
+            Objective::Dpo => {
+                let objective = (&config.dpo.objective(), config.train.global_batch_size);
+                preference_step(&mut self.model, optim, comm, micro, objective, opts).map(|(s, p)| (s, Some(p)))
+            }
+        };
+        let stats = stats.and_then(|(s, pairs)| {
+            // Ranks stop together, after the same step, or their collectives would not match.
+            let mut stop = [f64::from(u8::from(self.stop.raised()))];
+            comm.all_reduce_f64(&mut stop, ReduceOp::Max)?;
+            Ok(((s, pairs), stop[0] > 0.0))
+        });
+        let ((s, pairs), stop) = stats.map_err(|e| match e.downcast_ref::<super::step::NonFinite>() {
             Some(bad) => anyhow::anyhow!(
                 "step {}: {bad} (a non-finite base weight, an lr too high for this run, or fp8 scales out of \
                  range); the adapters were not updated, and the last checkpoint is still in {}",
@@ -267,6 +290,7 @@ impl<'a> Trainer<'a> {
             mfu: self.peak_tflops.map(|peak| tflops / peak),
             target_tokens: batch.target_tokens,
             documents: config.data.packing.then_some(batch.lengths.len()),
+            pairs,
         };
         self.records.emit(RunEvent::Step(&report));
         Ok(stop)
@@ -286,7 +310,7 @@ impl<'a> Trainer<'a> {
     fn evaluate(&mut self) -> anyhow::Result<bool> {
         let (config, samples) = (self.config, self.state.progress.samples);
         self.records.emit(RunEvent::EvalStart { samples });
-        let loss = {
+        let (eval_loss, pairs) = {
             let _span = debug_span!("eval", samples).entered();
             let how = EvalBatching {
                 batch_size: config.eval.batch_size,
@@ -294,21 +318,24 @@ impl<'a> Trainer<'a> {
                 padding: config.data.padding.padding(config.data.max_seq_len),
                 packing: config.data.packing(),
             };
-            evaluate(
-                &self.model.valid(),
-                &self.eval_set,
-                how,
-                &self.device,
-                self.dist.comm.as_ref(),
-                self.dist.data_share(),
-            )?
-        };
-        let eval_loss = match config.eval.averaging {
-            Averaging::PerToken => loss.per_token,
-            Averaging::PerSample => loss.per_sample,
+            let (model, comm, share) = (self.model.valid(), self.dist.comm.as_ref(), self.dist.data_share());
+            match &self.eval_set {
+                EvalSet::Samples(set) => {
+                    let loss = evaluate(&model, set, how, &self.device, comm, share)?;
+                    let eval_loss = match config.eval.averaging {
+                        Averaging::PerToken => loss.per_token,
+                        Averaging::PerSample => loss.per_sample,
+                    };
+                    (eval_loss, None)
+                }
+                EvalSet::Pairs(set) => {
+                    let e = evaluate_pairs(&model, set, how, &config.dpo.objective(), (&self.device, comm), share)?;
+                    (e.loss, Some(e.stats))
+                }
+            }
         };
         let (step, target) = (self.state.progress.step, config.eval.target_loss);
-        self.records.emit(RunEvent::Eval { step, samples, eval_loss, target });
+        self.records.emit(RunEvent::Eval { step, samples, eval_loss, target, pairs });
         self.state.progress.last_eval = Some(eval_loss);
         let reached = eval_loss <= target;
         if !reached {

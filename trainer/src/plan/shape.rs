@@ -57,7 +57,11 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
         model,
         lora: config.lora.clone(),
         precision: config.precision_spec(),
-        micro_batch: config.train.micro_batch_size,
+        // A preference micro-batch of P pairs is 2P rows (chosen, rejected) through the policy;
+        // the reference's forward (adapters off, no autodiff) frees each block's activations as
+        // it goes, below the policy's saved ones.
+        micro_batch: config.train.micro_batch_size
+            * if config.train.objective == crate::config::Objective::Dpo { 2 } else { 1 },
         seq_len: config.data.max_seq_len,
         // Every position may have a target (the plan must hold for the worst batch).
         target_fraction: 1.0,
