@@ -698,3 +698,71 @@ fn eval_says_the_length_limit_only_for_rows_too_long() {
         assert!(not.is_none_or(|n| !stderr.contains(n)), "{name}: {stderr}");
     }
 }
+
+/// `llora data prepare --format preference` tokenises pairs as TRL 1.16's DPOTrainer does (its
+/// own `_prepare_dataset`, `scripts/peer/dpo_tokenize.py`, with the same tokenizer directory):
+/// conversational pairs through the chat template (the prompt with the generation prompt),
+/// text pairs with the EOS text appended (not twice when a completion already ends with it);
+/// each written pair is TRL's prompt + completion ids, labels on the completion only.
+#[test]
+fn preference_pairs_prepare_as_trl_tokenises_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let syn = dir.path().join("syn");
+    let out = llora(&["data", "synth", "--out", syn.to_str().unwrap(), "--train", "2", "--eval", "1", "--chat"]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let first: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(syn.join("train.jsonl")).unwrap().lines().next().unwrap())
+            .unwrap();
+    let words: Vec<&str> = first["messages"][0]["content"].as_str().unwrap().split_whitespace().take(40).collect();
+    let say = |a: usize, b: usize| words[a..b].join(" ");
+    let message = |role: &str, content: String| serde_json::json!([{"role": role, "content": content}]);
+    let eos = "<|eot_id|>";
+    let rows = [
+        serde_json::json!({"prompt": message("user", say(0, 12)), "chosen": message("assistant", say(12, 16)),
+                           "rejected": message("assistant", say(16, 25))}),
+        serde_json::json!({"prompt": say(0, 10), "chosen": format!(" {}", say(10, 13)), "rejected": format!(" {}", say(13, 20))}),
+        serde_json::json!({"prompt": say(5, 9), "chosen": format!(" {}{eos}", say(20, 22)), "rejected": format!(" {}", say(22, 30))}),
+    ];
+    let input = dir.path().join("pairs.jsonl");
+    std::fs::write(&input, rows.iter().map(|r| format!("{r}\n")).collect::<String>()).unwrap();
+    let prepared = dir.path().join("pairs.parquet");
+    let out = llora(&[
+        "data",
+        "prepare",
+        "--format",
+        "preference",
+        "--input",
+        input.to_str().unwrap(),
+        "--tokenizer",
+        syn.to_str().unwrap(),
+        "--out",
+        prepared.to_str().unwrap(),
+        "--max-seq-len",
+        "512",
+    ]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let peer = std::process::Command::new(common::root().join(".venv/bin/python"))
+        .arg(common::root().join("scripts/peer/dpo_tokenize.py"))
+        .args(["--tokenizer", syn.to_str().unwrap(), "--input", input.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&peer);
+    assert!(peer.status.success(), "{stderr}");
+    let trl: Vec<serde_json::Value> = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let opts = llora_data::parquet_io::ReadOptions {
+        vocab: 1 << 20,
+        max_seq_len: 512,
+        on_bad_row: llora_data::parquet_io::OnBadRow::Error,
+    };
+    let (pairs, _) = llora_data::preference::read_pairs(&prepared, &opts).unwrap();
+    assert_eq!(pairs.len(), 3);
+    for (k, (pair, t)) in pairs.iter().zip(&trl).enumerate() {
+        let ids = |key: &str| t[key].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect::<Vec<_>>();
+        let prompt = ids("prompt_ids");
+        for (sample, key) in [(&pair.chosen, "chosen_ids"), (&pair.rejected, "rejected_ids")] {
+            assert_eq!(sample.input_ids, [prompt.clone(), ids(key)].concat(), "row {}: {key}", k + 1);
+            let labelled = sample.labels.iter().position(|&l| l != -100).unwrap();
+            assert_eq!(labelled, prompt.len(), "row {}: the labels start with the completion", k + 1);
+        }
+    }
+}

@@ -95,6 +95,68 @@ pub fn synthetic_pairs(synth: &Synth, split: u64, n: usize) -> Vec<Pair> {
         .collect()
 }
 
+/// One raw preference row as TRL 1.16's `DPOTrainer` tokenises it: `prompt`, `chosen` and
+/// `rejected` strings (the tokenizer's end-of-sequence text `eos` appended to each completion
+/// that lacks it, every text encoded with the tokenizer's special tokens, as
+/// `tokenizer(text)`), or lists of `{role, content}` messages (rendered with `template`, the
+/// prompt with the generation prompt, encoded as `apply_chat_template(tokenize=True)`); prompt
+/// and prompt + completion are encoded whole and the completion starts where the two token
+/// lists diverge (TRL's `common_prefix_length`: a prompt whose last tokens merge with the
+/// completion's loses them, as in TRL).
+pub fn tokenize_pair(
+    tokenizer: &tokenizers::Tokenizer,
+    template: Option<&crate::chat::ChatTemplate>,
+    eos: &str,
+    row: &serde_json::Value,
+) -> Result<Pair, String> {
+    let field = |k: &str| row.get(k).ok_or(format!("no \"{k}\" field"));
+    let (prompt, chosen, rejected) = (field("prompt")?, field("chosen")?, field("rejected")?);
+    let encode = |text: &str, special: bool| -> Result<Vec<u32>, String> {
+        tokenizer.encode(text, special).map(|e| e.get_ids().to_vec()).map_err(|e| format!("tokenising: {e}"))
+    };
+    let (p, pc, pr) = match (prompt, chosen, rejected) {
+        (serde_json::Value::String(p), serde_json::Value::String(c), serde_json::Value::String(r)) => {
+            let with_eos = |t: &str| if t.ends_with(eos) { t.to_string() } else { format!("{t}{eos}") };
+            (
+                encode(p, true)?,
+                encode(&format!("{p}{}", with_eos(c)), true)?,
+                encode(&format!("{p}{}", with_eos(r)), true)?,
+            )
+        }
+        (serde_json::Value::Array(p), serde_json::Value::Array(c), serde_json::Value::Array(r)) => {
+            let template = template.ok_or("conversational pairs need the tokenizer's chat template")?;
+            let messages = |list: Vec<serde_json::Value>| -> Result<Vec<crate::chat::Message>, String> {
+                crate::chat::parse_messages(&serde_json::json!({ "messages": list }))
+            };
+            let render = |m: &[crate::chat::Message], generation: bool| {
+                template.render(m, generation).map_err(|e| format!("{e:#}"))
+            };
+            let both = |completion: &Vec<serde_json::Value>| messages([p.clone(), completion.clone()].concat());
+            let (mc, mr) = (both(c)?, both(r)?);
+            let mp = &mc[..p.len()];
+            (
+                encode(&render(mp, true)?, false)?,
+                encode(&render(&mc, false)?, false)?,
+                encode(&render(&mr, false)?, false)?,
+            )
+        }
+        _ => return Err("prompt, chosen and rejected must all be strings or all be lists of messages".into()),
+    };
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let prompt_len = common(&p, &pc).min(common(&p, &pr));
+    let sample = |ids: Vec<u32>| -> Result<Sample, String> {
+        if ids.len() <= prompt_len {
+            return Err("a completion encodes to no token".into());
+        }
+        let labels =
+            ids.iter().enumerate().map(|(j, &t)| if j < prompt_len { IGNORE_INDEX } else { i64::from(t) }).collect();
+        Ok(Sample { input_ids: ids, labels })
+    };
+    let pair = Pair { chosen: sample(pc)?, rejected: sample(pr)? };
+    pair.validate()?;
+    Ok(pair)
+}
+
 /// Collates `pairs` as one micro-batch: the chosen samples, then the rejected ones.
 pub fn collate_pairs(pairs: &[&Pair], padding: Padding) -> Collated {
     let rows: Vec<&Sample> = pairs.iter().map(|p| &p.chosen).chain(pairs.iter().map(|p| &p.rejected)).collect();

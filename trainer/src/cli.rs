@@ -274,7 +274,9 @@ pub struct PrepareArgs {
     pub tokenizer: PathBuf,
     /// What the rows hold: `mlperf` (SCROLLS `input`/`output`, the benchmark's template),
     /// `chat` (`messages`: [{role, content}], rendered with the tokenizer's chat template, loss
-    /// on assistant turns) or `completion` (`prompt`/`completion`, loss on the completion).
+    /// on assistant turns), `completion` (`prompt`/`completion`, loss on the completion) or
+    /// `preference` (`prompt`/`chosen`/`rejected`, text or messages, as TRL's DPOTrainer
+    /// tokenises them; written as pairs for `train.objective = "dpo"`).
     #[arg(long, value_enum, default_value_t = DataFormat::Mlperf)]
     pub format: DataFormat,
     /// Skip (and count) rows that cannot be used (`chat`/`completion`) instead of stopping at
@@ -351,6 +353,9 @@ pub enum DataFormat {
     Chat,
     /// `prompt`/`completion` pairs.
     Completion,
+    /// Preference pairs `prompt`/`chosen`/`rejected` (text, or lists of messages through the
+    /// chat template), tokenised as TRL's `DPOTrainer` does, for `train.objective = "dpo"`.
+    Preference,
 }
 
 /// `llora data inspect`.

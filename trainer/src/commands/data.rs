@@ -137,6 +137,9 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
     crate::paths::ensure_new_output("--out", &a.out, Some(a.overwrite))?;
     crate::paths::ensure_folder_exists("--out", &a.out)?;
     let tok = llora_data::tokenizer::load_tokenizer(&a.tokenizer)?;
+    if a.format == DataFormat::Preference {
+        return prepare_pairs(a, &tok);
+    }
     if a.format != DataFormat::Chat {
         // The tokenizer's fault, said once (not as every row's).
         llora_data::tokenizer::special_ids(&tok).with_context(|| format!("--tokenizer {}", a.tokenizer.display()))?;
@@ -151,6 +154,7 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
             (pairs.len() + too_long, out.samples, out.dropped.len() + too_long, 0)
         }
         DataFormat::Chat | DataFormat::Completion => instruction_samples(a, &tok, max_bytes)?,
+        DataFormat::Preference => unreachable!("prepared above"),
     };
     if dropped > 0 {
         tracing::warn!(dropped, max_seq_len = a.max_seq_len, "samples longer than max_seq_len dropped");
@@ -167,6 +171,55 @@ fn prepare(a: &PrepareArgs) -> anyhow::Result<()> {
         "{}",
         json!({"rows": rows, "written": samples.len(), "dropped_too_long": dropped, "bad_rows": bad,
                "out": a.out.display().to_string(), "peak_rss_mb": crate::engine::observe::peak_rss_mb()})
+    );
+    Ok(())
+}
+
+/// `--format preference`: every row tokenised as TRL's DPOTrainer does
+/// ([`llora_data::preference::tokenize_pair`]), pairs longer than `--max-seq-len` dropped and
+/// counted (TRL truncates them instead), a bad row an error naming it unless `--skip-bad-rows`.
+fn prepare_pairs(a: &PrepareArgs, tok: &llora_data::Tokenizer) -> anyhow::Result<()> {
+    use llora_data::chat::ChatTemplate;
+    use llora_data::preference::{pairs_parquet_bytes, tokenize_pair};
+    let template = ChatTemplate::for_tokenizer(&a.tokenizer).ok();
+    // TRL appends the tokenizer's eos_token text (tokenizer_config.json's) to text completions.
+    let eos = match template.as_ref().and_then(ChatTemplate::eos_token) {
+        Some(t) => t.to_string(),
+        None => {
+            let id = llora_data::tokenizer::end_of_text_id(tok)?;
+            tok.id_to_token(id)
+                .with_context(|| format!("--tokenizer {}: no text for token {id}", a.tokenizer.display()))?
+        }
+    };
+    let rows = llora_data::rows::read_rows(&a.input, Some(llora_data::tokenizer::max_row_bytes(tok, a.max_seq_len)))?;
+    let (mut pairs, mut dropped, mut bad) = (Vec::new(), 0, 0);
+    for raw in &rows {
+        let Some(row) = &raw.value else {
+            dropped += 1;
+            continue;
+        };
+        match tokenize_pair(tok, template.as_ref(), &eos, row) {
+            Ok(p) if p.chosen.input_ids.len().max(p.rejected.input_ids.len()) > a.max_seq_len => dropped += 1,
+            Ok(p) => pairs.push(p),
+            Err(why) if a.skip_bad_rows => {
+                tracing::warn!("{}: {} skipped: {why}", a.input.display(), raw.place);
+                bad += 1;
+            }
+            Err(why) => anyhow::bail!("{}: {}: {why} (--skip-bad-rows skips such rows)", a.input.display(), raw.place),
+        }
+    }
+    anyhow::ensure!(
+        !pairs.is_empty(),
+        "{}: no usable pair ({} rows): nothing written to {}",
+        a.input.display(),
+        rows.len(),
+        a.out.display()
+    );
+    write_atomic(&a.out, &pairs_parquet_bytes(&pairs)?)?;
+    crate::outln!(
+        "{}",
+        json!({"rows": rows.len(), "written": pairs.len(), "dropped_too_long": dropped, "bad_rows": bad,
+               "out": a.out.display().to_string()})
     );
     Ok(())
 }
