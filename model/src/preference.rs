@@ -54,18 +54,34 @@ pub struct PairStats {
     pub logps_rejected: f64,
 }
 
+/// The records' names of [`PairStats::values`] (TRL's `rewards/chosen` is `rewards_chosen`, ...).
+const NAMES: [&str; 6] =
+    ["rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen", "logps_rejected"];
+
 impl PairStats {
-    /// Each statistic with the name the records use (TRL's `rewards/chosen` is
-    /// `rewards_chosen`, ...).
-    pub fn named(&self) -> [(&'static str, f64); 6] {
+    /// The statistics in [`NAMES`]' order (what is summed over micro-batches and ranks).
+    pub fn values(&self) -> [f64; 6] {
         [
-            ("rewards_chosen", self.rewards_chosen),
-            ("rewards_rejected", self.rewards_rejected),
-            ("rewards_accuracy", self.rewards_accuracy),
-            ("rewards_margin", self.rewards_margin),
-            ("logps_chosen", self.logps_chosen),
-            ("logps_rejected", self.logps_rejected),
+            self.rewards_chosen,
+            self.rewards_rejected,
+            self.rewards_accuracy,
+            self.rewards_margin,
+            self.logps_chosen,
+            self.logps_rejected,
         ]
+    }
+
+    /// The statistics from [`Self::values`]' order.
+    pub fn from_values(
+        [rewards_chosen, rewards_rejected, rewards_accuracy, rewards_margin, logps_chosen, logps_rejected]: [f64; 6],
+    ) -> Self {
+        Self { rewards_chosen, rewards_rejected, rewards_accuracy, rewards_margin, logps_chosen, logps_rejected }
+    }
+
+    /// Each statistic with the name the records use.
+    pub fn named(&self) -> [(&'static str, f64); 6] {
+        let v = self.values();
+        std::array::from_fn(|i| (NAMES[i], v[i]))
     }
 }
 

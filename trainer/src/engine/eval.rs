@@ -121,7 +121,7 @@ pub fn evaluate_pairs(
 ) -> anyhow::Result<PairEval> {
     let batches =
         llora_data::preference::eval_pair_batches(pairs.clone(), how.batch_size, share, how.padding, how.workers);
-    // [loss, rewards chosen, rejected, accuracy, margin, log-probs chosen, rejected] x pairs
+    // [the loss, then the statistics] times each batch's pairs, summed.
     let mut sums = [0f64; 7];
     for batch in batches {
         let n = (batch.batch / 2) as f64;
@@ -131,29 +131,12 @@ pub fn evaluate_pairs(
         let policy = model.loss(mb.ids, mb.labels, None, false)?;
         let (loss, s) = llora_model::preference_loss(&policy, &reference, objective);
         let loss = f64::from(loss.into_scalar::<f32>());
-        let values = [
-            loss,
-            s.rewards_chosen,
-            s.rewards_rejected,
-            s.rewards_accuracy,
-            s.rewards_margin,
-            s.logps_chosen,
-            s.logps_rejected,
-        ];
-        for (sum, v) in sums.iter_mut().zip(values) {
+        for (sum, v) in sums.iter_mut().zip(std::iter::once(loss).chain(s.values())) {
             *sum += v * n;
         }
     }
     comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
-    let n = pairs.len().max(1) as f64;
-    let [loss, rc, rr, acc, margin, lc, lr] = sums.map(|s| s / n);
-    let stats = llora_model::PairStats {
-        rewards_chosen: rc,
-        rewards_rejected: rr,
-        rewards_accuracy: acc,
-        rewards_margin: margin,
-        logps_chosen: lc,
-        logps_rejected: lr,
-    };
-    Ok(PairEval { loss, stats })
+    let means = sums.map(|s| s / pairs.len().max(1) as f64);
+    let stats = llora_model::PairStats::from_values(std::array::from_fn(|i| means[i + 1]));
+    Ok(PairEval { loss: means[0], stats })
 }

@@ -124,34 +124,18 @@ pub fn preference_step(
     opts: StepOptions,
 ) -> anyhow::Result<(StepStats, llora_model::PairStats)> {
     let mut acc = Accumulated::default();
-    // [rewards chosen, rejected, accuracy, margin, log-probs chosen, rejected] x pairs
+    // Each statistic times its micro-batch's pairs, summed.
     let mut sums = [0f64; 6];
     for mb in micro_batches {
         let pairs = mb.ids.dims()[0] / 2;
         let (g, s) = model.preference_loss_and_grads(mb, objective, pairs as f64 / global_pairs.max(1) as f64)?;
         acc.push(g);
-        let values = [
-            s.rewards_chosen,
-            s.rewards_rejected,
-            s.rewards_accuracy,
-            s.rewards_margin,
-            s.logps_chosen,
-            s.logps_rejected,
-        ];
-        for (sum, v) in sums.iter_mut().zip(values) {
+        for (sum, v) in sums.iter_mut().zip(s.values()) {
             *sum += v * pairs as f64;
         }
     }
     comm.all_reduce_f64(&mut sums, ReduceOp::Sum)?;
-    let [rc, rr, acc_, margin, lc, lr] = sums.map(|x| x / global_pairs.max(1) as f64);
-    let stats = llora_model::PairStats {
-        rewards_chosen: rc,
-        rewards_rejected: rr,
-        rewards_accuracy: acc_,
-        rewards_margin: margin,
-        logps_chosen: lc,
-        logps_rejected: lr,
-    };
+    let stats = llora_model::PairStats::from_values(sums.map(|x| x / global_pairs.max(1) as f64));
     Ok((apply(model, optim, comm, acc, opts)?, stats))
 }
 
