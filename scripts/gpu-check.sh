@@ -495,11 +495,11 @@ fi
 
 
 # 5b. Two ranks on the one device (RANKS_ON_ONE=1, default on a GPU): the tiny job for 3 steps in
-# fp32 (dropout 0, AdamW eps 1e-3 as tests/dist.rs has it: at 1e-8 the first updates are
+# fp32 (dropout 0, AdamW eps 1e-3 as tests/it/dist.rs has it: at 1e-8 the first updates are
 # ~lr·sign(g), which rounding flips) on one process, then under torchrun x2 with
 # dist.share_device (both ranks on cuda:0, Gloo through the host), data- and context-parallel:
 # every step's loss and gradient norm and the eval loss against the one process's (within 1e-6
-# relative; bitwise on the CPU for data parallelism, where tests/dist.rs holds both).
+# relative; bitwise on the CPU for data parallelism, where tests/it/dist.rs holds both).
 if [[ ${RANKS_ON_ONE:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
   short=(--set "run.device=\"$DEVICE\"" --set "run.threads=$THREADS" --set schedule.max_steps=3
     --set eval.every_samples=24 --set eval.target_loss=100 --set data.synthetic.train_samples=64

@@ -60,7 +60,7 @@ esac
 # Versions the parity fixtures were made and checked with (scripts/peer/README.md); pyarrow for
 # the peer's time-to-train job (scripts/peer/ttt.py); TRL for its models' own chat templates
 # (trl/chat_templates: Qwen 2.5, Qwen 3, Llama 3.1, and Qwen 3's with generation markup).
-# TensorBoard for its own reader of the event files llora writes (tests/train.rs).
+# TensorBoard for its own reader of the event files llora writes (tests/it/train.rs).
 PARITY_PKGS=(transformers==5.23.0 peft==0.21.2 safetensors numpy pyarrow bitsandbytes==0.50.2 trl==1.16.0 tensorboard==2.20.0)
 # The official MLPerf Training compliance checker behind `llora mlperf check`.
 CHECKER_PKG=mlperf-logging==4.1.68
@@ -139,6 +139,13 @@ if [[ $WANT_PARITY == 1 ]]; then
     say "parity-test packages present"
   fi
 fi
+
+# What the end-to-end tests' build reads (build/tests.rs): whether the peer packages import,
+# so that tests needing them are ignored, with their reason, where they are missing. Written
+# only when it changes: a rewrite would rebuild the test binary.
+peer=no
+"$VPY" -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("transformers", "peft", "safetensors", "numpy", "pyarrow", "bitsandbytes", "trl", "tensorboard")) else 1)' >/dev/null 2>&1 && peer=yes
+[[ $(cat "$VENV/llora-peer" 2>/dev/null) == "$peer" ]] || echo "$peer" >"$VENV/llora-peer"
 
 # --- The libtorch link that .cargo/config.toml names ----------------------------------------
 # find_spec locates torch without importing it (importing is slow and warns without numpy).

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: installs what is missing (scripts/setup.sh), checks
-# formatting and clippy, then builds and runs every test of the workspace. Extra arguments go
-# to `cargo test`.
+# The test suite, from a fresh clone: installs what is missing (scripts/setup.sh), then runs it
+# in the release profile (the tiny-model training tests are ~10x slower unoptimised, and the
+# demo uses the same profile, so one build of the dependencies serves both). Extra arguments
+# go to `cargo test`.
 #
-#   ./scripts/test.sh            # everything (what CI runs)
-#   ./scripts/test.sh --quick    # the unit tier: each crate's own tests, model/tests and the
-#                                #   house rules (tests/house.rs), no end-to-end runs (the
-#                                #   README's test map has every file, its needs and its time)
+#   ./scripts/test.sh            # everything, what CI runs: the peer venv (setup.sh --parity),
+#                                #   formatting, clippy, every test, the kernel sanitizers
+#   ./scripts/test.sh --quick    # the unit tier: torch only (setup.sh), each crate's own tests
+#                                #   and the house rules; builds nothing else (docs/testing.md)
 #
-# Tests run in the release profile: the tiny-model training tests are ~10x slower unoptimised,
-# and the demo uses the same profile, so one build of the dependencies serves both.
+# A test that needs the peer venv or node is ignored, with its reason, where they are missing
+# (build/tests.rs); the full run installs the venv and refuses to run without it.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -24,15 +25,20 @@ if [[ ${1:-} == --quick ]]; then
   QUICK=1
   shift
 fi
+if ((QUICK)); then
+  ./scripts/setup.sh
+  cargo fmt --all --check || { echo "test.sh: run 'cargo fmt --all' (the tree is not formatted)" >&2; exit 1; }
+  cargo test --release --workspace --lib "$@"
+  cargo test --release --test it "$@" -- house:: checkpoint::
+  exit 0
+fi
 ./scripts/setup.sh --parity
+# The peer venv is what the parity tests compare with: the full run never skips them.
+[[ $(cat .venv/llora-peer 2>/dev/null) == yes ]] || { echo "test.sh: the peer venv is incomplete after setup.sh --parity (.venv/llora-peer)" >&2; exit 1; }
 # The habits every Rust project has: formatted (rustfmt.toml) and clippy-clean, or the suite fails.
 cargo fmt --all --check || { echo "test.sh: run 'cargo fmt --all' (the tree is not formatted)" >&2; exit 1; }
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
-if ((QUICK)); then
-  cargo test --release --workspace --lib --test house --test checkpoint_errors "$@"
-else
-  cargo test --release --workspace "$@"
-  # Our CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer + UBSan (the sources
-  # the release build above generated; ~20 s the first time, cached after).
-  ./scripts/sanitize-kernels.sh
-fi
+cargo test --release --workspace "$@"
+# Our CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer + UBSan (the sources
+# the release build above generated; ~20 s the first time, cached after).
+./scripts/sanitize-kernels.sh

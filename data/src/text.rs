@@ -9,7 +9,7 @@
 //! prompt/label boundary is exact by construction: `<s>`, the prompt's tokens (labels -100),
 //! the summary's tokens and `</s>` (labelled). With Llama 2's tokenizer this is token for token
 //! the reference's single encoding: its normaliser prepends the `▁` that the template's space
-//! after `Summary:\n` becomes, and no merge crosses the newline (`tests/tokenizer.rs` checks
+//! after `Summary:\n` becomes, and no merge crosses the newline (`tests/it/tokenizer.rs` checks
 //! both against the tokenizer's own JS encoder). Samples longer than `max_seq_len` are dropped
 //! and counted, as the reference's `filter_function` drops them.
 

@@ -1,7 +1,7 @@
 """TRL 1.16's own tokenisation of preference rows (DPOTrainer._prepare_dataset, called as the
 trainer calls it, without a model): prompt_ids, chosen_ids and rejected_ids of each row of a
 jsonl file, with an HF tokenizer directory. What `llora data prepare --format preference` is
-compared with (tests/cli.rs).
+compared with (tests/it/cli.rs).
 
   .venv/bin/python scripts/peer/dpo_tokenize.py --tokenizer DIR --input rows.jsonl
 """

@@ -1,7 +1,7 @@
 """TRL 1.16's DPOTrainer on a tiny model, as a user runs it: a PEFT LoRA model (B away from zero,
 so the policy differs from the base from the start), a text preference dataset of one pair
 (repeated, so the sampler's order does not matter), a word-level tokenizer over the model's
-vocabulary. Writes what llora's preference step is compared with (tests/parity.rs):
+vocabulary. Writes what llora's preference step is compared with (tests/it/parity/llama.rs):
 
   OUT/config.json, model.safetensors          the base (HF)
   OUT/adapter_config.json, adapter_model.safetensors   the adapter before training (PEFT)

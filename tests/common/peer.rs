@@ -789,14 +789,13 @@ pub fn packed_documents_match_hf_peft_on(dir: &Path, eval_cli: bool) {
 /// per-sample loss sums on `docs` (each its own row) within `tol[0]` and every LoRA gradient
 /// within `tol[1]`, HF + PEFT computing on the same base quantised and dequantised by
 /// bitsandbytes (`scripts/peer/nf4_base.py`); the frozen weights take `bytes` bytes a value.
-/// `false`: SKIPPED where bitsandbytes is not installed.
 pub fn assert_qlora_matches_bitsandbytes_base(
     dir: &Path,
     docs: &[llora_data::Sample],
     double: bool,
     bytes: f64,
     [tol, grad_tol]: [f32; 2],
-) -> bool {
+) {
     // Its training passes reseed torch's generator per block: not while a seeding test runs.
     let _rng = llora_model::device::torch_rng_lock();
     use llora_model::precision::{Nf4Spec, PrecisionSpec};
@@ -808,10 +807,7 @@ pub fn assert_qlora_matches_bitsandbytes_base(
         cmd.arg("--single");
     }
     let run = cmd.output().unwrap();
-    if run.status.code() == Some(3) {
-        eprintln!("SKIPPED: bitsandbytes is not installed in the project venv");
-        return false;
-    }
+    assert!(run.status.code() != Some(3), "bitsandbytes is not in the project venv: ./scripts/setup.sh --parity");
     assert!(run.status.success(), "nf4_base.py failed: {}", String::from_utf8_lossy(&run.stderr));
     let reference = hf_peft_per_document(&nf4_base, dir, docs, tmp.path());
 
@@ -848,7 +844,6 @@ pub fn assert_qlora_matches_bitsandbytes_base(
     }
     eprintln!("double {double}: worst LoRA gradient relative error {worst:e}");
     assert!(worst <= grad_tol, "double {double}: LoRA gradients differ: {worst:e}");
-    true
 }
 
 /// Full fine-tuning against transformers: the base of the fixture in `dir` (its adapter left

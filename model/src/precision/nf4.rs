@@ -117,7 +117,7 @@ pub fn dynamic_map() -> Vec<f32> {
 
 /// torch's `linspace(start, end, n)` in f32 on the CPU: an f32 step, the first half counted up
 /// from `start` and the rest down from `end`, each value `start + step·i` (or `end − step·j`)
-/// formed in wider precision and rounded once (checked against torch by `tests/parity.rs`).
+/// formed in wider precision and rounded once (checked against torch by `tests/it/parity/llama.rs`).
 fn linspace_f32(start: f32, end: f32, n: usize) -> Vec<f32> {
     let (start, end) = (start as f64, end as f64);
     let step = ((end - start) / (n - 1) as f64) as f32 as f64;

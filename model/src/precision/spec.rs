@@ -239,7 +239,7 @@ impl PrecisionSpec {
     /// `adapter_compute = "auto"`:
     /// - `bf16`: f32 GEMMs on the upcast bf16 input, as PEFT runs its f32 adapters on a bf16
     ///   model (its default `autocast_adapter_dtype`): bf16 GEMMs there move the gradients
-    ///   further from fp32's than PEFT's f32 adapters do (tests/parity.rs), so they are opt-in
+    ///   further from fp32's than PEFT's f32 adapters do (tests/it/parity/llama.rs), so they are opt-in
     ///   (`adapter_compute = "bf16"`, PEFT's numerics with adapters loaded in bf16);
     /// - `fp8`: bf16 GEMMs, as NeMo/Transformer Engine and the MLPerf reference run them (FP8
     ///   with delayed scales would buy nothing at rank 16).

@@ -5,7 +5,7 @@
 //! linear; llora's hidden states, logits, loss and every LoRA gradient equal theirs (fp32: loss
 //! and each gradient within 1e-5 relative).
 
-mod common;
+use crate::common;
 
 use common::peer::*;
 use llora_model::{LlamaConfig, ModelType};
@@ -21,6 +21,7 @@ fn family_fixture(preset: &str) -> PathBuf {
 /// Qwen 2: biases on q, k and v (none on o), tied embeddings, rope_theta 1e6, a 24-token window
 /// on layer 1 only (`max_window_layers` = 1).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn qwen2_matches_hf_peft() {
     let dir = family_fixture("tiny-qwen2");
     let c = LlamaConfig::from_hf_dir(&dir).unwrap();
@@ -36,6 +37,7 @@ fn qwen2_matches_hf_peft() {
 /// Qwen 3: per-head RMSNorm of q and k (gains away from 1), head_dim 40 (not d / heads = 32),
 /// no biases, a 20-token window on layer 1.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn qwen3_matches_hf_peft() {
     let dir = family_fixture("tiny-qwen3");
     let c = LlamaConfig::from_hf_dir(&dir).unwrap();
@@ -50,6 +52,7 @@ fn qwen3_matches_hf_peft() {
 
 /// Mistral: a 16-token window on every layer, head_dim 24.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn mistral_matches_hf_peft() {
     let dir = family_fixture("tiny-mistral");
     let c = LlamaConfig::from_hf_dir(&dir).unwrap();
@@ -64,6 +67,7 @@ fn mistral_matches_hf_peft() {
 /// windowed layer 1 only; a suffix key, a full-name key, an MLP key): loss, logits and every LoRA
 /// gradient equal HF + PEFT's within 1e-5, with the patterns' ranks.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn rank_alpha_patterns_on_qwen3_match_peft() {
     let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
     let args = ["--preset", "tiny-qwen3", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"];
@@ -94,6 +98,7 @@ fn rank_alpha_patterns_on_qwen3_match_peft() {
 /// trained): transformers' loss and the gradients of those parameters (and a weight, the final
 /// norm) within 1e-4, with and without recomputed blocks.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn full_fine_tuning_trains_biases_and_head_norms_as_transformers() {
     let qwen2 = ["model.layers.1.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias", "model.norm.weight"];
     let qwen3 = [
@@ -111,17 +116,19 @@ fn full_fine_tuning_trains_biases_and_head_norms_as_transformers() {
 /// and the merged export (biases, q/k norms and the family's config.json carried) loads in
 /// transformers with them too.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn adapters_and_merged_exports_load_in_hf() {
     for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
         adapter_and_merged_export_load_in_hf(&family_fixture(preset));
     }
 }
 
-/// bf16 for each family, as `tests/parity.rs` holds Llama to it: llora's bf16 step (bf16
+/// bf16 for each family, as `tests/it/parity/llama.rs` holds Llama to it: llora's bf16 step (bf16
 /// weights, activations, biases and q/k norms; f32 adapters) against HF + PEFT's bf16 twin, both
 /// measured from HF's fp32 step: the loss within twice PEFT's distance (+1e-4), each LoRA
 /// gradient's cosine with fp32's >= 0.999, and all of them within 1.25x PEFT's 1 - cosine.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn bf16_matches_hf_peft_in_bf16_for_each_family() {
     let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
     for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
@@ -168,6 +175,7 @@ fn peer_tokenizer(args: &[&str], input: Option<&serde_json::Value>) -> serde_jso
 /// Cyrillic, CJK, Arabic, emoji, code, whitespace runs, contractions, digits) to the ids the
 /// `tokenizers` library gives.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn a_byte_level_bpe_tokenizer_encodes_as_the_tokenizers_library() {
     let dir = tempfile::tempdir().unwrap();
     let tok = qwen_tokenizer(dir.path());
@@ -201,6 +209,7 @@ fn a_byte_level_bpe_tokenizer_encodes_as_the_tokenizers_library() {
 /// and exactly the assistant turns are labelled (their content, `<|im_end|>` and the newline the
 /// template writes after it).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn chatml_conversations_prepare_as_apply_chat_template() {
     let dir = tempfile::tempdir().unwrap();
     let tok = qwen_tokenizer(dir.path());
@@ -223,6 +232,7 @@ fn chatml_conversations_prepare_as_apply_chat_template() {
 /// (`<s>[INST] user [/INST]assistant</s>...`, `[INST]` and `[/INST]` special as in v0.3): the
 /// ids are `apply_chat_template`'s and exactly each assistant turn and its `</s>` are labelled.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn mistral_inst_conversations_prepare_as_apply_chat_template() {
     let dir = tempfile::tempdir().unwrap();
     let tok = made_tokenizer(dir.path(), "make-mistral", "mistral-tokenizer");
@@ -290,6 +300,7 @@ fn assert_prepared_as_apply_chat_template(dir: &Path, tok: &Path, chats: &[serde
 /// and the next token's logit (the fixture's, from transformers' full forward): each new position
 /// attends to the last W keys only, in the layers that slide.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn cached_decoding_past_the_window_equals_hf() {
     for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
         let dir = family_fixture(preset);
@@ -321,6 +332,7 @@ fn cached_decoding_past_the_window_equals_hf() {
 /// tokenizer (no beginning-of-sequence token) continues a prompt as transformers' greedy
 /// `generate` does, 48 new tokens.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn generate_past_the_sliding_window_equals_hf_generate() {
     let dir = family_fixture("tiny-qwen2");
     let tmp = tempfile::tempdir().unwrap();
@@ -341,6 +353,7 @@ fn generate_past_the_sliding_window_equals_hf_generate() {
 /// Qwen 3 checkpoint transformers reads, then fine-tuned with LoRA to the demo's target; the
 /// official MLPerf checker accepts the result log.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn a_tiny_qwen3_fine_tunes_to_its_target_with_a_log_the_checker_accepts() {
     let dir = tempfile::tempdir().unwrap();
     let sets =
@@ -431,6 +444,7 @@ fn each_family_runs_in_every_precision_and_refuses_a_window_across_ranks() {
 /// ones packed together give each document's loss and LoRA gradients as HF + PEFT running it
 /// alone: the window slides within each document, never across one.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn packed_documents_match_hf_peft_each_run_alone() {
     for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
         packed_documents_match_hf_peft_on(&family_fixture(preset), false);
@@ -440,6 +454,7 @@ fn packed_documents_match_hf_peft_each_run_alone() {
 /// `llora eval` with each family's PEFT adapter, on HF's batch written as MLPerf-schema parquet,
 /// prints HF + PEFT's loss.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn eval_command_reports_the_hf_peft_loss_for_each_family() {
     for preset in ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
         let dir = family_fixture(preset);
@@ -455,9 +470,9 @@ fn eval_command_reports_the_hf_peft_loss_for_each_family() {
 /// QLoRA on Qwen 2 (its q/k/v biases kept as they are, the seven linears NF4 in blocks of 64,
 /// single quantisation, a window shorter than the 64-token document): per-document loss sums
 /// and every LoRA gradient equal HF + PEFT's on the same base through bitsandbytes' NF4 round
-/// trip, within 1e-5 as for Llama (`tests/nf4.rs`; one family: each costs two Python peers).
-/// SKIPPED where bitsandbytes is not installed.
+/// trip, within 1e-5 as for Llama (`tests/it/parity/nf4.rs`; one family: each costs two Python peers).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn qlora_on_qwen2_matches_peft_on_the_bitsandbytes_base() {
     let docs = documents(&[64, 40, 23], 1000);
     assert_qlora_matches_bitsandbytes_base(&family_fixture("tiny-qwen2"), &docs, false, 0.5625, [1e-5, 1e-5]);
@@ -468,6 +483,7 @@ fn qlora_on_qwen2_matches_peft_on_the_bitsandbytes_base() {
 /// gradients within 1e-5; the DoRA adapter llora saves loads in PEFT, and its merged export (each
 /// row rescaled, the bias as it was) in transformers, with llora's logits.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn dora_and_rslora_with_biases_match_peft() {
     let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
     let args = ["--preset", "tiny-qwen2", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "1"];
@@ -495,6 +511,7 @@ fn dora_and_rslora_with_biases_match_peft() {
 /// end of turn, and no user or system text. Where the template refuses one, so does llora (by
 /// the template's own message). 42 of 64 Qwen 3 and 22 of 64 Mistral v0.3 rows were refused.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn real_chat_templates_prepare_as_apply_chat_template() {
     let dir = tempfile::tempdir().unwrap();
     let qwen = qwen_tokenizer(dir.path());

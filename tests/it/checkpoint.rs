@@ -1,6 +1,5 @@
 //! Loading HF checkpoints: sharded indexes, and a clear error (never a panic) for each
 //! kind of broken checkpoint.
-#![allow(deprecated)] // Device::libtorch: burn-tch is deprecated upstream, and it is our backend.
 
 use std::path::Path;
 

@@ -5,7 +5,7 @@
 //! Fixtures come from `scripts/peer/fixtures.py` run with the project venv's Python, so that
 //! what llora is compared with is computed by the reference libraries (`tests/common/peer.rs`).
 
-mod common;
+use crate::common;
 
 use common::peer::*;
 
@@ -14,8 +14,9 @@ use common::peer::*;
 /// codes, absmaxes and dequantised values; the 8-bit dynamic map of double quantisation is
 /// bitsandbytes' to the bit, and its scales dequantise within one 8-bit code step of
 /// bitsandbytes' (measured: 0.2; the offset is torch's f32 mean there, an f64 mean rounded
-/// once here). SKIPPED where bitsandbytes is not installed.
+/// once here).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn nf4_matches_bitsandbytes() {
     use llora_model::precision::nf4::{Nf4, dynamic_map};
     let n = 64 * 1001 + 37;
@@ -44,10 +45,7 @@ fn nf4_matches_bitsandbytes() {
         .args([&input, &output])
         .output()
         .unwrap();
-    if run.status.code() == Some(3) {
-        eprintln!("SKIPPED: bitsandbytes is not installed in the project venv");
-        return;
-    }
+    assert!(run.status.code() != Some(3), "bitsandbytes is not in the project venv: ./scripts/setup.sh --parity");
     assert!(run.status.success(), "nf4_reference.py failed: {}", String::from_utf8_lossy(&run.stderr));
     let all = read_all(&output);
     let f32s =
@@ -80,9 +78,9 @@ fn nf4_matches_bitsandbytes() {
 /// takes the farther of two codes for a few values near a midpoint (6 in 3000 here) and the
 /// mean it subtracts is torch's f32 sum, so some blocks' scales differ by a code step: loss
 /// within 1e-4 (measured 4e-6), gradients 1e-2 (2e-3). Frozen weights take 0.5625 bytes a value
-/// (0.516 with double quantisation) against bf16's 2. SKIPPED where bitsandbytes is not
-/// installed.
+/// (0.516 with double quantisation) against bf16's 2.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn qlora_matches_peft_on_the_bitsandbytes_base() {
     let dir = gqa_fixture();
     let config = llora_model::LlamaConfig::from_hf_dir(&dir).unwrap();
@@ -90,8 +88,6 @@ fn qlora_matches_peft_on_the_bitsandbytes_base() {
     for double in [false, true] {
         let (tol, grad_tol) = if double { (1e-4, 1e-2) } else { (1e-5, 1e-5) };
         let bytes = if double { 0.516 } else { 0.5625 };
-        if !assert_qlora_matches_bitsandbytes_base(&dir, &docs, double, bytes, [tol, grad_tol]) {
-            return;
-        }
+        assert_qlora_matches_bitsandbytes_base(&dir, &docs, double, bytes, [tol, grad_tol]);
     }
 }

@@ -225,22 +225,29 @@ fn the_model_crate_exposes_at_most_15_modules() {
     assert!(public.len() <= 15, "{} public modules: {public:?}", public.len());
 }
 
-/// The README's test map names every test file (`tests/*.rs`, each crate's `tests/*.rs`), so
-/// that what a file checks, needs and costs is written somewhere.
+/// The end-to-end tests are one binary: `tests/it.rs` is the only file Cargo finds in `tests/`
+/// (each other `tests/*.rs` would be a binary of its own, linking LibTorch again), no crate has
+/// a `tests/` folder, and the README's test map names every module of `tests/it/`, so that what
+/// a module checks and needs is written somewhere.
 #[test]
-fn the_readme_maps_every_test_file() {
+fn the_tests_are_one_binary_and_the_readme_maps_its_modules() {
     let root = common_root();
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let mut missing = Vec::new();
-    for dir in ["tests", "model/tests", "data/tests", "trainer/tests"] {
-        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
-        for path in entries.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "rs")) {
-            let name = format!("{dir}/{}", path.file_name().unwrap().to_string_lossy());
-            if !readme.contains(&format!("| `{name}` |")) {
-                missing.push(name);
-            }
-        }
+    let tops: Vec<String> = std::fs::read_dir(root.join("tests"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rs") || p.join("main.rs").is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(tops, ["it.rs"], "test binaries in tests/");
+    for krate in ["model", "data", "trainer"] {
+        assert!(!root.join(krate).join("tests").exists(), "{krate}/tests: end-to-end tests belong in tests/it/");
     }
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let missing: Vec<String> = rust_files(&root.join("tests/it"))
+        .iter()
+        .map(|p| p.strip_prefix(&root).unwrap().to_string_lossy().into_owned())
+        .filter(|name| !readme.contains(&format!("| `{name}` |")))
+        .collect();
     assert!(missing.is_empty(), "not in the README's test map: {missing:?}");
 }
 

@@ -1,7 +1,7 @@
 //! `llora plan` against what runs: the plan of three small shapes against the peak RSS `llora
 //! bench` measures, and the MLPerf job's recipe on 8 x 80 GiB.
 
-mod common;
+use crate::common;
 use common::{llora, text};
 
 /// `llora plan`'s prediction against the peak RSS `llora bench` measures (from /proc) on three

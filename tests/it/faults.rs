@@ -3,11 +3,12 @@
 //! job preempted with SIGTERM and requeued (as SLURM does) resumes by itself. Each run ends
 //! with the adapters of an uninterrupted run.
 
-mod common;
+use crate::common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::resume::same_adapters;
 use common::{checkpoint_step, llora, llora_command, mllog, newest_checkpoint, random_base_config, root, strs, text};
 
 /// 12 steps of 8 samples, a checkpoint every 2 steps, one evaluation at the end that reaches
@@ -18,11 +19,6 @@ fn run_args(config: &str, run: &Path, extra: &[&str]) -> Vec<String> {
         args.extend(["--set".into(), s.to_string()]);
     }
     args
-}
-
-fn adapter(run: &Path) -> Vec<u8> {
-    let f = run.join("adapter/adapter_model.safetensors");
-    std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
 }
 
 /// The uninterrupted run every faulty one must end like.
@@ -86,7 +82,7 @@ fn a_damaged_newest_checkpoint_falls_back_to_the_previous_one() {
         let (stdout, stderr) = text(&out);
         assert!(out.status.success() && stdout.contains("samples: 96"), "{stdout}\n{stderr}");
         assert!(stderr.contains(file) && stderr.contains(damage) && stderr.contains("previous one"), "{stderr}");
-        assert!(adapter(&whole) == adapter(run), "adapters differ after resuming past a {damage} {file}");
+        same_adapters(&whole, run, &format!("resuming past a {damage} {file}"));
     }
 
     for ckpt in std::fs::read_dir(both.join("resume")).unwrap().map(|e| e.unwrap().path()) {
@@ -190,7 +186,7 @@ fn fills_then_resumes(mut cmd: Command, base: &Path, whole: &Path) {
     let out = resume(&copy);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success() && stdout.contains("samples: 96"), "{stdout}\n{stderr}");
-    assert!(adapter(whole) == adapter(&copy), "adapters differ after a full disk and a resume");
+    same_adapters(whole, &copy, "a full disk and a resume");
 }
 
 /// SIGTERM (what SLURM sends before it preempts a job) checkpoints at the next
@@ -235,7 +231,7 @@ fn a_preempted_job_requeued_by_slurm_resumes_by_itself() {
     assert!(out.status.success() && stdout.contains("samples: 96"), "{stdout}\n{stderr}");
     assert!(stderr.contains("continuing it"), "{stderr}");
     assert!(!dir.path().join("run-2").exists());
-    assert!(adapter(&whole) == adapter(&run), "adapters differ after SIGTERM at step {at} and a requeue");
+    same_adapters(&whole, &run, &format!("SIGTERM at step {at} and a requeue"));
 }
 
 /// The failure paths before the first step: the training data is read after

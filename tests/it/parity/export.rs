@@ -6,13 +6,14 @@
 //! Fixtures come from `scripts/peer/fixtures.py` run with the project venv's Python, so that
 //! what llora is compared with is computed by the reference libraries (`tests/common/peer.rs`).
 
-mod common;
+use crate::common;
 
 use common::peer::*;
 
 /// An adapter written by llora, loaded by PEFT onto the same base, gives the same logits; and
 /// llora reads its own file back to the same values.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn llora_adapter_loads_in_peft_with_equal_logits() {
     adapter_and_merged_export_load_in_hf(&fixture(
         "tiny-s64-b2",
@@ -24,6 +25,7 @@ fn llora_adapter_loads_in_peft_with_equal_logits() {
 /// logits, and its merged export (tied head, llama3 RoPE and eos list in config.json) loads in
 /// transformers with them too.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn llama3_style_adapter_and_merged_export_load_in_hf() {
     let dir = llama3_fixture();
     adapter_and_merged_export_load_in_hf(&dir);
@@ -33,6 +35,7 @@ fn llama3_style_adapter_and_merged_export_load_in_hf() {
 /// fp32 loss as HF + PEFT's in bf16 (the parity bound of `bf16_matches_hf_peft_in_bf16`);
 /// `--precision fp8 --fp8-weights` runs the FP8 GEMMs and stays within 2% of it.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn eval_command_computes_in_the_precision_asked() {
     let dir = fixture("tiny-gqa-s96-b2-all-bf16", &bf16_fixture_args(false));
     let fx = load_fixture(&dir);
@@ -52,6 +55,7 @@ fn eval_command_computes_in_the_precision_asked() {
 
 /// `llora eval` on HF's batch (written as MLPerf-schema parquet) prints HF + PEFT's loss.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn eval_command_reports_the_hf_peft_loss() {
     let dir = fixture(
         "tiny-s64-b2",
@@ -80,6 +84,7 @@ fn eval_command_reports_the_hf_peft_loss() {
 /// A base written by llora's HF checkpoint writer (what full fine-tuning and the demo's
 /// pre-training save) loads in transformers and, with PEFT's adapter, gives HF's loss.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn saved_hf_checkpoint_loads_in_transformers() {
     let dir = fixture(
         "tiny-s64-b2",
@@ -117,6 +122,7 @@ fn saved_hf_checkpoint_loads_in_transformers() {
 /// `llora eval` (the loss HF + PEFT computes on the same files, and the warning) and in `llora
 /// export --merged` (its config.json says untied; transformers and llora read the export alike).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn a_tied_config_with_its_own_head_keeps_the_files_head_as_transformers_does() {
     let fixture = fixture(
         "tiny-s64-b2",

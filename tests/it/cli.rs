@@ -1,6 +1,6 @@
 //! The command line as a user meets it: config errors, overrides, unfinished subcommands.
 
-mod common;
+use crate::common;
 use common::{llora, text};
 
 #[test]
@@ -705,6 +705,7 @@ fn eval_says_the_length_limit_only_for_rows_too_long() {
 /// text pairs with the EOS text appended (not twice when a completion already ends with it);
 /// each written pair is TRL's prompt + completion ids, labels on the completion only.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn preference_pairs_prepare_as_trl_tokenises_them() {
     let dir = tempfile::tempdir().unwrap();
     let syn = dir.path().join("syn");

@@ -3,7 +3,7 @@
 //! the earlier run back when the new one fails before saving anything, and `--resume` refuses
 //! what cannot apply to its checkpoint.
 
-mod common;
+use crate::common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! what it cannot honour, a hung process reported while the check goes on, and the Kineto
 //! trace table.
 
-mod common;
+use crate::common;
 use common::text;
 
 /// `scripts/gpu-check.sh --cpu` runs the whole report path on the CPU (what a GPU node runs, on
@@ -10,6 +10,7 @@ use common::text;
 /// agrees with HF + PEFT's (fp32 and bf16), and llora and the PyTorch + PEFT peer both ran each
 /// precision's bench, with the plan beside the measured peak.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn gpu_check_cpu_mode_writes_the_whole_report() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(common::root().join("scripts/gpu-check.sh"))
@@ -214,6 +215,7 @@ fn gpu_check_refuses_what_it_cannot_honour() {
 /// 2-core CI machine) and reported as hung with its last log lines, the other parts still
 /// run, and the report is written and fails.
 #[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
 fn gpu_check_reports_a_hung_process_and_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let hanging = dir.path().join("llora-hangs-in-gemm");

@@ -1,7 +1,7 @@
 //! `llora bench`'s step budgets on the CPU: host-device syncs and ops per step, and the phases'
 //! times adding up, in fp32, bf16 and FP8 with recompute.
 
-mod common;
+use crate::common;
 use common::{llora, text};
 
 /// The launch and synchronisation budgets of a training step, held on the CPU so that a new

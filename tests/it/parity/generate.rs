@@ -5,7 +5,7 @@
 //! Fixtures come from `scripts/peer/fixtures.py` run with the project venv's Python, so that
 //! what llora is compared with is computed by the reference libraries (`tests/common/peer.rs`).
 
-mod common;
+use crate::common;
 
 use common::peer::*;
 
@@ -13,6 +13,10 @@ use common::peer::*;
 /// transformers' greedy `generate` does, 64 new tokens, on the Llama-3-style checkpoint with its
 /// PEFT adapter.
 #[test]
+#[cfg_attr(
+    not(all(has_peer, has_node)),
+    ignore = "needs the peer venv (./scripts/setup.sh --parity), node and the npm registry"
+)]
 fn generate_greedy_equals_hf_generate_with_an_adapter() {
     let (ours, hf) = generate_against_hf("fp32", 64);
     eprintln!(
@@ -28,6 +32,10 @@ fn generate_greedy_equals_hf_generate_with_an_adapter() {
 /// statistics, softmax and adapters) continues the prompt as transformers' greedy generate does
 /// on the bf16 model with PEFT's f32 adapter: the same ids.
 #[test]
+#[cfg_attr(
+    not(all(has_peer, has_node)),
+    ignore = "needs the peer venv (./scripts/setup.sh --parity), node and the npm registry"
+)]
 fn generate_in_bf16_equals_hf_generate_in_bf16() {
     let (ours, hf) = generate_against_hf("bf16", 32);
     assert_eq!(ours["ids"], hf["ids"], "bf16 greedy continuations differ");
@@ -38,6 +46,10 @@ fn generate_in_bf16_equals_hf_generate_in_bf16() {
 /// into transformers' `apply_chat_template(..., add_generation_prompt=True)` ids, and answered
 /// as HF's greedy generate answers it.
 #[test]
+#[cfg_attr(
+    not(all(has_peer, has_node)),
+    ignore = "needs the peer venv (./scripts/setup.sh --parity), node and the npm registry"
+)]
 fn generate_answers_a_conversation_as_transformers_does() {
     let dir = llama3_fixture();
     let tmp = tempfile::tempdir().unwrap();
