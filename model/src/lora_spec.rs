@@ -40,6 +40,12 @@ pub struct LoraSpec {
     pub layers: Option<Vec<usize>>,
     /// DoRA (PEFT's `use_dora`): a trainable magnitude per output row (see the module docs).
     pub dora: bool,
+    /// A PEFT adapter directory training starts from instead of fresh adapters (its modules,
+    /// ranks, scales and DoRA must be these); with preference tuning it is also the reference,
+    /// frozen, as TRL keeps a copy of an existing adapter. Read by the trainer
+    /// ([`crate::peft::load_adapter_values`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<std::path::PathBuf>,
 }
 
 impl Default for LoraSpec {
@@ -55,6 +61,7 @@ impl Default for LoraSpec {
             alpha_pattern: Vec::new(),
             layers: None,
             dora: false,
+            init_from: None,
         }
     }
 }

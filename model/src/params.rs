@@ -103,6 +103,45 @@ impl LlamaForCausalLM {
     pub fn trainable_params_mut(&mut self) -> Vec<(String, ParamMut<'_>)> {
         self.params_mut(if self.trains_base() { ParamKind::Base } else { ParamKind::Adapters })
     }
+
+    /// A copy of every trainable parameter's value now, flattened, on the plain backend, in
+    /// [`Self::trainable_params_mut`] order, sharing no storage with the model (the optimizer
+    /// updates parameters in place): the frozen reference of preference tuning.
+    pub fn frozen_trainable_values(&mut self) -> Vec<Tensor<1>> {
+        self.trainable_params_mut()
+            .into_iter()
+            .map(|(_, p)| {
+                let value = p.flat().inner();
+                let device = value.device();
+                Tensor::from_data(value.into_data(), &device)
+            })
+            .collect()
+    }
+
+    /// A copy of the model sharing every tensor, its trainable parameters holding `values`
+    /// ([`Self::frozen_trainable_values`]) and requiring no gradient.
+    pub(crate) fn with_frozen_values(&self, values: &[Tensor<1>]) -> anyhow::Result<Self> {
+        let mut copy = self.clone();
+        let params = copy.trainable_params_mut();
+        anyhow::ensure!(
+            params.len() == values.len(),
+            "the frozen reference holds {} tensors, the model trains {}",
+            values.len(),
+            params.len()
+        );
+        for ((name, mut p), v) in params.into_iter().zip(values) {
+            let (now, mut shape) = p.take_flat();
+            anyhow::ensure!(
+                now.dims() == v.dims(),
+                "the frozen reference's {name} is {:?}, not {:?}",
+                v.dims(),
+                now.dims()
+            );
+            shape.trainable = false;
+            p.put_flat(v.clone(), shape);
+        }
+        Ok(copy)
+    }
 }
 
 /// Which parameters [`LlamaForCausalLM::params_mut`] lists.

@@ -337,6 +337,7 @@ fn parse_config(v: &Value) -> anyhow::Result<PeftConfig> {
             alpha_pattern,
             layers: layers.clone(),
             dora,
+            init_from: None,
         },
         select: ModuleSelection { targets, exclude, layers },
     })
@@ -534,6 +535,61 @@ pub fn load_peft_adapter(model: &mut LlamaForCausalLM, dir: &Path, device: &Devi
     }
     let targets = short_names(adapted.iter().map(String::as_str));
     Ok(LoraSpec { targets, ..spec })
+}
+
+/// Sets `model`'s adapters to the values of the PEFT adapter in `dir` (training continued from
+/// an existing adapter: `lora.init_from`), each keeping its precision and dropout. The file
+/// must adapt exactly the modules `model` adapts, each with the same shapes, scale and DoRA; a
+/// difference is an error naming the module.
+pub fn load_adapter_values(model: &mut LlamaForCausalLM, dir: &Path, device: &Device) -> anyhow::Result<()> {
+    // The file's adapters on a copy that shares the base's tensors.
+    let mut read = model.clone();
+    load_peft_adapter(&mut read, dir, device)?;
+    let theirs: HashMap<String, &crate::lora::LoraAdapter> = read.adapters().into_iter().collect();
+    let ours = model.adapters_mut();
+    let mut missing: Vec<&String> = theirs.keys().filter(|k| !ours.iter().any(|(n, _)| n == *k)).collect();
+    missing.sort();
+    ensure!(
+        missing.is_empty(),
+        "{}: adapts {} which the run's [lora] does not: set [lora] as the adapter was trained",
+        dir.display(),
+        missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+    );
+    for (name, adapter) in ours {
+        let from = theirs.get(&name).with_context(|| {
+            format!(
+                "{}: has no adapter for {name}, which the run's [lora] adapts: set [lora] as the adapter was trained",
+                dir.display()
+            )
+        })?;
+        let same = adapter.a.dims() == from.a.dims()
+            && adapter.b.dims() == from.b.dims()
+            && adapter.magnitude.is_some() == from.magnitude.is_some()
+            && adapter.scale == from.scale;
+        ensure!(
+            same,
+            "{}: {name} has rank {}, scale {} and DoRA {}, the run's [lora] rank {}, scale {} and DoRA {}: \
+             set [lora] as the adapter was trained",
+            dir.display(),
+            from.a.dims()[0],
+            from.scale,
+            from.magnitude.is_some(),
+            adapter.a.dims()[0],
+            adapter.scale,
+            adapter.magnitude.is_some()
+        );
+        let set2 = |p: &mut burn::module::Param<Tensor<2>>, v: Tensor<2>| {
+            let trainable = p.val().is_require_grad();
+            *p = burn::module::Param::initialized(p.id, v.detach().set_require_grad(trainable));
+        };
+        set2(&mut adapter.a, from.a.val());
+        set2(&mut adapter.b, from.b.val());
+        if let (Some(m), Some(f)) = (adapter.magnitude.as_mut(), from.magnitude.as_ref()) {
+            let trainable = m.val().is_require_grad();
+            *m = burn::module::Param::initialized(m.id, f.val().detach().set_require_grad(trainable));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

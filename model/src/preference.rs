@@ -1,13 +1,16 @@
 //! Preference tuning's objective (DPO and its variants, as TRL 1.16's `DPOTrainer` computes
 //! them): from the summed log-probabilities of each pair's chosen and rejected completions
-//! under the policy (the model with its adapters) and under the reference (the same model with
-//! the adapters off, [`crate::lora::without_adapters`]), the loss and the rewards TRL logs.
+//! under the policy (the model with its adapters) and under the reference ([`Reference`]: the
+//! same model with the adapters off, or with the adapters training started from, frozen), the
+//! loss and the rewards TRL logs.
 //!
 //! A batch holds P pairs as 2P rows, the P chosen completions first, then the P rejected ones
 //! in the same order (TRL concatenates them so: one forward for both).
 
-use burn::tensor::Tensor;
+use std::sync::Arc;
+
 use burn::tensor::activation::{log_sigmoid, relu};
+use burn::tensor::{Int, Tensor};
 
 use crate::llama::LlamaForCausalLM;
 use crate::lora::without_adapters;
@@ -27,14 +30,39 @@ pub enum PreferenceLoss {
     Sft,
 }
 
-/// The objective: β and the losses summed with their weights (TRL's `loss_type` and
-/// `loss_weights`).
+/// The reference policy the rewards are measured against.
+#[derive(Debug, Clone, Default)]
+pub enum Reference {
+    /// The base: the same network with the adapters off (TRL with a fresh PEFT adapter).
+    #[default]
+    Base,
+    /// The adapters training started from, frozen (TRL's "ref" copy of an existing adapter):
+    /// each trainable parameter's value, flattened, in `trainable_params_mut` order, on the
+    /// plain backend ([`LlamaForCausalLM::frozen_trainable_values`]).
+    Adapters(Arc<Vec<Tensor<1>>>),
+}
+
+impl PartialEq for Reference {
+    /// The same reference: both the base, or the same frozen copy.
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Base, Self::Base) => true,
+            (Self::Adapters(a), Self::Adapters(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+/// The objective: β, the losses summed with their weights (TRL's `loss_type` and
+/// `loss_weights`) and the reference.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreferenceObjective {
     /// How far the policy may move from the reference (TRL's `beta`; IPO's τ).
     pub beta: f64,
     /// Each loss and its weight.
     pub losses: Vec<(PreferenceLoss, f64)>,
+    /// What the policy is compared with.
+    pub reference: Reference,
 }
 
 /// The means over the batch's pairs TRL logs (`rewards/chosen`, ..., `logps/rejected`).
@@ -130,9 +158,27 @@ pub fn preference_loss(
 }
 
 impl LlamaForCausalLM {
+    /// The reference's loss sums of a batch of pairs, in evaluation (no dropout, no amax
+    /// recorded, no gradient): the base alone, or the model with its trainable parameters
+    /// holding the frozen values (a copy sharing every other tensor).
+    ///
+    /// # Shapes
+    /// - ids, labels: `[2P, seq]`
+    pub fn reference_loss(
+        &self,
+        ids: Tensor<2, Int>,
+        labels: crate::loss::Labels,
+        reference: &Reference,
+    ) -> anyhow::Result<LossSums> {
+        match reference {
+            Reference::Base => without_adapters(|| self.loss(ids, labels, None, false)),
+            Reference::Adapters(values) => self.with_frozen_values(values)?.loss(ids, labels, None, false),
+        }
+    }
+
     /// One micro-batch of P pairs (2P rows: the chosen completions, then the rejected ones,
-    /// each with its prompt; labels −100 outside the completion): the reference's sums with the
-    /// adapters off (no gradient), the policy's, the objective's loss times `weight` (the
+    /// each with its prompt; labels −100 outside the completion): the reference's sums
+    /// ([`Self::reference_loss`]), the policy's, the objective's loss times `weight` (the
     /// micro-batch's share of the step's pairs), and the flattened gradient of every trainable
     /// parameter, in `trainable_params_mut` order. Whole rows only: packed rows, recomputed or
     /// sharded blocks and context parallelism are refused by the config before a run.
@@ -155,8 +201,7 @@ impl LlamaForCausalLM {
         if let Some(seed) = mb.seed {
             mb.ids.device().seed(seed);
         }
-        // The reference: the base alone, in evaluation (no dropout, no amax recorded).
-        let reference = without_adapters(|| self.loss(mb.ids.clone(), mb.labels.clone(), None, false))?;
+        let reference = self.reference_loss(mb.ids.clone(), mb.labels.clone(), &objective.reference)?;
         let policy = self.loss(mb.ids, mb.labels, None, true)?;
         let (loss, stats) = preference_loss(&policy, &reference, objective);
         let loss = loss.mul_scalar(weight);

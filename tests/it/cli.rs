@@ -767,3 +767,26 @@ fn preference_pairs_prepare_as_trl_tokenises_them() {
         }
     }
 }
+
+/// `llora eval --dpo-*`: bad values and `--pack` are refused by flag before anything loads,
+/// and a file of plain samples (not pairs) names the column it lacks.
+#[test]
+fn eval_of_preference_pairs_refuses_what_cannot_apply() {
+    let out = llora(&["eval", "--model", "absent", "--data", "absent.parquet", "--dpo-beta", "0", "--pack"]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("`--dpo-beta`") && stderr.contains("`--pack`"), "{stderr}");
+    let out = llora(&["eval", "--model", "absent", "--data", "absent.parquet", "--dpo-sft-weight=-1"]);
+    assert!(text(&out).1.contains("`--dpo-sft-weight`"), "{}", text(&out).1);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::family_base_away_from_0_and_1(tmp.path(), "demo");
+    let data = tmp.path().join("samples.parquet");
+    let sample = llora_data::Sample { input_ids: vec![1, 2, 3], labels: vec![-100, 2, 3] };
+    std::fs::write(&data, llora_data::parquet_io::parquet_bytes(&[sample]).unwrap()).unwrap();
+    let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
+    let out = llora(&["eval", "--model", m, "--data", d, "--dpo-loss", "ipo"]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("chosen_input_ids") && stderr.contains("samples.parquet"), "{stderr}");
+}

@@ -162,6 +162,31 @@ pub struct EvalArgs {
     /// Keep frozen base weights as FP8 + scale (needs `--precision fp8`).
     #[arg(long)]
     pub fp8_weights: bool,
+    /// Preference pairs instead (`llora data prepare --format preference`): DPO with this β
+    /// (`dpo.beta`, 0.1 unless set); prints TRL's metrics, means over the pairs, the reference
+    /// being the base with the adapter off. Any `--dpo-*` flag selects it.
+    #[arg(long)]
+    pub dpo_beta: Option<f64>,
+    /// The preference loss (`dpo.loss`; sigmoid unless set).
+    #[arg(long, value_enum)]
+    pub dpo_loss: Option<crate::config::DpoLoss>,
+    /// The chosen completions' NLL added with this weight (`dpo.sft_weight`; 0 unless set).
+    #[arg(long)]
+    pub dpo_sft_weight: Option<f64>,
+}
+
+impl EvalArgs {
+    /// The preference objective the `--dpo-*` flags ask for, or `None` for the
+    /// language-model loss.
+    pub fn dpo(&self) -> Option<crate::config::DpoConfig> {
+        let asked = self.dpo_beta.is_some() || self.dpo_loss.is_some() || self.dpo_sft_weight.is_some();
+        let d = crate::config::DpoConfig::default();
+        asked.then(|| crate::config::DpoConfig {
+            beta: self.dpo_beta.unwrap_or(d.beta),
+            loss: self.dpo_loss.unwrap_or(d.loss),
+            sft_weight: self.dpo_sft_weight.unwrap_or(d.sft_weight),
+        })
+    }
 }
 
 /// `llora data ...`.

@@ -575,7 +575,7 @@ impl Default for DpoConfig {
 }
 
 /// `dpo.loss`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum DpoLoss {
     /// `−log σ(β·Δ)`.
@@ -587,7 +587,16 @@ pub enum DpoLoss {
 }
 
 impl DpoConfig {
-    /// The model crate's objective.
+    /// Records what is wrong with β and the SFT weight, under the names `[beta, sft_weight]`
+    /// (a config's keys, or `llora eval`'s flags).
+    pub fn check_values(&self, p: &mut Problems<'_>, [beta, sft_weight]: [&str; 2]) {
+        p.check(self.beta > 0.0 && self.beta.is_finite(), beta, &self.beta, "must be a finite number > 0");
+        let sft_ok = self.sft_weight >= 0.0 && self.sft_weight.is_finite();
+        p.check(sft_ok, sft_weight, &self.sft_weight, "must be a finite number >= 0");
+    }
+
+    /// The model crate's objective, with the base as the reference (the trainer sets the
+    /// adapters training started from instead, with `lora.init_from`).
     pub fn objective(&self) -> llora_model::PreferenceObjective {
         use llora_model::PreferenceLoss as L;
         let main = match self.loss {
@@ -599,7 +608,7 @@ impl DpoConfig {
         if self.sft_weight > 0.0 {
             losses.push((L::Sft, self.sft_weight));
         }
-        llora_model::PreferenceObjective { beta: self.beta, losses }
+        llora_model::PreferenceObjective { beta: self.beta, losses, reference: llora_model::Reference::Base }
     }
 }
 
@@ -1057,13 +1066,7 @@ impl Config {
     /// What preference tuning does not compose with yet, each refused by its key.
     fn check_dpo(&self, p: &mut Problems<'_>) {
         let d = &self.dpo;
-        p.check(d.beta > 0.0 && d.beta.is_finite(), "dpo.beta", &d.beta, "must be a finite number > 0");
-        p.check(
-            d.sft_weight >= 0.0 && d.sft_weight.is_finite(),
-            "dpo.sft_weight",
-            &d.sft_weight,
-            "must be a finite number >= 0",
-        );
+        d.check_values(p, ["dpo.beta", "dpo.sft_weight"]);
         let not_yet = |what: &str| format!("is not supported with train.objective = \"dpo\" yet ({what})");
         let t = &self.train;
         p.check(
@@ -1109,6 +1112,8 @@ impl Config {
             p.check(l.rank_pattern.is_empty(), "lora.rank_pattern", &"{...}", why);
             p.check(l.alpha_pattern.is_empty(), "lora.alpha_pattern", &"{...}", why);
             p.check(l.layers.is_none(), "lora.layers_to_transform", &"[...]", why);
+            let from = l.init_from.as_ref().map(|d| d.display().to_string());
+            p.check(from.is_none(), "lora.init_from", &from.unwrap_or_default(), why);
         }
     }
 }
@@ -1567,6 +1572,7 @@ mod tests {
             ("lora.rslora=true", "`lora.rslora`"),
             ("lora.layers_to_transform=[0]", "`lora.layers_to_transform`"),
             (r#"lora.rank_pattern={"q_proj"=4}"#, "`lora.rank_pattern`"),
+            (r#"lora.init_from="runs/x/adapter""#, "`lora.init_from`"),
         ] {
             let err = Config::load(None, &[ov("model.trainable=\"all\""), ov(set)]).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains("full fine-tuning has no adapters"), "{set}: {err}");

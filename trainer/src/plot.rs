@@ -1,5 +1,5 @@
 //! Loss curves as SVG, drawn with plotters: train and eval loss against samples, with the
-//! target line. SVG needs no font or image library on the machine (the PNG backend would).
+//! target line, and for preference tuning the held-out reward margin. SVG needs no font or image library on the machine (the PNG backend would).
 
 use std::path::Path;
 
@@ -15,6 +15,23 @@ pub struct Curve {
     pub train: Vec<(f64, f64)>,
     /// Evaluation loss per evaluation.
     pub eval: Vec<(f64, f64)>,
+    /// Preference tuning's held-out reward margin (chosen minus rejected) per evaluation.
+    pub margin: Vec<(f64, f64)>,
+}
+
+impl Curve {
+    /// Adds what one `metrics.jsonl` record holds for the plot (a step's loss, an evaluation's
+    /// loss and reward margin), at its sample count.
+    pub fn push_record(&mut self, v: &serde_json::Value) {
+        let Some(s) = v["samples"].as_f64() else { return };
+        for (key, points) in
+            [("loss", &mut self.train), ("eval_loss", &mut self.eval), ("eval_rewards_margin", &mut self.margin)]
+        {
+            if let Some(y) = v[key].as_f64() {
+                points.push((s, y));
+            }
+        }
+    }
 }
 
 /// Reads a run's `metrics.jsonl` into a curve.
@@ -24,21 +41,16 @@ pub fn read_metrics(path: &Path, label: &str) -> anyhow::Result<Curve> {
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let v: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
-        let Some(s) = v["samples"].as_f64() else { continue };
-        if let Some(l) = v["loss"].as_f64() {
-            curve.train.push((s, l));
-        }
-        if let Some(l) = v["eval_loss"].as_f64() {
-            curve.eval.push((s, l));
-        }
+        curve.push_record(&v);
     }
     Ok(curve)
 }
 
-/// Writes an SVG of every curve's train loss (thin) and eval loss (thick, with points) and a
-/// dashed horizontal line at `target`, written atomically.
+/// Writes an SVG of every curve's train loss (thin), eval loss (thick, with points) and reward
+/// margin (dashed, where there is one) and a dashed horizontal line at `target`, written
+/// atomically.
 pub fn loss_svg(path: &Path, curves: &[Curve], target: f64) -> anyhow::Result<()> {
-    let points = || curves.iter().flat_map(|c| c.train.iter().chain(&c.eval));
+    let points = || curves.iter().flat_map(|c| c.train.iter().chain(&c.eval).chain(&c.margin));
     let x_max = points().map(|p| p.0).fold(1.0, f64::max);
     let y_max = points().map(|p| p.1).filter(|y| y.is_finite()).fold(target, f64::max) * 1.05;
     let y_min = points().map(|p| p.1).filter(|y| y.is_finite()).fold(target, f64::min).min(0.0);
@@ -63,6 +75,12 @@ pub fn loss_svg(path: &Path, curves: &[Curve], target: f64) -> anyhow::Result<()
                 .draw_series(LineSeries::new(c.eval.iter().copied(), color.stroke_width(3)).point_size(3))?
                 .label(format!("{} eval", c.label))
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(3)));
+            if !c.margin.is_empty() {
+                chart
+                    .draw_series(DashedLineSeries::new(c.margin.iter().copied(), 3, 3, color.stroke_width(2)))?
+                    .label(format!("{} eval reward margin", c.label))
+                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+            }
         }
         chart
             .draw_series(DashedLineSeries::new([(0.0, target), (x_max, target)], 6, 4, BLACK.stroke_width(1)))?
@@ -95,5 +113,15 @@ mod tests {
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.starts_with("<svg") && text.contains("target 0.925") && text.contains("run eval"), "{text}");
         assert!(text.contains("<polyline"), "the curves are drawn");
+        assert!(!text.contains("reward margin"), "no margin without preference tuning");
+
+        // A DPO run's held-out margin is drawn beside its losses.
+        let with_margin = "{\"step\":1,\"samples\":8,\"loss\":0.69}\n\
+                           {\"step\":1,\"samples\":8,\"eval_loss\":0.6,\"eval_rewards_margin\":0.25}\n";
+        std::fs::write(&metrics, with_margin).unwrap();
+        let c = read_metrics(&metrics, "dpo").unwrap();
+        assert_eq!(c.margin, vec![(8.0, 0.25)]);
+        loss_svg(&svg, &[c], 0.5).unwrap();
+        assert!(std::fs::read_to_string(&svg).unwrap().contains("dpo eval reward margin"));
     }
 }

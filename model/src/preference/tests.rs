@@ -24,7 +24,7 @@ fn ratios() -> ([f64; 2], [f64; 2]) {
 fn run(losses: Vec<(PreferenceLoss, f64)>) -> (f64, Vec<f64>, PairStats) {
     let device = Device::libtorch().autodiff();
     let policy = sums(POLICY, &device, true);
-    let objective = PreferenceObjective { beta: BETA, losses };
+    let objective = PreferenceObjective { beta: BETA, losses, reference: Reference::Base };
     let (loss, stats) = preference_loss(&policy, &sums(REFERENCE, &device, false), &objective);
     let value = f64::from(loss.clone().into_scalar::<f32>());
     let grads = loss.backward();

@@ -409,6 +409,142 @@ fn dpo_matches_trl_with_the_base_as_reference() {
     }
 }
 
+/// The same with an existing adapter (B away from zero) as the starting point: TRL keeps a
+/// frozen copy of it ("ref") as the reference, and so does llora (`lora.init_from`), so the
+/// first step's rewards are zero and the later ones measure what training changed. Checked in
+/// the model (as above) and end to end: `llora train` from the adapter on the pair's parquet
+/// ends with TRL's adapter after three steps.
+#[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
+fn dpo_matches_trl_with_an_existing_adapter_as_reference() {
+    for (preset, loss) in [("demo", "sigmoid"), ("tiny-qwen2", "ipo")] {
+        let args = ["--preset", preset, "--loss", loss, "--beta", "0.1", "--steps", "3", "--reference", "adapter"];
+        let dir = fixture_of("dpo_trl.py", &format!("dpo-ref-{preset}-{loss}"), &args);
+        check_dpo_against_trl(&dir);
+        train_from_the_adapter_as_trl(&dir);
+    }
+}
+
+/// `llora eval --dpo-beta B --dpo-loss L [--dpo-sft-weight W]` on the fixture's pair, written as
+/// `llora data prepare --format preference` writes pairs, with the fixture's adapter: TRL's
+/// metrics before its first step (loss, log-probabilities, rewards, margin, accuracy), within
+/// the training check's bounds.
+fn eval_cli_matches_trl(dir: &Path, rows: &[Vec<i64>; 2], prompt: usize, fx: &serde_json::Value) {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = pair_parquet(tmp.path(), rows, prompt);
+    let types: Vec<&str> = fx["loss_type"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let sft = types.iter().position(|t| *t == "sft").map(|i| fx["loss_weights"][i].as_f64().unwrap().to_string());
+    let beta = fx["beta"].as_f64().unwrap();
+    let (d, data) = (dir.to_str().unwrap(), data.to_str().unwrap());
+    let beta_arg = beta.to_string();
+    let mut args = vec!["eval", "--model", d, "--adapter", d, "--data", data];
+    args.extend(["--dpo-beta", &beta_arg, "--dpo-loss", types[0]]);
+    if let Some(w) = &sft {
+        args.extend(["--dpo-sft-weight", w]);
+    }
+    let out = crate::common::llora(&args);
+    let (stdout, stderr) = crate::common::text(&out);
+    assert!(out.status.success(), "{}: llora eval {args:?}: {stderr}", dir.display());
+    let got: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let log = &fx["logs"][0];
+    let (ours, at) = (|k: &str| got[k].as_f64().unwrap(), |k: &str| log[k].as_f64().unwrap());
+    let scale = beta * at("logps/chosen").abs().max(at("logps/rejected").abs());
+    for (mine, theirs, bound) in [
+        ("loss", "loss", 1e-5 * at("loss").abs().max(1e-3)),
+        ("logps_chosen", "logps/chosen", 1e-5 * at("logps/chosen").abs()),
+        ("logps_rejected", "logps/rejected", 1e-5 * at("logps/rejected").abs()),
+        ("rewards_chosen", "rewards/chosen", 1e-5 * scale),
+        ("rewards_rejected", "rewards/rejected", 1e-5 * scale),
+        ("rewards_margin", "rewards/margins", 1e-5 * scale),
+        ("rewards_accuracy", "rewards/accuracies", 0.0),
+    ] {
+        let (a, b) = (ours(mine), at(theirs));
+        assert!((a - b).abs() <= bound, "{}: llora eval's {mine} {a}, TRL's {theirs} {b}", dir.display());
+    }
+    assert_eq!(got["pairs"], 1, "{got}");
+}
+
+/// The fixture's pair as `llora data prepare --format preference` writes pairs (`rows`: prompt +
+/// chosen, prompt + rejected; labels on the completions), in `dir/pairs.parquet`.
+fn pair_parquet(dir: &Path, rows: &[Vec<i64>; 2], prompt: usize) -> PathBuf {
+    let sample = |row: &Vec<i64>| llora_data::Sample {
+        input_ids: row.iter().map(|&t| t as u32).collect(),
+        labels: row.iter().enumerate().map(|(i, &t)| if i >= prompt { t } else { -100 }).collect(),
+    };
+    let pair = llora_data::preference::Pair { chosen: sample(&rows[0]), rejected: sample(&rows[1]) };
+    let data = dir.join("pairs.parquet");
+    std::fs::write(&data, llora_data::preference::pairs_parquet_bytes(&[pair]).unwrap()).unwrap();
+    data
+}
+
+/// `llora train` with `lora.init_from` = the fixture's adapter, DPO on its pair with TRL's
+/// hyperparameters (the cosine over 10⁹ steps is TRL's constant rate to 1e-17; the run stops
+/// after 3 pairs on an evaluation it passes), ends with TRL's adapter after three steps, each
+/// tensor within 1e-5 relative.
+fn train_from_the_adapter_as_trl(dir: &Path) {
+    let fx: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ids = |k: &str| fx[k].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect::<Vec<i64>>();
+    let prompt = ids("prompt_ids");
+    let rows = [[prompt.clone(), ids("chosen_ids")].concat(), [prompt.clone(), ids("rejected_ids")].concat()];
+    let tmp = tempfile::tempdir().unwrap();
+    let data = pair_parquet(tmp.path(), &rows, prompt.len());
+    let text = std::fs::read_to_string(repo_root().join("configs/tiny-cpu.toml")).unwrap();
+    let mut config: toml::Table = toml::from_str(&text).unwrap();
+    let model = config.get_mut("model").unwrap().as_table_mut().unwrap();
+    model.remove("pretrain");
+    model.remove("preset");
+    model.insert("path".into(), dir.display().to_string().into());
+    config.get_mut("data").unwrap().as_table_mut().unwrap().remove("synthetic");
+    let path = tmp.path().join("config.toml");
+    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
+    let (run, data) = (tmp.path().join("run"), data.display().to_string());
+    let targets: Vec<String> = fx["lora"]["targets"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+    let f = |k: &str| fx[k].as_f64().unwrap();
+    let sets = [
+        format!("run.dir=\"{}\"", run.display()),
+        format!("lora.init_from=\"{}\"", dir.display()),
+        format!("lora.rank={}", fx["lora"]["r"]),
+        format!("lora.alpha={}", fx["lora"]["alpha"]),
+        "lora.dropout=0.0".into(),
+        format!("lora.targets=[{}]", targets.join(",")),
+        "train.objective=\"dpo\"".into(),
+        format!("dpo.beta={}", f("beta")),
+        format!("dpo.loss={}", fx["loss_type"][0]),
+        format!("data.train=\"{data}\""),
+        format!("data.eval=\"{data}\""),
+        "data.max_seq_len=128".into(),
+        "train.global_batch_size=1".into(),
+        format!("optim.lr={}", f("lr")),
+        format!("optim.weight_decay={}", f("weight_decay")),
+        format!("optim.eps={}", f("adam_eps")),
+        format!("optim.clip_grad_norm={}", f("max_grad_norm")),
+        "schedule.max_steps=1000000000".into(),
+        "eval.every_samples=3".into(),
+        "eval.target_loss=100.0".into(),
+        "mlperf.check=false".into(),
+    ];
+    let mut args = vec!["train".to_string(), path.display().to_string()];
+    for set in sets {
+        args.extend(["--set".into(), set]);
+    }
+    let out = crate::common::llora(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (_, stderr) = crate::common::text(&out);
+    assert!(out.status.success(), "{}: {stderr}", dir.display());
+    let ours = read_all(&run.join("adapter/adapter_model.safetensors"));
+    let theirs = read_all(&dir.join("expected.safetensors"));
+    let f32s = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<f32>>();
+    let mut checked = 0;
+    for (name, (_, bytes, _)) in theirs.iter().filter(|(n, _)| n.starts_with("after.")) {
+        let key = name.strip_prefix("after.").unwrap();
+        let (_, mine, _) = ours.get(key).unwrap_or_else(|| panic!("{}: the run saved no {key}", dir.display()));
+        let err = rel_err(&f32s(mine), &f32s(bytes));
+        assert!(err <= 1e-5, "{}: llora train's {key} after 3 steps: relative error {err:e}", dir.display());
+        checked += 1;
+    }
+    assert!(checked > 0 && checked == ours.len(), "{checked} of {} tensors compared", ours.len());
+}
+
 fn check_dpo_against_trl(dir: &Path) {
     use llora_model::{PreferenceLoss, PreferenceObjective};
     use llora_trainer::engine::optim::clip_coefficient;
@@ -457,7 +593,15 @@ fn check_dpo_against_trl(dir: &Path) {
     let objective = PreferenceObjective {
         beta: fx["beta"].as_f64().unwrap(),
         losses: types.iter().map(|t| kind(t)).zip(weights).collect(),
+        reference: match fx["reference"].as_str() {
+            Some("adapter") => llora_model::Reference::Adapters(std::sync::Arc::new(model.frozen_trainable_values())),
+            _ => llora_model::Reference::Base,
+        },
     };
+    if fx["reference"] != "adapter" {
+        // `llora eval` measures an adapter against the base.
+        eval_cli_matches_trl(dir, &rows, prompt.len(), &fx);
+    }
     let (lr, clip) = (fx["lr"].as_f64().unwrap(), fx["max_grad_norm"].as_f64().unwrap());
     let weight_decay = fx["weight_decay"].as_f64().unwrap();
     let config = OptimConfig { lr, weight_decay, eps: fx["adam_eps"].as_f64().unwrap(), ..OptimConfig::default() };

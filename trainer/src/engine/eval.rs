@@ -110,7 +110,7 @@ pub struct PairEval {
 
 /// The preference objective over the evaluation `pairs`, sharded across ranks as [`evaluate`]
 /// does (batch j on data-parallel group j mod groups; sums all-reduced): the single process's
-/// result for any world size. The reference is the base with the adapters off.
+/// result for any world size, against the objective's reference.
 pub fn evaluate_pairs(
     model: &LlamaForCausalLM,
     pairs: &Arc<Vec<llora_data::preference::Pair>>,
@@ -126,8 +126,7 @@ pub fn evaluate_pairs(
     for batch in batches {
         let n = (batch.batch / 2) as f64;
         let mb = upload(batch, device);
-        let reference =
-            llora_model::lora::without_adapters(|| model.loss(mb.ids.clone(), mb.labels.clone(), None, false))?;
+        let reference = model.reference_loss(mb.ids.clone(), mb.labels.clone(), &objective.reference)?;
         let policy = model.loss(mb.ids, mb.labels, None, false)?;
         let (loss, s) = llora_model::preference_loss(&policy, &reference, objective);
         let loss = f64::from(loss.into_scalar::<f32>());

@@ -13,10 +13,8 @@ use crate::engine::events::{Observer, RunEvent};
 pub struct Metrics {
     /// None on ranks other than 0.
     file: Option<std::fs::File>,
-    /// (samples, train loss) and (samples, eval loss), for the plot.
-    pub train: Vec<(f64, f64)>,
-    /// (samples, eval loss).
-    pub eval: Vec<(f64, f64)>,
+    /// What the records so far hold for the loss plot (no label).
+    pub curve: crate::plot::Curve,
 }
 
 impl Metrics {
@@ -25,7 +23,7 @@ impl Metrics {
     /// (steps a killed run made after its checkpoint, which the resumed run makes again).
     pub fn open(path: &std::path::Path, resumed_at: Option<usize>, main_rank: bool) -> anyhow::Result<Self> {
         use anyhow::Context;
-        let mut metrics = Self { file: None, train: Vec::new(), eval: Vec::new() };
+        let mut metrics = Self { file: None, curve: crate::plot::Curve::default() };
         if !main_rank {
             return Ok(metrics);
         }
@@ -41,7 +39,7 @@ impl Metrics {
                 if record["step"].as_u64().is_some_and(|s| s as usize > step) {
                     continue;
                 }
-                metrics.remember(&record);
+                metrics.curve.push_record(&record);
                 kept.push_str(line);
                 kept.push('\n');
             }
@@ -55,19 +53,9 @@ impl Metrics {
         Ok(metrics)
     }
 
-    /// Keeps a record's losses for the plot.
-    fn remember(&mut self, record: &serde_json::Value) {
-        if let (Some(s), Some(l)) = (record["samples"].as_f64(), record["loss"].as_f64()) {
-            self.train.push((s, l));
-        }
-        if let (Some(s), Some(l)) = (record["samples"].as_f64(), record["eval_loss"].as_f64()) {
-            self.eval.push((s, l));
-        }
-    }
-
     /// Appends one record.
     fn write(&mut self, record: serde_json::Value) {
-        self.remember(&record);
+        self.curve.push_record(&record);
         // Metrics are for people; a full disk must not end the run (the result log reports it).
         if let Some(f) = self.file.as_mut() {
             let _ = writeln!(f, "{record}");

@@ -93,7 +93,8 @@ pub(super) fn geometry(config: &Config, (rank, world): (usize, usize)) -> anyhow
 }
 
 /// The model with its adapters and the state training starts from: the checkpoint's, or fresh
-/// after the warm-up passes.
+/// after the warm-up passes (from `lora.init_from` when set). Also the preference objective's
+/// reference: the adapters `lora.init_from` holds, frozen, else the base.
 pub(super) fn ready_model(
     config: &Config,
     spec: &LoraSpec,
@@ -101,10 +102,19 @@ pub(super) fn ready_model(
     resumed: Option<Checkpoint>,
     device: &Device,
     train_device: &Device,
-) -> anyhow::Result<(LlamaForCausalLM, TrainState)> {
+) -> anyhow::Result<(LlamaForCausalLM, TrainState, llora_model::Reference)> {
     let sharding = dist.sharding(config.train.shard_frozen_weights);
     let mut model = load_model(config, spec, sharding, train_device)?;
     model.context = dist.context_parallel();
+    let mut reference = llora_model::Reference::Base;
+    if let Some(dir) = &spec.init_from {
+        // Read before a checkpoint's state: a resumed run's reference is the same frozen copy.
+        llora_model::peft::load_adapter_values(&mut model, dir, train_device)
+            .with_context(|| format!("lora.init_from = {}", dir.display()))?;
+        if config.train.objective == Objective::Dpo {
+            reference = llora_model::Reference::Adapters(Arc::new(model.frozen_trainable_values()));
+        }
+    }
     info!(
         base_parameters = model.config.num_parameters(),
         lora_parameters = model.num_lora_parameters(),
@@ -122,7 +132,7 @@ pub(super) fn ready_model(
             model.set_fp8_scales(&scales)?;
         }
     }
-    Ok((model, state))
+    Ok((model, state, reference))
 }
 
 /// The datasets' sizes in the schedule's unit: documents (or pairs), or packed rows (the

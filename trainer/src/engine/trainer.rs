@@ -71,6 +71,8 @@ pub struct Trainer<'a> {
     peak_tflops: Option<f64>,
     /// The run directory; what `--overwrite` replaced is deleted once this run saved something.
     claim: claim::Claim,
+    /// Preference tuning's objective (`[dpo]`, with its reference).
+    objective: llora_model::PreferenceObjective,
 }
 
 impl<'a> Trainer<'a> {
@@ -93,7 +95,7 @@ impl<'a> Trainer<'a> {
         let spec = config.lora.clone();
         let train_device = device.clone().autodiff();
         train_device.seed(config.run.seed);
-        let (model, mut state) = match ready_model(config, &spec, dist, resumed, &device, &train_device) {
+        let (model, mut state, reference) = match ready_model(config, &spec, dist, resumed, &device, &train_device) {
             Ok(ready) => ready,
             Err(e) => {
                 // Nothing ran: a fresh run leaves no outputs, so that the corrected rerun
@@ -148,6 +150,7 @@ impl<'a> Trainer<'a> {
             t_train: Instant::now(),
             peak_tflops: peak_tflops(config, &device_spec, dist.is_main()),
             claim,
+            objective: llora_model::PreferenceObjective { reference, ..config.dpo.objective() },
         })
     }
 }
@@ -249,7 +252,7 @@ impl<'a> Trainer<'a> {
                 train_step(&mut self.model, optim, comm, micro, batch.target_tokens, opts).map(|s| (s, None))
             }
             Objective::Dpo => {
-                let objective = (&config.dpo.objective(), config.train.global_batch_size);
+                let objective = (&self.objective, config.train.global_batch_size);
                 preference_step(&mut self.model, optim, comm, micro, objective, opts).map(|(s, p)| (s, Some(p)))
             }
         };
@@ -329,7 +332,7 @@ impl<'a> Trainer<'a> {
                     (eval_loss, None)
                 }
                 EvalSet::Pairs(set) => {
-                    let e = evaluate_pairs(&model, set, how, &config.dpo.objective(), (&self.device, comm), share)?;
+                    let e = evaluate_pairs(&model, set, how, &self.objective, (&self.device, comm), share)?;
                     (e.loss, Some(e.stats))
                 }
             }
@@ -442,11 +445,7 @@ impl<'a> Trainer<'a> {
         let run_dir = &self.config.run.dir;
         self.claim.settle();
         let plot = run_dir.join(outputs::PLOT);
-        let curve = crate::plot::Curve {
-            label: self.name.clone(),
-            train: self.records.metrics.train.clone(),
-            eval: self.records.metrics.eval.clone(),
-        };
+        let curve = crate::plot::Curve { label: self.name.clone(), ..self.records.metrics.curve.clone() };
         if let Err(e) = crate::plot::loss_svg(&plot, &[curve], self.config.eval.target_loss) {
             tracing::warn!("cannot draw {}: {e:#}", plot.display());
         }
