@@ -38,6 +38,8 @@ def parse_args(argv=None):
     ap.add_argument("--reference", default="base", choices=["base", "adapter"],
                     help="base: a fresh adapter (TRL's reference = adapters off), its B then set away from zero; "
                          "adapter: an existing adapter (TRL keeps a frozen copy of it, 'ref', as the reference)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="TRL's bf16 autocast (DPOConfig.bf16, on the CPU too): the distance llora's bf16 is held to")
     return ap.parse_args(argv)
 
 
@@ -98,13 +100,13 @@ def main(a):
     dataset = Dataset.from_dict({k: [v] * a.steps for k, v in pair.items()})
     losses = a.loss.split(",")
     weights = [float(w) for w in a.weights.split(",")] if a.weights else None
-    # fp32 throughout: TRL turns bf16 autocast on by default (DPOConfig.bf16), also on the CPU.
+    # fp32 unless --bf16: TRL turns bf16 autocast on by default (DPOConfig.bf16), also on the CPU.
     args = DPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=1, max_steps=a.steps,
                      learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, beta=a.beta,
                      loss_type=losses, loss_weights=weights, weight_decay=a.weight_decay,
                      max_grad_norm=a.max_grad_norm, adam_epsilon=a.adam_eps, report_to=[], logging_steps=1, save_strategy="no",
                      use_cpu=True, seed=a.seed, optim="adamw_torch", dataloader_num_workers=0, max_length=None,
-                     disable_tqdm=True, bf16=False, fp16=False)
+                     disable_tqdm=True, bf16=a.bf16, fp16=False)
 
     def on_disk(n):
         return n.replace(".default.", ".")
@@ -136,7 +138,7 @@ def main(a):
     save_file({**grads, **after}, str(out / "expected.safetensors"))
     summary = {"prompt_ids": row["prompt_ids"], "chosen_ids": row["chosen_ids"], "rejected_ids": row["rejected_ids"],
                "pad_token_id": tokenizer.pad_token_id, "logs": logs, "loss_type": losses, "loss_weights": weights,
-               "beta": a.beta, "reference": a.reference, "lr": a.lr, "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm, "adam_eps": a.adam_eps,
+               "beta": a.beta, "reference": a.reference, "bf16": a.bf16, "lr": a.lr, "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm, "adam_eps": a.adam_eps,
                "lora": {"r": 8, "alpha": 16.0, "targets": recipe.ATTENTION_TARGETS},
                "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}}
     (out / "expected.json").write_text(json.dumps(summary, indent=1))

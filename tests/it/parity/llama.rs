@@ -545,8 +545,119 @@ fn train_from_the_adapter_as_trl(dir: &Path) {
     assert!(checked > 0 && checked == ours.len(), "{checked} of {} tensors compared", ours.len());
 }
 
+/// DPO in bf16 (bf16 activations and base GEMMs, f32 adapter masters) against TRL's fp32 step
+/// and TRL's own bf16 autocast: llora's first-step loss, log-probabilities and LoRA gradients
+/// are within twice TRL's bf16 distance from TRL's fp32 (+1e-4 relative for the scalars).
+#[test]
+#[cfg_attr(not(has_peer), ignore = "needs the peer venv: ./scripts/setup.sh --parity")]
+fn dpo_in_bf16_is_within_twice_trls_bf16_distance() {
+    let args = ["--preset", "demo", "--loss", "sigmoid", "--beta", "0.1", "--steps", "1"];
+    let fp32 = fixture_of("dpo_trl.py", "dpo-1step-demo-sigmoid", &args);
+    let bf16 = fixture_of("dpo_trl.py", "dpo-1step-demo-sigmoid-bf16", &[&args[..], &["--bf16"]].concat());
+    let _rng = llora_model::device::torch_rng_lock();
+    let json = |d: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("expected.json")).unwrap()).unwrap()
+    };
+    let (fx, fx_bf16) = (json(&fp32), json(&bf16));
+    let device = Device::libtorch().autodiff();
+    let mut model = HfCheckpoint::open(&fp32).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
+    load_peft_adapter(&mut model, &fp32, &device).unwrap();
+    let spec =
+        llora_model::precision::PrecisionSpec { compute: llora_model::precision::Compute::Bf16, ..Default::default() };
+    model.set_precision(&spec).unwrap();
+    let (beta, losses) = trl_objective(&fx);
+    let objective = llora_model::PreferenceObjective { beta, losses, reference: llora_model::Reference::Base };
+    let (g, stats) = model.preference_loss_and_grads(TrlPair::of(&fx).batch(&device), &objective, 1.0).unwrap();
+    let (at, at_bf16) =
+        (|k: &str| fx["logs"][0][k].as_f64().unwrap(), |k: &str| fx_bf16["logs"][0][k].as_f64().unwrap());
+    let loss = f64::from(g.loss.clone().into_scalar::<f32>());
+    for (name, ours) in [("loss", loss), ("logps/chosen", stats.logps_chosen), ("logps/rejected", stats.logps_rejected)]
+    {
+        let (want, trl) = (at(name), at_bf16(name));
+        eprintln!("{name}: fp32 {want}, TRL bf16 {trl} ({:+e}), llora bf16 {ours} ({:+e})", trl - want, ours - want);
+        assert!((ours - want).abs() <= 2.0 * (trl - want).abs() + 1e-4 * want.abs(), "{name}: llora bf16 {ours}");
+    }
+    // The gradients as the optimizer gets them (each side clipped by its own norm), all together.
+    let grads: Vec<f32> = g.grads.iter().flat_map(|t| values(t.clone())).collect();
+    let norm = grads.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
+    let coef = llora_trainer::engine::optim::clip_coefficient(norm, fx["max_grad_norm"].as_f64().unwrap()) as f32;
+    let ours: Vec<f32> = grads.iter().map(|v| v * coef).collect();
+    let names: Vec<String> = model.trainable_params_mut().into_iter().map(|(n, _)| n).collect();
+    let stacked = |d: &Path| -> Vec<f32> {
+        let all = read_all(&d.join("expected.safetensors"));
+        names
+            .iter()
+            .flat_map(|n| {
+                let (_, bytes, _) = &all[&format!("step1.grad.{n}")];
+                bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (want, trl) = (stacked(&fp32), stacked(&bf16));
+    let (d_ours, d_trl) = (rel_err(&ours, &want), rel_err(&trl, &want));
+    eprintln!("LoRA gradients, relative distance from TRL fp32: llora bf16 {d_ours:e}, TRL bf16 {d_trl:e}");
+    assert!(
+        d_ours <= 2.0 * d_trl,
+        "llora's bf16 gradients ({d_ours:e}) are further from fp32 than twice TRL's ({d_trl:e})"
+    );
+}
+
+/// The fixture's pair as TRL's collator lays it out: prompt + chosen, prompt + rejected,
+/// right-padded to `seq`, labels −100 outside the completions.
+struct TrlPair {
+    rows: [Vec<i64>; 2],
+    prompt: usize,
+    seq: usize,
+    ids: Vec<i64>,
+    labels: Vec<i64>,
+}
+
+impl TrlPair {
+    fn of(fx: &serde_json::Value) -> Self {
+        let ids = |k: &str| fx[k].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect::<Vec<i64>>();
+        let (prompt, pad) = (ids("prompt_ids"), fx["pad_token_id"].as_i64().unwrap());
+        let rows = [[prompt.clone(), ids("chosen_ids")].concat(), [prompt.clone(), ids("rejected_ids")].concat()];
+        let seq = rows.iter().map(Vec::len).max().unwrap();
+        let (mut flat_ids, mut labels) = (Vec::new(), Vec::new());
+        for row in &rows {
+            for t in 0..seq {
+                flat_ids.push(row.get(t).copied().unwrap_or(pad));
+                labels.push(if t >= prompt.len() && t < row.len() { row[t] } else { -100 });
+            }
+        }
+        Self { prompt: prompt.len(), rows, seq, ids: flat_ids, labels }
+    }
+
+    fn batch(&self, device: &Device) -> MicroBatch {
+        MicroBatch {
+            ids: Tensor::<2, Int>::from_data(TensorData::new(self.ids.clone(), [2, self.seq]), device),
+            labels: Tensor::<2, Int>::from_data(TensorData::new(self.labels.clone(), [2, self.seq]), device).into(),
+            packed: None,
+            seed: None,
+        }
+    }
+}
+
+/// TRL's β and its losses with their weights, as the fixture ran them.
+fn trl_objective(fx: &serde_json::Value) -> (f64, Vec<(llora_model::PreferenceLoss, f64)>) {
+    use llora_model::PreferenceLoss;
+    let kind = |name: &str| match name {
+        "sigmoid" => PreferenceLoss::Sigmoid,
+        "ipo" => PreferenceLoss::Ipo,
+        "hinge" => PreferenceLoss::Hinge,
+        "sft" => PreferenceLoss::Sft,
+        other => panic!("no {other}"),
+    };
+    let types: Vec<&str> = fx["loss_type"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let weights: Vec<f64> = match fx["loss_weights"].as_array() {
+        Some(w) => w.iter().map(|v| v.as_f64().unwrap()).collect(),
+        None => vec![1.0; types.len()],
+    };
+    (fx["beta"].as_f64().unwrap(), types.iter().map(|t| kind(t)).zip(weights).collect())
+}
+
 fn check_dpo_against_trl(dir: &Path) {
-    use llora_model::{PreferenceLoss, PreferenceObjective};
+    use llora_model::PreferenceObjective;
     use llora_trainer::engine::optim::clip_coefficient;
     let _rng = llora_model::device::torch_rng_lock();
     let fx: serde_json::Value =
@@ -560,39 +671,13 @@ fn check_dpo_against_trl(dir: &Path) {
     let device = Device::libtorch().autodiff();
     let mut model = HfCheckpoint::open(dir).unwrap().load_model(&BuildOptions::default(), &device).unwrap();
     load_peft_adapter(&mut model, dir, &device).unwrap();
-    // The pair as TRL's collator lays it out: prompt + chosen, prompt + rejected, right-padded.
-    let ids = |k: &str| fx[k].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect::<Vec<i64>>();
-    let (prompt, pad) = (ids("prompt_ids"), fx["pad_token_id"].as_i64().unwrap());
-    let rows = [[prompt.clone(), ids("chosen_ids")].concat(), [prompt.clone(), ids("rejected_ids")].concat()];
-    let s = rows.iter().map(Vec::len).max().unwrap();
-    let (mut flat_ids, mut flat_labels) = (Vec::new(), Vec::new());
-    for row in &rows {
-        for t in 0..s {
-            flat_ids.push(row.get(t).copied().unwrap_or(pad));
-            flat_labels.push(if t >= prompt.len() && t < row.len() { row[t] } else { -100 });
-        }
-    }
-    let batch = || MicroBatch {
-        ids: Tensor::<2, Int>::from_data(TensorData::new(flat_ids.clone(), [2, s]), &device),
-        labels: Tensor::<2, Int>::from_data(TensorData::new(flat_labels.clone(), [2, s]), &device).into(),
-        packed: None,
-        seed: None,
-    };
-    let kind = |name: &str| match name {
-        "sigmoid" => PreferenceLoss::Sigmoid,
-        "ipo" => PreferenceLoss::Ipo,
-        "hinge" => PreferenceLoss::Hinge,
-        "sft" => PreferenceLoss::Sft,
-        other => panic!("no {other}"),
-    };
-    let types: Vec<&str> = fx["loss_type"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    let weights: Vec<f64> = match fx["loss_weights"].as_array() {
-        Some(w) => w.iter().map(|v| v.as_f64().unwrap()).collect(),
-        None => vec![1.0; types.len()],
-    };
+    let pair = TrlPair::of(&fx);
+    let (rows, prompt) = (pair.rows.clone(), pair.prompt);
+    let batch = || pair.batch(&device);
+    let (beta, losses) = trl_objective(&fx);
     let objective = PreferenceObjective {
-        beta: fx["beta"].as_f64().unwrap(),
-        losses: types.iter().map(|t| kind(t)).zip(weights).collect(),
+        beta,
+        losses,
         reference: match fx["reference"].as_str() {
             Some("adapter") => llora_model::Reference::Adapters(std::sync::Arc::new(model.frozen_trainable_values())),
             _ => llora_model::Reference::Base,
@@ -600,7 +685,7 @@ fn check_dpo_against_trl(dir: &Path) {
     };
     if fx["reference"] != "adapter" {
         // `llora eval` measures an adapter against the base.
-        eval_cli_matches_trl(dir, &rows, prompt.len(), &fx);
+        eval_cli_matches_trl(dir, &rows, prompt, &fx);
     }
     let (lr, clip) = (fx["lr"].as_f64().unwrap(), fx["max_grad_norm"].as_f64().unwrap());
     let weight_decay = fx["weight_decay"].as_f64().unwrap();
