@@ -636,3 +636,56 @@ fn dpo_on_synthetic_pairs_learns_the_preferred_rule() {
     }
     assert!(run.join("adapter/adapter_model.safetensors").is_file());
 }
+
+/// Preference tuning composes with bf16, FP8 weights and activations, an NF4 base, DoRA with
+/// rsLoRA and a rank pattern, and the Qwen and Mistral families: each short run's first loss
+/// is ln 2 (fresh adapters, B = 0: the policy is the reference, so every pair's loss is
+/// −log σ(0)), and its later losses are finite and below it on average (each step's pairs
+/// differ, so single steps are noisy).
+#[test]
+fn dpo_composes_with_precisions_adapter_kinds_and_families() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    for (i, sets) in [
+        &["precision.compute=\"bf16\""][..],
+        &["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"],
+        &["model.quantize=\"nf4\""],
+        &["lora.dora=true", "lora.rslora=true", r#"lora.rank_pattern={"v_proj"=4}"#],
+        &["model.preset=\"tiny-qwen2\""],
+        &["model.preset=\"tiny-mistral\""],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let run = dir.path().join(format!("run-{i}"));
+        let mut args = vec!["train".to_string(), config.clone()];
+        for set in [
+            format!("run.dir=\"{}\"", run.display()),
+            "train.objective=\"dpo\"".into(),
+            "mlperf.check=false".into(),
+            "schedule.max_steps=6".into(),
+            "train.global_batch_size=4".into(),
+            "eval.every_samples=1000".into(),
+            "data.synthetic.train_samples=64".into(),
+            "data.synthetic.eval_samples=4".into(),
+            "data.max_seq_len=128".into(),
+        ]
+        .into_iter()
+        .chain(sets.iter().map(|s| s.to_string()))
+        {
+            args.extend(["--set".into(), set]);
+        }
+        let out = llora(&strs(&args));
+        let (_, stderr) = text(&out);
+        let metrics =
+            std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_else(|e| panic!("{sets:?}: {e}\n{stderr}"));
+        let losses: Vec<f64> = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+            .collect();
+        assert_eq!(losses.len(), 6, "{sets:?}: {metrics}\n{stderr}");
+        assert!((losses[0] - std::f64::consts::LN_2).abs() < 1e-3, "{sets:?}: first loss {} is not ln 2", losses[0]);
+        let later = losses[1..].iter().sum::<f64>() / 5.0;
+        assert!(losses.iter().all(|l| l.is_finite()) && later < losses[0], "{sets:?}: {losses:?}");
+    }
+}

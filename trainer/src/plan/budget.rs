@@ -181,7 +181,8 @@ pub fn budget(s: &Shape) -> Budget {
 }
 
 /// What training adds per trained parameter. LoRA: the parameter, its gradient, the flat
-/// gradient the step reduces, AdamW's two moments. Full fine-tuning (the weights are counted
+/// gradient the step reduces, AdamW's two moments (and preference tuning's frozen reference
+/// copy, from `lora.init_from`). Full fine-tuning (the weights are counted
 /// as stored): the gradient and the two moments, the all-reduce's bucket on the host and the
 /// device with more than one rank, and one temporary of the largest tensor for the
 /// per-parameter update (`engine/optim.rs`; burn-tch updates a tensor it holds alone in place,
@@ -189,8 +190,9 @@ pub fn budget(s: &Shape) -> Budget {
 pub(super) fn trained_state(s: &Shape) -> Line {
     if !s.full_fine_tuning {
         let n_lora = lora_params(s);
-        let note = format!("{n_lora} parameters x 5 f32");
-        return Line { name: "LoRA weights, gradients, AdamW", bytes: n_lora * 4.0 * 5.0, note };
+        let copies = if s.frozen_reference { 6.0 } else { 5.0 };
+        let note = format!("{n_lora} parameters x {copies} f32");
+        return Line { name: "LoRA weights, gradients, AdamW", bytes: n_lora * 4.0 * copies, note };
     }
     let c = &s.model;
     let n = c.num_parameters() as f64;

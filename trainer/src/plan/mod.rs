@@ -91,6 +91,9 @@ pub struct Shape {
     /// `model.trainable = "all"`: every weight trains in f32 (gradients, AdamW moments), no
     /// adapters.
     pub full_fine_tuning: bool,
+    /// Preference tuning from an existing adapter (`lora.init_from`): its frozen copy is the
+    /// reference, one more f32 value per adapter parameter.
+    pub frozen_reference: bool,
     /// Ranks in all (data-parallel groups × `context_parallel`).
     pub world: usize,
     /// `train.context_parallel`: ranks sharing each sequence (1: none).

@@ -68,6 +68,7 @@ pub fn shape_of(config: &crate::config::Config, world: usize) -> anyhow::Result<
         recompute_layers: config.train.recompute_layers,
         shard_frozen_weights: config.train.shard_frozen_weights,
         full_fine_tuning: config.model.trainable == crate::config::Trainable::All,
+        frozen_reference: config.train.objective == crate::config::Objective::Dpo && config.lora.init_from.is_some(),
         world,
         context_parallel: config.train.context_parallel,
         target: if config.run.device.is_cuda() { Target::Cuda } else { Target::Cpu },

@@ -131,6 +131,7 @@ fn mlperf(world: usize, recompute: usize, shard: bool) -> Shape {
         recompute_layers: recompute,
         shard_frozen_weights: shard,
         full_fine_tuning: false,
+        frozen_reference: false,
         world,
         context_parallel: 1,
         target: Target::Cuda,
@@ -391,4 +392,19 @@ fn full_fine_tuning_plans_f32_weights_gradients_moments_and_whole_logits() {
     assert_eq!((r.shard_frozen_weights, r.context_parallel), (false, 1));
     assert!(cheapest_recipe(&eight, 1e9).is_none());
     assert!(no_fit_advice(&eight).contains("model.trainable = \"lora\""), "{}", no_fit_advice(&eight));
+}
+
+/// Preference tuning from an existing adapter keeps a frozen copy of it as the reference: one
+/// more f32 per adapter parameter, counted from the config.
+#[test]
+fn a_frozen_reference_adds_one_copy_of_the_adapters() {
+    let s = mlperf(8, 0, false);
+    let plain = super::budget::trained_state(&s).bytes;
+    let frozen = super::budget::trained_state(&Shape { frozen_reference: true, ..s.clone() }).bytes;
+    assert_eq!(frozen - plain, super::budget::lora_params(&s) * 4.0);
+    let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/tiny-cpu.toml"));
+    let ov = |s: &str| s.parse::<crate::config::Override>().unwrap();
+    let sets = [ov("train.objective=\"dpo\""), ov("lora.init_from=\"runs/a/adapter\""), ov("mlperf.check=false")];
+    let config = crate::config::Config::load(Some(path), &sets).unwrap();
+    assert!(shape_of(&config, 1).unwrap().frozen_reference);
 }
