@@ -20,7 +20,7 @@ pub enum Padding {
 }
 
 /// A padded micro-batch, row-major.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Collated {
     /// `[batch, seq]` token ids.
     pub input_ids: Vec<i64>,
@@ -33,6 +33,9 @@ pub struct Collated {
     /// Packed rows: the lengths of each row's samples (documents), in order; `None`: one
     /// sample per row.
     pub docs: Option<Vec<Vec<usize>>>,
+    /// Preference pairs' precomputed reference loss sums, a row each
+    /// ([`crate::preference::Pair::reference`]); `None`: none.
+    pub reference: Option<Vec<f64>>,
 }
 
 /// Pads and stacks `samples` into one micro-batch, a sample a row.
@@ -63,7 +66,7 @@ pub fn collate_rows(rows: &[Vec<&Sample>], padding: Padding, packed: bool) -> Co
         labels.extend(std::iter::repeat_n(IGNORE_INDEX, seq - len(row)));
     }
     let docs = packed.then(|| rows.iter().map(|row| row.iter().map(|x| x.input_ids.len()).collect()).collect());
-    Collated { input_ids, labels, batch: rows.len(), seq, docs }
+    Collated { input_ids, labels, batch: rows.len(), seq, docs, reference: None }
 }
 
 /// The order rows are drawn in: a sample a row, or packed rows.

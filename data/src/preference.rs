@@ -14,12 +14,16 @@ use crate::synth::{Document, Synth};
 use crate::{IGNORE_INDEX, Sample};
 
 /// One preference pair.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pair {
     /// Prompt + the chosen completion.
     pub chosen: Sample,
     /// Prompt + the rejected completion.
     pub rejected: Sample,
+    /// The reference's loss sums (−Σ log p over each completion's target tokens) of the
+    /// chosen and the rejected completion, when computed before training
+    /// (`dpo.precompute_reference`); `None`: the step computes them.
+    pub reference: Option<[f64; 2]>,
 }
 
 impl Pair {
@@ -56,7 +60,7 @@ pub fn read_pairs(path: &Path, opts: &ReadOptions) -> anyhow::Result<(Vec<Pair>,
             let pair = (|| {
                 let chosen = sample_at((ci, cl, None), r, opts).map_err(|e| format!("chosen: {e}"))?;
                 let rejected = sample_at((ri, rl, None), r, opts).map_err(|e| format!("rejected: {e}"))?;
-                let pair = Pair { chosen, rejected };
+                let pair = Pair { chosen, rejected, reference: None };
                 pair.validate()?;
                 Ok(pair)
             })();
@@ -90,7 +94,7 @@ pub fn synthetic_pairs(synth: &Synth, split: u64, n: usize) -> Vec<Pair> {
             let wrong_abstract = other.map_or_else(|| abstract_of(d).into_iter().rev().collect(), abstract_of);
             let summary = [&wrong_abstract[..], &d.summary[abstract_len..]].concat();
             let wrong = Document { report: d.report.clone(), summary };
-            Pair { chosen: d.sample(), rejected: wrong.sample() }
+            Pair { chosen: d.sample(), rejected: wrong.sample(), reference: None }
         })
         .collect()
 }
@@ -152,15 +156,20 @@ pub fn tokenize_pair(
             ids.iter().enumerate().map(|(j, &t)| if j < prompt_len { IGNORE_INDEX } else { i64::from(t) }).collect();
         Ok(Sample { input_ids: ids, labels })
     };
-    let pair = Pair { chosen: sample(pc)?, rejected: sample(pr)? };
+    let pair = Pair { chosen: sample(pc)?, rejected: sample(pr)?, reference: None };
     pair.validate()?;
     Ok(pair)
 }
 
-/// Collates `pairs` as one micro-batch: the chosen samples, then the rejected ones.
+/// Collates `pairs` as one micro-batch: the chosen samples, then the rejected ones, with their
+/// precomputed reference sums in the same order when every pair has them.
 pub fn collate_pairs(pairs: &[&Pair], padding: Padding) -> Collated {
     let rows: Vec<&Sample> = pairs.iter().map(|p| &p.chosen).chain(pairs.iter().map(|p| &p.rejected)).collect();
-    collate(&rows, padding)
+    let reference: Option<Vec<[f64; 2]>> = pairs.iter().map(|p| p.reference).collect();
+    Collated {
+        reference: reference.map(|r| r.iter().map(|[c, _]| *c).chain(r.iter().map(|[_, rj]| *rj)).collect()),
+        ..collate(&rows, padding)
+    }
 }
 
 /// The endless stream of global batches of pairs drawn by `order` (over pair indices; one order
@@ -252,7 +261,8 @@ mod tests {
     #[test]
     fn bad_pairs_are_named_by_row() {
         let s = |ids: &[u32], labels: &[i64]| Sample { input_ids: ids.to_vec(), labels: labels.to_vec() };
-        let good = Pair { chosen: s(&[1, 5, 6], &[-100, -100, 6]), rejected: s(&[1, 5, 7, 8], &[-100, -100, 7, 8]) };
+        let (chosen, rejected) = (s(&[1, 5, 6], &[-100, -100, 6]), s(&[1, 5, 7, 8], &[-100, -100, 7, 8]));
+        let good = Pair { chosen, rejected, reference: None };
         let other_prompt = Pair { rejected: s(&[1, 9, 7], &[-100, -100, 7]), ..good.clone() };
         let no_label = Pair { rejected: s(&[1, 5, 7], &[-100, -100, -100]), ..good.clone() };
         let dir = tempfile::tempdir().unwrap();

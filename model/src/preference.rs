@@ -40,6 +40,24 @@ pub enum Reference {
     /// each trainable parameter's value, flattened, in `trainable_params_mut` order, on the
     /// plain backend ([`LlamaForCausalLM::frozen_trainable_values`]).
     Adapters(Arc<Vec<Tensor<1>>>),
+    /// One batch's reference loss sums, computed before training (TRL's
+    /// `precompute_ref_log_probs`): `[2P]` f32, the batch's rows in order.
+    Sums(Tensor<1>),
+}
+
+impl PreferenceObjective {
+    /// This objective for one batch whose reference loss sums were computed before training
+    /// (`sums`, a row each, [`Reference::Sums`]); itself when there are none.
+    pub fn for_batch(&self, sums: Option<&[f64]>, device: &burn::tensor::Device) -> std::borrow::Cow<'_, Self> {
+        match sums {
+            None => std::borrow::Cow::Borrowed(self),
+            Some(s) => {
+                let values: Vec<f32> = s.iter().map(|&x| x as f32).collect();
+                let t = Tensor::from_data(burn::tensor::TensorData::new(values, [s.len()]), device);
+                std::borrow::Cow::Owned(Self { reference: Reference::Sums(t), ..self.clone() })
+            }
+        }
+    }
 }
 
 impl PartialEq for Reference {
@@ -48,6 +66,7 @@ impl PartialEq for Reference {
         match (self, other) {
             (Self::Base, Self::Base) => true,
             (Self::Adapters(a), Self::Adapters(b)) => Arc::ptr_eq(a, b),
+            (Self::Sums(a), Self::Sums(b)) => a.clone().equal(b.clone()).all().into_scalar::<bool>(),
             _ => false,
         }
     }
@@ -115,22 +134,23 @@ impl PairStats {
 
 /// The objective's loss over a batch of pairs, and its statistics.
 ///
-/// `policy` and `reference` are the rows' loss sums (−Σ log p over each completion's target
-/// tokens, and their counts: [`crate::LlamaForCausalLM::loss`]); the reference carries no
-/// gradient (computed without autodiff, or detached). The loss is a mean over pairs, as TRL's.
+/// `policy` is the rows' loss sums (−Σ log p over each completion's target tokens, and their
+/// counts: [`crate::LlamaForCausalLM::loss`]), `reference` the reference's loss sums; the
+/// reference carries no gradient (computed without autodiff, or detached). The loss is a mean
+/// over pairs, as TRL's.
 ///
 /// # Shapes
-/// - policy, reference: `[2P]` (chosen rows, then rejected rows); output: `[1]`, f32
+/// - policy, reference: `[2P]` (chosen rows, then rejected rows), f32; output: `[1]`, f32
 pub fn preference_loss(
     policy: &LossSums,
-    reference: &LossSums,
+    reference: &Tensor<1>,
     objective: &PreferenceObjective,
 ) -> (Tensor<1>, PairStats) {
     let rows = policy.loss_sum.dims()[0];
     let pairs = rows / 2;
     let half = |t: &Tensor<1>, at: usize| t.clone().narrow(0, at, pairs);
     let logps = policy.loss_sum.clone().neg();
-    let ref_logps = reference.loss_sum.clone().neg().detach();
+    let ref_logps = reference.clone().neg().detach();
     let (chosen, rejected) = (half(&logps, 0), half(&logps, pairs));
     let chosen_ratio = chosen.clone() - half(&ref_logps, 0);
     let rejected_ratio = rejected.clone() - half(&ref_logps, pairs);
@@ -159,21 +179,27 @@ pub fn preference_loss(
 
 impl LlamaForCausalLM {
     /// The reference's loss sums of a batch of pairs, in evaluation (no dropout, no amax
-    /// recorded, no gradient): the base alone, or the model with its trainable parameters
-    /// holding the frozen values (a copy sharing every other tensor).
+    /// recorded, no gradient): the base alone, the model with its trainable parameters holding
+    /// the frozen values (a copy sharing every other tensor), or the sums given.
     ///
     /// # Shapes
-    /// - ids, labels: `[2P, seq]`
+    /// - ids, labels: `[2P, seq]`; output: `[2P]`, f32
     pub fn reference_loss(
         &self,
         ids: Tensor<2, Int>,
         labels: crate::loss::Labels,
         reference: &Reference,
-    ) -> anyhow::Result<LossSums> {
-        match reference {
-            Reference::Base => without_adapters(|| self.loss(ids, labels, None, false)),
-            Reference::Adapters(values) => self.with_frozen_values(values)?.loss(ids, labels, None, false),
-        }
+    ) -> anyhow::Result<Tensor<1>> {
+        let sums = match reference {
+            Reference::Base => without_adapters(|| self.loss(ids, labels, None, false))?,
+            Reference::Adapters(values) => self.with_frozen_values(values)?.loss(ids, labels, None, false)?,
+            Reference::Sums(sums) => {
+                let rows = ids.dims()[0];
+                anyhow::ensure!(sums.dims()[0] == rows, "{} reference sums for a batch of {rows} rows", sums.dims()[0]);
+                return Ok(sums.clone());
+            }
+        };
+        Ok(sums.loss_sum.detach())
     }
 
     /// One micro-batch of P pairs (2P rows: the chosen completions, then the rejected ones,

@@ -689,3 +689,78 @@ fn dpo_composes_with_precisions_adapter_kinds_and_families() {
         assert!(losses.iter().all(|l| l.is_finite()) && later < losses[0], "{sets:?}: {losses:?}");
     }
 }
+
+/// `dpo.precompute_reference`: the reference's log-probabilities computed once before training
+/// (in evaluation batches) train as the per-step reference forward does (each step's loss
+/// within 1e-5, the held-out metrics too); they are cached beside `data.train`, and a second
+/// run reads the cache and ends with bitwise the adapters of the run that made it.
+#[test]
+fn precomputed_reference_trains_as_the_reference_forward_and_is_cached() {
+    use llora_data::preference::{pairs_parquet_bytes, synthetic_pairs};
+    use llora_data::synth::{Synth, SynthConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let path = random_base_config(dir.path());
+    let mut table: toml::Table = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    table.get_mut("data").unwrap().as_table_mut().unwrap().remove("synthetic");
+    std::fs::write(&path, toml::to_string(&table).unwrap()).unwrap();
+    let config = path;
+    let synth = Synth::new(SynthConfig { max_seq_len: 128, ..SynthConfig::default() }).unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    for (name, split, n) in [("train.parquet", 0, 32), ("eval.parquet", 1, 8)] {
+        std::fs::write(data.join(name), pairs_parquet_bytes(&synthetic_pairs(&synth, split, n)).unwrap()).unwrap();
+    }
+    let run = |name: &str, precompute: bool| -> (Vec<serde_json::Value>, Vec<u8>, String) {
+        let run = dir.path().join(name);
+        let mut args = vec!["train".to_string(), config.clone()];
+        let (train, eval) = (data.join("train.parquet"), data.join("eval.parquet"));
+        for set in [
+            format!("run.dir=\"{}\"", run.display()),
+            format!("data.train=\"{}\"", train.display()),
+            format!("data.eval=\"{}\"", eval.display()),
+            "train.objective=\"dpo\"".into(),
+            format!("dpo.precompute_reference={precompute}"),
+            "mlperf.check=false".into(),
+            "schedule.max_steps=4".into(),
+            "train.global_batch_size=4".into(),
+            "eval.every_samples=8".into(),
+            "eval.target_loss=0.001".into(),
+            "data.max_seq_len=128".into(),
+        ] {
+            args.extend(["--set".into(), set]);
+        }
+        let out = llora(&strs(&args));
+        let (_, stderr) = text(&out);
+        let metrics =
+            std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_else(|e| panic!("{name}: {e}\n{stderr}"));
+        let records = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        (records, std::fs::read(run.join("adapter/adapter_model.safetensors")).unwrap(), stderr)
+    };
+    let (each_step, _, _) = run("forward", false);
+    let (made, adapter, log) = run("precomputed", true);
+    assert!(log.contains("reference log-probabilities computed"), "{log}");
+    assert_eq!(each_step.len(), made.len());
+    for (a, b) in each_step.iter().zip(&made) {
+        // A margin is β times a difference of log-probabilities: held to 1e-5 of those.
+        let logps = |prefix: &str| a[format!("{prefix}logps_rejected")].as_f64().map(|l| 0.1 * l.abs());
+        for (key, scale) in [
+            ("loss", Some(1e-2)),
+            ("rewards_margin", logps("")),
+            ("eval_loss", Some(1e-2)),
+            ("eval_rewards_margin", logps("eval_")),
+        ] {
+            if let (Some(x), Some(y), Some(scale)) = (a[key].as_f64(), b[key].as_f64(), scale) {
+                assert!((x - y).abs() <= 1e-5 * x.abs().max(scale), "{key}: {x} with the forward, {y} precomputed");
+            }
+        }
+    }
+    let cached: Vec<_> = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("train.parquet.llora-reference-"))
+        .collect();
+    assert_eq!(cached.len(), 1, "{cached:?}");
+    let (_, again, log) = run("cached", true);
+    assert!(log.contains("read from the cache"), "{log}");
+    assert!(again == adapter, "the cached sums train other adapters");
+}

@@ -185,6 +185,7 @@ impl EvalArgs {
             beta: self.dpo_beta.unwrap_or(d.beta),
             loss: self.dpo_loss.unwrap_or(d.loss),
             sft_weight: self.dpo_sft_weight.unwrap_or(d.sft_weight),
+            ..d
         })
     }
 }

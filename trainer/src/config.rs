@@ -566,11 +566,15 @@ pub struct DpoConfig {
     /// Weight of the chosen completions' per-token NLL added to it (`loss_type` + `"sft"` with
     /// this `loss_weights` entry); 0 = none.
     pub sft_weight: f64,
+    /// The reference's log-probabilities of every pair computed once before training
+    /// (`precompute_ref_log_probs`) and cached beside `data.train`, instead of a reference
+    /// forward in every step.
+    pub precompute_reference: bool,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, loss: DpoLoss::Sigmoid, sft_weight: 0.0 }
+        Self { beta: 0.1, loss: DpoLoss::Sigmoid, sft_weight: 0.0, precompute_reference: false }
     }
 }
 
@@ -1092,6 +1096,8 @@ impl Config {
             p.check(d.beta == default.beta, "dpo.beta", &d.beta, only);
             p.check(d.loss == default.loss, "dpo.loss", &word(d.loss), only);
             p.check(d.sft_weight == default.sft_weight, "dpo.sft_weight", &d.sft_weight, only);
+            let pre = d.precompute_reference;
+            p.check(pre == default.precompute_reference, "dpo.precompute_reference", &pre, only);
         }
         let (spec, default) = (&self.precision.amax, llora_model::fp8::AmaxSpec::default());
         if self.precision.compute != Compute::Fp8 {

@@ -25,7 +25,7 @@ fn run(losses: Vec<(PreferenceLoss, f64)>) -> (f64, Vec<f64>, PairStats) {
     let device = Device::libtorch().autodiff();
     let policy = sums(POLICY, &device, true);
     let objective = PreferenceObjective { beta: BETA, losses, reference: Reference::Base };
-    let (loss, stats) = preference_loss(&policy, &sums(REFERENCE, &device, false), &objective);
+    let (loss, stats) = preference_loss(&policy, &sums(REFERENCE, &device, false).loss_sum, &objective);
     let value = f64::from(loss.clone().into_scalar::<f32>());
     let grads = loss.backward();
     let g = policy.loss_sum.grad(&grads).unwrap().into_data().convert::<f64>().into_vec::<f64>().unwrap();

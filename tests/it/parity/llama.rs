@@ -471,7 +471,7 @@ fn pair_parquet(dir: &Path, rows: &[Vec<i64>; 2], prompt: usize) -> PathBuf {
         input_ids: row.iter().map(|&t| t as u32).collect(),
         labels: row.iter().enumerate().map(|(i, &t)| if i >= prompt { t } else { -100 }).collect(),
     };
-    let pair = llora_data::preference::Pair { chosen: sample(&rows[0]), rejected: sample(&rows[1]) };
+    let pair = llora_data::preference::Pair { chosen: sample(&rows[0]), rejected: sample(&rows[1]), reference: None };
     let data = dir.join("pairs.parquet");
     std::fs::write(&data, llora_data::preference::pairs_parquet_bytes(&[pair]).unwrap()).unwrap();
     data

@@ -123,12 +123,14 @@ pub fn evaluate_pairs(
         llora_data::preference::eval_pair_batches(pairs.clone(), how.batch_size, share, how.padding, how.workers);
     // [the loss, then the statistics] times each batch's pairs, summed.
     let mut sums = [0f64; 7];
-    for batch in batches {
+    for mut batch in batches {
         let n = (batch.batch / 2) as f64;
+        let given = batch.reference.take();
+        let objective = objective.for_batch(given.as_deref(), device);
         let mb = upload(batch, device);
         let reference = model.reference_loss(mb.ids.clone(), mb.labels.clone(), &objective.reference)?;
         let policy = model.loss(mb.ids, mb.labels, None, false)?;
-        let (loss, s) = llora_model::preference_loss(&policy, &reference, objective);
+        let (loss, s) = llora_model::preference_loss(&policy, &reference, &objective);
         let loss = f64::from(loss.into_scalar::<f32>());
         for (sum, v) in sums.iter_mut().zip(std::iter::once(loss).chain(s.values())) {
             *sum += v * n;

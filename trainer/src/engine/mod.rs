@@ -19,6 +19,7 @@ pub mod outcome;
 pub mod outputs;
 pub mod pretrain;
 pub mod records;
+pub mod reference;
 pub mod resume;
 pub mod run_dir;
 pub mod run_lock;

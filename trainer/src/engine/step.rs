@@ -109,7 +109,8 @@ pub fn train_step(
     apply(model, optim, comm, acc, opts)
 }
 
-/// One optimizer step of preference tuning over this rank's micro-batches of pairs
+/// One optimizer step of preference tuning over this rank's micro-batches of pairs, each with
+/// its precomputed reference sums when there are some
 /// ([`LlamaForCausalLM::preference_loss_and_grads`]): each micro-batch's loss weighted by its
 /// share of the step's `global_pairs` (so the step's loss is the objective's mean over every
 /// pair of the global batch, however they are split), then as [`train_step`]: one all-reduce,
@@ -119,16 +120,17 @@ pub fn preference_step(
     model: &mut LlamaForCausalLM,
     optim: &mut AdamW,
     comm: &dyn Collective,
-    micro_batches: Vec<MicroBatch>,
+    micro_batches: Vec<(MicroBatch, Option<Vec<f64>>)>,
     (objective, global_pairs): (&llora_model::PreferenceObjective, usize),
     opts: StepOptions,
 ) -> anyhow::Result<(StepStats, llora_model::PairStats)> {
     let mut acc = Accumulated::default();
     // Each statistic times its micro-batch's pairs, summed.
     let mut sums = [0f64; 6];
-    for mb in micro_batches {
+    for (mb, reference) in micro_batches {
         let pairs = mb.ids.dims()[0] / 2;
-        let (g, s) = model.preference_loss_and_grads(mb, objective, pairs as f64 / global_pairs.max(1) as f64)?;
+        let objective = objective.for_batch(reference.as_deref(), &mb.ids.device());
+        let (g, s) = model.preference_loss_and_grads(mb, &objective, pairs as f64 / global_pairs.max(1) as f64)?;
         acc.push(g);
         for (sum, v) in sums.iter_mut().zip(s.values()) {
             *sum += v * pairs as f64;

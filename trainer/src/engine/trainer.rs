@@ -113,7 +113,12 @@ impl<'a> Trainer<'a> {
         }
         records.emit(RunEvent::Start { time_ms: state.progress.run_start_ms });
         let samples = state.progress.samples;
-        let data = records.stop_on_error(samples, load_data(config, model.config.vocab_size))?;
+        let mut data = records.stop_on_error(samples, load_data(config, model.config.vocab_size))?;
+        if let (Data::Pairs { train, eval }, true) = (&mut data, config.dpo.precompute_reference) {
+            let pairs = (Arc::make_mut(train).as_mut_slice(), Arc::make_mut(eval).as_mut_slice());
+            let done = super::reference::precompute(config, &model, &reference, pairs, &device, dist.is_main());
+            records.stop_on_error(samples, done)?;
+        }
         let event = data_event(config, &data);
         if let RunEvent::Data { train, eval, .. } = event {
             info!(train, eval, "data ready");
@@ -230,6 +235,7 @@ impl<'a> Trainer<'a> {
             .iter()
             .map(|&n| crate::flops::Flops::sequence(&self.model.config, adapters, n, full).total() as f64)
             .sum();
+        let references: Vec<Option<Vec<f64>>> = batch.micro_batches.iter().map(|m| m.reference.clone()).collect();
         let micro: Vec<MicroBatch> = batch
             .micro_batches
             .into_iter()
@@ -253,6 +259,7 @@ impl<'a> Trainer<'a> {
             }
             Objective::Dpo => {
                 let objective = (&self.objective, config.train.global_batch_size);
+                let micro = micro.into_iter().zip(references).collect();
                 preference_step(&mut self.model, optim, comm, micro, objective, opts).map(|(s, p)| (s, Some(p)))
             }
         };
