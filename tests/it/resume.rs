@@ -132,3 +132,51 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "{replay}");
     dir
 }
+
+/// Preference tuning from an existing adapter resumes against the same frozen reference: the
+/// checkpoint records the adapter's fingerprint, and a resume after the adapter file changed is
+/// refused naming `lora.init_from` (nothing trained against another reference); with the
+/// adapter put back it resumes.
+#[test]
+fn a_changed_reference_adapter_is_refused_on_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = random_base_config(dir.path());
+    let sft = |name: &str, steps: &str| {
+        let run = dir.path().join(name);
+        let mut args = short_run_args(&config, &run);
+        args.extend(["--set".into(), format!("schedule.max_steps={steps}")]);
+        let out = llora(&strs(&args));
+        // Short of the target: "aborted", with its adapter saved.
+        assert!(run.join("adapter/adapter_model.safetensors").is_file(), "{}", text(&out).1);
+        run.join("adapter")
+    };
+    let (start, other) = (sft("sft", "2"), sft("other", "3"));
+    let dpo = dir.path().join("dpo");
+    let mut args = short_run_args(&config, &dpo);
+    for set in [
+        "train.objective=\"dpo\"".to_string(),
+        "mlperf.check=false".into(),
+        format!("lora.init_from=\"{}\"", start.display()),
+        "run.checkpoint_every=1".into(),
+    ] {
+        args.extend(["--set".into(), set]);
+    }
+    let status = common::llora_command(&common::root(), &strs(&args))
+        .env("LLORA_FAULT_KILL_AT_STEP", "3")
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success() && checkpoint_step(&dpo) == Some(2), "{status}");
+    let file = start.join("adapter_model.safetensors");
+    let original = std::fs::read(&file).unwrap();
+    std::fs::copy(other.join("adapter_model.safetensors"), &file).unwrap();
+    let out = llora(&["train", "--resume", dpo.to_str().unwrap()]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("lora.init_from") && stderr.contains("changed since the run started"), "{stderr}");
+    assert_eq!(checkpoint_step(&dpo), Some(2), "nothing trained");
+    std::fs::write(&file, original).unwrap();
+    let out = llora(&["train", "--resume", dpo.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("samples: 96"), "the resumed run did not train to its end:\n{stdout}\n{stderr}");
+}

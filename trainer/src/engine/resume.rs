@@ -59,6 +59,10 @@ pub struct Progress {
     pub position: Position,
     /// Epoch milliseconds of `run_start` (time-to-train of a resumed run includes the gap).
     pub run_start_ms: u64,
+    /// The fingerprint of the adapter preference tuning's frozen reference comes from
+    /// (`lora.init_from`), so that a resumed run refuses one changed since the run started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference_adapter: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]

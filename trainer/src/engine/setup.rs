@@ -107,12 +107,14 @@ pub(super) fn ready_model(
     let mut model = load_model(config, spec, sharding, train_device)?;
     model.context = dist.context_parallel();
     let mut reference = llora_model::Reference::Base;
+    let mut print = None;
     if let Some(dir) = &spec.init_from {
         // Read before a checkpoint's state: a resumed run's reference is the same frozen copy.
         llora_model::peft::load_adapter_values(&mut model, dir, train_device)
             .with_context(|| format!("lora.init_from = {}", dir.display()))?;
         if config.train.objective == Objective::Dpo {
             reference = llora_model::Reference::Adapters(Arc::new(model.frozen_trainable_values()));
+            print = Some(reference_print(dir, resumed.as_ref())?);
         }
     }
     info!(
@@ -122,7 +124,8 @@ pub(super) fn ready_model(
         frozen_weights = if model.is_sharded() { "sharded" } else { "replicated" },
         "model ready"
     );
-    let mut state = TrainState { progress: resume::Progress::default(), optim: AdamW::new(config.optim.clone()) };
+    let progress = resume::Progress { reference_adapter: print, ..Default::default() };
+    let mut state = TrainState { progress, optim: AdamW::new(config.optim.clone()) };
     match resumed {
         Some(mut ckpt) => ckpt.restore(&mut model, &mut state, device)?,
         None => {
@@ -133,6 +136,23 @@ pub(super) fn ready_model(
         }
     }
     Ok((model, state, reference))
+}
+
+/// The fingerprint of the adapter in `dir`, the frozen reference of preference tuning; a
+/// resumed run's must be the one its checkpoint recorded.
+fn reference_print(dir: &std::path::Path, resumed: Option<&Checkpoint>) -> anyhow::Result<String> {
+    let file = dir.join("adapter_model.safetensors");
+    let print = crate::dist::data_fingerprint(&file).with_context(|| format!("lora.init_from: {}", file.display()))?;
+    if let Some(recorded) = resumed.and_then(|c| c.progress.reference_adapter.as_ref()) {
+        anyhow::ensure!(
+            *recorded == print,
+            "lora.init_from = {}: the adapter changed since the run started (it is the frozen reference of \
+             preference tuning, and the checkpoint's steps were taken against the one it was): put that \
+             adapter back, or start a new run",
+            dir.display()
+        );
+    }
+    Ok(print)
 }
 
 /// The datasets' sizes in the schedule's unit: documents (or pairs), or packed rows (the
