@@ -131,7 +131,7 @@ pub use crate::lora_spec::{LoraSpec, TARGET_MODULES};
 impl LoraAdapter {
     /// What the adapter on linear `kind` keeps for backward per token: its input for A's
     /// gradient (the dropped-out input, one per adapter, with dropout (the mask is redrawn
-    /// from its seed, model/src/dropout.rs); an FP8 copy with `fp8_activations`; otherwise the
+    /// from its seed, model/src/dropout/mod.rs); an FP8 copy with `fp8_activations`; otherwise the
     /// activation itself, once for all adapters reading it, listed by the first: `shared`
     /// holds the inputs already listed; the attention output is kept by attention already),
     /// its bottleneck for B's gradient, and DoRA's ([`Self::dora_saved_per_token`]).

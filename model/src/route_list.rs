@@ -42,8 +42,8 @@ pub fn all() -> Vec<Route> {
 
 #[cfg(test)]
 mod tests {
-    /// The list holds every route declared, each once, in order: the ten self-tests of the
-    /// nine routes (RMSNorm's fused kernels in two dtypes).
+    /// The list holds every route declared, each once, in order: the eleven self-tests of the
+    /// ten routes (RMSNorm's fused kernels in two dtypes).
     #[test]
     fn every_declared_route_is_listed_once_in_order() {
         let names: Vec<&str> = super::all().iter().map(|r| r.name).collect();
@@ -59,6 +59,7 @@ mod tests {
                 "RMSNorm fused kernels Float",
                 crate::norm::fp8_route::CHECK,
                 crate::rope::fused::CHECK,
+                crate::dropout::fused::CHECK,
                 "optimizer: fused AdamW Float (one multi-tensor launch)",
             ]
         );

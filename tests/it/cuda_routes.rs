@@ -48,7 +48,8 @@ fn selftest_checks(part: &str) -> Vec<serde_json::Value> {
 /// `llora selftest` runs the checks it runs on CUDA, named as there, one part at a time and
 /// each within its limit: the FP8 two-pass quantiser and one-pass amax (the check that hung),
 /// the fused RMSNorm in both dtypes, and every CUDA attention kernel's route with the packed
-/// rows' variable-length one, the multi-tensor AdamW (LibTorch's own CPU kernel); all pass with
+/// rows' variable-length one, the multi-tensor AdamW (LibTorch's own CPU kernel), RoPE's and
+/// dropout's kernels (their stand-ins) beside LibTorch's dropout redraw; all pass with
 /// the CPU's composites standing in.
 #[test]
 fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
@@ -79,8 +80,17 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
     named(&optimizer, "optimizer: fused AdamW Float (one multi-tensor launch)");
     let rope = selftest_checks("rope");
     named(&rope, "RoPE kernel (ours, NVRTC)");
-    let parts =
-        [("gemm", &gemm), ("norm", &norm), ("attention", &attention), ("optimizer", &optimizer), ("rope", &rope)];
+    let dropout = selftest_checks("dropout");
+    named(&dropout, "dropout kernel (ours, NVRTC)");
+    named(&dropout, "dropout mask redrawn in backward");
+    let parts = [
+        ("gemm", &gemm),
+        ("norm", &norm),
+        ("attention", &attention),
+        ("optimizer", &optimizer),
+        ("rope", &rope),
+        ("dropout", &dropout),
+    ];
     for route in llora_model::diagnostics::all_routes() {
         let (_, checks) = parts.iter().find(|(p, _)| *p == route.part).expect("a part selftest runs");
         named(checks, route.name);
@@ -89,7 +99,8 @@ fn selftest_runs_the_cuda_route_checks_on_the_cpu() {
 
 /// A short FP8 bench on the CPU: with the switch, every step takes our quantise kernels (their
 /// CPU stand-ins) for delayed and current scaling and our SwiGLU kernel,
-/// the norm the fused route, attention cuDNN's route and the optimizer LibTorch's multi-tensor
+/// the norm the fused route, RoPE and the adapters' dropout our kernels (their CPU stand-ins),
+/// attention cuDNN's route and the optimizer LibTorch's multi-tensor
 /// AdamW, and the JSON says so; without it, the f32 quantiser and the per-parameter update. Under `RUST_LOG=debug` the log names each place before it starts (a
 /// hang's last line says where it is): every decoder layer built, every weight converted, the
 /// FP8 routes' first-use check, and each step phase, in that order.
@@ -131,6 +142,8 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
         |name: &str| r["route_list"].as_array().unwrap().iter().find(|x| x["name"] == name).unwrap()["used"].clone();
     assert_eq!(used("FP8 SwiGLU kernel (ours, NVRTC)"), true, "{r}");
     assert_eq!(used("RoPE kernel (ours, NVRTC)"), true, "{r}");
+    // The bench's adapters have dropout 0.1 on bf16 inputs: our dropout kernel drew the masks.
+    assert_eq!(used("dropout kernel (ours, NVRTC)"), true, "{r}");
     assert_eq!(r["fp8_quantisations"]["f32"], 0, "{r}");
     assert!(r["fp8_quantisations"]["kernel"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["rms_norm"], "cuda-fused", "{r}");
@@ -153,6 +166,7 @@ fn bench_names_the_routes_each_step_took_and_logs_where_it_is() {
     assert!(stderr.contains("FP8 SwiGLU kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("FP8 RMSNorm kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     assert!(stderr.contains("RoPE kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
+    assert!(stderr.contains("dropout kernel (ours, NVRTC): checked against its reference, taken"), "{stderr}");
     let optimizer = "optimizer: LibTorch's fused AdamW (one multi-tensor launch): checked against its reference, taken";
     assert!(stderr.contains(optimizer), "{stderr}");
 

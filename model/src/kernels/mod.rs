@@ -21,6 +21,7 @@
 //! (`fp8::stand_ins`). No file here names a route.
 
 pub mod args;
+pub mod dropout;
 pub mod emulate;
 pub mod fp8_quantize;
 pub mod launch;
@@ -37,7 +38,8 @@ mod tests {
     use super::*;
 
     /// Every kernel source llora compiles.
-    const SOURCES: &[Source] = &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE, rope::SOURCE];
+    const SOURCES: &[Source] =
+        &[fp8_quantize::SOURCE, swiglu_fp8::SOURCE, rmsnorm_fp8::SOURCE, rope::SOURCE, dropout::SOURCE];
 
     /// The architectures CI compiles every source for (Hopper, Blackwell).
     const CI_ARCHES: &[(i32, i32)] = &[(9, 0), (10, 0)];

@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 use super::with_emulation;
 use crate::fp8::format::Fp8Format;
 use crate::kernels::args::{DelayedCodes, host_bytes};
-use crate::kernels::{fp8_quantize, rmsnorm_fp8, rope, swiglu_fp8};
+use crate::kernels::{dropout, fp8_quantize, rmsnorm_fp8, rope, swiglu_fp8};
 
 /// The digests, one line each: `case/output fnv1a64`.
 const GOLDEN: &str = include_str!("golden.txt");
@@ -66,6 +66,7 @@ pub fn outputs(dev: tch::Device) -> Vec<(String, Tensor)> {
     out.extend(rmsnorm(dev, &run));
     out.extend(swiglu(dev, &run));
     out.extend(rotary(dev, &run));
+    out.extend(dropped(dev, &run));
     out
 }
 
@@ -165,6 +166,20 @@ fn rotary(dev: tch::Device, run: &dyn Fn(&mut dyn FnMut())) -> Vec<(String, Tens
         let a = rope::RopeArgs { x: &x, cos: &cos, sin: &sin, y: &y, direction };
         run(&mut || assert_eq!(rope::launch(&a), Ok(true)));
         out.push((format!("rope/{name}"), y));
+    }
+    out
+}
+
+fn dropped(dev: tch::Device, run: &dyn Fn(&mut dyn FnMut())) -> Vec<(String, Tensor)> {
+    let x = fixed(&[3, 6, 10], Kind::BFloat16, dev, 9.0);
+    // Rank 0 of 2 on 11 tokens: chunks 0 and 3, the last position padding.
+    let split = dropout::SplitRows { chunk: 3, starts: [0, 9], seq: 11 };
+    let mut out = Vec::new();
+    for (name, split) in [("alone", None), ("split", Some(split))] {
+        let y = x.zeros_like();
+        let a = dropout::DropoutArgs { x: &x, y: &y, seed: 0x0123_4567_89ab_cdef, p: 0.1, split };
+        run(&mut || assert_eq!(dropout::launch(&a), Ok(true)));
+        out.push((format!("dropout/{name}"), y));
     }
     out
 }

@@ -2,7 +2,8 @@
 // (scripts/sanitize-kernels.sh builds this with the emulator and the sources model/build.rs
 // generates): each kernel launched as its Rust launch code launches it (256 threads a block;
 // grid-stride grids of ceil(n / 256) blocks, and of 2 so the stride loops run; one 32 x 32 tile
-// a block for the transpose; one block a row for RMSNorm) on buffers of exactly the problem's
+// a block for the transpose; one block a row for RMSNorm; ceil(n / 4 / 256) for dropout's
+// four elements a thread) on buffers of exactly the problem's
 // size, so a read or write past one, a race between a block's threads on global memory, or
 // undefined behaviour in the kernels' arithmetic is reported. Exit status 0 when every launch
 // ran and reported nothing itself; the sanitizers' reports fail the run on their own.
@@ -128,6 +129,23 @@ void rope(long b, long s, long h, long hd, int per_row) {
     }
 }
 
+// Dropout over n elements, the tensor's own mask and a split's rows ([rows, 2 * chunk, width],
+// padding past seq), grid-stride with ceil(n / 4 / 256) blocks and with two.
+void dropout(long rows, long chunk, long width, long seq) {
+    long local = 2 * chunk, n = rows * local * width, one = 1, zero = 0, g1 = 3 * chunk;
+    std::vector<unsigned short> x = bf16(values(n)), y(n);
+    unsigned long long seed = 0x0123456789abcdefull;
+    unsigned int threshold = 3865470566u;  // (1 - 0.1) * 2^32
+    float scale = 1.0f / 0.9f;
+    void *px = x.data(), *py = y.data();
+    for (unsigned blocks : {stride_blocks((n + 3) / 4), 2u}) {
+        run("llora_dropout_bf16", blocks, 1,
+            {&px, &py, &n, &one, &n, &one, &zero, &zero, &one, &seed, &threshold, &scale});
+        run("llora_dropout_bf16", blocks, 1,
+            {&px, &py, &n, &local, &width, &chunk, &zero, &g1, &seq, &seed, &threshold, &scale});
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -139,6 +157,8 @@ int main() {
     swiglu(1);
     rope(2, 33, 3, 128, 1);
     rope(1, 5, 2, 10, 0);
+    dropout(3, 4, 9, 14);
+    dropout(1, 1, 1, 1);
     std::vector<float> out(512);
     void* po = out.data();
     run("llora_check_reverse_tile", 2, 1, {&po});

@@ -12,9 +12,11 @@
 //! On CPU the mask bits come from ChaCha8 (rand_chacha), not from torch's `bernoulli_`: torch
 //! draws its CPU Bernoulli masks one element at a time through a Mersenne Twister on one
 //! thread (a visible share of a step in perf: docs/performance.md, M7), while ChaCha8 fills the words
-//! at memory speed. On CUDA the mask is `bernoulli_` on the device after seeding the device's
-//! generator with the mask's seed (a host-made mask would cost a PCIe copy each way; whether
-//! it ran on a GPU: docs/gpu.md).
+//! at memory speed. On CUDA a bf16 input takes our kernel (`fused.rs`: the mask drawn from
+//! Philox inside the one pass that reads the input, never stored); LibTorch's route, where
+//! the kernel is refused or the input is f32, is `bernoulli_` on the device after seeding the
+//! device's generator with the mask's seed (a host-made mask would cost a PCIe copy each way;
+//! whether either ran on a GPU: docs/gpu.md).
 //!
 //! Under context parallelism each rank holds two chunks of the sequence; a mask drawn for its
 //! local `[batch, local, in]` tensor would repeat the same bits at the same local offset on
@@ -23,7 +25,8 @@
 //! the mask one process draws for the whole `[batch, seq, in]`: on the CPU by seeking the
 //! ChaCha8 stream to each chunk's first element (word k is element k), on CUDA by drawing the
 //! whole mask and keeping this rank's rows (a transient byte per element of the whole
-//! sequence). The run then drops exactly what one process drops.
+//! sequence; our kernel draws only this rank's, from their indices in the whole). The run then
+//! drops exactly what one process drops.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -36,6 +39,9 @@ use burn::tensor::{Device, Distribution, Tensor};
 use std::cell::Cell;
 
 use crate::context_parallel::ContextSplit;
+
+pub(crate) mod fused;
+mod philox;
 
 thread_local! {
     /// The split of the sequence the current block runs on (see [`over_split`]).
@@ -109,26 +115,30 @@ fn fill_keep_from(keep: &mut [bool], seed: u64, p: f64, first: u64) {
     }
 }
 
-/// The keep-mask of `seed`, shaped `size`, on `device`: the same mask every time it is asked.
-/// With a `split`, `size` is `[.., local, in]` and the mask is this rank's rows of the mask of
-/// `[.., seq, in]` (padding rows keep everything: no real token reaches them).
-fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device, split: Option<ContextSplit>) -> tch::Tensor {
+/// `split` where a `size` tensor is this rank's tokens of it (`[.., local, in]`), else `None`:
+/// the tensor gets its own mask. Every dropout input inside a block is `[.., local, in]` today;
+/// one that is not makes a context-parallel run differ from one process, which is said once.
+fn fitting(split: Option<ContextSplit>, size: &[i64]) -> Option<ContextSplit> {
     let fits = |sp: &ContextSplit| size.len() >= 2 && size[size.len() - 2] == sp.local_len() as i64;
     debug_assert!(split.as_ref().is_none_or(fits), "a dropout input of {size:?} under {split:?}");
     static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if let Some(sp) = split.as_ref().filter(|sp| !fits(sp))
         && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
     {
-        // Every dropout input inside a block is `[.., local, in]` today; one that is not gets
-        // its own mask, which makes a context-parallel run differ from one process: say so once.
         tracing::warn!(
             "dropout input {size:?} is not this rank's {} tokens of the context-parallel split: \
              its mask is drawn for the tensor alone, so this run's dropout differs from one process's",
             sp.local_len()
         );
     }
-    let split = split.filter(fits);
-    if let Some(split) = split {
+    split.filter(fits)
+}
+
+/// The keep-mask of `seed`, shaped `size`, on `device`: the same mask every time it is asked.
+/// With a `split`, `size` is `[.., local, in]` and the mask is this rank's rows of the mask of
+/// `[.., seq, in]` (padding rows keep everything: no real token reaches them).
+fn keep_mask(seed: u64, p: f64, size: &[i64], device: tch::Device, split: Option<ContextSplit>) -> tch::Tensor {
+    if let Some(split) = fitting(split, size) {
         return keep_mask_split(seed, p, size, device, split);
     }
     if device.is_cuda() {
@@ -185,24 +195,31 @@ fn keep_mask_split(seed: u64, p: f64, size: &[i64], device: tch::Device, split: 
     mask
 }
 
-/// `x · mask / (1 − p)` and the seed of the mask; `native_dropout_backward` is that product.
+/// `x · mask / (1 − p)` and what draws the mask again.
 fn forward(x: &tch::Tensor, p: f64) -> (tch::Tensor, Mask) {
-    let mask = Mask { seed: draw_seed(), p, split: SPLIT.with(Cell::get) };
-    (tch::Tensor::native_dropout_backward(x, &mask.draw(x), 1.0 / (1.0 - p)), mask)
+    let mask = Mask { seed: draw_seed(), p, split: SPLIT.with(Cell::get), kernel: fused::takes_kernel(x) };
+    (mask.apply(x), mask)
 }
 
-/// What draws one dropout op's mask again: its seed, p and the split it ran under.
+/// What draws one dropout op's mask again: its seed, p, the split it ran under, and whether
+/// our kernel drew it (Philox) or LibTorch's route (`bernoulli_`, ChaCha8 on the CPU).
 #[derive(Debug, Clone, Copy)]
 struct Mask {
     seed: u64,
     p: f64,
     split: Option<ContextSplit>,
+    kernel: bool,
 }
 
 impl Mask {
-    /// The keep-mask for a tensor shaped and placed as `like`.
-    fn draw(&self, like: &tch::Tensor) -> tch::Tensor {
-        keep_mask(self.seed, self.p, &like.size(), like.device(), self.split)
+    /// `t · mask / (1 − p)` for `t` shaped and placed as the input was (the input forward,
+    /// its gradient backward): the same mask both times.
+    fn apply(&self, t: &tch::Tensor) -> tch::Tensor {
+        if self.kernel {
+            return fused::apply(t, self.seed, self.p, fitting(self.split, &t.size()));
+        }
+        let mask = keep_mask(self.seed, self.p, &t.size(), t.device(), self.split);
+        tch::Tensor::native_dropout_backward(t, &mask, 1.0 / (1.0 - self.p))
     }
 }
 
@@ -223,13 +240,7 @@ impl Backward<LibTorch, 1> for DropoutBackward {
         let [node] = ops.parents;
         let grad = grads.consume::<LibTorch>(&ops.node);
         if let Some(node) = node {
-            let mask = ops.state;
-            let g = &grad.tensor;
-            let scale = 1.0 / (1.0 - mask.p);
-            grads.register::<LibTorch>(
-                node.id,
-                TchTensor::new(tch::Tensor::native_dropout_backward(g, &mask.draw(g), scale)),
-            );
+            grads.register::<LibTorch>(node.id, TchTensor::new(ops.state.apply(&grad.tensor)));
         }
     }
 }
@@ -271,7 +282,7 @@ impl BlockSeeds {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use burn::tensor::Device;
 
@@ -309,7 +320,7 @@ mod tests {
     /// global position of each local token (`ContextSplit::local_positions`).
     #[test]
     fn split_dropout_is_the_rows_of_the_whole_sequence_dropout() {
-        split_dropout_is_rows_of_whole(Device::libtorch().autodiff());
+        split_dropout_is_rows_of_whole(Device::libtorch().autodiff(), burn::tensor::DType::F32);
     }
 
     /// [`split_dropout_is_the_rows_of_the_whole_sequence_dropout`] on CUDA (the whole mask
@@ -318,16 +329,18 @@ mod tests {
     #[ignore = "needs CUDA"]
     fn split_dropout_is_the_rows_of_the_whole_sequence_dropout_on_cuda() {
         assert!(tch::Cuda::is_available(), "this test needs a CUDA device");
-        split_dropout_is_rows_of_whole(Device::libtorch_cuda(0).autodiff());
+        split_dropout_is_rows_of_whole(Device::libtorch_cuda(0).autodiff(), burn::tensor::DType::F32);
     }
 
-    fn split_dropout_is_rows_of_whole(device: Device) {
+    /// The split test on `device` with inputs of `dtype` (bf16 takes the kernel's route where
+    /// the device takes the CUDA routes).
+    pub(super) fn split_dropout_is_rows_of_whole(device: Device, dtype: burn::tensor::DType) {
         let _rng = crate::device::torch_rng_lock();
         let (b, seq, w) = (2, 10, 5);
-        let values = |t: Tensor<3>| t.into_data().to_vec::<f32>().unwrap();
+        let values = |t: Tensor<3>| t.cast(burn::tensor::DType::F32).into_data().to_vec::<f32>().unwrap();
         let run = |len: usize, split: Option<ContextSplit>| {
             device.seed(9);
-            let x = Tensor::<3>::ones([b, len, w], &device).require_grad();
+            let x = Tensor::<3>::ones([b, len, w], &device).cast(dtype).require_grad();
             let y = over_split(split, || dropout(x.clone(), 0.5));
             let grads = y.clone().sum().backward();
             (values(y.inner()), values(x.grad(&grads).unwrap()))
