@@ -1,11 +1,12 @@
-//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and five
+//! Build script of llora-model: the rpath to LibTorch (shared with the other crates), and six
 //! C++ shims compiled against the same LibTorch, as tch builds its own C++ wrapper (their
 //! shared error handling in `src/shim.h`): the fused attention forwards tch does not bind
 //! (`src/attention/sdpa_shim.cpp`), the fused RMSNorm's backward (`src/norm/norm_shim.cpp`),
 //! the multi-tensor AdamW (`src/fused_adamw_shim.cpp`), what LibTorch build llora runs with
-//! (`src/torch_info.cpp`, beside `device.rs`), and LibTorch's profiler, op counter and device
-//! statistics (`src/profile_shim.cpp`, beside `profile.rs`). They need only LibTorch's own
-//! headers.
+//! (`src/torch_info.cpp`, beside `device.rs`), LibTorch's profiler, op counter and device
+//! statistics (`src/profile_shim.cpp`, beside `profile.rs`), and the CPU generator's state
+//! taken and put back around a first-use check (`src/rng_shim.cpp`, beside `rng.rs`). They need
+//! only LibTorch's own headers.
 
 use std::path::PathBuf;
 
@@ -23,6 +24,7 @@ fn main() {
         "src/fused_adamw_shim.cpp",
         "src/torch_info.cpp",
         "src/profile_shim.cpp",
+        "src/rng_shim.cpp",
     ];
     for f in shims.iter().chain(&["src/shim.h"]) {
         println!("cargo:rerun-if-changed={f}");

@@ -30,6 +30,7 @@ pub mod precision;
 pub(crate) mod preference;
 pub(crate) mod profile;
 pub(crate) mod recompute;
+pub(crate) mod rng;
 pub(crate) mod rope;
 pub(crate) mod route_list;
 pub(crate) mod routes;

@@ -267,9 +267,13 @@ pub fn run_check(check: impl FnOnce() -> Result<(), String>) -> Result<(), Strin
     // A check runs on one rank alone: its amaxes are its own (a reduction would wait for
     // ranks that never reach it).
     // Our kernels' launches inside it wait and check their errors: a fault fails this check.
+    // Its random inputs leave the CPU generator as they found it: the dropout seeds drawn
+    // after it must not depend on whether a check ran first (`rng.rs`).
     let check = || {
         crate::scoped::with(&IN_CHECK, true, || {
-            crate::kernels::launch::with_checked_launches(|| crate::fp8::amax_group::with_amax_group(None, check))
+            crate::rng::keeping_cpu_generator(|| {
+                crate::kernels::launch::with_checked_launches(|| crate::fp8::amax_group::with_amax_group(None, check))
+            })
         })
     };
     std::panic::catch_unwind(AssertUnwindSafe(check)).unwrap_or_else(|payload| {

@@ -83,7 +83,25 @@ fn sigkilled_dpo_run_resumes_to_the_same_adapters() {
     kill_and_resume(&["train.objective=\"dpo\"", "mlperf.check=false"]);
 }
 
+/// The same in FP8 with the CPU standing in for CUDA (`LLORA_CUDA_ROUTES_ON_CPU=1`): every
+/// route's first-use check runs again in the resumed run's first step, inside its first block,
+/// where the dropout seeds are drawn (the adapters' dropout on our kernel's route); the checks'
+/// random inputs must leave the generator those seeds come from where it was, or that step
+/// drops other elements than the uninterrupted run's.
+#[test]
+fn sigkilled_fp8_run_on_the_cuda_routes_resumes_to_the_same_adapters() {
+    let sets = ["precision.compute=\"fp8\"", "precision.fp8_activations=true", "precision.fp8_weights=true"];
+    kill_and_resume_with(&[("LLORA_CUDA_ROUTES_ON_CPU", "1")], &sets);
+}
+
 fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
+    kill_and_resume_with(&[], sets)
+}
+
+/// [`kill_and_resume`] with `env` set for every run.
+fn kill_and_resume_with(env: &[(&str, &str)], sets: &[&str]) -> tempfile::TempDir {
+    let llora =
+        |args: &[&str]| common::llora_command(&common::root(), args).envs(env.iter().copied()).output().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let (whole, killed) = (dir.path().join("whole"), dir.path().join("killed"));
@@ -107,6 +125,7 @@ fn kill_and_resume(sets: &[&str]) -> tempfile::TempDir {
     let mut args = extra(short_run_args(&config, &killed));
     args.extend(["--set".into(), "run.checkpoint_every=1".into()]);
     let status = common::llora_command(&common::root(), &strs(&args))
+        .envs(env.iter().copied())
         .env("LLORA_FAULT_KILL_AT_STEP", kill_at.to_string())
         .stderr(std::process::Stdio::null())
         .status()

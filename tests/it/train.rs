@@ -513,14 +513,21 @@ fn resuming_on_changed_data_names_the_file() {
 /// `train.recompute_layers`: a run recomputing 3 of the 4 blocks ends with bitwise the adapters
 /// of the same run without recomputation (dropout on); so does a Mistral-style model whose
 /// window (16) is shorter than its rows, on a base with norm gains away from 1, one of its two
-/// blocks recomputed (the masked window path's softmax used to round differently untracked).
+/// blocks recomputed (the masked window path's softmax used to round differently untracked);
+/// and an FP8 run with the CPU standing in for CUDA, whose recomputed blocks redraw their
+/// dropout masks on our kernel's route (the first-use checks inside the first step's blocks
+/// leaving the seeds' generator where it was).
 #[test]
 fn recomputing_blocks_changes_nothing_of_the_run() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let mistral = common::family_base_away_from_0_and_1(dir.path(), "tiny-mistral");
     let mistral = [format!("model.path=\"{}\"", mistral.display()), "model.preset=\"tiny-mistral\"".into()];
-    for (family, extra, recomputed) in [("demo", &[][..], "3"), ("mistral", &mistral[..], "1")] {
+    let fp8 = ["precision.compute=\"fp8\"".to_string(), "precision.fp8_activations=true".into()];
+    let routes = [("LLORA_CUDA_ROUTES_ON_CPU", "1")];
+    for (family, extra, recomputed, env) in
+        [("demo", &[][..], "3", &[][..]), ("mistral", &mistral[..], "1", &[]), ("fp8-routes", &fp8[..], "3", &routes)]
+    {
         let mut adapters = Vec::new();
         for (name, recompute) in [("plain", "0"), ("recomputed", recomputed)] {
             let run = dir.path().join(format!("{family}-{name}"));
@@ -528,7 +535,7 @@ fn recomputing_blocks_changes_nothing_of_the_run() {
             args.extend(["--set".into(), "schedule.max_steps=4".into()]);
             args.extend(["--set".into(), format!("train.recompute_layers={recompute}")]);
             args.extend(extra.iter().flat_map(|s| ["--set".to_string(), s.clone()]));
-            let out = llora(&strs(&args));
+            let out = common::llora_command(&common::root(), &strs(&args)).envs(env.iter().copied()).output().unwrap();
             let f = run.join("adapter/adapter_model.safetensors");
             adapters.push(std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}\n{}", f.display(), text(&out).1)));
         }
