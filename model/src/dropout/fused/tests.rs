@@ -6,6 +6,8 @@ use burn::tensor::{DType, Device, Tensor};
 /// bf16 values of `shape` over ±`m` (normal), seeded, with zeros of both signs and a NaN
 /// (kept or dropped, it stays NaN: `x · 0`).
 fn values(shape: &[i64], m: f64, seed: i64) -> tch::Tensor {
+    // Seeding the one CPU generator: tests that expect their own draws hold the same lock.
+    let _rng = crate::device::torch_rng_lock();
     tch::manual_seed(seed);
     let x = (tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu)) * m).to_kind(tch::Kind::BFloat16);
     let flat = x.view([-1]);

@@ -5,6 +5,8 @@ use burn::tensor::{DType, Device, Distribution};
 
 /// bf16 values of `shape` over ±`m` (normal), seeded.
 fn values(shape: &[i64], m: f64, seed: i64) -> tch::Tensor {
+    // Seeding the one CPU generator: tests that expect their own draws hold the same lock.
+    let _rng = crate::device::torch_rng_lock();
     tch::manual_seed(seed);
     (tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu)) * m).to_kind(tch::Kind::BFloat16)
 }
