@@ -56,4 +56,5 @@ pub use packing::PackedRows;
 pub use params::{ParamMut, ParamShape};
 pub use peft::{base_quantization, load_peft_adapter, read_peft_config, save_peft_adapter};
 pub use preference::{PairStats, PreferenceLoss, PreferenceObjective, Reference, preference_loss};
+pub use recompute::Segments;
 pub use saved::Saved;

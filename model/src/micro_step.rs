@@ -62,7 +62,32 @@ impl LlamaForCausalLM {
         sync: bool,
     ) -> anyhow::Result<MicroGrads> {
         let group = self.context.as_ref().map(|c| c.group.clone());
-        crate::fp8::amax_group::with_amax_group(group, || grads_of(self, mb, norm, recompute, sync))
+        crate::fp8::amax_group::with_amax_group(group, || grads_of(self, mb, (norm, recompute, sync), None))
+    }
+
+    /// Whether [`Self::loss_and_grads_streamed`] can run: every trainable parameter sits in
+    /// one segment of the backward (the embedding is frozen).
+    pub fn streams_gradients(&self) -> bool {
+        !self.embed_tokens.val().is_require_grad()
+    }
+
+    /// [`Self::loss_and_grads`] with every decoder block's backward a segment of its own
+    /// ([`Self::recomputed_backward`]), `ready` told each trainable parameter's gradient (its
+    /// index in `trainable_params_mut` order, flattened) as soon as the segment holding it is
+    /// queued: the last block's adapters first. Every parameter must sit in one segment (LoRA
+    /// adapters and norms do; a trainable tied embedding has a part in two, refused).
+    pub fn loss_and_grads_streamed(
+        &mut self,
+        mb: MicroBatch,
+        (norm, recompute, sync): (f64, usize, bool),
+        ready: &mut dyn FnMut(usize, Tensor<1>),
+    ) -> anyhow::Result<MicroGrads> {
+        anyhow::ensure!(
+            self.streams_gradients(),
+            "gradients streamed during backward need every parameter in one block: the embedding trains"
+        );
+        let group = self.context.as_ref().map(|c| c.group.clone());
+        crate::fp8::amax_group::with_amax_group(group, || grads_of(self, mb, (norm, recompute, sync), Some(ready)))
     }
 }
 
@@ -83,20 +108,34 @@ pub(crate) fn flat_grads(model: &mut LlamaForCausalLM, grads: &[burn::tensor::Gr
         .collect()
 }
 
-/// [`LlamaForCausalLM::loss_and_grads`] inside its amax scope.
+/// [`LlamaForCausalLM::loss_and_grads`] inside its amax scope; with `ready`, streamed
+/// ([`LlamaForCausalLM::loss_and_grads_streamed`]).
 fn grads_of(
     model: &mut LlamaForCausalLM,
     mb: MicroBatch,
-    norm: f64,
-    recompute: usize,
-    sync: bool,
+    (norm, recompute, sync): (f64, usize, bool),
+    mut ready: Option<&mut dyn FnMut(usize, Tensor<1>)>,
 ) -> anyhow::Result<MicroGrads> {
     let t = Instant::now();
     let device = mb.ids.device();
     if let Some(seed) = mb.seed {
         device.seed(seed);
     }
-    let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() {
+    let keys: Vec<crate::params::GradKey> = match ready {
+        Some(_) => model.trainable_params_mut().iter().map(|(_, p)| p.grad_key()).collect(),
+        None => Vec::new(),
+    };
+    let mut tell = |grads: &burn::tensor::Gradients| {
+        if let Some(ready) = ready.as_mut() {
+            for (i, key) in keys.iter().enumerate() {
+                if let Some(g) = key.grad_flat(grads) {
+                    ready(i, g);
+                }
+            }
+        }
+    };
+    let cuts = crate::recompute::Segments { every_block: !keys.is_empty(), done: &mut tell };
+    let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() || cuts.every_block {
         // The forward ends at the loss; the recomputed blocks' second forward counts as backward.
         tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward, then backward block by block");
         let mut forward_s = 0.0;
@@ -106,8 +145,8 @@ fn grads_of(
             }
             forward_s = t.elapsed().as_secs_f64();
         };
-        let (loss, grads) =
-            model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), norm, recompute, forward_done)?;
+        let at = (norm, recompute);
+        let (loss, grads) = model.recomputed_backward(mb.ids, mb.labels, mb.packed.as_ref(), at, forward_done, cuts)?;
         (loss, grads, forward_s)
     } else {
         let loss = {

@@ -162,6 +162,24 @@ pub struct ParamShape {
     trainable: bool,
 }
 
+/// A parameter's value as [`ParamMut::grad_key`] keeps it, to look its gradient up by.
+pub enum GradKey {
+    /// A norm gain `[d]`.
+    Vector(Tensor<1>),
+    /// A weight matrix.
+    Matrix(Tensor<2>),
+}
+
+impl GradKey {
+    /// The parameter's gradient in `grads`, flattened; `None` where that backward did not reach it.
+    pub fn grad_flat(&self, grads: &burn::tensor::Gradients) -> Option<Tensor<1>> {
+        match self {
+            Self::Vector(t) => t.grad(grads),
+            Self::Matrix(t) => t.grad(grads).map(|g| g.flatten(0, 1)),
+        }
+    }
+}
+
 /// A mutable parameter of either rank the model has.
 pub enum ParamMut<'a> {
     /// A norm gain `[d]`.
@@ -192,6 +210,15 @@ impl ParamMut<'_> {
         match self {
             Self::Vector(p) => p.val().grad(grads),
             Self::Matrix(p) => p.val().grad(grads).map(|g| g.flatten(0, 1)),
+        }
+    }
+
+    /// What finds this parameter's gradient in a backward's gradients while the parameter
+    /// itself is not borrowed (a clone of its value: the same autodiff node).
+    pub fn grad_key(&self) -> GradKey {
+        match self {
+            Self::Vector(p) => GradKey::Vector(p.val()),
+            Self::Matrix(p) => GradKey::Matrix(p.val()),
         }
     }
 

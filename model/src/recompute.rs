@@ -11,6 +11,24 @@ use crate::dropout::BlockSeeds;
 use crate::llama::{LlamaForCausalLM, embed};
 use crate::packing::PackedRows;
 
+/// How [`LlamaForCausalLM::recomputed_backward`] cuts the backward into segments, and who sees
+/// each segment's gradients as it is done.
+pub struct Segments<'a> {
+    /// Every block a segment of its own, recomputed or not.
+    pub every_block: bool,
+    /// Called with each segment's gradients, in the order their backward is queued.
+    pub done: &'a mut dyn FnMut(&burn::tensor::Gradients),
+}
+
+impl Segments<'_> {
+    /// Blocks grouped only as recomputation and sharding need, nobody told.
+    pub fn plain() -> Segments<'static> {
+        fn ignore(_: &burn::tensor::Gradients) {}
+        // A fn item coerces to the trait object; a 'static reference to a zero-sized closure.
+        Segments { every_block: false, done: Box::leak(Box::new(ignore)) }
+    }
+}
+
 impl LlamaForCausalLM {
     /// Gradients of `loss_sum / norm` of a training micro-batch, computed block by block, with
     /// the first `recompute` decoder blocks recomputed: a forward without autodiff keeps only
@@ -29,7 +47,10 @@ impl LlamaForCausalLM {
     /// embedding's under full fine-tuning: its head part and its embedding part, to be summed.
     /// `forward_done` is called once the loss is queued, before any backward: the caller's
     /// phase clock (the recomputed blocks' second forward counts as backward, as in PyTorch's
-    /// checkpointing).
+    /// checkpointing). With `cuts.every_block` every block is a segment of its own (as
+    /// when sharded), and `cuts.done` sees each segment's gradients as soon as its backward
+    /// is queued, the head's first, then the blocks' last first: a data-parallel run starts
+    /// reducing them while the blocks below run their backward.
     ///
     /// # Shapes
     /// - input_ids, labels: `[batch, seq]`
@@ -38,9 +59,9 @@ impl LlamaForCausalLM {
         input_ids: Tensor<2, Int>,
         labels: impl Into<crate::loss::Labels>,
         packed: Option<&Arc<PackedRows>>,
-        norm: f64,
-        recompute: usize,
+        (norm, recompute): (f64, usize),
         forward_done: impl FnOnce(),
+        cuts: Segments<'_>,
     ) -> anyhow::Result<(Tensor<1>, Vec<burn::tensor::Gradients>)> {
         /// What the backward of one block starts from.
         enum Segment {
@@ -52,7 +73,12 @@ impl LlamaForCausalLM {
         let n = recompute.min(self.layers.len());
         // Blocks [0, n) are recomputed, [n, split) keep their own graphs, [split, L) share the
         // head's graph.
-        let split = if self.is_sharded() { self.layers.len() } else { n };
+        let split = if self.is_sharded() || cuts.every_block { self.layers.len() } else { n };
+        let mut out = Vec::new();
+        let mut done = |grads: burn::tensor::Gradients| {
+            (cuts.done)(&grads);
+            out.push(grads);
+        };
         let device = input_ids.device();
         let at = self.positions(input_ids.dims(), packed, &device)?;
         let blocks = BlockSeeds::draw(&device, true);
@@ -95,7 +121,7 @@ impl LlamaForCausalLM {
         forward_done();
         let grads = loss.backward();
         let mut g = top_in.grad(&grads);
-        let mut out = vec![grads];
+        done(grads);
         // Each block below the head's graph, last first.
         for (k, segment) in segments.into_iter().enumerate().rev() {
             let Some(upstream) = g.take() else {
@@ -118,12 +144,12 @@ impl LlamaForCausalLM {
             let grads = (y * Tensor::from_inner(upstream)).sum().backward();
             layer.release();
             g = input.grad(&grads);
-            out.push(grads);
+            done(grads);
         }
         // A trainable embedding (full fine-tuning) takes the gradient of block 0's input.
         if let Some(upstream) = g.filter(|_| self.embed_tokens.val().is_require_grad()) {
             let emb = embed(self.embed_tokens.val(), input_ids, self.activations);
-            out.push((emb * Tensor::from_inner(upstream)).sum().backward());
+            done((emb * Tensor::from_inner(upstream)).sum().backward());
         }
         Ok((value, out))
     }

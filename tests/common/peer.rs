@@ -315,7 +315,13 @@ pub fn three_steps_match_torch_adamw(dir: &Path, fused: FusedOptim) {
             &llora_trainer::dist::SingleProcess,
             vec![MicroBatch { ids, labels: labels.into(), packed: None, seed: None }],
             n_tokens,
-            StepOptions { lr, clip_grad_norm: optim_cfg.clip_grad_norm, recompute_layers: 0, sync_phases: false },
+            StepOptions {
+                lr,
+                clip_grad_norm: optim_cfg.clip_grad_norm,
+                recompute_layers: 0,
+                sync_phases: false,
+                bucket_bytes: 0,
+            },
         )
         .unwrap();
         if fused == FusedOptim::On {

@@ -190,6 +190,25 @@ fn dpo_on_two_ranks_matches_one_process() {
     two_ranks_match_one_process(&["data.max_seq_len=128", "train.objective=\"dpo\"", "mlperf.check=false"]);
 }
 
+/// The gradients summed over the ranks during the last micro-batch's backward: in buckets of
+/// 4 KiB (each block's adapters in buckets of their own, started while the blocks below run
+/// their backward; the log says how many), with 2 of the 4 blocks recomputed too, with the
+/// frozen weights sharded (their gathers on the same group), and in one reduction after the
+/// backward (`dist.bucket_mb = 0`), two ranks end with bitwise the single
+/// process's adapters and eval losses.
+#[test]
+fn gradient_buckets_during_backward_match_one_process() {
+    let stderr = two_ranks_match_one_process(&["dist.bucket_mb=0.004"]);
+    let said = stderr.lines().find(|l| l.contains("gradients summed over the ranks in buckets")).unwrap_or_default();
+    let during: usize = said.split(": ").nth(1).and_then(|r| r.split(' ').next()?.parse().ok()).unwrap_or(0);
+    assert!(during >= 4, "fewer buckets than blocks started during the backward: {said:?}\n{stderr}");
+    two_ranks_match_one_process(&["dist.bucket_mb=0.004", "train.recompute_layers=2"]);
+    // Sharded frozen weights: each block's gathers and the buckets share the group, in one order.
+    two_ranks_match_one_process(&["dist.bucket_mb=0.004", "train.shard_frozen_weights=true"]);
+    let stderr = two_ranks_match_one_process(&["dist.bucket_mb=0"]);
+    assert!(!stderr.contains("started during the backward"), "{stderr}");
+}
+
 /// A 3-step run on 64 synthetic samples with an evaluation of 9 after each step.
 const THREE_STEPS: [&str; 7] = [
     "schedule.max_steps=3",
@@ -202,8 +221,8 @@ const THREE_STEPS: [&str; 7] = [
 ];
 
 /// A 3-step run with `extra` settings: two ranks under torchrun end with bitwise the adapters
-/// of one process and its three eval losses.
-fn two_ranks_match_one_process(extra: &[&str]) {
+/// of one process and its three eval losses. Returns the two ranks' stderr.
+fn two_ranks_match_one_process(extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let settings = [&THREE_STEPS[..], extra].concat();
@@ -221,6 +240,7 @@ fn two_ranks_match_one_process(extra: &[&str]) {
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() <= 1e-12 * x.abs(), "{extra:?}: eval loss {x} on one process, {y} on two ranks");
     }
+    text(&out).1
 }
 
 /// The settings of the runs whose rank 1 is killed: 12 short steps, a checkpoint after each,

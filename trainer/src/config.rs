@@ -1054,6 +1054,9 @@ impl Config {
             &"nccl",
             why,
         );
+        let b = self.dist.bucket_mb;
+        let why = "the gradient buckets' size in MiB: 0 (reduce after the backward) or more, 25 as PyTorch DDP";
+        p.check(b.is_finite() && b >= 0.0, "dist.bucket_mb", &b, why);
         if self.train.objective == Objective::Dpo {
             self.check_dpo(&mut p);
         }

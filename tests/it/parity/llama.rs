@@ -252,7 +252,8 @@ fn fused_qkv_checkpoint_trains_and_refuses_targets_it_lacks() {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(fx.input_ids.1.clone(), [b, s]), &device);
         let labels = Tensor::<2, Int>::from_data(TensorData::new(fx.labels.1.clone(), [b, s]), &device);
         let mut optim = AdamW::new(OptimConfig::default());
-        let opts = StepOptions { lr: 4e-4, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false };
+        let opts =
+            StepOptions { lr: 4e-4, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false, bucket_bytes: 0 };
         let batch = vec![MicroBatch { ids, labels: labels.into(), packed: None, seed: None }];
         let stats = train_step(&mut model, &mut optim, &llora_trainer::dist::SingleProcess, batch, n_tokens, opts)?;
         Ok((stats.loss, adapted))

@@ -87,7 +87,7 @@ pub fn run(args: &SelftestArgs) -> anyhow::Result<Value> {
         checks.push(Check::new("dropout mask redrawn in backward", true, dropout_redraw(&device)));
     }
     if only("all-reduce") {
-        checks.push(Check::new("all-reduce", true, all_reduce(&spec)));
+        checks.push(Check::new("all-reduce", true, all_reduce(&spec, dev)));
     }
     let failed: Vec<&str> = checks.iter().filter(|c| c.required && !c.ok).map(|c| c.name.as_str()).collect();
     Ok(json!({
@@ -200,9 +200,10 @@ fn dropout_redraw(device: &Device) -> Result<String, String> {
 
 /// An all-reduce over the launcher's ranks (torchrun), or over a c10d group of this process
 /// alone: the sum checked exactly, then the bus bandwidth of 64 MB all-reduces, 2·(n−1)/n ·
-/// bytes / time. llora's collectives take host buffers (an NCCL one copies to the GPU and
-/// back), so this is the rate llora's gradient all-reduce sees, not NCCL's alone.
-fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
+/// bytes / time, of host buffers (an NCCL one copies to the GPU and back: the rate of the
+/// losses' and statistics' sums) and of a tensor on `dev` started and waited for as the
+/// gradient buckets are (`engine/grad_reduce.rs`: in place on the GPU for NCCL).
+fn all_reduce(spec: &DeviceSpec, dev: tch::Device) -> Result<String, String> {
     let dist = crate::dist::init(&crate::dist::DistConfig::default(), spec.is_cuda()).map_err(|e| format!("{e:#}"))?;
     let (label, comm): (String, std::sync::Arc<dyn Collective>) = if dist.world.size > 1 {
         (format!("{} ranks", dist.world.size), dist.comm.clone())
@@ -231,10 +232,39 @@ fn all_reduce(spec: &DeviceSpec) -> Result<String, String> {
     }
     let s = t.elapsed().as_secs_f64() / reps as f64;
     let bytes = (big.len() * 4) as f64;
-    let busbw = if n > 1 { 2.0 * (n - 1) as f64 / n as f64 * bytes / s / 1e9 } else { 0.0 };
+    let busbw = |s: f64| if n > 1 { 2.0 * (n - 1) as f64 / n as f64 * bytes / s / 1e9 } else { 0.0 };
+    let on_device = device_sums(comm.as_ref(), dev, reps)?;
     // Ended here, on success, while CUDA is up (without it the process aborts at exit).
     comm.shutdown().map_err(|e| e.to_string())?;
-    Ok(format!("{label}: sum exact; 64 MB in {:.2} ms, bus bandwidth {busbw:.1} GB/s", s * 1e3))
+    Ok(format!(
+        "{label}: sums exact; 64 MB of host buffers in {:.2} ms, bus bandwidth {:.1} GB/s; on {dev:?} \
+         (the gradient buckets' path) {:.2} ms, {:.1} GB/s",
+        s * 1e3,
+        busbw(s),
+        on_device * 1e3,
+        busbw(on_device)
+    ))
+}
+
+/// Seconds per started-and-waited sum of 64 MB of f32 ones on `dev` (checked exact once).
+fn device_sums(comm: &dyn Collective, dev: tch::Device, reps: usize) -> Result<f64, String> {
+    let n = comm.world_size() as f64;
+    let ones = || tch::Tensor::ones([16 << 20], (Kind::Float, dev));
+    let sum = |x: &tch::Tensor| -> Result<tch::Tensor, String> {
+        let pending = comm.start_all_reduce_sum(x).map_err(|e| e.to_string())?;
+        comm.wait_all_reduce_sum(pending).map_err(|e| e.to_string())
+    };
+    let got = sum(&ones())?;
+    if got.ne(n).any().int64_value(&[]) != 0 || got.device() != dev {
+        return Err(format!("the device sum over {n} ranks is not {n} everywhere on {dev:?}"));
+    }
+    let x = ones();
+    let t = Instant::now();
+    for _ in 0..reps {
+        let _ = sum(&x)?;
+    }
+    sync(dev);
+    Ok(t.elapsed().as_secs_f64() / reps as f64)
 }
 
 /// `llora selftest` as the command line runs it: on this rank's device, printing the record

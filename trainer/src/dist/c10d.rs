@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::collective::{Backend, Collective, DistError, InFlight, PendingBytes, ReduceOp, plain_c10d_message};
+use super::collective::{
+    Backend, Collective, DistError, InFlight, PendingBytes, PendingSum, ReduceOp, plain_c10d_message,
+};
 use super::world::World;
 
 unsafe extern "C" {
@@ -63,6 +65,7 @@ unsafe extern "C" {
         world: c_int,
         err: *mut *mut c_char,
     ) -> *mut c_void;
+    fn llora_c10d_all_reduce_start(g: *mut c_void, t: *mut torch_sys::C_tensor, err: *mut *mut c_char) -> *mut c_void;
     fn llora_c10d_work_wait(w: *mut c_void, err: *mut *mut c_char) -> c_int;
     fn llora_c10d_work_free(w: *mut c_void);
     fn llora_c10d_barrier(g: *mut c_void, err: *mut *mut c_char) -> c_int;
@@ -594,6 +597,29 @@ impl Collective for ProcessGroup {
             return Err(self.fail("all_gather", check(0, err).unwrap_err()));
         }
         Ok(PendingBytes { out, work: Some(Box::new(Work { ptr, _group: self.handle.clone() })) })
+    }
+
+    fn start_all_reduce_sum(&self, x: &tch::Tensor) -> Result<PendingSum, DistError> {
+        // On the group's device, as `all_reduce_sum_tensor`: Gloo sums CUDA tensors through a
+        // host copy (made here, before the start), NCCL sums in place on this rank's GPU.
+        let sum = x.to_kind(tch::Kind::Float).to_device(self.device).contiguous();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handle and tensor; the shim keeps a reference to the tensor until the
+        // work is freed.
+        let ptr = unsafe { llora_c10d_all_reduce_start(self.handle.0, sum.as_ptr() as *mut _, &mut err) };
+        if ptr.is_null() {
+            return Err(self.fail("all_reduce", check(0, err).unwrap_err()));
+        }
+        let work: Box<dyn InFlight> = Box::new(Work { ptr, _group: self.handle.clone() });
+        Ok(PendingSum { sum, device: x.device(), work: Some(work) })
+    }
+
+    fn wait_all_reduce_sum(&self, pending: PendingSum) -> Result<tch::Tensor, DistError> {
+        let PendingSum { sum, device, work } = pending;
+        if let Some(work) = work {
+            work.wait().map_err(|m| self.fail("all_reduce", m))?;
+        }
+        Ok(sum.to_device(device))
     }
 
     fn wait_all_gather_bytes(&self, pending: PendingBytes) -> Result<tch::Tensor, DistError> {

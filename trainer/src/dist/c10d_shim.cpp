@@ -229,6 +229,24 @@ void* llora_c10d_all_gather_start(void* g, at::Tensor* out, at::Tensor* in, int 
   return pending;
 }
 
+// Starts the in-place all-reduce (sum) of `t` and returns at once, as llora_c10d_all_gather_start
+// does: the gradient buckets reduced while backward goes on; null on failure.
+void* llora_c10d_all_reduce_start(void* g, at::Tensor* t, char** err) {
+  auto* group = static_cast<Group*>(g);
+  Pending* pending = nullptr;
+  guarded(err, [&] {
+    auto p = std::make_unique<Pending>();
+    p->inputs = {*t};
+    p->timeout = group->timeout;
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = group->timeout;
+    p->work = group->backend->allreduce(p->inputs, o);
+    pending = p.release();
+  });
+  return pending;
+}
+
 // Waits for a started collective (on NCCL: makes the current stream wait for it).
 int llora_c10d_work_wait(void* w, char** err) {
   auto* p = static_cast<Pending*>(w);

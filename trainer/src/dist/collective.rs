@@ -151,6 +151,18 @@ pub trait Collective: Send + Sync {
     fn start_all_gather_bytes(&self, shard: &tch::Tensor) -> Result<PendingBytes, DistError>;
     /// The gathered bytes of a started gather, once it has finished.
     fn wait_all_gather_bytes(&self, pending: PendingBytes) -> Result<tch::Tensor, DistError>;
+    /// Starts the elementwise sum over all ranks of `x` (any float dtype, summed in f32) and
+    /// returns without waiting where the backend can (c10d's work in flight), else after the
+    /// sum ([`Collective::all_reduce_sum_tensor`]). Every rank must start its sums in the same
+    /// order.
+    fn start_all_reduce_sum(&self, x: &tch::Tensor) -> Result<PendingSum, DistError> {
+        Ok(PendingSum { sum: self.all_reduce_sum_tensor(x)?, device: x.device(), work: None })
+    }
+    /// The sum of a started [`Collective::start_all_reduce_sum`], on `x`'s device, once it has
+    /// finished.
+    fn wait_all_reduce_sum(&self, pending: PendingSum) -> Result<tch::Tensor, DistError> {
+        Ok(pending.sum.to_device(pending.device))
+    }
     /// Returns when every rank has called it.
     fn barrier(&self) -> Result<(), DistError>;
     /// Puts `value` under `key` in the job's key-value store.
@@ -173,6 +185,17 @@ pub trait Collective: Send + Sync {
 pub struct PendingBytes {
     /// The gathered bytes (written once the work is done).
     pub out: tch::Tensor,
+    /// The work in flight; none when nothing is.
+    pub work: Option<Box<dyn InFlight>>,
+}
+
+/// A sum in flight: the f32 tensor it is written into, the device the caller wants it on, and
+/// c10d's work (none when the sum is already done). Dropping it unwaited still waits.
+pub struct PendingSum {
+    /// The sum (once the work is done), on the group's device.
+    pub sum: tch::Tensor,
+    /// Where the summed tensor was, and the sum is returned.
+    pub device: tch::Device,
     /// The work in flight; none when nothing is.
     pub work: Option<Box<dyn InFlight>>,
 }

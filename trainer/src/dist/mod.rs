@@ -12,7 +12,9 @@ mod cp_group;
 mod startup;
 mod world;
 
-pub use collective::{Backend, Collective, DistError, InFlight, PendingBytes, ReduceOp, plain_c10d_message};
+pub use collective::{
+    Backend, Collective, DistError, InFlight, PendingBytes, PendingSum, ReduceOp, plain_c10d_message,
+};
 pub use cp_group::ContextComm;
 pub use startup::announce_startup_failure;
 pub use world::{BackendChoice, DistConfig, Launcher, World};

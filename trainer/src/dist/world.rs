@@ -177,6 +177,18 @@ pub struct DistConfig {
     /// all): a rehearsal of several ranks on a machine with one GPU. Needs Gloo (NCCL refuses
     /// two ranks on one device); its collectives stage through the host.
     pub share_device: bool,
+    /// With several ranks, the gradients are summed in buckets of this many MiB, each started
+    /// during the last micro-batch's backward once full, so the reduction overlaps the backward
+    /// of the blocks below (PyTorch DDP's `bucket_cap_mb`, 25 there too); 0: one reduction after
+    /// the backward. The results are bitwise the same either way.
+    pub bucket_mb: f64,
+}
+
+impl DistConfig {
+    /// `bucket_mb` in bytes (0: after the backward).
+    pub fn bucket_bytes(&self) -> usize {
+        (self.bucket_mb * (1 << 20) as f64) as usize
+    }
 }
 
 impl Default for DistConfig {
@@ -187,6 +199,7 @@ impl Default for DistConfig {
             master_addr: None,
             master_port: 29500,
             share_device: false,
+            bucket_mb: 25.0,
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod checkpoints;
 pub mod claim;
 pub mod eval;
 pub mod events;
+mod grad_reduce;
 pub mod mllog;
 pub mod observe;
 pub mod optim;

@@ -354,7 +354,8 @@ fn warm_up(model: &LlamaForCausalLM, config: &Config, device: &Device) -> anyhow
         let labels = ids.clone();
         // The step's own path (block-wise when recomputing or sharded), so the warm-up
         // allocates what the steps will.
-        drop(model.recomputed_backward(ids, labels, None, 1.0, config.train.recompute_layers, || ())?);
+        let at = (1.0, config.train.recompute_layers);
+        drop(model.recomputed_backward(ids, labels, None, at, || (), llora_model::Segments::plain())?);
     }
     Ok(())
 }

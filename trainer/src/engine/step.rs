@@ -13,6 +13,7 @@ pub use llora_model::{MicroBatch, device_sync};
 use tracing::debug_span;
 
 use crate::dist::{Collective, ReduceOp};
+use crate::engine::grad_reduce::{Buckets, TreeSum, all_reduce_after_backward};
 use crate::engine::optim::{AdamW, clip_coefficient};
 
 /// The dropout seed of micro-batch `micro` (its index in the global batch) of optimizer step
@@ -51,6 +52,10 @@ pub struct StepOptions {
     /// after the optimizer) so that the phase times are real on an asynchronous device (CUDA);
     /// `llora bench` sets it, training does not (each wait stalls the launch queue).
     pub sync_phases: bool,
+    /// With several ranks, the gradients are summed over them in buckets of this many bytes,
+    /// each started during the last micro-batch's backward as soon as it is full
+    /// (`dist.bucket_mb`); 0: one reduction after the backward.
+    pub bucket_bytes: usize,
 }
 
 /// One micro-batch's loss (`loss_sum / norm`) and the flattened gradients of every trainable
@@ -91,7 +96,9 @@ pub struct NonFinite {
 ///
 /// On one rank the host reads the device once per step: the micro-batches' losses and each
 /// gradient's squared norm, together, for the clip coefficient and the non-finite check (sums
-/// in f64 on the host, in a fixed order). With several ranks the gradient bucket crosses too.
+/// in f64 on the host, in a fixed order). With several ranks the gradients are summed on the
+/// device, in buckets started during the last micro-batch's backward (`opts.bucket_bytes`;
+/// `grad_reduce.rs`), bitwise as one reduction after it.
 pub fn train_step(
     model: &mut LlamaForCausalLM,
     optim: &mut AdamW,
@@ -102,9 +109,20 @@ pub fn train_step(
 ) -> anyhow::Result<StepStats> {
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
+    let during_backward = comm.world_size() > 1 && opts.bucket_bytes > 0 && model.streams_gradients();
+    let last = micro_batches.len().saturating_sub(1);
     let mut acc = Accumulated::default();
-    for mb in micro_batches {
-        acc.push(model.loss_and_grads(mb, norm, opts.recompute_layers, opts.sync_phases)?);
+    for (k, mb) in micro_batches.into_iter().enumerate() {
+        let at = (norm, opts.recompute_layers, opts.sync_phases);
+        if during_backward && k == last {
+            let n = model.trainable_params_mut().len();
+            let mut buckets = Buckets::new(comm, opts.bucket_bytes, std::mem::take(&mut acc.grads));
+            let g = model.loss_and_grads_streamed(mb, at, &mut |i, g| buckets.ready(i, g))?;
+            say_once_how_gradients_are_reduced(buckets.started(), opts.bucket_bytes);
+            acc.push_reduced(g, buckets.finish(n)?);
+        } else {
+            acc.push(model.loss_and_grads(mb, at.0, at.1, at.2)?);
+        }
     }
     apply(model, optim, comm, acc, opts)
 }
@@ -141,10 +159,23 @@ pub fn preference_step(
     Ok((apply(model, optim, comm, acc, opts)?, stats))
 }
 
-/// A rank's micro-batches' losses and gradients, summed in a fixed tree ([`TreeSum`]).
+/// Logs once per process how many gradient buckets the first step started during its backward.
+fn say_once_how_gradients_are_reduced(during: usize, bucket_bytes: usize) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let mib = bucket_bytes as f64 / f64::from(1 << 20);
+        tracing::info!(
+            "gradients summed over the ranks in buckets of {mib} MiB: {during} started during the backward, the last after it"
+        );
+    });
+}
+
+/// A rank's micro-batches' losses and gradients, summed in a fixed tree ([`TreeSum`]), or
+/// already summed over the ranks too (`reduced`, during the last backward).
 #[derive(Default)]
 struct Accumulated {
     grads: TreeSum<Vec<Tensor<1>>>,
+    reduced: Option<Vec<Tensor<1>>>,
     losses: Vec<Tensor<1>>,
     forward_s: f64,
     backward_s: f64,
@@ -152,10 +183,21 @@ struct Accumulated {
 
 impl Accumulated {
     fn push(&mut self, g: MicroGrads) {
-        self.losses.push(g.loss);
         self.grads.push(g.grads, |a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
-        self.forward_s += g.forward_s;
-        self.backward_s += g.backward_s;
+        self.push_times(g.loss, g.forward_s, g.backward_s);
+    }
+
+    /// The last micro-batch, whose gradients went into the buckets: `reduced` is every
+    /// parameter's gradient summed over the micro-batches and the ranks.
+    fn push_reduced(&mut self, g: MicroGrads, reduced: Vec<Tensor<1>>) {
+        self.reduced = Some(reduced);
+        self.push_times(g.loss, g.forward_s, g.backward_s);
+    }
+
+    fn push_times(&mut self, loss: Tensor<1>, forward_s: f64, backward_s: f64) {
+        self.losses.push(loss);
+        self.forward_s += forward_s;
+        self.backward_s += backward_s;
     }
 }
 
@@ -168,13 +210,18 @@ fn apply(
     acc: Accumulated,
     opts: StepOptions,
 ) -> anyhow::Result<StepStats> {
-    let Accumulated { grads, losses, forward_s, backward_s } = acc;
+    let Accumulated { grads, reduced, losses, forward_s, backward_s } = acc;
     let (lr, clip_grad_norm) = (opts.lr, opts.clip_grad_norm);
     let t = Instant::now();
     let _span = debug_span!("optimizer").entered();
     tracing::debug!("step phase: all-reduce and optimizer");
-    let grads = grads.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect()).unwrap_or_default();
-    let grads = all_reduce_bucket(comm, grads)?;
+    let grads = match reduced {
+        Some(reduced) => reduced,
+        None => {
+            let summed = grads.finish(|a, b| a.into_iter().zip(b).map(|(a, b)| a + b).collect());
+            all_reduce_after_backward(comm, summed.unwrap_or_default())?
+        }
+    };
     let (micro_losses, square_norms) = read_losses_and_norms(losses, &grads);
     let mut loss_acc: TreeSum<f64> = TreeSum::default();
     for l in micro_losses {
@@ -225,88 +272,6 @@ fn read_losses_and_norms(losses: Vec<Tensor<1>>, grads: &[Tensor<1>]) -> (Vec<f6
     (values[..m].to_vec(), values[m..].to_vec())
 }
 
-/// A sum in a fixed binary tree over the order of its terms: ((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7)).
-///
-/// Floating-point addition is not associative, so a plain running sum over a rank's
-/// micro-batches, all-reduced, differs in the last bits from one process's running sum over all
-/// of them, and AdamW magnifies that in parameters whose gradients are near zero. With the tree,
-/// a rank's sum over its aligned block of 2^k micro-batches is exactly a subtree of the single
-/// process's sum, and the two-rank all-reduce (a + b) is its root: world 1 and world 2 give
-/// bitwise the same step. Larger power-of-two worlds gather the ranks' sums and add them in
-/// the same tree ([`all_reduce_bucket`]), so 4 or 8 ranks give it too when each rank's share
-/// of micro-batches is a power of two.
-struct TreeSum<T> {
-    /// Partial sums with their tree level, levels strictly decreasing towards the top.
-    stack: Vec<(u32, T)>,
-}
-
-impl<T> Default for TreeSum<T> {
-    fn default() -> Self {
-        Self { stack: Vec::new() }
-    }
-}
-
-impl<T> TreeSum<T> {
-    /// Adds the next term, merging equal-level partial sums (left + right).
-    fn push(&mut self, x: T, add: impl Fn(T, T) -> T) {
-        let mut cur = (0u32, x);
-        while self.stack.last().is_some_and(|(level, _)| *level == cur.0) {
-            let (level, left) = self.stack.pop().expect("checked");
-            cur = (level + 1, add(left, cur.1));
-        }
-        self.stack.push(cur);
-    }
-
-    /// The total (None without terms); unequal partial sums are merged right to left.
-    fn finish(self, add: impl Fn(T, T) -> T) -> Option<T> {
-        self.stack.into_iter().map(|(_, x)| x).rev().reduce(|right, left| add(left, right))
-    }
-}
-
-/// Sums the ranks' gradients as one flat f32 bucket (one collective per step, not one per
-/// parameter); the identity on one rank. Two ranks all-reduce (a + b is exact in any order);
-/// larger power-of-two worlds all-gather the ranks' sums and add them in [`TreeSum`]'s order,
-/// the single process's, at the cost of world × the bucket in memory and traffic (a LoRA
-/// bucket: 178 MB for the 70B's attention adapters); other worlds all-reduce in the backend's
-/// order.
-///
-/// # Shapes
-/// - grads: `[n_i]` each; output: the same
-fn all_reduce_bucket(comm: &dyn Collective, grads: Vec<Tensor<1>>) -> anyhow::Result<Vec<Tensor<1>>> {
-    if comm.world_size() == 1 || grads.is_empty() {
-        return Ok(grads);
-    }
-    let device = grads[0].device();
-    let sizes: Vec<usize> = grads.iter().map(|g| g.shape().num_elements()).collect();
-    let mut flat: Vec<f32> = Tensor::cat(grads, 0).into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
-    let world = comm.world_size();
-    let n = flat.len();
-    if world > 2 && world.is_power_of_two() {
-        let all = comm.all_gather_f32(&flat)?;
-        let mut tree: TreeSum<Vec<f32>> = TreeSum::default();
-        let add = |mut a: Vec<f32>, b: Vec<f32>| {
-            a.iter_mut().zip(&b).for_each(|(x, y)| *x += *y);
-            a
-        };
-        for part in all.chunks_exact(n) {
-            tree.push(part.to_vec(), add);
-        }
-        flat = tree.finish(add).expect("world > 2 parts");
-    } else {
-        comm.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
-    }
-    let all = Tensor::<1>::from_data(TensorData::new(flat, [n]), &device);
-    let mut start = 0;
-    Ok(sizes
-        .into_iter()
-        .map(|len| {
-            let g = all.clone().narrow(0, start, len);
-            start += len;
-            g
-        })
-        .collect())
-}
-
 /// What one optimizer step gave and where its time went.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
@@ -330,25 +295,6 @@ mod tests {
     use crate::dist::SingleProcess;
     use burn::tensor::Int;
     use llora_model::{BuildOptions, LlamaConfig, LoraSpec};
-
-    /// The tree's association, written out by hand for 8 and 5 terms; a rank's block of 4 is
-    /// the left or right subtree of 8.
-    #[test]
-    fn tree_sum_associates_as_a_balanced_tree() {
-        let sum = |xs: &[&str]| {
-            let mut t = TreeSum::default();
-            for x in xs {
-                t.push(x.to_string(), |a, b| format!("({a}+{b})"));
-            }
-            t.finish(|a, b| format!("({a}+{b})")).unwrap()
-        };
-        let g: Vec<String> = (0..8).map(|i| format!("g{i}")).collect();
-        let g: Vec<&str> = g.iter().map(String::as_str).collect();
-        assert_eq!(sum(&g), "(((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7)))");
-        assert_eq!(format!("({}+{})", sum(&g[..4]), sum(&g[4..])), sum(&g));
-        assert_eq!(sum(&g[..5]), "(((g0+g1)+(g2+g3))+g4)");
-        assert_eq!(sum(&g[..1]), "g0");
-    }
 
     /// The recompute check: loss and every LoRA gradient with all 4 blocks (and with 2)
     /// recomputed equal the plain backward's, with dropout on, in fp32 and in FP8 with FP8
@@ -727,7 +673,7 @@ mod tests {
             &SingleProcess,
             vec![MicroBatch { ids, labels: labels.into(), packed: None, seed: None }],
             0,
-            StepOptions { lr: 1e-3, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false },
+            StepOptions { lr: 1e-3, clip_grad_norm: 0.3, recompute_layers: 0, sync_phases: false, bucket_bytes: 0 },
         )
         .unwrap();
         assert_eq!((s.loss, s.grad_norm), (0.0, 0.0));

@@ -251,6 +251,7 @@ impl<'a> Trainer<'a> {
             clip_grad_norm: config.optim.clip_grad_norm,
             recompute_layers: config.train.recompute_layers,
             sync_phases: false,
+            bucket_bytes: config.dist.bucket_bytes(),
         };
         let optim = &mut self.state.optim;
         let stats = match config.train.objective {

@@ -335,6 +335,7 @@ fn bench_step(
         clip_grad_norm: run.optim.clip_grad_norm,
         recompute_layers: run.train.recompute_layers,
         sync_phases: bench.device().is_cuda(),
+        bucket_bytes: run.dist.bucket_bytes(),
     };
     train_step(model, optim, dist.comm.as_ref(), mine, targets, opts)
 }
