@@ -75,7 +75,7 @@ for t in $tests; do
   xz -T0 -6 -c "$tmp" >"$OUT/test-bin/$(basename "$t" | sed 's/-[0-9a-f]*$//').xz"
 done
 rm -f "$tmp"
-cp scripts/gpu-check.sh scripts/trace-table.py scripts/bench-packing.sh scripts/node-libs.sh "$OUT/scripts/"
+cp scripts/gpu-check.sh scripts/trace-table.py scripts/copies.py scripts/bench-packing.sh scripts/node-libs.sh "$OUT/scripts/"
 cp -r scripts/peer "$OUT/scripts/"
 rm -rf "$OUT/scripts/peer/__pycache__"
 cp configs/*.toml "$OUT/configs/"

@@ -23,7 +23,8 @@
 #
 # Every process it runs must exit 0: a non-zero exit (a panic, an abort at exit) fails the
 # report even when the process printed a good result. TRACE=1 adds a Chrome/Perfetto trace of
-# one step of each llora bench (REPORT_DIR/trace-PRESET-SEQ-PRECISION.json).
+# one step of each llora bench (REPORT_DIR/trace-PRESET-SEQ-PRECISION.json) and where its
+# copies come from (REPORT_DIR/copies-PRESET-SEQ-PRECISION.md, scripts/copies.py).
 #
 # It survives a hang: every process runs under a time limit (`timeout`, whole process group;
 # defaults sized per section, LIMIT_S=N caps each at N seconds); one over its limit is reported
@@ -428,6 +429,8 @@ for shape in $SHAPES; do
     if [[ ${TRACE:-0} == 1 && -s ${trace:-} ]]; then
       "$PYTHON" scripts/trace-table.py --json --top 15 "$trace" 2>>"$work/bench.log" \
         | sed "s/^{/{\"section\": \"trace\", \"preset\": \"$preset\", \"seq_len\": $seq, \"precision\": \"$precision\", /" >>"$rows" || true
+      # Where its copies come from (scripts/copies.py): each aten::copy_ by the op that asked.
+      "$PYTHON" scripts/copies.py --top 40 "$trace" >"$REPORT_DIR/copies-$preset-$seq-$precision.md" 2>>"$work/bench.log" || true
     fi
     say "bench $preset s$seq bf16: peer"
     [[ -f "$work/p-$preset-$seq.json" ]] \

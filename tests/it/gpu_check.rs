@@ -80,10 +80,80 @@ fn gpu_check_cpu_mode_writes_the_whole_report() {
         assert!(t["timeline"] == "cpu (top-level ops)" && !top.is_empty() && top.len() <= 15, "{t}");
         assert!(top.iter().any(|k| k["name"].as_str().unwrap().starts_with("aten::")), "{t}");
     }
+    // And where each traced step's copies come from.
+    for precision in ["bf16", "fp8"] {
+        let copies = dir.path().join(format!("copies-tiny-128-{precision}.md"));
+        let copies = std::fs::read_to_string(&copies).unwrap_or_else(|e| panic!("{}: {e}", copies.display()));
+        assert!(copies.contains("| **all** |"), "{copies}");
+    }
     let md = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(md.contains("## Self-tests") && md.contains("## llora against PyTorch + PEFT"), "{md}");
     assert!(md.contains("## Where one traced step's device time goes"), "{md}");
     assert!(md.contains("## Exit statuses") && md.contains("## Where the step goes"), "{md}");
+}
+
+/// `scripts/copies.py` classes each `aten::copy_` by the ops around it, by hand: a cast under
+/// `aten::to` (f32 → bf16, 4 x 8 = 64 B), a transpose made contiguous (a layout fix, 2 x 3 f32 =
+/// 24 B, its source's strides a transpose's), two copies llora asked for itself (no aten op
+/// around them, bf16, 10 B each) and a copy on another thread, not inside the `aten::to` that
+/// spans its time there.
+#[test]
+fn copies_py_classes_each_copy_by_what_asked_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let op = |name: &str, tid: u32, ts: u32, dur: u32, args: serde_json::Value| serde_json::json!({"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": ts, "dur": dur, "args": args});
+    let copy = |tid: u32, ts: u32, types: [&str; 2], dims: serde_json::Value, strides: serde_json::Value| {
+        let args = serde_json::json!({"Input type": [types[0], types[1], "Scalar"], "Input Dims": dims, "Input Strides": strides});
+        op("aten::copy_", tid, ts, 2, args)
+    };
+    let none = serde_json::json!({});
+    let events = vec![
+        op("aten::to", 1, 0, 10, none.clone()),
+        op("aten::_to_copy", 1, 1, 8, none.clone()),
+        copy(
+            1,
+            2,
+            ["c10::BFloat16", "float"],
+            serde_json::json!([[4, 8], [4, 8], []]),
+            serde_json::json!([[8, 1], [8, 1], []]),
+        ),
+        op("aten::contiguous", 1, 20, 10, none.clone()),
+        op("aten::clone", 1, 21, 8, none.clone()),
+        copy(
+            1,
+            22,
+            ["float", "float"],
+            serde_json::json!([[2, 3], [2, 3], []]),
+            serde_json::json!([[3, 1], [1, 2], []]),
+        ),
+        copy(
+            1,
+            40,
+            ["c10::BFloat16", "c10::BFloat16"],
+            serde_json::json!([[5], [5], []]),
+            serde_json::json!([[1], [1], []]),
+        ),
+        copy(
+            2,
+            4,
+            ["c10::BFloat16", "c10::BFloat16"],
+            serde_json::json!([[5], [5], []]),
+            serde_json::json!([[1], [1], []]),
+        ),
+    ];
+    std::fs::write(&trace, serde_json::json!({ "traceEvents": events }).to_string()).unwrap();
+    let out = std::process::Command::new(common::root().join(".venv/bin/python"))
+        .arg(common::root().join("scripts/copies.py"))
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    for row in ["| cast | 1 | 64 |", "| layout | 1 | 24 |", "| own copy | 2 | 20 |", "| **all** | **4** | **108** |"] {
+        assert!(stdout.contains(row), "no {row:?} in\n{stdout}");
+    }
+    assert!(stdout.contains("| cast | `aten::to` | [4, 8] | 1 |"), "{stdout}");
+    assert!(stdout.contains("| layout | `aten::contiguous` | [2, 3] | 1 |"), "{stdout}");
 }
 
 /// `scripts/trace-table.py` ranks a trace's device activities and splits them into the bench's

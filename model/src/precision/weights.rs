@@ -180,12 +180,13 @@ impl StoredWeight {
     }
 
     /// The stored weight of converted values (bf16, or E4M3 codes at `scale`), with the
-    /// transposed copy FP8 keeps on CUDA unless one layout is asked for.
+    /// transposed copy FP8 keeps where the CUDA routes run unless one layout is asked for.
     fn converted(spec: &PrecisionSpec, stored: tch::Tensor, scale: f32) -> Self {
         match stored.kind() {
             Kind::BFloat16 => Self::Bf16(TchTensor::new(stored)),
             _ => {
-                let keep = stored.device().is_cuda() && !spec.fp8_weights_one_layout;
+                // The CPU standing in for CUDA keeps it too: the same GEMM layouts, the same copies.
+                let keep = crate::routes::takes_cuda_routes(stored.device()) && !spec.fp8_weights_one_layout;
                 let transposed = keep.then(|| stored.tr().contiguous());
                 Self::Fp8(Fp8Tensor::host(stored, 1.0 / scale).with_transposed(transposed))
             }
