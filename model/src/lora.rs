@@ -208,11 +208,31 @@ impl LoraAdapter {
     /// - x: `[batch, seq, in]`
     /// - output: `[batch, seq, out]`
     pub fn update(&self, x: Tensor<3>, train: bool) -> Tensor<3> {
+        self.update_reading(x, train, None)
+    }
+
+    /// [`Self::update`] with A's GEMM taking what `shared` holds of `x` (the amax its dropout
+    /// took, for the FP8 copy A keeps with `fp8_activations`).
+    ///
+    /// # Shapes
+    /// As [`Self::update`].
+    pub fn update_reading(&self, x: Tensor<3>, train: bool, shared: Option<&SharedCodes>) -> Tensor<3> {
         let up = match &self.quant {
-            Some([qa, qb]) => precision_linear(precision_linear(x, self.a.val(), qa, train), self.b.val(), qb, train),
+            Some([qa, qb]) => {
+                let down = precision_linear_reading(x, self.a.val(), qa, train, shared);
+                precision_linear(down, self.b.val(), qb, train)
+            }
             None => linear_t(linear_t(x, self.a.val()), self.b.val()),
         };
         up.mul_scalar(self.scale)
+    }
+
+    /// Whether A's GEMM keeps an FP8 copy of its input at current scaling (`fp8_activations`
+    /// on a GEMM that is not FP8 itself): what the input's dropout can take the amax for.
+    fn keeps_fp8_input(&self) -> bool {
+        self.quant
+            .as_ref()
+            .is_some_and(|[qa, _]| qa.spec.fp8_activations && qa.spec.compute != crate::precision::Compute::Fp8)
     }
 
     /// Trainable values: A, B and DoRA's magnitude.
@@ -405,9 +425,15 @@ impl LoraLinear {
         let adapter = self.lora.as_ref().filter(|_| !ADAPTERS_OFF.with(std::cell::Cell::get));
         let Some(adapter) = adapter else { return self.plus_bias(base) };
         // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
+        // Where A keeps an FP8 copy of the dropped input, the dropout takes its amax.
         let dropped = train && adapter.dropout > 0.0;
-        let xa = if dropped { crate::dropout::dropout(x, adapter.dropout) } else { x };
-        let update = adapter.update(xa.clone(), train);
+        let amax_to = (dropped && adapter.keeps_fp8_input()).then(SharedCodes::new);
+        let xa = match (&amax_to, dropped) {
+            (Some(to), _) => crate::dropout::offering_amax(to, || crate::dropout::dropout(x, adapter.dropout)),
+            (None, true) => crate::dropout::dropout(x, adapter.dropout),
+            (None, false) => x,
+        };
+        let update = adapter.update_reading(xa.clone(), train, amax_to.as_ref());
         // Summed in the adapter's dtype and rounded once: PEFT adds its f32 adapter's output to
         // a bf16 layer's result in f32.
         let dtype = base.dtype();

@@ -51,14 +51,20 @@ pub fn checked_on(device: tch::Device) -> Result<(), String> {
 
 /// `x · keep / (1 − p)` with the Philox mask of `seed` (this rank's rows of the whole
 /// sequence's under `split`), on the kernel where it launches, else its stand-in; a kernel
-/// failure is logged and the stand-in runs.
+/// failure is logged and the stand-in runs. With `amax` (`[1]` f32, zero or a lower bound)
+/// the output's amax is folded into it in the same pass.
 ///
 /// # Shapes
 /// - x: any; with a split `[.., split.local_len(), width]`; output: as x, contiguous
-pub(crate) fn apply(x: &tch::Tensor, seed: u64, p: f64, split: Option<ContextSplit>) -> tch::Tensor {
+pub(crate) fn apply(
+    x: &tch::Tensor,
+    (seed, p): (u64, f64),
+    split: Option<ContextSplit>,
+    amax: Option<&tch::Tensor>,
+) -> tch::Tensor {
     let x = x.contiguous();
     let y = x.empty_like();
-    let args = DropoutArgs { x: &x, y: &y, seed, p, split: split.map(rows) };
+    let args = DropoutArgs { x: &x, y: &y, seed, p, split: split.map(rows), amax };
     if x.kind() != tch::Kind::BFloat16 {
         // A gradient in another dtype: the same mask through LibTorch's product.
         stand_in(&args);
@@ -87,11 +93,17 @@ fn rows(split: ContextSplit) -> SplitRows {
 
 /// What the kernel computes, with the mask drawn on the host (the CPU stand-in and the
 /// check's reference): the keep-mask of [`keep_mask`] through LibTorch's
-/// `native_dropout_backward` (`x · mask · scale`).
+/// `native_dropout_backward` (`x · mask · scale`), and the amax folded in as LibTorch's max of
+/// `|y|` (NaN where y holds one).
 pub(crate) fn stand_in(a: &DropoutArgs<'_>) {
+    let _no_grad = tch::no_grad_guard();
     let mask = keep_mask(a).to_device(a.x.device());
     let out = tch::Tensor::native_dropout_backward(a.x, &mask, 1.0 / (1.0 - a.p));
     a.y.shallow_clone().copy_(&out);
+    if let Some(amax) = a.amax {
+        let mine = crate::fp8::amax_on_device(&out.to_kind(tch::Kind::Float)).reshape([1]);
+        amax.shallow_clone().copy_(&amax.maximum(&mine));
+    }
 }
 
 /// The kernel's mask of `a.x`'s elements, drawn on the host: element i's word is word
@@ -131,23 +143,27 @@ fn keep_mask(a: &DropoutArgs<'_>) -> tch::Tensor {
 }
 
 /// Checks the kernel against its stand-in on `device`: bf16 x of `[2, 6, 10]` over ±40 with
-/// zeros of both signs, p 0.3, a tensor's own mask and a context-parallel rank's rows (rank 1
-/// of 2 on an 11-token sequence: a padding row), bit for bit. Calls the kernel and the
-/// reference directly, never the route (no verdict re-entered).
+/// zeros of both signs, p 0.3, a tensor's own mask (with its amax) and a context-parallel
+/// rank's rows (rank 1 of 2 on an 11-token sequence: a padding row), bit for bit. Calls the
+/// kernel and the reference directly, never the route (no verdict re-entered).
 pub fn check(device: tch::Device) -> Result<(), String> {
     let _guard = tch::no_grad_guard();
     let v: Vec<f32> = (0..120).map(|i| ((i * 7919) % 4001) as f32 / 4001.0 * 80.0 - 40.0).collect();
     let x = tch::Tensor::from_slice(&v).to_kind(tch::Kind::BFloat16).to_device(device).view([2, 6, 10]);
     let _ = x.narrow(2, 0, 1).fill_(-0.0);
+    let amax = |d| tch::Tensor::zeros([1], (tch::Kind::Float, d));
     for split in [None, Some(rows(ContextSplit::new(11, 1, 2)))] {
         let (got, want) = (x.empty_like(), x.empty_like());
-        let args = DropoutArgs { x: &x, y: &got, seed: 0x5eed_0123_4567_89ab, p: 0.3, split };
+        let (got_amax, want_amax) = (amax(device), amax(device));
+        let amax_of = |t| split.is_none().then_some(t);
+        let args = DropoutArgs { x: &x, y: &got, seed: 0x5eed_0123_4567_89ab, p: 0.3, split, amax: amax_of(&got_amax) };
         if !kernel::launch(&args).map_err(|e| e.to_string())? {
             // Nothing launches on this device: the stand-in is the route; compare it to itself.
             stand_in(&args);
         }
-        stand_in(&DropoutArgs { y: &want, ..args });
-        let same = crate::kernels::args::host_bytes(&got) == crate::kernels::args::host_bytes(&want);
+        stand_in(&DropoutArgs { y: &want, amax: amax_of(&want_amax), ..args });
+        let bytes = crate::kernels::args::host_bytes;
+        let same = bytes(&got) == bytes(&want) && bytes(&got_amax) == bytes(&want_amax);
         if !same {
             return Err(format!(
                 "the dropout {} differs from the host's Philox mask",

@@ -39,6 +39,7 @@ use burn::tensor::{Device, Distribution, Tensor};
 use std::cell::Cell;
 
 use crate::context_parallel::ContextSplit;
+use crate::fp8::SharedCodes;
 
 pub(crate) mod fused;
 mod philox;
@@ -46,6 +47,16 @@ mod philox;
 thread_local! {
     /// The split of the sequence the current block runs on (see [`over_split`]).
     static SPLIT: Cell<Option<ContextSplit>> = const { Cell::new(None) };
+    /// Where a dropout on our kernel hands its output's amax (see [`offering_amax`]).
+    static OFFER: std::cell::RefCell<Option<SharedCodes>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, whose dropout, where it takes our kernel, hands its output's amax to `to`,
+/// taken in the same pass: the amax its reader's FP8 copy at current scaling needs (the
+/// adapter's A GEMM keeps one with `fp8_activations`), which then takes no pass of its own.
+/// Elsewhere nothing is handed over and the reader takes the amax itself: the same value.
+pub(crate) fn offering_amax<T>(to: &SharedCodes, f: impl FnOnce() -> T) -> T {
+    crate::scoped::with_value(&OFFER, Some(to.clone()), f)
 }
 
 /// Runs `f` with the dropout masks drawn inside it taken from the whole sequence's masks as
@@ -195,10 +206,16 @@ fn keep_mask_split(seed: u64, p: f64, size: &[i64], device: tch::Device, split: 
     mask
 }
 
-/// `x · mask / (1 − p)` and what draws the mask again.
+/// `x · mask / (1 − p)` and what draws the mask again; on our kernel, the output's amax handed
+/// where [`offering_amax`] asks.
 fn forward(x: &tch::Tensor, p: f64) -> (tch::Tensor, Mask) {
     let mask = Mask { seed: draw_seed(), p, split: SPLIT.with(Cell::get), kernel: fused::takes_kernel(x) };
-    (mask.apply(x), mask)
+    let offer = if mask.kernel { OFFER.with(|o| o.borrow().clone()) } else { None };
+    let Some(to) = offer else { return (mask.apply(x), mask) };
+    let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
+    let y = fused::apply(x, (mask.seed, p), fitting(mask.split, &x.size()), Some(&amax));
+    to.offer_input_amax(amax, y.numel() as i64);
+    (y, mask)
 }
 
 /// What draws one dropout op's mask again: its seed, p, the split it ran under, and whether
@@ -216,7 +233,7 @@ impl Mask {
     /// its gradient backward): the same mask both times.
     fn apply(&self, t: &tch::Tensor) -> tch::Tensor {
         if self.kernel {
-            return fused::apply(t, self.seed, self.p, fitting(self.split, &t.size()));
+            return fused::apply(t, (self.seed, self.p), fitting(self.split, &t.size()), None);
         }
         let mask = keep_mask(self.seed, self.p, &t.size(), t.device(), self.split);
         tch::Tensor::native_dropout_backward(t, &mask, 1.0 / (1.0 - self.p))

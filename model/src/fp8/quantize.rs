@@ -160,14 +160,19 @@ pub fn check_kernel(device: tch::Device) -> Result<(), String> {
 
 /// Current scaling on our kernels against the f32 route with the scale computed as
 /// [`current_scale`] does: codes and inverse scale bit for bit, on x as given, on x without
-/// its NaN (a finite amax: scale ≠ 1) and on zeros (scale 1).
+/// its NaN (a finite amax: scale ≠ 1) and on zeros (scale 1); also the codes' launch alone at
+/// an amax handed over (its writer's: [`quantize_current_at_amax`]).
 fn check_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(), String> {
     let finite = x.nan_to_num(0.0, 0.0, 0.0);
     for x in [x.shallow_clone(), finite.shallow_clone(), finite.zeros_like()] {
-        let (codes, scale_inv) = quantize_current_kernel(&x, format).map_err(|e| e.to_string())?;
+        let (codes, scale_inv) = quantize_current_kernel(&x, format, None).map_err(|e| e.to_string())?;
         let (scale, want_inv) = current_scale(&x, format);
         let want = quantize_via_f32(&x, Scale::Device { s: &scale, inv: &want_inv }, format);
-        if host_bytes(&codes) != host_bytes(&want) || host_bytes(&scale_inv) != host_bytes(&want_inv) {
+        let given = amax_on_device(&x).reshape([1]);
+        let (at_codes, at_inv) = quantize_current_kernel(&x, format, Some(&given)).map_err(|e| e.to_string())?;
+        let same = |a: &tch::Tensor, b: &tch::Tensor| host_bytes(a) == host_bytes(b);
+        if !same(&codes, &want) || !same(&scale_inv, &want_inv) || !same(&at_codes, &want) || !same(&at_inv, &want_inv)
+        {
             return Err(format!(
                 "codes or inverse scale differ from the f32 route (amax {})",
                 amax_abs_max(&x).double_value(&[])
@@ -186,6 +191,8 @@ pub struct QuantiserCounts {
     pub two_pass: usize,
     /// Through an f32 copy (cast, scale, clamp, cast).
     pub via_f32: usize,
+    /// Of those, current scalings at the amax their input's writer took (no amax pass).
+    pub at_writers_amax: usize,
 }
 
 impl QuantiserCounts {
@@ -208,7 +215,7 @@ impl QuantiserCounts {
 thread_local! {
     /// This thread's quantisations (a step's forward and backward run on the thread calling them).
     static QUANTISED: std::cell::Cell<QuantiserCounts> =
-        const { std::cell::Cell::new(QuantiserCounts { kernel: 0, two_pass: 0, via_f32: 0 }) };
+        const { std::cell::Cell::new(QuantiserCounts { kernel: 0, two_pass: 0, via_f32: 0, at_writers_amax: 0 }) };
 }
 
 /// The quantisers, as [`QuantiserCounts`] counts them.
@@ -410,7 +417,7 @@ pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::T
     let scales_of = || scales.get_or_init(|| current_scale(x, format));
     through_routes(
         x,
-        kernel.then_some(|| quantize_current_kernel(x, format)),
+        kernel.then_some(|| quantize_current_kernel(x, format, None)),
         || {
             let (scale, scale_inv) = scales_of();
             Ok((quantize_clamped(x, Scale::Device { s: scale, inv: scale_inv }, format)?, scale_inv.shallow_clone()))
@@ -422,16 +429,52 @@ pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::T
     )
 }
 
-/// [`quantize_current_on_device`] on our kernels (`kernels/fp8_quantize.cu`): an amax pass,
-/// then one pass writing the codes at the scale computed on the device.
-fn quantize_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(tch::Tensor, tch::Tensor), KernelError> {
+/// [`quantize_current_on_device`] with `x`'s amax (`[1]` f32 on x's device, ≥ 0 or NaN)
+/// taken by the op that wrote `x` (the adapters' dropout on our kernel): no amax pass of its
+/// own. The same codes and inverse scale as [`quantize_current_on_device`] (the same amax;
+/// under a context-parallel amax group it is reduced over the group first, as there).
+pub fn quantize_current_at_amax(x: &tch::Tensor, amax: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
+    QUANTISED.with(|c| c.set(QuantiserCounts { at_writers_amax: c.get().at_writers_amax + 1, ..c.get() }));
+    let kernel = kernel_route(x) && x.numel() > 0 && !super::amax_group::active();
+    let scales = std::cell::OnceCell::new();
+    let scales_of =
+        || scales.get_or_init(|| scale_of_amax(super::amax_group::reduced(amax.reshape([] as [i64; 0])), format));
+    through_routes(
+        x,
+        kernel.then_some(|| quantize_current_kernel(x, format, Some(amax))),
+        || {
+            let (scale, scale_inv) = scales_of();
+            Ok((quantize_clamped(x, Scale::Device { s: scale, inv: scale_inv }, format)?, scale_inv.shallow_clone()))
+        },
+        || {
+            let (scale, scale_inv) = scales_of();
+            (quantize_via_f32(x, Scale::Device { s: scale, inv: scale_inv }, format), scale_inv.shallow_clone())
+        },
+    )
+}
+
+/// [`quantize_current_on_device`] on our kernels (`kernels/fp8_quantize.cu`): an amax pass
+/// (none where `known` holds the amax already), then one pass writing the codes at the scale
+/// computed on the device.
+fn quantize_current_kernel(
+    x: &tch::Tensor,
+    format: Fp8Format,
+    known: Option<&tch::Tensor>,
+) -> Result<(tch::Tensor, tch::Tensor), KernelError> {
     let x = x.contiguous();
     let out = tch::Tensor::empty(x.size(), (format.kind(), x.device()));
-    let amax = tch::Tensor::zeros([1], (tch::Kind::Float, x.device()));
+    let amax = known.map_or_else(|| tch::Tensor::zeros([1], (tch::Kind::Float, x.device())), |a| a.reshape([1]));
     let scale_inv = tch::Tensor::zeros([] as [i64; 0], (tch::Kind::Float, x.device()));
     let args = CurrentArgs { x: &x, out: &out, amax: &amax, scale_inv: &scale_inv, format };
-    if !fp8_quantize::quantize_current(&args)? {
-        super::stand_ins::quantize::current(&args);
+    let launched = match known {
+        Some(_) => fp8_quantize::quantize_current_at_amax(&args)?,
+        None => fp8_quantize::quantize_current(&args)?,
+    };
+    if !launched {
+        match known {
+            Some(_) => super::stand_ins::quantize::current_at_amax(&args),
+            None => super::stand_ins::quantize::current(&args),
+        }
     }
     Ok((out, scale_inv))
 }
@@ -439,7 +482,11 @@ fn quantize_current_kernel(x: &tch::Tensor, format: Fp8Format) -> Result<(tch::T
 /// `(max / amax(x), its inverse)` as 0-dim f32 tensors on x's device, read by nobody; 1 where
 /// the amax is zero or not finite.
 fn current_scale(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
-    let amax = super::amax_group::reduced(amax_on_device(x));
+    scale_of_amax(super::amax_group::reduced(amax_on_device(x)), format)
+}
+
+/// [`current_scale`] of an amax already taken (0-dim f32).
+fn scale_of_amax(amax: tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
     // `max / amax` as one f32 division (the host's `fp8_max / amax`). Few ops on purpose: on a
     // small model the host's launches are the bottleneck. An amax of 0 gives +inf and a NaN
     // amax NaN, both 1 after nan_to_num; an infinite amax gives 0, made 1 by adding (s == 0).
@@ -652,7 +699,7 @@ mod tests {
             );
             assert_eq!(
                 counts,
-                QuantiserCounts { kernel: 2, two_pass: 0, via_f32: 0 },
+                QuantiserCounts { kernel: 2, two_pass: 0, via_f32: 0, at_writers_amax: 0 },
                 "the checks' own quantisations are not counted"
             );
             assert_eq!(counts.routes(), ["kernel"]);

@@ -4,7 +4,7 @@
 //! together, so no caller pairs them by hand.
 
 use super::format::Fp8Format;
-use super::quantize::{quantize_and_amax, quantize_current_on_device, quantize_tch};
+use super::quantize::{quantize_and_amax, quantize_current_at_amax, quantize_current_on_device, quantize_tch};
 use super::tensor::Fp8Tensor;
 
 /// A way to quantise.
@@ -34,6 +34,13 @@ impl Quantizer {
                 Fp8Tensor::device(codes, scale_inv)
             }
         }
+    }
+
+    /// [`Quantizer::Current`]'s quantisation of `x` at the amax the op that wrote `x` took
+    /// (`[1]` f32 on x's device): the same codes, without an amax pass of their own.
+    pub fn quantize_current_at_amax(format: Fp8Format, x: &tch::Tensor, amax: &tch::Tensor) -> Fp8Tensor {
+        let (codes, scale_inv) = quantize_current_at_amax(x, amax, format);
+        Fp8Tensor::device(codes, scale_inv)
     }
 
     /// [`Self::quantize`] at a delayed scale, with `x`'s amax from the same pass (a 0-dim f32 on

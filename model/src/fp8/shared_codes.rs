@@ -24,9 +24,11 @@ struct Made {
 }
 
 /// The FP8 codes of one activation that several GEMMs read (see the module doc): empty until
-/// the writer or the first reader fills it. A handle: clones share the codes.
+/// the writer or the first reader fills it; and, when its writer took it, the activation's
+/// amax for a reader that keeps an FP8 copy at current scaling (the adapters' dropout hands
+/// it to their A GEMM). A handle: clones share both.
 #[derive(Debug, Clone, Default)]
-pub struct SharedCodes(Arc<Mutex<Option<Made>>>);
+pub struct SharedCodes(Arc<Mutex<Option<Made>>>, Arc<Mutex<Option<(tch::Tensor, i64)>>>);
 
 impl SharedCodes {
     /// An empty handle for one input.
@@ -42,6 +44,18 @@ impl SharedCodes {
     pub fn offer(&self, codes: Fp8Tensor, amax: tch::Tensor, scale: f32) {
         let made = Made { numel: codes.codes().numel() as i64, codes, amax, scale: scale.to_bits() };
         *self.0.lock().unwrap() = Some(made);
+    }
+
+    /// Hands over the amax (`[1]` f32 on the device, read by nobody) of the input, `numel`
+    /// elements, taken by the op that wrote it.
+    pub fn offer_input_amax(&self, amax: tch::Tensor, numel: i64) {
+        *self.1.lock().unwrap() = Some((amax, numel));
+    }
+
+    /// The amax handed over for `x` (`[1]` f32), when one was and `x` has its size.
+    pub fn input_amax(&self, x: &tch::Tensor) -> Option<tch::Tensor> {
+        let found = self.1.lock().unwrap();
+        found.as_ref().filter(|(_, n)| *n == x.numel() as i64).map(|(a, _)| a.shallow_clone())
     }
 
     /// The codes of `x` at `scale` and `format` and its amax: those handed over, or made by

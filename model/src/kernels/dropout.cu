@@ -13,9 +13,14 @@
 // `seq` (a split's padding) are kept. Without a split: rows = local = chunk = seq = 1 and
 // width = the element count, so g = i.
 //
+// With `amax_bits` (else null) the output's amax is folded into it (max of |y| as ordered bits,
+// NaN above all, fp8_device.cuh's fold_amax): the amax an FP8 copy of y at current scaling
+// needs, taken here instead of in a pass of its own.
+//
 // Reference (model/src/dropout/fused.rs `stand_in`: the mask from the host's Philox in
 // model/src/dropout/philox.rs, then LibTorch's native_dropout_backward, x * mask * scale in
-// f32 rounded once to bf16): bit for bit, zeros' signs and NaNs included.
+// f32 rounded once to bf16; the amax LibTorch's max of |y|): bit for bit, zeros' signs and NaNs
+// included.
 // Compiled by NVRTC after fp8_device.cuh (for load and kThreads).
 
 namespace {
@@ -52,8 +57,10 @@ __device__ __forceinline__ void philox(unsigned int c0, unsigned int c1, unsigne
 // differs from the one before it).
 extern "C" __global__ void llora_dropout_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long n, long local,
                                               long width, long chunk, long g0, long g1, long seq,
-                                              unsigned long long seed, unsigned int threshold, float scale) {
+                                              unsigned long long seed, unsigned int threshold, float scale,
+                                              unsigned int* amax_bits) {
     unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
+    unsigned int mine = 0u;
     long quads = (n + 3) / 4;
     for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < quads; q += (long)gridDim.x * blockDim.x) {
         unsigned long long have = ~0ull;
@@ -75,7 +82,12 @@ extern "C" __global__ void llora_dropout_bf16(const __nv_bfloat16* x, __nv_bfloa
                 unsigned int word = lane == 0u ? w0 : lane == 1u ? w1 : lane == 2u ? w2 : w3;
                 keep = word < threshold ? 1.0f : 0.0f;
             }
-            y[i] = __float2bfloat16_rn(load(x, i) * keep * scale);
+            __nv_bfloat16 out = __float2bfloat16_rn(load(x, i) * keep * scale);
+            y[i] = out;
+            mine = max(mine, abs_bits(__bfloat162float(out)));
         }
+    }
+    if (amax_bits != nullptr) {
+        fold_amax(mine, amax_bits);
     }
 }

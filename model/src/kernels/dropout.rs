@@ -44,6 +44,9 @@ pub struct DropoutArgs<'a> {
     pub p: f64,
     /// This rank's rows of the whole sequence's mask; `None`: the tensor's own mask.
     pub split: Option<SplitRows>,
+    /// One f32 (`[1]`) the output's amax is folded into (max with what it holds, ≥ 0): the
+    /// amax of current scaling taken in this pass; `None`: none taken.
+    pub amax: Option<&'a tch::Tensor>,
 }
 
 impl DropoutArgs<'_> {
@@ -89,7 +92,11 @@ pub fn check(a: &DropoutArgs<'_>) -> Result<(), KernelError> {
     }
     let e = Expect { kernel, device: a.x.device(), shape: &size };
     e.tensor("x", a.x, tch::Kind::BFloat16, None)?;
-    e.tensor("y", a.y, tch::Kind::BFloat16, None)
+    e.tensor("y", a.y, tch::Kind::BFloat16, None)?;
+    match a.amax {
+        Some(amax) => e.tensor("amax", amax, tch::Kind::Float, Some(&[1])),
+        None => Ok(()),
+    }
 }
 
 /// The dropout on x's CUDA device (or emulated, in the tests), without waiting: `Ok(true)`.
@@ -102,7 +109,7 @@ pub fn launch(a: &DropoutArgs<'_>) -> Result<bool, KernelError> {
         return Ok(true);
     }
     let [mut local, mut width, mut chunk, mut g0, mut g1, mut seq] = a.layout();
-    let (mut x, mut y) = (address(Some(a.x)), address(Some(a.y)));
+    let (mut x, mut y, mut amax) = (address(Some(a.x)), address(Some(a.y)), address(a.amax));
     let (mut seed, mut threshold, mut scale) = (a.seed, a.threshold(), a.scale());
     let mut p = [
         arg(&mut x),
@@ -117,9 +124,11 @@ pub fn launch(a: &DropoutArgs<'_>) -> Result<bool, KernelError> {
         arg(&mut seed),
         arg(&mut threshold),
         arg(&mut scale),
+        arg(&mut amax),
     ];
     // SAFETY: the kernel's parameters in order and type, checked above (x and y hold n
-    // elements; the layout only names global positions, it indexes nothing).
+    // elements, amax one f32 or is null; the layout only names global positions, it indexes
+    // nothing).
     unsafe { launch_kernel(&SOURCE, at, SOURCE.kernels[0], grid_stride(ceil_div(n, 4)), THREADS, &mut p)? };
     Ok(true)
 }
@@ -131,14 +140,14 @@ mod tests {
     use tch::{Kind, Tensor};
 
     /// Each refusal names the argument: p outside (0, 1), f32, another shape, a split whose
-    /// chunks are not the tensor's rows, a non-contiguous output; the threshold and scale are
+    /// chunks are not the tensor's rows, an amax of two values, a non-contiguous output; the threshold and scale are
     /// LibTorch's and the mask's.
     #[test]
     fn arguments_are_checked() {
         let t = |shape: &[i64], kind| Tensor::zeros(shape, (kind, tch::Device::Cpu));
         let (x, y) = (t(&[2, 6, 8], Kind::BFloat16), t(&[2, 6, 8], Kind::BFloat16));
         let split = SplitRows { chunk: 3, starts: [3, 6], seq: 11 };
-        let ok = DropoutArgs { x: &x, y: &y, seed: 1, p: 0.25, split: Some(split) };
+        let ok = DropoutArgs { x: &x, y: &y, seed: 1, p: 0.25, split: Some(split), amax: None };
         assert!(check(&ok).is_ok());
         assert_eq!((ok.threshold(), ok.scale()), (3 << 30, 1.0 / 0.75));
         assert_refused(check(&DropoutArgs { p: 0.0, ..ok }), "p = 0 is not in (0, 1)");
@@ -149,6 +158,8 @@ mod tests {
         assert_refused(check(&DropoutArgs { y: &other, ..ok }), "y is BFloat16 [2, 6, 4]");
         let wrong = SplitRows { chunk: 4, ..split };
         assert_refused(check(&DropoutArgs { split: Some(wrong), ..ok }), "wants [.., 8, width]");
+        let two = t(&[2], Kind::Float);
+        assert_refused(check(&DropoutArgs { amax: Some(&two), ..ok }), "amax is Float [2]");
         let strided = t(&[2, 8, 6], Kind::BFloat16).transpose(1, 2);
         assert_refused(check(&DropoutArgs { y: &strided, ..ok }), "y is not contiguous");
         assert_eq!(launch(&ok), Ok(false), "a CPU tensor launches nothing");

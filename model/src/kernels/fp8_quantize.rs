@@ -166,9 +166,19 @@ pub fn check_current(a: &CurrentArgs<'_>) -> Result<&'static str, KernelError> {
 /// default stream, nothing read back: `Ok(true)`. `Ok(false)` for a CPU tensor: nothing
 /// launched, the caller runs the stand-in (`fp8::stand_ins`).
 pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
+    current_launches(a, false)
+}
+
+/// [`quantize_current`] with `a.amax` already holding x's amax (taken by the op that wrote x):
+/// the codes' launch alone.
+pub fn quantize_current_at_amax(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
+    current_launches(a, true)
+}
+
+/// [`quantize_current`]'s launches, the amax's left out where `amax_known`.
+fn current_launches(a: &CurrentArgs<'_>, amax_known: bool) -> Result<bool, KernelError> {
     let kernel = check_current(a)?;
     let Some(at) = target(a.x, kernel)? else { return Ok(false) };
-    let _ = a.amax.shallow_clone().zero_();
     let mut n = a.x.numel() as i64;
     if n == 0 {
         let _ = a.scale_inv.shallow_clone().fill_(1.0);
@@ -177,11 +187,14 @@ pub fn quantize_current(a: &CurrentArgs<'_>) -> Result<bool, KernelError> {
     let blocks = grid_stride(n);
     let (mut x, mut out, mut amax, mut inv) =
         (address(Some(a.x)), address(Some(a.out)), address(Some(a.amax)), address(Some(a.scale_inv)));
-    let amax_kernel = if kernel.ends_with("bf16") { "llora_fp8_amax_bf16" } else { "llora_fp8_amax_f32" };
-    // SAFETY: (x, amax bits, n) as the amax kernel takes them; checked above.
-    unsafe {
-        launch_kernel(&SOURCE, at, amax_kernel, blocks, THREADS, &mut [arg(&mut x), arg(&mut amax), arg(&mut n)])?
-    };
+    if !amax_known {
+        let _ = a.amax.shallow_clone().zero_();
+        let amax_kernel = if kernel.ends_with("bf16") { "llora_fp8_amax_bf16" } else { "llora_fp8_amax_f32" };
+        // SAFETY: (x, amax bits, n) as the amax kernel takes them; checked above.
+        unsafe {
+            launch_kernel(&SOURCE, at, amax_kernel, blocks, THREADS, &mut [arg(&mut x), arg(&mut amax), arg(&mut n)])?
+        };
+    }
     let (mut limit, mut e5m2) = (a.format.max(), i32::from(a.format == Fp8Format::E5M2));
     let mut p =
         [arg(&mut x), arg(&mut out), arg(&mut amax), arg(&mut inv), arg(&mut n), arg(&mut limit), arg(&mut e5m2)];

@@ -264,7 +264,12 @@ impl LinearPrecision {
                 // (an adapter of a bf16 layer) upcasts them, as PEFT does.
                 let saved = keep_input.then(|| {
                     if fp8_store {
-                        SavedInput::Fp8(crate::fp8::Quantizer::Current(Fp8Format::E4M3).quantize(&x2))
+                        // The amax its writer took where it handed one over (the adapters'
+                        // dropout on our kernel): the same codes without an amax pass.
+                        SavedInput::Fp8(match shared.and_then(|s| s.input_amax(&x2)) {
+                            Some(amax) => Quantizer::quantize_current_at_amax(Fp8Format::E4M3, &x2, &amax),
+                            None => Quantizer::Current(Fp8Format::E4M3).quantize(&x2),
+                        })
                     } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
                         // The activation itself: no copy.
                         SavedInput::Bf16(x_in.clone())

@@ -432,8 +432,13 @@ fn each_family_runs_in_every_precision_and_refuses_a_window_across_ranks() {
             assert_eq!(kernels.contains("cuda-flash-window"), cuda_routes, "{preset} {extra:?}: {kernels}");
         }
     }
+    // The embedded config without its base (a demo run leaves one in runs/, whose config.json
+    // would be read instead of the preset's).
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::random_base_config(dir.path());
     let sets = ["model.preset=\"tiny-mistral\"", "train.context_parallel=2", "data.max_seq_len=64"];
-    let args: Vec<&str> = ["plan", "--world", "2"].into_iter().chain(sets.iter().flat_map(|s| ["--set", s])).collect();
+    let args: Vec<&str> =
+        ["plan", &config, "--world", "2"].into_iter().chain(sets.iter().flat_map(|s| ["--set", s])).collect();
     let out = common::llora(&args);
     let stderr = common::text(&out).1;
     assert_eq!(out.status.code(), Some(1), "{stderr}");

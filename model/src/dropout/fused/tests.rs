@@ -50,12 +50,19 @@ fn the_kernel_emulated_equals_its_stand_in() {
             let n = x.numel() as i64;
             let buffer = tch::Tensor::full([n + 32], 7.0, (tch::Kind::BFloat16, tch::Device::Cpu));
             let got = buffer.narrow(0, 0, n).view(&shape[..]);
-            let args = DropoutArgs { x: &x, y: &got, seed: 1000 + k as u64, p, split: split.map(rows) };
+            // The amax folded into a lower bound (none of the case's values, NaN aside, reach
+            // 2^20), as into an amax other writers share.
+            let amax = |v: f32| tch::Tensor::from_slice(&[v]);
+            let (got_amax, want_amax) = (amax(0.5), amax(0.5));
+            let args =
+                DropoutArgs { x: &x, y: &got, seed: 1000 + k as u64, p, split: split.map(rows), amax: Some(&got_amax) };
             assert_eq!(with_emulation(Some(2), || kernel::launch(&args)), Ok(true));
             let want = x.empty_like();
-            stand_in(&DropoutArgs { y: &want, ..args });
+            stand_in(&DropoutArgs { y: &want, amax: Some(&want_amax), ..args });
             let what = format!("{shape:?} {split:?} p {p}");
             assert_eq!(bits(&got), bits(&want), "{what}");
+            let (ga, wa) = (got_amax.double_value(&[0]), want_amax.double_value(&[0]));
+            assert!(ga == wa || (ga.is_nan() && wa.is_nan()), "{what}: amax {ga} against {wa}");
             assert!(buffer.narrow(0, n, 32).eq(7.0).all().int64_value(&[]) == 1, "{what}: a write past the end");
         }
     }
@@ -72,7 +79,7 @@ fn the_mask_is_philox_at_each_elements_index_in_the_whole_sequence() {
     let kept = |shape: &[i64], split: Option<ContextSplit>| -> Vec<bool> {
         let x = tch::Tensor::ones(shape, (tch::Kind::BFloat16, tch::Device::Cpu));
         let y = x.empty_like();
-        stand_in(&DropoutArgs { x: &x, y: &y, seed, p, split: split.map(rows) });
+        stand_in(&DropoutArgs { x: &x, y: &y, seed, p, split: split.map(rows), amax: None });
         Vec::<f32>::try_from(&y.to_kind(tch::Kind::Float).view([-1])).unwrap().iter().map(|&v| v != 0.0).collect()
     };
     let alone = kept(&[50], None);
@@ -158,4 +165,47 @@ fn on_cuda_the_kernel_equals_its_stand_in_and_a_split_is_the_rows_of_the_whole()
     assert_eq!(check(tch::Device::Cuda(0)), Ok(()));
     crate::dropout::tests::split_dropout_is_rows_of_whole(Device::libtorch_cuda(0).autodiff(), DType::BF16);
     assert!(ROUTE.used(), "the route was taken");
+}
+
+/// The dropout takes the amax its reader's FP8 copy needs: on the route (bf16, the CPU standing
+/// in for CUDA, the kernel emulated) a dropout run inside `offering_amax` hands over the max of
+/// its output's |values| (LibTorch's, bit for bit), and the copy quantised at that amax is the
+/// copy current scaling makes with its own amax pass (codes and inverse scale, bit for bit; on
+/// the kernel's route and, routes off, on LibTorch's); off the route nothing is handed over.
+#[test]
+fn the_dropout_hands_its_amax_to_the_fp8_copy_of_its_reader() {
+    use crate::fp8::{Fp8Format, SharedCodes, amax_on_device, quantize_current_at_amax, quantize_current_on_device};
+    let _on = crate::routes::on_cpu_for_this_thread(true);
+    assert_eq!(checked_on(tch::Device::Cpu), Ok(()));
+    let _rng = crate::device::torch_rng_lock();
+    let device = Device::libtorch().autodiff();
+    device.seed(21);
+    let x = Tensor::<3>::random([2, 9, 40], burn::tensor::Distribution::Normal(0.0, 5.0), &device).cast(DType::BF16);
+    let to = SharedCodes::new();
+    let y = with_emulation(Some(2), || crate::dropout::offering_amax(&to, || crate::dropout::dropout(x.clone(), 0.3)));
+    let y = tch_of(y);
+    let amax = to.input_amax(&y).expect("the dropout handed its amax over");
+    let own = amax_on_device(&y.to_kind(tch::Kind::Float)).reshape([1]);
+    assert_eq!(host_bytes(&amax), host_bytes(&own), "the amax of the dropped input");
+    // The quantiser's routes outside the emulation (their first-use check is decided there
+    // once for the process; the stand-ins are what the CPU runs).
+    for routes in [true, false] {
+        let _routes = crate::routes::on_cpu_for_this_thread(routes);
+        let (codes, inv) = quantize_current_at_amax(&y, &amax, Fp8Format::E4M3);
+        let (want_codes, want_inv) = quantize_current_on_device(&y, Fp8Format::E4M3);
+        assert_eq!(host_bytes(&codes), host_bytes(&want_codes), "routes {routes}: codes");
+        assert_eq!(host_bytes(&inv), host_bytes(&want_inv), "routes {routes}: inverse scale");
+    }
+    let _off = crate::routes::on_cpu_for_this_thread(false);
+    let none = SharedCodes::new();
+    let z = crate::dropout::offering_amax(&none, || crate::dropout::dropout(x.clone(), 0.3));
+    assert!(none.input_amax(&tch_of(z)).is_none(), "LibTorch's route takes no amax");
+}
+
+/// The LibTorch tensor of an autodiff tensor's value.
+fn tch_of(t: Tensor<3>) -> tch::Tensor {
+    use burn::backend::{LibTorch, libtorch::TchTensor};
+    let Ok(t) = t.inner().try_into_primitive::<LibTorch>() else { panic!("a LibTorch tensor") };
+    let t: TchTensor = t;
+    t.tensor
 }

@@ -24,7 +24,18 @@ pub fn delayed(a: &QuantizeArgs<'_>) {
 /// finite or zero), the codes through f32.
 pub fn current(a: &CurrentArgs<'_>) {
     let _no_grad = tch::no_grad_guard();
-    let amax = a.x.to_kind(tch::Kind::Float).abs().max();
+    current_at(a, &a.x.to_kind(tch::Kind::Float).abs().max());
+}
+
+/// [`current`] with `a.amax` already holding x's amax (the codes' launch alone).
+pub fn current_at_amax(a: &CurrentArgs<'_>) {
+    let _no_grad = tch::no_grad_guard();
+    current_at(a, &a.amax.reshape([] as [i64; 0]).shallow_clone());
+}
+
+/// Current scaling of `a.x` at the amax `amax` (0-dim f32), written into `a`.
+fn current_at(a: &CurrentArgs<'_>, amax: &tch::Tensor) {
+    let amax = amax.copy();
     let mut scale = amax.full_like(f64::from(a.format.max())) / &amax;
     let _ = scale.nan_to_num_(1.0, 1.0, 1.0);
     let _ = scale.g_add_(&scale.eq(0.0));

@@ -174,13 +174,19 @@ fn dropped(dev: tch::Device, run: &dyn Fn(&mut dyn FnMut())) -> Vec<(String, Ten
     let x = fixed(&[3, 6, 10], Kind::BFloat16, dev, 9.0);
     // Rank 0 of 2 on 11 tokens: chunks 0 and 3, the last position padding.
     let split = dropout::SplitRows { chunk: 3, starts: [0, 9], seq: 11 };
+    // The finite values' amax: the fixed input's NaN and infinities made 0.
+    let finite = x.nan_to_num(0.0, 0.0, 0.0);
+    let amax = Tensor::zeros([1], (Kind::Float, dev));
     let mut out = Vec::new();
-    for (name, split) in [("alone", None), ("split", Some(split))] {
+    for (name, x, split, amax) in
+        [("alone", &x, None, None), ("split", &x, Some(split), None), ("amax", &finite, None, Some(&amax))]
+    {
         let y = x.zeros_like();
-        let a = dropout::DropoutArgs { x: &x, y: &y, seed: 0x0123_4567_89ab_cdef, p: 0.1, split };
+        let a = dropout::DropoutArgs { x, y: &y, seed: 0x0123_4567_89ab_cdef, p: 0.1, split, amax };
         run(&mut || assert_eq!(dropout::launch(&a), Ok(true)));
         out.push((format!("dropout/{name}"), y));
     }
+    out.push(("dropout/amax-of-y".into(), amax));
     out
 }
 

@@ -520,7 +520,7 @@ impl Timed {
             }),
             // The FP8 quantiser route(s) each step took, and the last step's quantisations by route.
             "fp8_quantiser_routes": self.quantiser.iter().map(|c| c.routes()).collect::<Vec<_>>(),
-            "fp8_quantisations": self.quantiser.last().map(|c| json!({"kernel": c.kernel, "two_pass": c.two_pass, "f32": c.via_f32})),
+            "fp8_quantisations": self.quantiser.last().map(|c| json!({"kernel": c.kernel, "two_pass": c.two_pass, "f32": c.via_f32, "at_writers_amax": c.at_writers_amax})),
             // The CPU took the CUDA routes (LLORA_CUDA_ROUTES_ON_CPU=1): control flow, not kernels.
             "cuda_routes_on_cpu": !cuda && llora_model::diagnostics::on_cpu(),
         })
