@@ -129,20 +129,22 @@ void rope(long b, long s, long h, long hd, int per_row) {
     }
 }
 
-// Dropout over n elements, the tensor's own mask and a split's rows ([rows, 2 * chunk, width],
-// padding past seq), grid-stride with ceil(n / 4 / 256) blocks and with two.
+// Dropout over n elements, the tensor's own mask (its amax taken) and a split's rows ([rows,
+// 2 * chunk, width], padding past seq; no amax), grid-stride with ceil(n / 4 / 256) blocks and
+// with two.
 void dropout(long rows, long chunk, long width, long seq) {
     long local = 2 * chunk, n = rows * local * width, one = 1, zero = 0, g1 = 3 * chunk;
     std::vector<unsigned short> x = bf16(values(n)), y(n);
     unsigned long long seed = 0x0123456789abcdefull;
     unsigned int threshold = 3865470566u;  // (1 - 0.1) * 2^32
     float scale = 1.0f / 0.9f;
-    void *px = x.data(), *py = y.data();
+    unsigned int amax = 0;
+    void *px = x.data(), *py = y.data(), *pa = &amax, *none = nullptr;
     for (unsigned blocks : {stride_blocks((n + 3) / 4), 2u}) {
         run("llora_dropout_bf16", blocks, 1,
-            {&px, &py, &n, &one, &n, &one, &zero, &zero, &one, &seed, &threshold, &scale});
+            {&px, &py, &n, &one, &n, &one, &zero, &zero, &one, &seed, &threshold, &scale, &pa});
         run("llora_dropout_bf16", blocks, 1,
-            {&px, &py, &n, &local, &width, &chunk, &zero, &g1, &seq, &seed, &threshold, &scale});
+            {&px, &py, &n, &local, &width, &chunk, &zero, &g1, &seq, &seed, &threshold, &scale, &none});
     }
 }
 
