@@ -409,24 +409,7 @@ pub fn dequantize(q: &tch::Tensor, scale_inv: impl ScaleInv) -> tch::Tensor {
 /// device: the same f32 arithmetic as quantising with the scale `scale_for_amax` gives the
 /// amax read back ([`amax_tch`]), so the same codes.
 pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
-    // Our kernel takes the amax inside its launch: under a context-parallel amax group the
-    // LibTorch route, whose amax is a pass of its own, reduced over the group.
-    let kernel = kernel_route(x) && x.numel() > 0 && !super::amax_group::active();
-    // The LibTorch routes' scale, computed on the device only when one of them runs.
-    let scales = std::cell::OnceCell::new();
-    let scales_of = || scales.get_or_init(|| current_scale(x, format));
-    through_routes(
-        x,
-        kernel.then_some(|| quantize_current_kernel(x, format, None)),
-        || {
-            let (scale, scale_inv) = scales_of();
-            Ok((quantize_clamped(x, Scale::Device { s: scale, inv: scale_inv }, format)?, scale_inv.shallow_clone()))
-        },
-        || {
-            let (scale, scale_inv) = scales_of();
-            (quantize_via_f32(x, Scale::Device { s: scale, inv: scale_inv }, format), scale_inv.shallow_clone())
-        },
-    )
+    current_through_routes(x, format, None)
 }
 
 /// [`quantize_current_on_device`] with `x`'s amax (`[1]` f32 on x's device, ≥ 0 or NaN)
@@ -435,13 +418,29 @@ pub fn quantize_current_on_device(x: &tch::Tensor, format: Fp8Format) -> (tch::T
 /// under a context-parallel amax group it is reduced over the group first, as there).
 pub fn quantize_current_at_amax(x: &tch::Tensor, amax: &tch::Tensor, format: Fp8Format) -> (tch::Tensor, tch::Tensor) {
     QUANTISED.with(|c| c.set(QuantiserCounts { at_writers_amax: c.get().at_writers_amax + 1, ..c.get() }));
+    current_through_routes(x, format, Some(amax))
+}
+
+/// Current scaling through the quantiser's routes, at x's own amax or at `known` (`[1]` f32).
+fn current_through_routes(
+    x: &tch::Tensor,
+    format: Fp8Format,
+    known: Option<&tch::Tensor>,
+) -> (tch::Tensor, tch::Tensor) {
+    // Our kernel takes the amax inside its launch: under a context-parallel amax group the
+    // LibTorch route, whose amax is a pass of its own, reduced over the group.
     let kernel = kernel_route(x) && x.numel() > 0 && !super::amax_group::active();
+    // The LibTorch routes' scale, computed on the device only when one of them runs.
     let scales = std::cell::OnceCell::new();
-    let scales_of =
-        || scales.get_or_init(|| scale_of_amax(super::amax_group::reduced(amax.reshape([] as [i64; 0])), format));
+    let scales_of = || {
+        scales.get_or_init(|| match known {
+            Some(amax) => scale_of_amax(super::amax_group::reduced(amax.reshape([] as [i64; 0])), format),
+            None => current_scale(x, format),
+        })
+    };
     through_routes(
         x,
-        kernel.then_some(|| quantize_current_kernel(x, format, Some(amax))),
+        kernel.then_some(|| quantize_current_kernel(x, format, known)),
         || {
             let (scale, scale_inv) = scales_of();
             Ok((quantize_clamped(x, Scale::Device { s: scale, inv: scale_inv }, format)?, scale_inv.shallow_clone()))
