@@ -89,12 +89,24 @@ VPY="$VENV/bin/python"
   || "$VPY" -m ensurepip --upgrade >/dev/null 2>&1 \
   || die "pip is missing in $VENV and ensurepip failed (Debian: apt-get install python3-pip)"
 
+# Free space (GiB) on the filesystem holding PATH's nearest existing folder.
+free_gib() { local d=$1; while [[ ! -d $d ]]; do d=$(dirname "$d"); done; df -Pk "$d" | awk 'NR == 2 { print int($4 / 1048576) }'; }
+disk_advice() {
+  echo "$VENV and pip's temporary folder (${TMPDIR:-/tmp}) have $(free_gib "$VENV") and $(free_gib "${TMPDIR:-/tmp}") GiB free;" \
+    "torch's CUDA wheel needs ~$TORCH_GIB GiB installed, the parity packages ~2 more. Free space (old clones' .venv and target folders) or set TMPDIR, then rerun"
+}
+TORCH_GIB=7
 pip_install() {
-  # pip's own error already names the package; add what to check, since the usual cause here
-  # is an unreachable registry.
-  if ! "$VPY" -m pip install --disable-pip-version-check --quiet "$@"; then
+  # pip's own error names the package; add the cause we can tell (a full disk) or what to
+  # check, since the usual other cause here is an unreachable registry. Its output is held in
+  # memory: a file could not be written on the disk that filled.
+  local out
+  if ! out=$("$VPY" -m pip install --disable-pip-version-check --quiet "$@" 2>&1); then
+    printf '%s\n' "$out" >&2
+    [[ $out != *"No space left on device"* ]] || die "pip ran out of disk space installing $*: $(disk_advice)"
     die "pip could not install: $* (is the PyPI registry reachable from this machine? check proxy/network settings and retry)"
   fi
+  [[ -z $out ]] || printf '%s\n' "$out" >&2
 }
 
 torch_version() { "$VPY" -c 'from importlib.metadata import version; print(version("torch").split("+")[0])' 2>/dev/null || true; }
@@ -102,6 +114,8 @@ have=$(torch_version)
 if [[ "$have" != "$TORCH_VERSION" ]]; then
   if [[ -n "$have" ]]; then say "torch $have found, replacing it with $TORCH_VERSION"; fi
   say "installing torch==$TORCH_VERSION into $VENV (the CUDA wheel, ~3.5 GB; it also runs on CPU)"
+  # Refuse in a second what pip would fail at after minutes of download, naming the cause.
+  (($(free_gib "$VENV") >= TORCH_GIB)) || die "not enough free disk for torch: $(disk_advice)"
   pip_install "torch==$TORCH_VERSION"
   have=$(torch_version)
   [[ "$have" == "$TORCH_VERSION" ]] || die "torch $TORCH_VERSION did not import after install (got '${have:-nothing}')"
