@@ -184,10 +184,27 @@ fn an_nf4_base_on_two_ranks_matches_one_process() {
 
 /// Preference tuning on two ranks: each takes its share of every step's pairs (chosen and
 /// rejected together), the pair statistics are summed over ranks, and the adapters are the
-/// single process's bitwise; the 9 held-out pairs do not divide over the ranks.
+/// single process's bitwise; the 9 held-out pairs do not divide over the ranks. With the
+/// reference precomputed, each rank computes its share of the pairs (the log says how many)
+/// and the adapters are still the single process's.
 #[test]
 fn dpo_on_two_ranks_matches_one_process() {
-    two_ranks_match_one_process(&["data.max_seq_len=128", "train.objective=\"dpo\"", "mlperf.check=false"]);
+    let dpo = ["data.max_seq_len=128", "train.objective=\"dpo\"", "mlperf.check=false"];
+    two_ranks_match_one_process(&dpo);
+    let log = two_ranks_match_one_process(&[&dpo[..], &["dpo.precompute_reference=true"]].concat());
+    let field = |line: &str, key: &str| -> usize {
+        let at = line.find(&format!("{key}=")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 1;
+        line[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    let shares: Vec<(usize, usize)> = log
+        .lines()
+        .filter(|l| l.contains("reference log-probabilities computed"))
+        .map(|l| (field(l, "here"), field(l, "pairs")))
+        .collect();
+    assert_eq!(shares.len(), 2, "one line per rank:\n{log}");
+    let total = shares[0].1;
+    assert!(shares.iter().all(|&(here, pairs)| pairs == total && here > 0 && here < total), "{shares:?}");
+    assert_eq!(shares[0].0 + shares[1].0, total, "every pair computed once: {shares:?}");
 }
 
 /// The gradients summed over the ranks during the last micro-batch's backward: in buckets of

@@ -10,18 +10,20 @@ use llora_model::LlamaForCausalLM;
 use tracing::info;
 
 use crate::config::Config;
+use crate::dist::{Collective, Dist, ReduceOp};
 use crate::engine::step::upload;
 
 /// The reference's loss sums of every pair of `train` and `eval`: read from the cache when one
-/// was made by the same inputs, else computed here (every rank computes them all, in batches of
-/// `eval.batch_size` pairs) and cached by the main rank.
+/// was made by the same inputs, else computed here and cached by the main rank. The ranks
+/// share the pass out as evaluation does (batches of `eval.batch_size` pairs, batch j to rank
+/// j mod world, so each batch is the one a single process forms) and sum what each computed.
 pub(super) fn precompute(
     config: &Config,
     model: &LlamaForCausalLM,
     reference: &llora_model::Reference,
     (train, eval): (&mut [Pair], &mut [Pair]),
     device: &Device,
-    main: bool,
+    dist: &Dist,
 ) -> anyhow::Result<()> {
     let cache = cache_path(config)?;
     if let Some(path) = &cache
@@ -34,20 +36,44 @@ pub(super) fn precompute(
         }
     }
     let t = std::time::Instant::now();
+    let share = (dist.comm.rank(), dist.comm.world_size());
+    let mut mine = 0;
     for pairs in [&mut *train, &mut *eval] {
-        sums_of(model, reference, pairs, config.eval.batch_size, device)?;
+        mine += sums_of(model, reference, pairs, config.eval.batch_size, device, share)?;
+    }
+    share_out(dist.comm.as_ref(), [&mut *train, &mut *eval])?;
+    // A pair left without sums would silently fall back to the reference forward in its steps.
+    if let Some(i) = train.iter().chain(eval.iter()).position(|p| p.reference.is_none()) {
+        anyhow::bail!(
+            "the reference's sums of pair {i} (train, then eval) came from no rank: a bug in sharing the pass out"
+        );
     }
     info!(
         pairs = train.len() + eval.len(),
+        here = mine,
         seconds = format!("{:.1}", t.elapsed().as_secs_f64()),
         "reference log-probabilities computed"
     );
-    if let (Some(path), true) = (&cache, main) {
+    if let (Some(path), true) = (&cache, dist.is_main()) {
         let list = |pairs: &[Pair]| pairs.iter().map(|p| p.reference.expect("computed")).collect::<Vec<_>>();
         let json = serde_json::json!({"train": list(train), "eval": list(eval)});
         if let Err(e) = llora_model::checkpoint::write_atomic(path, json.to_string().as_bytes()) {
             tracing::warn!("cannot cache the reference log-probabilities in {}: {e:#}", path.display());
         }
+    }
+    Ok(())
+}
+
+/// Gives every rank every pair's sums: each rank holds those it computed (the others `None`),
+/// and a sum over ranks of zeros and the one rank's values is those values exactly.
+fn share_out(comm: &dyn Collective, sets: [&mut [Pair]; 2]) -> anyhow::Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut buf: Vec<f64> = sets.iter().flat_map(|s| s.iter()).flat_map(|p| p.reference.unwrap_or([0.0; 2])).collect();
+    comm.all_reduce_f64(&mut buf, ReduceOp::Sum)?;
+    for (pair, s) in sets.into_iter().flat_map(|s| s.iter_mut()).zip(buf.chunks_exact(2)) {
+        pair.reference = Some([s[0], s[1]]);
     }
     Ok(())
 }
@@ -65,18 +91,26 @@ fn fill(pairs: &mut [Pair], cached: &serde_json::Value) -> bool {
     true
 }
 
-/// The reference's loss sums of `pairs`, in batches of `batch` pairs, stored in each pair.
+/// The reference's loss sums of this rank's share of `pairs` (batches of `batch` pairs, batch
+/// j to rank j mod world), stored in those pairs; the others are left `None`. Returns how many
+/// pairs it computed.
 fn sums_of(
     model: &LlamaForCausalLM,
     reference: &llora_model::Reference,
     pairs: &mut [Pair],
     batch: usize,
     device: &Device,
-) -> anyhow::Result<()> {
+    (rank, world): (usize, usize),
+) -> anyhow::Result<usize> {
+    for pair in pairs.iter_mut() {
+        pair.reference = None;
+    }
     let all = std::sync::Arc::new(pairs.to_vec());
     let padding = llora_data::batch::Padding::Longest;
-    let mut at = 0;
-    for collated in eval_pair_batches(all, batch, (0, 1), padding, 0) {
+    let batch = batch.max(1);
+    let starts = (0..pairs.len()).step_by(batch).skip(rank).step_by(world);
+    let mut mine = 0;
+    for (collated, at) in eval_pair_batches(all, batch, (rank, world), padding, 0).zip(starts) {
         let n = collated.batch / 2;
         let mb = upload(collated, device);
         let sums = model.reference_loss(mb.ids, mb.labels, reference)?;
@@ -84,9 +118,9 @@ fn sums_of(
         for (i, pair) in pairs[at..at + n].iter_mut().enumerate() {
             pair.reference = Some([host[i], host[n + i]]);
         }
-        at += n;
+        mine += n;
     }
-    Ok(())
+    Ok(mine)
 }
 
 /// Where the cache of a run's inputs lives: beside `data.train`, named by a hash of what the

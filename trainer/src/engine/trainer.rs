@@ -116,7 +116,7 @@ impl<'a> Trainer<'a> {
         let mut data = records.stop_on_error(samples, load_data(config, model.config.vocab_size))?;
         if let (Data::Pairs { train, eval }, true) = (&mut data, config.dpo.precompute_reference) {
             let pairs = (Arc::make_mut(train).as_mut_slice(), Arc::make_mut(eval).as_mut_slice());
-            let done = super::reference::precompute(config, &model, &reference, pairs, &device, dist.is_main());
+            let done = super::reference::precompute(config, &model, &reference, pairs, &device, dist);
             records.stop_on_error(samples, done)?;
         }
         let event = data_event(config, &data);
