@@ -421,17 +421,25 @@ impl LoraLinear {
     /// # Shapes
     /// As [`Self::forward`].
     pub fn forward_reading(&self, x: Tensor<3>, shared: Option<&SharedCodes>, train: bool) -> Tensor<3> {
-        let base = self.base(x.clone(), train, shared);
         let adapter = self.lora.as_ref().filter(|_| !ADAPTERS_OFF.with(std::cell::Cell::get));
-        let Some(adapter) = adapter else { return self.plus_bias(base) };
         // Inverted dropout, as torch: kept values scaled by 1/(1-p) so eval needs no rescale.
-        // Where A keeps an FP8 copy of the dropped input, the dropout takes its amax.
-        let dropped = train && adapter.dropout > 0.0;
-        let amax_to = (dropped && adapter.keeps_fp8_input()).then(SharedCodes::new);
+        let dropped = adapter.is_some_and(|a| train && a.dropout > 0.0);
+        // Where A keeps an FP8 copy of its input, the op writing that input takes its amax: the
+        // dropout; without one, the codes of x made for the base GEMM carry x's amax.
+        let keeps = adapter.is_some_and(|a| train && a.keeps_fp8_input());
+        let own = (keeps && !dropped && shared.is_none()).then(SharedCodes::new);
+        let shared = shared.or(own.as_ref());
+        let base = self.base(x.clone(), train, shared);
+        let Some(adapter) = adapter else { return self.plus_bias(base) };
+        let amax_to = match (keeps, dropped) {
+            (true, true) => Some(SharedCodes::new()),
+            (true, false) => shared.cloned(),
+            (false, _) => None,
+        };
         let xa = match (&amax_to, dropped) {
-            (Some(to), _) => crate::dropout::offering_amax(to, || crate::dropout::dropout(x, adapter.dropout)),
+            (Some(to), true) => crate::dropout::offering_amax(to, || crate::dropout::dropout(x, adapter.dropout)),
             (None, true) => crate::dropout::dropout(x, adapter.dropout),
-            (None, false) => x,
+            (_, false) => x,
         };
         let update = adapter.update_reading(xa.clone(), train, amax_to.as_ref());
         // Summed in the adapter's dtype and rounded once: PEFT adds its f32 adapter's output to
@@ -582,6 +590,55 @@ mod tests {
             let err = rel(m.grad(&grads).unwrap(), want_grad.clone());
             assert!(err < 1e-5, "train {train}: magnitude gradient relative error {err:e}");
         }
+    }
+
+    /// Without dropout, an adapter's A GEMM keeps its FP8 copy of x at the amax taken with the
+    /// codes that x's FP8 base GEMM made (no amax pass of its own: counted as quantised at its
+    /// writer's amax, once the base has a delayed scale), and A's and B's gradients are bit for
+    /// bit those of a bf16 base, which makes no codes, so that A takes its own amax pass.
+    #[test]
+    fn without_dropout_a_keeps_its_fp8_input_at_the_amax_of_the_base_codes() {
+        use crate::fp8::take_quantiser_counts;
+        use crate::precision::AdapterCompute;
+        let _rng = crate::device::torch_rng_lock();
+        let device = Device::libtorch().autodiff();
+        device.seed(13);
+        let (out, inp, rank) = (24, 64, 4);
+        let spec = LoraSpec { rank, alpha: 8.0, dropout: 0.0, ..LoraSpec::default() };
+        let w = Tensor::<2>::random([out, inp], Normal(0.0, 0.2), &device);
+        let (a0, b0) = (
+            Tensor::<2>::random([rank, inp], Normal(0.0, 0.3), &device),
+            Tensor::random([out, rank], Normal(0.0, 0.3), &device),
+        );
+        let x = Tensor::<3>::random([2, 5, inp], Normal(0.0, 3.0), &device);
+        let g = Tensor::<3>::random([2, 5, out], Normal(0.0, 1.0), &device);
+        let bits = |t: Tensor<2>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let run = |compute: Compute| {
+            let mut layer = LoraLinear::new(w.clone(), false).with_new_adapter(&spec, &device);
+            let adapter = layer.lora.as_mut().unwrap();
+            (adapter.a, adapter.b) = (Param::from_tensor(a0.clone()), Param::from_tensor(b0.clone()));
+            let precision = PrecisionSpec {
+                compute,
+                fp8_activations: true,
+                adapter_compute: AdapterCompute::Bf16,
+                ..PrecisionSpec::default()
+            };
+            layer.set_precision(&precision, &device);
+            // The first step makes the base's delayed input scale.
+            let _ = layer.forward(x.clone(), true);
+            layer.quant.as_ref().unwrap().update();
+            let _ = take_quantiser_counts();
+            let y = layer.forward(x.clone(), true);
+            let handed = take_quantiser_counts().at_writers_amax;
+            let grads = (y * g.clone()).sum().backward();
+            let adapter = layer.lora.as_ref().unwrap();
+            (handed, bits(adapter.a.grad(&grads).unwrap()), bits(adapter.b.grad(&grads).unwrap()))
+        };
+        let (handed, a, b) = run(Compute::Fp8);
+        let (own, want_a, want_b) = run(Compute::Bf16);
+        assert_eq!((handed, own), (1, 0), "A's copy at the base codes' amax, then at its own");
+        assert_eq!(a, want_a, "A's gradient");
+        assert_eq!(b, want_b, "B's gradient");
     }
 
     fn spec(targets: &[&str]) -> LoraSpec {

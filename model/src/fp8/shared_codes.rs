@@ -52,10 +52,16 @@ impl SharedCodes {
         *self.1.lock().unwrap() = Some((amax, numel));
     }
 
-    /// The amax handed over for `x` (`[1]` f32), when one was and `x` has its size.
+    /// The amax of `x` (`[1]` f32) its writer handed over, else the one taken with the codes of
+    /// `x` made for a GEMM (by the writer or the first reader: the amax of the same values);
+    /// `None` when neither was, or `x` is not of their size.
     pub fn input_amax(&self, x: &tch::Tensor) -> Option<tch::Tensor> {
-        let found = self.1.lock().unwrap();
-        found.as_ref().filter(|(_, n)| *n == x.numel() as i64).map(|(a, _)| a.shallow_clone())
+        let n = x.numel() as i64;
+        let handed = self.1.lock().unwrap().as_ref().filter(|(_, m)| *m == n).map(|(a, _)| a.shallow_clone());
+        handed.or_else(|| {
+            let made = self.0.lock().unwrap();
+            made.as_ref().filter(|m| m.numel == n).map(|m| m.amax.reshape([1]))
+        })
     }
 
     /// The codes of `x` at `scale` and `format` and its amax: those handed over, or made by
