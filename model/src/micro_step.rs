@@ -134,7 +134,7 @@ fn grads_of(
             }
         }
     };
-    let cuts = crate::recompute::Segments { every_block: !keys.is_empty(), done: &mut tell };
+    let cuts = crate::recompute::Segments { every_block: !keys.is_empty(), done: Some(&mut tell) };
     let (loss, grads, forward_s) = if recompute > 0 || model.is_sharded() || cuts.every_block {
         // The forward ends at the loss; the recomputed blocks' second forward counts as backward.
         tracing::debug!(recompute, sharded = model.is_sharded(), "step phase: forward, then backward block by block");
