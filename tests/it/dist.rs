@@ -199,7 +199,7 @@ fn dpo_on_two_ranks_matches_one_process() {
     let shares: Vec<(usize, usize)> = log
         .lines()
         .filter(|l| l.contains("reference log-probabilities computed"))
-        .map(|l| (field(l, "here"), field(l, "pairs")))
+        .map(|l| (field(l, "this_rank"), field(l, "pairs")))
         .collect();
     assert_eq!(shares.len(), 2, "one line per rank:\n{log}");
     let total = shares[0].1;

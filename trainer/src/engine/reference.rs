@@ -50,7 +50,7 @@ pub(super) fn precompute(
     }
     info!(
         pairs = train.len() + eval.len(),
-        here = mine,
+        this_rank = mine,
         seconds = format!("{:.1}", t.elapsed().as_secs_f64()),
         "reference log-probabilities computed"
     );
