@@ -131,10 +131,11 @@ pub use crate::lora_spec::{LoraSpec, TARGET_MODULES};
 impl LoraAdapter {
     /// What the adapter on linear `kind` keeps for backward per token: its input for A's
     /// gradient (the dropped-out input, one per adapter, with dropout (the mask is redrawn
-    /// from its seed, model/src/dropout/mod.rs); an FP8 copy with `fp8_activations`; otherwise the
-    /// activation itself, once for all adapters reading it, listed by the first: `shared`
-    /// holds the inputs already listed; the attention output is kept by attention already),
-    /// its bottleneck for B's gradient, and DoRA's ([`Self::dora_saved_per_token`]).
+    /// from its seed, model/src/dropout/mod.rs); otherwise once for all adapters reading it,
+    /// listed by the first (`shared` holds the inputs already listed): an FP8 copy with
+    /// `fp8_activations`, else the activation itself, which for the attention output attention
+    /// keeps already), its bottleneck for B's gradient, and DoRA's
+    /// ([`Self::dora_saved_per_token`]).
     pub fn saved_per_token(
         kind: BlockLinear,
         c: &LlamaConfig,
@@ -148,8 +149,9 @@ impl LoraAdapter {
         if lora.dropout > 0.0 {
             let why = "LoRA A gradient (the dropped-out input, one per adapter)";
             out.push(Saved::new(input_name, n_in * spec.saved_activation_bytes(), why));
-        } else if spec.fp8_activations {
-            out.push(Saved::new(input_name, n_in, "LoRA A gradient (FP8 copy)"));
+        } else if !shared.contains(&input) && spec.fp8_activations {
+            shared.push(input);
+            out.push(Saved::new(input_name, n_in, "LoRA A gradient (FP8 copy, one per input)"));
         } else if !shared.contains(&input) && input != LinearInput::AttnOut {
             shared.push(input);
             out.push(Saved::new(input_name, n_in * spec.activation_bytes(), "LoRA A gradient"));
@@ -639,6 +641,55 @@ mod tests {
         assert_eq!((handed, own), (1, 0), "A's copy at the base codes' amax, then at its own");
         assert_eq!(a, want_a, "A's gradient");
         assert_eq!(b, want_b, "B's gradient");
+    }
+
+    /// Adapters reading one input without dropout (q, k and v; gate and up) keep one FP8 copy
+    /// of it between them: handed the same `SharedCodes`, two layers quantise x once (twice
+    /// with a handle each), and each A's gradient is bit for bit the one it gets from a copy of
+    /// its own.
+    #[test]
+    fn adapters_reading_one_input_keep_one_fp8_copy_of_it() {
+        use crate::fp8::take_quantiser_counts;
+        use crate::precision::AdapterCompute;
+        let _rng = crate::device::torch_rng_lock();
+        let device = Device::libtorch().autodiff();
+        device.seed(17);
+        let (out, inp) = (16, 48);
+        let spec = LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, ..LoraSpec::default() };
+        let precision = PrecisionSpec {
+            compute: Compute::Bf16,
+            fp8_activations: true,
+            adapter_compute: AdapterCompute::Bf16,
+            ..PrecisionSpec::default()
+        };
+        let layer = || {
+            let w = Tensor::<2>::random([out, inp], Normal(0.0, 0.2), &device);
+            let mut layer = LoraLinear::new(w, false).with_new_adapter(&spec, &device);
+            let adapter = layer.lora.as_mut().unwrap();
+            adapter.b = Param::from_tensor(Tensor::random([out, 4], Normal(0.0, 0.3), &device));
+            layer.set_precision(&precision, &device);
+            layer
+        };
+        let (q, k) = (layer(), layer());
+        let x = Tensor::<3>::random([2, 5, inp], Normal(0.0, 3.0), &device);
+        let g = Tensor::<3>::random([2, 5, out], Normal(0.0, 1.0), &device);
+        let bits = |t: Tensor<2>| t.into_data().convert::<f32>().into_vec::<f32>().unwrap();
+        let run = |handles: [&SharedCodes; 2]| {
+            let _ = take_quantiser_counts();
+            let y = q.forward_reading(x.clone(), Some(handles[0]), true)
+                + k.forward_reading(x.clone(), Some(handles[1]), true).mul_scalar(2.0);
+            let n = take_quantiser_counts();
+            let grads = (y * g.clone()).sum().backward();
+            let a_grad = |l: &LoraLinear| bits(l.lora.as_ref().unwrap().a.grad(&grads).unwrap());
+            (n.kernel + n.two_pass + n.via_f32, a_grad(&q), a_grad(&k))
+        };
+        let one = SharedCodes::new();
+        let (once, q_shared, k_shared) = run([&one, &one]);
+        let (twice, q_own, k_own) = run([&SharedCodes::new(), &SharedCodes::new()]);
+        // x once or twice, and each B's input (A's output, the bottleneck) its own.
+        assert_eq!((once, twice), (1 + 2, 2 + 2), "quantisations");
+        assert_eq!(q_shared, q_own, "q's A gradient");
+        assert_eq!(k_shared, k_own, "k's A gradient");
     }
 
     fn spec(targets: &[&str]) -> LoraSpec {

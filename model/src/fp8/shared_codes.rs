@@ -24,11 +24,19 @@ struct Made {
 }
 
 /// The FP8 codes of one activation that several GEMMs read (see the module doc): empty until
-/// the writer or the first reader fills it; and, when its writer took it, the activation's
-/// amax for a reader that keeps an FP8 copy at current scaling (the adapters' dropout hands
-/// it to their A GEMM). A handle: clones share both.
+/// the writer or the first reader fills it; when its writer took it, the activation's amax for
+/// a reader that keeps an FP8 copy at current scaling (the adapters' dropout hands it to their
+/// A GEMM); and that copy, made once for every reader that keeps one (the adapters of q, k and
+/// v without dropout). A handle: clones share all three.
 #[derive(Debug, Clone, Default)]
-pub struct SharedCodes(Arc<Mutex<Option<Made>>>, Arc<Mutex<Option<(tch::Tensor, i64)>>>);
+pub struct SharedCodes {
+    /// Codes at a reader's delayed input scale, with the input's amax.
+    made: Arc<Mutex<Option<Made>>>,
+    /// The amax (`[1]` f32) the input's writer took, and the input's size.
+    handed_amax: Arc<Mutex<Option<(tch::Tensor, i64)>>>,
+    /// The input's FP8 copy at current scaling, kept for a weight's gradient.
+    current: Arc<Mutex<Option<Fp8Tensor>>>,
+}
 
 impl SharedCodes {
     /// An empty handle for one input.
@@ -43,13 +51,13 @@ impl SharedCodes {
     /// - codes: the input's shape (or a view of it)
     pub fn offer(&self, codes: Fp8Tensor, amax: tch::Tensor, scale: f32) {
         let made = Made { numel: codes.codes().numel() as i64, codes, amax, scale: scale.to_bits() };
-        *self.0.lock().unwrap() = Some(made);
+        *self.made.lock().unwrap() = Some(made);
     }
 
     /// Hands over the amax (`[1]` f32 on the device, read by nobody) of the input, `numel`
     /// elements, taken by the op that wrote it.
     pub fn offer_input_amax(&self, amax: tch::Tensor, numel: i64) {
-        *self.1.lock().unwrap() = Some((amax, numel));
+        *self.handed_amax.lock().unwrap() = Some((amax, numel));
     }
 
     /// The amax of `x` (`[1]` f32) its writer handed over, else the one taken with the codes of
@@ -57,9 +65,9 @@ impl SharedCodes {
     /// `None` when neither was, or `x` is not of their size.
     pub fn input_amax(&self, x: &tch::Tensor) -> Option<tch::Tensor> {
         let n = x.numel() as i64;
-        let handed = self.1.lock().unwrap().as_ref().filter(|(_, m)| *m == n).map(|(a, _)| a.shallow_clone());
+        let handed = self.handed_amax.lock().unwrap().as_ref().filter(|(_, m)| *m == n).map(|(a, _)| a.shallow_clone());
         handed.or_else(|| {
-            let made = self.0.lock().unwrap();
+            let made = self.made.lock().unwrap();
             made.as_ref().filter(|m| m.numel == n).map(|m| m.amax.reshape([1]))
         })
     }
@@ -77,7 +85,7 @@ impl SharedCodes {
         format: Fp8Format,
         make: impl FnOnce() -> (Fp8Tensor, tch::Tensor),
     ) -> (Fp8Tensor, tch::Tensor) {
-        let found = self.0.lock().unwrap().as_ref().and_then(|m| {
+        let found = self.made.lock().unwrap().as_ref().and_then(|m| {
             let fits = m.scale == scale.to_bits() && m.codes.format() == format && m.numel == x.numel() as i64;
             fits.then(|| (m.codes.reshape(&x.size()), m.amax.shallow_clone()))
         });
@@ -87,6 +95,24 @@ impl SharedCodes {
         let (codes, amax) = make();
         self.offer(codes.clone(), amax.shallow_clone(), scale);
         (codes, amax)
+    }
+
+    /// The FP8 copy of `x` at current scaling that a reader keeps for its weight's gradient:
+    /// the one an earlier reader of `x` made, or made by `make` (then kept for the next).
+    /// Bitwise what each reader would make: the same input and amax give the same codes. No
+    /// lock is held while `make` runs.
+    ///
+    /// # Shapes
+    /// - x: any; output: codes shaped as `make`'s
+    pub fn current_copy(&self, x: &tch::Tensor, make: impl FnOnce() -> Fp8Tensor) -> Fp8Tensor {
+        let fits = |c: &&Fp8Tensor| c.codes().numel() == x.numel();
+        let found = self.current.lock().unwrap().as_ref().filter(fits).cloned();
+        if let Some(found) = found {
+            return found;
+        }
+        let made = make();
+        *self.current.lock().unwrap() = Some(made.clone());
+        made
     }
 }
 

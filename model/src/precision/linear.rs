@@ -264,11 +264,16 @@ impl LinearPrecision {
                 // (an adapter of a bf16 layer) upcasts them, as PEFT does.
                 let saved = keep_input.then(|| {
                     if fp8_store {
-                        // The amax its writer took where it handed one over (the adapters'
-                        // dropout on our kernel): the same codes without an amax pass.
-                        SavedInput::Fp8(match shared.and_then(|s| s.input_amax(&x2)) {
+                        // At the amax its writer took where one was handed over (the adapters'
+                        // dropout on our kernel, the codes of the base GEMM): the same codes
+                        // without an amax pass; made once for every reader of x that keeps it.
+                        let make = || match shared.and_then(|s| s.input_amax(&x2)) {
                             Some(amax) => Quantizer::quantize_current_at_amax(Fp8Format::E4M3, &x2, &amax),
                             None => Quantizer::Current(Fp8Format::E4M3).quantize(&x2),
+                        };
+                        SavedInput::Fp8(match shared {
+                            Some(shared) => shared.current_copy(&x2, make),
+                            None => make(),
                         })
                     } else if compute == Compute::Bf16 && x.kind() == Kind::BFloat16 {
                         // The activation itself: no copy.

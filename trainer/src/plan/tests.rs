@@ -87,6 +87,24 @@ fn nf4_frozen_weights_take_half_a_byte_and_the_scales() {
     assert!((frozen(&s) / values - 0.5625).abs() < 1e-4);
 }
 
+/// With FP8 activations each adapter's A keeps an FP8 copy of its input (1 byte a value): one
+/// per adapter with dropout (each its own dropped input), one per input without (q, k and v
+/// share theirs, gate and up theirs): on Llama 2 70B with all seven linears adapted,
+/// q/k/v/o/gate/up 6·8192 + down 28672 bytes a token with dropout, 3·8192 + 28672 without.
+#[test]
+fn adapters_without_dropout_keep_one_fp8_copy_of_each_input() {
+    let mut s = mlperf(1, 0, false);
+    s.model.fused_qkv = false;
+    let seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+    s.lora.targets = seven.iter().map(|t| t.to_string()).collect();
+    let copies = |s: &Shape| -> f64 {
+        kept_per_token(s).iter().filter(|k| k.name.ends_with("adapter input")).map(|k| k.bytes).sum()
+    };
+    assert_eq!(copies(&s), 6.0 * 8192.0 + 28672.0);
+    s.lora.dropout = 0.0;
+    assert_eq!(copies(&s), 3.0 * 8192.0 + 28672.0);
+}
+
 /// DoRA keeps, per token and adapted module, the factor its magnitude multiplies (one
 /// output row; two with dropout), in the adapter output's dtype: bf16 under FP8 (the
 /// MLPerf job: qkv 10240 wide, o 8192, dropout 0.1), f32 otherwise.
