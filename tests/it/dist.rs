@@ -211,8 +211,8 @@ fn dpo_on_two_ranks_matches_one_process() {
 /// 4 KiB (each block's adapters in buckets of their own, started while the blocks below run
 /// their backward; the log says how many), with 2 of the 4 blocks recomputed too, with the
 /// frozen weights sharded (their gathers on the same group), and in one reduction after the
-/// backward (`dist.bucket_mb = 0`), two ranks end with bitwise the single
-/// process's adapters and eval losses.
+/// backward (`dist.bucket_mb = 0`, and the default 25 MiB, which holds all of them), two ranks
+/// end with bitwise the single process's adapters and eval losses.
 #[test]
 fn gradient_buckets_during_backward_match_one_process() {
     let stderr = two_ranks_match_one_process(&["dist.bucket_mb=0.004"]);
@@ -224,6 +224,12 @@ fn gradient_buckets_during_backward_match_one_process() {
     two_ranks_match_one_process(&["dist.bucket_mb=0.004", "train.shard_frozen_weights=true"]);
     let stderr = two_ranks_match_one_process(&["dist.bucket_mb=0"]);
     assert!(!stderr.contains("started during the backward"), "{stderr}");
+    assert!(stderr.contains("in one reduction after the backward: dist.bucket_mb = 0"), "{stderr}");
+    // The default 25 MiB holds all of tiny's gradients: one bucket could start no earlier than
+    // after the backward, which runs whole.
+    let stderr = two_ranks_match_one_process(&[]);
+    assert!(!stderr.contains("started during the backward"), "{stderr}");
+    assert!(stderr.contains("MiB fit one bucket of 25 MiB (dist.bucket_mb)"), "{stderr}");
 }
 
 /// A 3-step run on 64 synthetic samples with an evaluation of 9 after each step.

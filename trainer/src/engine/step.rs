@@ -98,7 +98,7 @@ pub struct NonFinite {
 /// gradient's squared norm, together, for the clip coefficient and the non-finite check (sums
 /// in f64 on the host, in a fixed order). With several ranks the gradients are summed on the
 /// device, in buckets started during the last micro-batch's backward (`opts.bucket_bytes`;
-/// `grad_reduce.rs`), bitwise as one reduction after it.
+/// `grad_reduce.rs`) where they fill more than one, bitwise as one reduction after it.
 pub fn train_step(
     model: &mut LlamaForCausalLM,
     optim: &mut AdamW,
@@ -109,7 +109,7 @@ pub fn train_step(
 ) -> anyhow::Result<StepStats> {
     // A batch with no target token has zero loss and zero gradient, not 0/0.
     let norm = global_tokens.max(1) as f64;
-    let during_backward = comm.world_size() > 1 && opts.bucket_bytes > 0 && model.streams_gradients();
+    let during_backward = comm.world_size() > 1 && reduced_after_backward(model, opts.bucket_bytes).is_none();
     let last = micro_batches.len().saturating_sub(1);
     let mut acc = Accumulated::default();
     for (k, mb) in micro_batches.into_iter().enumerate() {
@@ -124,7 +124,30 @@ pub fn train_step(
             acc.push(model.loss_and_grads(mb, at.0, at.1, at.2)?);
         }
     }
+    if comm.world_size() > 1 && !during_backward {
+        let why = reduced_after_backward(model, opts.bucket_bytes).unwrap_or_default();
+        say_once(|| tracing::info!("gradients summed over the ranks in one reduction after the backward: {why}"));
+    }
     apply(model, optim, comm, acc, opts)
+}
+
+/// Why the gradients are summed in one reduction after the backward rather than in buckets
+/// during it; `None` where buckets can start during it.
+fn reduced_after_backward(model: &LlamaForCausalLM, bucket_bytes: usize) -> Option<String> {
+    let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
+    // f32 gradients.
+    let bytes = 4 * model.num_trainable_parameters();
+    if bucket_bytes == 0 {
+        Some("dist.bucket_mb = 0".into())
+    } else if bytes <= bucket_bytes {
+        // Nothing could start before the backward ends: the block-by-block backward would cost
+        // time for nothing (docs/performance.md).
+        Some(format!("their {:.1} MiB fit one bucket of {} MiB (dist.bucket_mb)", mib(bytes), mib(bucket_bytes)))
+    } else if !model.streams_gradients() {
+        Some("the embedding trains (full fine-tuning)".into())
+    } else {
+        None
+    }
 }
 
 /// One optimizer step of preference tuning over this rank's micro-batches of pairs, each with
@@ -161,13 +184,18 @@ pub fn preference_step(
 
 /// Logs once per process how many gradient buckets the first step started during its backward.
 fn say_once_how_gradients_are_reduced(during: usize, bucket_bytes: usize) {
-    static SAID: std::sync::Once = std::sync::Once::new();
-    SAID.call_once(|| {
-        let mib = bucket_bytes as f64 / f64::from(1 << 20);
+    let mib = bucket_bytes as f64 / f64::from(1 << 20);
+    say_once(|| {
         tracing::info!(
             "gradients summed over the ranks in buckets of {mib} MiB: {during} started during the backward, the last after it"
-        );
+        )
     });
+}
+
+/// Runs `say` the first time a step says how its gradients are reduced, in this process.
+fn say_once(say: impl FnOnce()) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(say);
 }
 
 /// A rank's micro-batches' losses and gradients, summed in a fixed tree ([`TreeSum`]), or
