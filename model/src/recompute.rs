@@ -25,6 +25,13 @@ impl Segments<'_> {
     pub fn plain() -> Segments<'static> {
         Segments { every_block: false, done: None }
     }
+
+    /// Hands a segment's gradients to whoever listens.
+    fn tell(&mut self, grads: &burn::tensor::Gradients) {
+        if let Some(done) = self.done.as_mut() {
+            done(grads);
+        }
+    }
 }
 
 impl LlamaForCausalLM {
@@ -74,9 +81,7 @@ impl LlamaForCausalLM {
         let split = if self.is_sharded() || cuts.every_block { self.layers.len() } else { n };
         let mut out = Vec::new();
         let mut done = |grads: burn::tensor::Gradients| {
-            if let Some(tell) = cuts.done.as_mut() {
-                tell(&grads);
-            }
+            cuts.tell(&grads);
             out.push(grads);
         };
         let device = input_ids.device();
