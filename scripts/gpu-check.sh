@@ -33,8 +33,9 @@
 # moment leaves what it measured. Sections in order of value: CUDA tests (a bundle's test
 # executables, `--ignored`, one test at a time; TESTS=0 skips), self-test parts, parity
 # (PARITY=0 skips), the benches (the 70B layer first, PEFT beside each shape; SHAPES= runs
-# none), the tiny job end to end (E2E=1, default on a GPU), two ranks on the one device (data and
-# context parallel against one process; RANKS_ON_ONE=1, default on a GPU), the whole 70B
+# none), the tiny job end to end (E2E=1, default on a GPU), two ranks on the one device (data
+# parallel, also with gradient buckets started during the backward, and context parallel against
+# one process; RANKS_ON_ONE=1, default on a GPU), the whole 70B
 # (WHOLE_70B=1, default on a GPU of 140 GB or more), packing.
 #
 #   scripts/gpu-check.sh                      # on a GPU node, all of the above
@@ -48,7 +49,7 @@ for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --check) CHECK_ONLY=1 ;;
-    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -503,19 +504,23 @@ fi
 # dist.share_device (both ranks on cuda:0, Gloo through the host), data- and context-parallel:
 # every step's loss and gradient norm and the eval loss against the one process's (within 1e-6
 # relative; bitwise on the CPU for data parallelism, where tests/it/dist.rs holds both).
+# dp2-buckets: data parallel with 4 KiB gradient buckets, so that they start during a
+# block-by-block backward on the device's tensors (tiny's gradients fit the default 25 MiB
+# bucket, which reduces after the backward).
 if [[ ${RANKS_ON_ONE:-$([[ $MODE == gpu ]] && echo 1 || echo 0)} == 1 ]]; then
   short=(--set "run.device=\"$DEVICE\"" --set "run.threads=$THREADS" --set schedule.max_steps=3
     --set eval.every_samples=24 --set eval.target_loss=100 --set data.synthetic.train_samples=64
     --set data.synthetic.eval_samples=9 --set lora.dropout=0.0 --set optim.eps=1e-3 --set dist.share_device=true
     --set 'logging.progress="never"')
-  for layout in one dp2 cp2; do
+  for layout in one dp2 dp2-buckets cp2; do
     say "two ranks on one device: $layout"
     cmd=("$LLORA")
     [[ $layout != one ]] && cmd=("${TORCHRUN[@]}" --standalone --nproc-per-node 2 --no-python "$LLORA")
-    cp=()
-    [[ $layout == cp2 ]] && cp=(--set train.context_parallel=2)
+    extra=()
+    [[ $layout == cp2 ]] && extra=(--set train.context_parallel=2)
+    [[ $layout == dp2-buckets ]] && extra=(--set dist.bucket_mb=0.004)
     limited "llora train tiny x $layout on one device" "$L_E2E" "$work/ranks.log" "${cmd[@]}" train configs/tiny-cpu.toml \
-      "${short[@]}" "${cp[@]}" --set "run.dir=\"$work/ranks-$layout\"" >"$work/ranks-$layout.out"
+      "${short[@]}" "${extra[@]}" --set "run.dir=\"$work/ranks-$layout\"" >"$work/ranks-$layout.out"
   done
   "$PYTHON" - "$work" >>"$rows" <<'PY'
 import json, pathlib, sys
@@ -529,7 +534,7 @@ def numbers(layout):
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     return [x for pair in steps for x in pair] + evals
 one = numbers("one")
-for layout in ("dp2", "cp2"):
+for layout in ("dp2", "dp2-buckets", "cp2"):
     other = numbers(layout)
     row = {"section": "ranks_on_one_device", "layout": layout}
     if not one or other is None or len(other) != len(one):
