@@ -137,16 +137,24 @@ pub fn mlperf_check(log: &Path) -> (bool, String) {
 /// A short LoRA run on the random base: 12 steps of 8, an evaluation every 32 samples, a
 /// target it cannot reach (so it runs to max_steps).
 pub fn short_run_args(config: &str, run_dir: &std::path::Path) -> Vec<String> {
+    train_args(
+        config,
+        [
+            format!("run.dir=\"{}\"", run_dir.display()),
+            "schedule.max_steps=12".into(),
+            "eval.every_samples=32".into(),
+            "eval.target_loss=0.001".into(),
+            "data.synthetic.train_samples=64".into(),
+            "data.synthetic.eval_samples=4".into(),
+            "data.max_seq_len=128".into(),
+        ],
+    )
+}
+
+/// `llora train CONFIG` with each of `sets` as a `--set KEY=VALUE` override, in order.
+pub fn train_args(config: &str, sets: impl IntoIterator<Item = String>) -> Vec<String> {
     let mut args: Vec<String> = vec!["train".into(), config.into()];
-    for set in [
-        format!("run.dir=\"{}\"", run_dir.display()),
-        "schedule.max_steps=12".into(),
-        "eval.every_samples=32".into(),
-        "eval.target_loss=0.001".into(),
-        "data.synthetic.train_samples=64".into(),
-        "data.synthetic.eval_samples=4".into(),
-        "data.max_seq_len=128".into(),
-    ] {
+    for set in sets {
         args.extend(["--set".into(), set]);
     }
     args

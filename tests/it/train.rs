@@ -35,7 +35,7 @@ const EXACTLY_ONCE: &[&str] = &[
     "config_filename",
 ];
 
-use common::{checkpoint_step, mllog, random_base_config, short_run_args, strs};
+use common::{checkpoint_step, mllog, random_base_config, short_run_args, strs, train_args};
 
 #[test]
 fn reaching_the_target_logs_an_mlperf_run() {
@@ -604,20 +604,20 @@ fn dpo_on_synthetic_pairs_learns_the_preferred_rule() {
     let dir = tempfile::tempdir().unwrap();
     let config = random_base_config(dir.path());
     let run = dir.path().join("run");
-    let mut args = vec!["train".to_string(), config];
-    for set in [
-        format!("run.dir=\"{}\"", run.display()),
-        "train.objective=\"dpo\"".into(),
-        "mlperf.check=false".into(),
-        "schedule.max_steps=24".into(),
-        "eval.every_samples=64".into(),
-        "eval.target_loss=0.001".into(),
-        "data.synthetic.train_samples=256".into(),
-        "data.synthetic.eval_samples=32".into(),
-        "data.max_seq_len=128".into(),
-    ] {
-        args.extend(["--set".into(), set]);
-    }
+    let args = train_args(
+        &config,
+        [
+            format!("run.dir=\"{}\"", run.display()),
+            "train.objective=\"dpo\"".into(),
+            "mlperf.check=false".into(),
+            "schedule.max_steps=24".into(),
+            "eval.every_samples=64".into(),
+            "eval.target_loss=0.001".into(),
+            "data.synthetic.train_samples=256".into(),
+            "data.synthetic.eval_samples=32".into(),
+            "data.max_seq_len=128".into(),
+        ],
+    );
     let out = llora(&strs(&args));
     let (_, stderr) = text(&out);
     assert!(stderr.contains("reward_accuracy="), "{stderr}");
@@ -665,8 +665,7 @@ fn dpo_composes_with_precisions_adapter_kinds_and_families() {
     .enumerate()
     {
         let run = dir.path().join(format!("run-{i}"));
-        let mut args = vec!["train".to_string(), config.clone()];
-        for set in [
+        let common = [
             format!("run.dir=\"{}\"", run.display()),
             "train.objective=\"dpo\"".into(),
             "mlperf.check=false".into(),
@@ -676,12 +675,8 @@ fn dpo_composes_with_precisions_adapter_kinds_and_families() {
             "data.synthetic.train_samples=64".into(),
             "data.synthetic.eval_samples=4".into(),
             "data.max_seq_len=128".into(),
-        ]
-        .into_iter()
-        .chain(sets.iter().map(|s| s.to_string()))
-        {
-            args.extend(["--set".into(), set]);
-        }
+        ];
+        let args = train_args(&config, common.into_iter().chain(sets.iter().map(|s| s.to_string())));
         let out = llora(&strs(&args));
         let (_, stderr) = text(&out);
         let metrics =
@@ -719,23 +714,23 @@ fn precomputed_reference_trains_as_the_reference_forward_and_is_cached() {
     }
     let run = |name: &str, precompute: bool| -> (Vec<serde_json::Value>, Vec<u8>, String) {
         let run = dir.path().join(name);
-        let mut args = vec!["train".to_string(), config.clone()];
         let (train, eval) = (data.join("train.parquet"), data.join("eval.parquet"));
-        for set in [
-            format!("run.dir=\"{}\"", run.display()),
-            format!("data.train=\"{}\"", train.display()),
-            format!("data.eval=\"{}\"", eval.display()),
-            "train.objective=\"dpo\"".into(),
-            format!("dpo.precompute_reference={precompute}"),
-            "mlperf.check=false".into(),
-            "schedule.max_steps=4".into(),
-            "train.global_batch_size=4".into(),
-            "eval.every_samples=8".into(),
-            "eval.target_loss=0.001".into(),
-            "data.max_seq_len=128".into(),
-        ] {
-            args.extend(["--set".into(), set]);
-        }
+        let args = train_args(
+            &config,
+            [
+                format!("run.dir=\"{}\"", run.display()),
+                format!("data.train=\"{}\"", train.display()),
+                format!("data.eval=\"{}\"", eval.display()),
+                "train.objective=\"dpo\"".into(),
+                format!("dpo.precompute_reference={precompute}"),
+                "mlperf.check=false".into(),
+                "schedule.max_steps=4".into(),
+                "train.global_batch_size=4".into(),
+                "eval.every_samples=8".into(),
+                "eval.target_loss=0.001".into(),
+                "data.max_seq_len=128".into(),
+            ],
+        );
         let out = llora(&strs(&args));
         let (_, stderr) = text(&out);
         let metrics =

@@ -525,11 +525,8 @@ fn train_from_the_adapter_as_trl(dir: &Path) {
         "eval.target_loss=100.0".into(),
         "mlperf.check=false".into(),
     ];
-    let mut args = vec!["train".to_string(), path.display().to_string()];
-    for set in sets {
-        args.extend(["--set".into(), set]);
-    }
-    let out = crate::common::llora(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let args = crate::common::train_args(&path.display().to_string(), sets);
+    let out = crate::common::llora(&crate::common::strs(&args));
     let (_, stderr) = crate::common::text(&out);
     assert!(out.status.success(), "{}: {stderr}", dir.display());
     let ours = read_all(&run.join("adapter/adapter_model.safetensors"));
