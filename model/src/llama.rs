@@ -822,20 +822,14 @@ impl LlamaForCausalLM {
     /// device, and records them in their scaling states (`LinearPrecision::record_amax`).
     pub fn settle_fp8_amaxes(&self) {
         let quants = self.quant_states();
-        let (mut owners, mut parts) = (Vec::new(), Vec::new());
+        let (mut owners, mut groups) = (Vec::new(), Vec::new());
         for (i, q) in quants.iter().enumerate() {
-            for (role, amax) in q.take_lazy_amaxes() {
+            for (role, amaxes) in q.take_lazy_amaxes() {
                 owners.push((i, role));
-                parts.push(amax);
+                groups.push(amaxes);
             }
         }
-        if parts.is_empty() {
-            return;
-        }
-        crate::profile::count_host_read();
-        let values =
-            Vec::<f32>::try_from(tch::Tensor::stack(&parts, 0).to_device(tch::Device::Cpu)).expect("f32 amaxes");
-        for ((i, role), v) in owners.into_iter().zip(values) {
+        for ((i, role), v) in owners.into_iter().zip(crate::precision::read_amaxes(groups)) {
             quants[i].record_amax(role, v);
         }
     }

@@ -44,7 +44,7 @@ pub mod swiglu_route;
 pub(crate) mod weights;
 
 pub use crate::fp8::scaling_state::{LinearScales, Role};
-pub use linear::{LinearPrecision, LinearWeight};
+pub use linear::{LinearPrecision, LinearWeight, read_amaxes};
 pub use nodes::{
     PrecisionBackend, frozen_linear, precision_linear, precision_linear_reading, stored_row_terms, swiglu,
     take_saved_bytes, weight_row_terms,
