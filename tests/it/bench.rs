@@ -8,7 +8,9 @@ use common::{llora, text};
 /// per-layer readback or a cast storm is caught without a GPU: one host-device
 /// synchronisation per optimizer step in fp32 and bf16 (loss and gradient norms read together),
 /// two in FP8 (plus delayed scaling's amaxes, once), none more with accumulation or recomputed
-/// blocks; a bf16 step dispatches at most 1.15x the ops of an fp32 one, an FP8 step 2.6x. The
+/// blocks; a bf16 step dispatches at most 1.15x the ops of an fp32 one, an FP8 step 2x (its
+/// step's end reads every layer's amaxes in one concatenation: with a stack, a mask and a max
+/// per role of every layer it took 2.15x). The
 /// `--trace` of the extra step is a Chrome trace, and an existing trace file is refused.
 #[test]
 fn step_budgets_of_syncs_and_ops_hold_on_the_cpu() {
@@ -34,7 +36,7 @@ fn step_budgets_of_syncs_and_ops_hold_on_the_cpu() {
     // bf16 ran 3 micro-batches: compare per micro-batch.
     let per_micro = ops_of(&bf16) / 3.0;
     assert!(per_micro <= 1.15 * ops_of(&fp32), "bf16 {per_micro} ops per micro-batch vs fp32 {}", ops_of(&fp32));
-    assert!(ops_of(&fp8) <= 2.6 * ops_of(&fp32), "FP8 {} ops vs fp32 {}", ops_of(&fp8), ops_of(&fp32));
+    assert!(ops_of(&fp8) <= 2.0 * ops_of(&fp32), "FP8 {} ops vs fp32 {}", ops_of(&fp8), ops_of(&fp32));
     // The phases are timed with recomputed blocks too (the forward to the loss; it read 0.0).
     for r in [&fp32, &bf16, &fp8] {
         let phase = |k: &str| r[k].as_f64().unwrap();
