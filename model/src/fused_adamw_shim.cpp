@@ -1,5 +1,7 @@
-// A C ABI over LibTorch's multi-tensor AdamW (`_fused_adamw_`, the kernel behind
-// `torch.optim.AdamW(fused=True)`; tch 0.22 does not bind it), for model/src/fused_adamw.rs.
+// A C ABI over LibTorch's multi-tensor ops of the optimizer step, for model/src/fused_adamw.rs
+// (tch 0.22 binds neither): AdamW (`_fused_adamw_`, the kernel behind
+// `torch.optim.AdamW(fused=True)`) and the gradients' norms before it (`_foreach_norm`, what
+// `torch.nn.utils.clip_grad_norm_` runs).
 // Built by model/build.rs against the venv's libtorch; it needs only the dispatcher's
 // declarations. LibTorch has the kernel on CUDA and, since 2.4, on the CPU.
 #include <cstdint>
@@ -10,7 +12,9 @@
 #include "shim.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/stack.h>
 
 namespace {
 
@@ -40,6 +44,17 @@ int llora_fused_adamw(const at::Tensor* const* params, const at::Tensor* const* 
     if (grad_scale != nullptr) scale = *grad_scale;
     at::_fused_adamw_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
                       /*maximize=*/false, scale, std::nullopt);
+  });
+  return ok ? 0 : 1;
+}
+
+// The L2 norm of each of n tensors (any shapes and floating dtypes, one device), accumulated
+// and returned in f32: *out a new [n] f32 tensor on their device (n >= 1). Returns 0, or 1
+// with *err set.
+int llora_foreach_norms(const at::Tensor* const* tensors, int64_t n, at::Tensor** out, char** err) {
+  bool ok = llora_shim::guarded(err, [&] {
+    auto norms = at::_foreach_norm(list(tensors, n), 2, at::kFloat);
+    *out = new at::Tensor(at::stack(norms));
   });
   return ok ? 0 : 1;
 }

@@ -42,7 +42,7 @@ pub(crate) mod spec_problem;
 pub use config::LlamaConfig;
 pub use config::PRESETS;
 pub use family::{Family, ModelType};
-pub use fused_adamw::{AdamWHyper, AdamWItem, fused_adamw_update, fused_adamw_usable};
+pub use fused_adamw::{AdamWHyper, AdamWItem, fused_adamw_update, fused_adamw_usable, l2_norms};
 pub use generate::{Sampling, generate};
 pub use layout::{BlockLinear, LinearInput};
 pub use llama::DecoderLayer;

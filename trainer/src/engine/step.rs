@@ -250,7 +250,7 @@ fn apply(
             all_reduce_after_backward(comm, summed.unwrap_or_default())?
         }
     };
-    let (micro_losses, square_norms) = read_losses_and_norms(losses, &grads);
+    let (micro_losses, square_norms) = read_losses_and_norms(losses, &grads)?;
     let mut loss_acc: TreeSum<f64> = TreeSum::default();
     for l in micro_losses {
         loss_acc.push(l, |a, b| a + b);
@@ -281,23 +281,27 @@ fn apply(
     })
 }
 
-/// The micro-batches' losses and each gradient's squared L2 norm (f32 sums on the device, as
-/// f64), read back in one host-device transfer.
+/// The micro-batches' losses and each gradient's squared L2 norm (the norms accumulated in f32
+/// on the device in one multi-tensor op, [`llora_model::l2_norms`]; squared in f64 here), read
+/// back in one host-device transfer.
 ///
 /// # Shapes
 /// - losses: `[1]` each (f32); grads: `[n_i]` each
-fn read_losses_and_norms(losses: Vec<Tensor<1>>, grads: &[Tensor<1>]) -> (Vec<f64>, Vec<f64>) {
+fn read_losses_and_norms(losses: Vec<Tensor<1>>, grads: &[Tensor<1>]) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let m = losses.len();
-    let parts: Vec<Tensor<1>> = losses
-        .into_iter()
-        .chain(grads.iter().map(|g| g.clone().cast(burn::tensor::DType::F32).square().sum()))
-        .collect();
+    let norms = llora_model::l2_norms(grads).map_err(|e| anyhow::anyhow!("the gradients' norms: {e}"))?;
+    // Off LibTorch, a norm per gradient.
+    let norms = norms.or_else(|| {
+        let each = grads.iter().map(|g| g.clone().cast(burn::tensor::DType::F32).square().sum().sqrt());
+        (!grads.is_empty()).then(|| Tensor::cat(each.collect(), 0))
+    });
+    let parts: Vec<Tensor<1>> = losses.into_iter().chain(norms).collect();
     if parts.is_empty() {
-        return (vec![], vec![]);
+        return Ok((vec![], vec![]));
     }
     let host = llora_model::device::to_host(Tensor::cat(parts, 0)).convert::<f32>().try_into_vec::<f32>().expect("f32");
     let values: Vec<f64> = host.into_iter().map(f64::from).collect();
-    (values[..m].to_vec(), values[m..].to_vec())
+    Ok((values[..m].to_vec(), values[m..].iter().map(|n| n * n).collect()))
 }
 
 /// What one optimizer step gave and where its time went.
