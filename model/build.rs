@@ -2,7 +2,7 @@
 //! C++ shims compiled against the same LibTorch, as tch builds its own C++ wrapper (their
 //! shared error handling in `src/shim.h`): the fused attention forwards tch does not bind
 //! (`src/attention/sdpa_shim.cpp`), the fused RMSNorm's backward (`src/norm/norm_shim.cpp`),
-//! the multi-tensor AdamW (`src/fused_adamw_shim.cpp`), what LibTorch build llora runs with
+//! the multi-tensor AdamW and gradient norms (`src/fused_adamw_shim.cpp`), what LibTorch build llora runs with
 //! (`src/torch_info.cpp`, beside `device.rs`), LibTorch's profiler, op counter and device
 //! statistics (`src/profile_shim.cpp`, beside `profile.rs`), and the CPU generator's state
 //! taken and put back around a first-use check (`src/rng_shim.cpp`, beside `rng.rs`). They need

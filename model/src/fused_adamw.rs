@@ -10,6 +10,9 @@
 //! well, so under `LLORA_CUDA_ROUTES_ON_CPU=1` the CPU runs this route, kernel included, and CI
 //! runs its control flow: the shim, the lists, the in-place ownership and the check.
 //!
+//! Beside it, the clip's gradient norms by LibTorch's multi-tensor `_foreach_norm` ([`l2_norms`]),
+//! a stock op on every device (no route, no check of its own).
+//!
 //! The kernel writes its tensors in place, which Burn's value semantics allow only on a buffer
 //! nothing else holds: [`exclusive`] hands over a tensor's own buffer when burn-tch would reuse
 //! it too (its storage held once), else a copy.
